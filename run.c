@@ -1,0 +1,1761 @@
+/* run.c — inference for llama-architecture language models in one C file.
+
+   USAGE
+     ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
+                 [--threads N] [--ctx N] [-v]
+     echo "PROMPT" | ./run MODEL
+
+   MODEL is a file written by export.py (format: README.md, "The model file").
+   The generated text, and nothing else, goes to stdout as it is produced;
+   errors and -v statistics go to stderr. ./run -h lists every flag.
+
+   HOW IT WORKS (the file reads top to bottom in this order)
+     1. model file   mmap the file, validate every size and offset, point the
+                     weight structs straight into the mapping (no copy).
+     2. kernels      RMSNorm, RoPE, softmax, and the matrix products: one dot
+                     product per weight type (f32, f16, bf16, q8_0, q4_1), each
+                     with a plain scalar reference and an AVX2 version beside it.
+     3. forward      prefill pushes the whole prompt through each layer as one
+                     batch (matrix x matrix); decode_step pushes one token
+                     (matrix x vector) and attends over the cached K/V.
+     4. sampling     greedy, temperature, top-k, top-p, seeded RNG.
+     5. generation   tokenize -> prefill -> decode loop -> detokenize, streamed
+                     to stdout UTF-8-safely.
+     6. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
+
+   WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
+     Each weight matrix must stream from memory once per forward pass. In
+     decode that pass serves one token: ~2 FLOPs per weight against 0.5-4
+     bytes per weight read, far below what the cores could compute, so decode
+     speed is set by memory bandwidth (bytes of weights / GB/s). Prefill
+     reuses each weight tile across every prompt token in the batch, so the
+     same bytes feed hundreds of times more arithmetic and the limit becomes
+     the cores' FLOP rate. That is why prefill tokens/s is many times decode
+     tokens/s, and why quantization (fewer bytes) speeds decode the most.
+
+   LIMITS
+     Architecture llama (RMSNorm, RoPE, GQA, SwiGLU). One sequence at a time.
+     Build without OpenMP for a single-threaded binary with the same results.
+*/
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <fcntl.h>
+#include <math.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HAVE_AVX2 1
+#endif
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "tokenizer.h"
+
+#define VERSION "0.1.0"
+#define FILE_MAGIC "LLMF"
+#define FILE_VERSION 1
+#define HEADER_BYTES 256
+#define TENSOR_ENTRY_BYTES 80
+#define TENSOR_NAME_BYTES 48
+#define TENSOR_ALIGN 64
+#define ARCH_LLAMA 1
+#define FLAG_TIED_EMBEDDINGS 1u
+#define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
+#define CHUNK_TOKENS 64 /* prefill batch: tokens pushed through a layer together */
+#define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
+#define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
+#define MAX_DIM (1 << 16)
+#define MAX_LAYERS 1024
+#define MAX_VOCAB (1 << 24)
+#define MAX_SEQ (1 << 20)
+
+/* ----------------------------------------------------------------------------
+   Errors. A failure anywhere in loading or running prints one line to stderr
+   and exits 1; usage errors exit 2. The message names what is wrong.
+   ------------------------------------------------------------------------- */
+
+#define EXIT_RUNTIME 1
+#define EXIT_USAGE 2
+
+static void die(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("run: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(code);
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu bytes", n);
+    return p;
+}
+
+static void *xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu x %zu bytes", n, size);
+    return p;
+}
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+/* ============================================================================
+   1. THE MODEL FILE
+   ========================================================================= */
+
+/* Tensor element types; ids and block layouts are ggml's, so quantized blocks
+   can be copied from GGUF files bit for bit. */
+enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+
+typedef struct {
+    uint16_t d;      /* scale, fp16 */
+    int8_t qs[QK];   /* value = qs[i] * d */
+} BlockQ8_0;         /* 34 bytes */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
+
+typedef struct {
+    const char *name;
+    int type;
+    int rows, cols;   /* row-major, cols contiguous */
+    const void *data; /* points into the mapped file */
+} Tensor;
+
+typedef struct {
+    int dim;          /* residual stream width */
+    int hidden_dim;   /* FFN inner width */
+    int n_layers;
+    int n_heads;      /* query heads */
+    int n_kv_heads;   /* key/value heads; n_heads / n_kv_heads queries share one */
+    int head_dim;
+    int rope_dim;     /* leading dims of each head that RoPE rotates */
+    int vocab_size;
+    int max_seq_len;  /* context length the model was trained for */
+    float rope_theta;
+    float norm_eps;
+    int tied;         /* output head = token embedding */
+} Config;
+
+typedef struct {
+    Tensor attn_norm; /* [1, dim] */
+    Tensor wqkv;      /* [q_dim + 2*kv_dim, dim]: Q rows, K rows, V rows */
+    Tensor wo;        /* [dim, q_dim] */
+    Tensor ffn_norm;  /* [1, dim] */
+    Tensor w13;       /* [2*hidden_dim, dim]: gate rows, then up rows */
+    Tensor w2;        /* [dim, hidden_dim] */
+} Layer;
+
+typedef struct {
+    Config c;
+    Tensor tok_embeddings; /* [vocab, dim] */
+    Layer *layers;         /* [n_layers] */
+    Tensor norm;           /* [1, dim] */
+    Tensor output;         /* [vocab, dim]; the embedding itself when tied */
+    tok_tokenizer *tok;
+    const uint8_t *map;    /* the whole file, read-only */
+    size_t map_size;
+    double n_params;
+    const char *dtype;     /* the type of most weight bytes, for -v */
+} Model;
+
+static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t rd_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static float rd_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
+
+static const char *type_name(int type)
+{
+    switch (type) {
+    case T_F32: return "f32";
+    case T_F16: return "f16";
+    case T_BF16: return "bf16";
+    case T_Q8_0: return "q8_0";
+    case T_Q4_1: return "q4_1";
+    default: return NULL;
+    }
+}
+
+/* Bytes one row of `cols` elements takes, or 0 for an unknown type or a
+   row that is not a whole number of blocks. */
+static size_t row_bytes(int type, size_t cols)
+{
+    switch (type) {
+    case T_F32: return cols * 4;
+    case T_F16: case T_BF16: return cols * 2;
+    case T_Q8_0: return cols % QK ? 0 : cols / QK * sizeof(BlockQ8_0);
+    case T_Q4_1: return cols % QK ? 0 : cols / QK * sizeof(BlockQ4_1);
+    default: return 0;
+    }
+}
+
+static const uint8_t *tensor_row(const Tensor *t, int r)
+{
+    return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
+}
+
+/* Reads and bounds-checks the header into c. The file is untrusted: every
+   field is checked before anything is sized by it. */
+static void read_config(Model *m, const char *path)
+{
+    const uint8_t *h = m->map;
+    Config *c = &m->c;
+    if (m->map_size < HEADER_BYTES || memcmp(h, FILE_MAGIC, 4) != 0)
+        die(EXIT_RUNTIME, "%s: not a model file (bad magic; convert it with export.py)", path);
+    if (rd_u32(h + 4) != FILE_VERSION)
+        die(EXIT_RUNTIME, "%s: unsupported file version %u (this build reads version %d)", path, rd_u32(h + 4), FILE_VERSION);
+    if (rd_u32(h + 8) < HEADER_BYTES || rd_u32(h + 8) > m->map_size)
+        die(EXIT_RUNTIME, "%s: bad header size %u", path, rd_u32(h + 8));
+    if (rd_u64(h + 96) != m->map_size)
+        die(EXIT_RUNTIME, "%s: file is %zu bytes but its header says %llu (truncated or damaged)",
+            path, m->map_size, (unsigned long long)rd_u64(h + 96));
+    if (rd_u32(h + 12) != ARCH_LLAMA)
+        die(EXIT_RUNTIME, "%s: unsupported architecture id %u (this build runs llama = %d)", path, rd_u32(h + 12), ARCH_LLAMA);
+    uint32_t v[9];
+    for (int i = 0; i < 9; i++) v[i] = rd_u32(h + 16 + 4 * i);
+    c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
+    c->n_kv_heads = v[4]; c->head_dim = v[5]; c->vocab_size = v[6]; c->max_seq_len = v[7];
+    c->rope_theta = rd_f32(h + 48);
+    c->norm_eps = rd_f32(h + 52);
+    uint32_t flags = rd_u32(h + 56), act = rd_u32(h + 60);
+    c->rope_dim = rd_u32(h + 64);
+    c->tied = flags & FLAG_TIED_EMBEDDINGS;
+    if (flags & ~FLAG_TIED_EMBEDDINGS) die(EXIT_RUNTIME, "%s: unsupported feature flags 0x%x", path, flags);
+    if (act != 0) die(EXIT_RUNTIME, "%s: unsupported activation %u", path, act);
+    int ok = v[0] && v[0] <= MAX_DIM && v[1] && v[1] <= MAX_DIM && v[2] && v[2] <= MAX_LAYERS &&
+             v[3] && v[3] <= 1024 && v[4] && v[4] <= v[3] && v[3] % v[4] == 0 &&
+             v[5] && v[5] <= 1024 && v[5] % 2 == 0 && (size_t)v[3] * v[5] <= MAX_DIM &&
+             v[6] && v[6] <= MAX_VOCAB && v[7] && v[7] <= MAX_SEQ &&
+             c->rope_dim > 0 && c->rope_dim <= c->head_dim && c->rope_dim % 2 == 0 &&
+             isfinite(c->rope_theta) && c->rope_theta > 1 && isfinite(c->norm_eps) && c->norm_eps > 0;
+    if (!ok) die(EXIT_RUNTIME, "%s: header has an impossible model shape (dim %u, layers %u, heads %u/%u, head_dim %u, vocab %u, ctx %u)",
+                 path, v[0], v[2], v[3], v[4], v[5], v[6], v[7]);
+}
+
+/* Finds tensor `name` in the table and checks its shape; every entry was
+   validated against the file size when the table was read. */
+static Tensor find_tensor(const Model *m, const Tensor *table, int n, const char *name, int rows, int cols)
+{
+    for (int i = 0; i < n; i++) {
+        if (strcmp(table[i].name, name) != 0) continue;
+        if (table[i].rows != rows || table[i].cols != cols)
+            die(EXIT_RUNTIME, "tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
+        return table[i];
+    }
+    (void)m;
+    die(EXIT_RUNTIME, "model file has no tensor %s", name);
+    return table[0];
+}
+
+/* Reads the tensor table: each entry's name, type, shape, offset and size
+   must describe bytes that lie inside the file. */
+static Tensor *read_tensor_table(const Model *m, const char *path, int *n_out)
+{
+    const uint8_t *h = m->map;
+    uint32_t n = rd_u32(h + 68);
+    uint64_t off = rd_u64(h + 88);
+    if (n > 1u << 20 || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        die(EXIT_RUNTIME, "%s: tensor table (%u entries at %llu) lies outside the file", path, n, (unsigned long long)off);
+    Tensor *t = xcalloc(n, sizeof *t);
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
+        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) die(EXIT_RUNTIME, "%s: tensor %u has an unterminated name", path, i);
+        t[i].name = (const char *)e;
+        t[i].type = rd_u32(e + 48);
+        uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);
+        uint64_t data = rd_u64(e + 64), size = rd_u64(e + 72);
+        if (!type_name(t[i].type)) die(EXIT_RUNTIME, "%s: tensor %s has unsupported type %d", path, t[i].name, t[i].type);
+        size_t rb = row_bytes(t[i].type, cols);
+        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
+            die(EXIT_RUNTIME, "%s: tensor %s has a bad shape %ux%u for type %s", path, t[i].name, rows, cols, type_name(t[i].type));
+        if (size != (uint64_t)rb * rows || data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+            die(EXIT_RUNTIME, "%s: tensor %s (%llu bytes at %llu) lies outside the file or is misaligned",
+                path, t[i].name, (unsigned long long)size, (unsigned long long)data);
+        t[i].rows = rows;
+        t[i].cols = cols;
+        t[i].data = m->map + data;
+    }
+    *n_out = (int)n;
+    return t;
+}
+
+/* Binds the layer structs to the tensors in the mapping. */
+static void bind_weights(Model *m, const char *path)
+{
+    Config *c = &m->c;
+    int n;
+    Tensor *tab = read_tensor_table(m, path, &n);
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
+    char name[TENSOR_NAME_BYTES];
+    m->tok_embeddings = find_tensor(m, tab, n, "tok_embeddings", c->vocab_size, c->dim);
+    m->norm = find_tensor(m, tab, n, "norm", 1, c->dim);
+    m->output = c->tied ? m->tok_embeddings : find_tensor(m, tab, n, "output", c->vocab_size, c->dim);
+    m->layers = xcalloc(c->n_layers, sizeof(Layer));
+    for (int l = 0; l < c->n_layers; l++) {
+        Layer *L = &m->layers[l];
+#define BIND(field, rows, cols) \
+        snprintf(name, sizeof name, "layers.%d." #field, l); \
+        L->field = find_tensor(m, tab, n, name, rows, cols);
+        BIND(attn_norm, 1, c->dim);
+        BIND(wqkv, q_dim + 2 * kv_dim, c->dim);
+        BIND(wo, c->dim, q_dim);
+        BIND(ffn_norm, 1, c->dim);
+        BIND(w13, 2 * c->hidden_dim, c->dim);
+        BIND(w2, c->dim, c->hidden_dim);
+#undef BIND
+        if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32)
+            die(EXIT_RUNTIME, "%s: layer %d norm weights must be f32", path, l);
+    }
+    if (m->norm.type != T_F32) die(EXIT_RUNTIME, "%s: norm weights must be f32", path);
+    /* Parameter count and the dominant weight type, for -v. */
+    size_t bytes_by_type[T_BF16 + 1] = {0};
+    for (int i = 0; i < n; i++) {
+        m->n_params += (double)tab[i].rows * tab[i].cols;
+        bytes_by_type[tab[i].type] += row_bytes(tab[i].type, tab[i].cols) * tab[i].rows;
+    }
+    int best = T_F32;
+    for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
+    m->dtype = type_name(best);
+    /* The Tensor structs were copied out; names still point into the map. */
+    free(tab);
+}
+
+static void build_model(Model *m, const char *path)
+{
+    memset(m, 0, sizeof *m);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die(EXIT_RUNTIME, "%s: not a regular file", path);
+    if ((size_t)st.st_size < HEADER_BYTES) die(EXIT_RUNTIME, "%s: not a model file (only %lld bytes)", path, (long long)st.st_size);
+    m->map_size = st.st_size;
+    void *p = mmap(NULL, m->map_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) die(EXIT_RUNTIME, "cannot map %s: %s", path, strerror(errno));
+    m->map = p;
+    read_config(m, path);
+    uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
+    if (tok_off > m->map_size || m->map_size - tok_off < tok_size)
+        die(EXIT_RUNTIME, "%s: tokenizer section lies outside the file", path);
+    char err[256];
+    if (tok_create(&m->tok, m->map + tok_off, tok_size, err, sizeof err) != 0)
+        die(EXIT_RUNTIME, "%s: tokenizer: %s", path, err);
+    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
+        die(EXIT_RUNTIME, "%s: tokenizer has %d tokens but the model only %d rows", path, tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
+    bind_weights(m, path);
+}
+
+static void free_model(Model *m)
+{
+    tok_free(m->tok);
+    free(m->layers);
+    munmap((void *)m->map, m->map_size);
+}
+
+/* ============================================================================
+   2. KERNELS
+   Each dot product has a scalar reference (the definition) and, where the
+   compiler targets AVX2+FMA+F16C, a SIMD version that must agree with it.
+   ========================================================================= */
+
+/* IEEE half -> float, including subnormals, infinities and NaN. */
+static float fp16_to_f32_scalar(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);           /* inf, NaN */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);      /* normal */
+    else if (!man) bits = sign;                                         /* zero */
+    else {                                                              /* subnormal */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float -> IEEE half, rounding to nearest even; overflow gives infinity. */
+static uint16_t f32_to_fp16_scalar(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff, man = x & 0x7fffff;
+    if (e == 0xff) return sign | 0x7c00 | (man ? 0x200 : 0);         /* inf, NaN */
+    int exp = (int)e - 127 + 15;
+    if (exp >= 0x1f) return sign | 0x7c00;                            /* overflow */
+    if (exp <= 0) {                                                   /* subnormal or zero */
+        if (exp < -10) return sign;
+        man |= 0x800000;
+        int shift = 14 - exp;
+        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        return sign | (h + (rem > halfway || (rem == halfway && (h & 1))));
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fff;
+    return sign | (h + (rem > 0x1000 || (rem == 0x1000 && (h & 1)))); /* a carry rounds up the exponent */
+}
+
+#ifdef HAVE_AVX2
+static float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+#define fp16_to_f32 fp16_to_f32_scalar
+#endif
+#define f32_to_fp16 f32_to_fp16_scalar /* only the KV cache writes halves: not hot */
+
+/* Activations for integer dot products: x quantized per block of 32 to int8
+   with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
+   one multiply per block. Quantized once per matmul, reused by every row. */
+typedef struct {
+    float d, s;
+    int8_t qs[QK];
+} BlockQ8A;
+
+static void quantize_act(BlockQ8A *out, const float *x, int n)
+{
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127, id = d ? 1 / d : 0;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = (int8_t)roundf(x[i] * id);
+        out[b].d = d;
+        out[b].s = d * sum;
+    }
+}
+
+/* Quantizes a row to the q8_0 weight format (fp16 scale): the int8 KV cache. */
+static void quantize_q8_0(BlockQ8_0 *out, const float *x, int n)
+{
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0;
+        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127, id = d ? 1 / d : 0;
+        for (int i = 0; i < QK; i++) out[b].qs[i] = (int8_t)roundf(x[i] * id);
+        out[b].d = f32_to_fp16(d);
+    }
+}
+
+/* --- scalar references: w is one weight row, x one activation row -------- */
+
+static float dot_f32_scalar(const void *w, const void *x, int n)
+{
+    const float *a = w, *b = x;
+    float sum = 0;
+    for (int i = 0; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float dot_f16_scalar(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    float sum = 0;
+    for (int i = 0; i < n; i++) sum += fp16_to_f32_scalar(a[i]) * b[i];
+    return sum;
+}
+
+static float dot_bf16_scalar(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    float sum = 0;
+    for (int i = 0; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+static float dot_q8_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ8_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int i = 0; i < QK; i++) isum += a[k].qs[i] * b[k].qs[i];
+        sum += fp16_to_f32_scalar(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+static float dot_q4_1_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ4_1 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK / 2; j++)
+            isum += (a[k].qs[j] & 0xf) * b[k].qs[j] + (a[k].qs[j] >> 4) * b[k].qs[j + QK / 2];
+        sum += fp16_to_f32_scalar(a[k].d) * b[k].d * isum + fp16_to_f32_scalar(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+/* --- AVX2 versions ------------------------------------------------------ */
+#ifdef HAVE_AVX2
+static float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot_f32_avx2(const void *w, const void *x, int n)
+{
+    const float *a = w, *b = x;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float dot_f16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += fp16_to_f32_scalar(a[i]) * b[i];
+    return sum;
+}
+
+static float dot_bf16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
+        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+/* Sum of the 32 int8 products of a and b, as 8 int32 lanes. maddubs needs
+   an unsigned left operand, so take |a| and move a's sign onto b. */
+static __m256i dot_i8x32(__m256i a, __m256i b)
+{
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static float dot_q8_0_avx2(const void *w, const void *x, int n)
+{
+    const BlockQ8_0 *a = w;
+    const BlockQ8A *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK; k++) {
+        __m256i wa = _mm256_loadu_si256((const __m256i *)a[k].qs);
+        __m256i xb = _mm256_loadu_si256((const __m256i *)b[k].qs);
+        __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a[k].d) * b[k].d), p, acc);
+    }
+    return hsum256(acc);
+}
+
+static float dot_q4_1_avx2(const void *w, const void *x, int n)
+{
+    const BlockQ4_1 *a = w;
+    const BlockQ8A *b = x;
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    __m256 acc = _mm256_setzero_ps();
+    float mins = 0;
+    for (int k = 0; k < n / QK; k++) {
+        __m128i q = _mm_loadu_si128((const __m128i *)a[k].qs);
+        __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), lo4); /* 0..15 */
+        __m256i xb = _mm256_loadu_si256((const __m256i *)b[k].qs);
+        __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a[k].d) * b[k].d), _mm256_cvtepi32_ps(p32), acc);
+        mins += fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return hsum256(acc) + mins;
+}
+#endif
+
+typedef float (*DotFn)(const void *w, const void *x, int n);
+
+/* Dot products by weight type: the scalar reference and, when compiled in,
+   the SIMD version. The tests run both and compare them. */
+typedef struct {
+    DotFn scalar, simd;
+} DotKernels;
+
+static DotKernels dot_kernels(int type)
+{
+#ifdef HAVE_AVX2
+#define KERNELS(name) (DotKernels){dot_##name##_scalar, dot_##name##_avx2}
+#else
+#define KERNELS(name) (DotKernels){dot_##name##_scalar, NULL}
+#endif
+    switch (type) {
+    case T_F32: return KERNELS(f32);
+    case T_F16: return KERNELS(f16);
+    case T_BF16: return KERNELS(bf16);
+    case T_Q8_0: return KERNELS(q8_0);
+    case T_Q4_1: return KERNELS(q4_1);
+    }
+#undef KERNELS
+    return (DotKernels){NULL, NULL};
+}
+
+/* Set by --scalar: run the reference kernels (slow; for checking). */
+static int force_scalar;
+
+static DotFn dot_for(int type)
+{
+    DotKernels k = dot_kernels(type);
+    return k.simd && !force_scalar ? k.simd : k.scalar;
+}
+
+static int uses_int8_activations(int type) { return type == T_Q8_0 || type == T_Q4_1; }
+
+/* One row of n elements of any type as floats (embedding rows, KV rows). */
+static void dequantize_row(float *out, const void *row, int type, int n)
+{
+    switch (type) {
+    case T_F32: memcpy(out, row, n * sizeof(float)); break;
+    case T_F16: for (int i = 0; i < n; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]); break;
+    case T_BF16: for (int i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]); break;
+    case T_Q8_0:
+        for (int i = 0; i < n; i++) {
+            const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
+            out[i] = b->qs[i % QK] * fp16_to_f32(b->d);
+        }
+        break;
+    case T_Q4_1:
+        for (int i = 0; i < n; i++) {
+            const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
+            int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+            out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+        }
+        break;
+    }
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
+{
+    float ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+/* Rotates pairs (x[i], x[i + rope_dim/2]) of one head by the position's
+   angles (half-split convention; cos/sin hold rope_dim/2 values). */
+static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
+{
+    int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos_t[i] - b * sin_t[i];
+        x[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+}
+
+static void softmax(float *x, int n)
+{
+    float max = x[0], sum = 0;
+    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
+static float silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* ============================================================================
+   3. FORWARD PASS
+   ========================================================================= */
+
+/* ----- threads --------------------------------------------------------------
+   One team of threads runs a whole forward pass (one OpenMP parallel region
+   per chunk or token). Every step splits its work by thread index and ends
+   at a barrier. Waiting threads spin: a sleep and wake-up costs tens of
+   microseconds, while a decoded token of a small model takes a few
+   milliseconds spread over ~200 steps. Without OpenMP the team is one
+   thread and the barrier does nothing. */
+
+typedef struct {
+    atomic_int arrived;
+    atomic_int phase;
+} Barrier;
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+}
+
+static void barrier(Barrier *b, int nth)
+{
+    if (nth == 1) return;
+    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+    } else {
+        /* spin; if the wait is long the cores are oversubscribed (another
+           program is running), and yielding lets the late thread run */
+        for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
+            if (spins < SPINS_BEFORE_YIELD) cpu_relax();
+            else sched_yield();
+    }
+}
+
+static int thread_id(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int thread_count(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+static int min_i(int a, int b) { return a < b ? a : b; }
+static int max_i(int a, int b) { return a > b ? a : b; }
+
+/* Thread me's share [*lo, *hi) of n items, cut in whole units so that
+   every thread gets the same number of units, give or take one. */
+static void split(int n, int unit, int me, int nth, int *lo, int *hi)
+{
+    long units = (n + unit - 1) / unit;
+    *lo = min_i(n, (int)(units * me / nth) * unit);
+    *hi = min_i(n, (int)(units * (me + 1) / nth) * unit);
+}
+
+/* ----- the forward pass ----------------------------------------------------- */
+
+/* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
+typedef struct {
+    int n_threads;
+    Barrier bar;
+    int seq_len;    /* positions the KV cache holds */
+    int kv_type;    /* T_F32, T_F16 or T_Q8_0 */
+    size_t kv_row;  /* bytes of one cached head_dim row */
+    float *x;       /* [chunk, dim] residual stream */
+    float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
+    BlockQ8A *xq;   /* [chunk, max_cols/32] the same, as int8 blocks */
+    float *qkv;     /* [chunk, q_dim + 2*kv_dim] */
+    float *hb;      /* [chunk, 2*hidden_dim] gate | up */
+    float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
+    float *inv_freq;            /* [rope_dim/2] */
+    float *scores;  /* [n_threads, group, seq_len] attention weights */
+    float *vrow;    /* [n_threads, head_dim] a V row as floats */
+    BlockQ8A *qq;   /* [n_threads, group * head_dim/32] int8 queries (q8 cache) */
+    uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
+    uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
+    float *logits;  /* [chunk, vocab] */
+} RunState;
+
+static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type)
+{
+    return 2 * (size_t)c->n_layers * c->n_kv_heads * seq_len * row_bytes(kv_type, c->head_dim);
+}
+
+static void build_state(RunState *s, const Config *c, int seq_len, int n_threads, int kv_type)
+{
+    memset(s, 0, sizeof *s);
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
+    int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
+    s->n_threads = n_threads;
+    s->seq_len = seq_len;
+    s->kv_type = kv_type;
+    s->kv_row = row_bytes(kv_type, c->head_dim);
+    s->x = xcalloc((size_t)T * c->dim, sizeof(float));
+    s->xb = xcalloc((size_t)T * max_cols, sizeof(float));
+    s->xq = xcalloc((size_t)T * (max_cols / QK + 1), sizeof(BlockQ8A));
+    s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
+    s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
+    s->rope_cos = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+    s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+    s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
+    for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
+    s->scores = xcalloc((size_t)n_threads * group * seq_len, sizeof(float));
+    s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
+    s->qq = xcalloc((size_t)n_threads * group * (c->head_dim / QK + 1), sizeof(BlockQ8A));
+    /* calloc of a large block maps zero pages lazily: memory is committed
+       only as positions are written. */
+    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
+    s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
+}
+
+static void free_state(RunState *s)
+{
+    free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb);
+    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->vrow); free(s->qq);
+    free(s->key_cache); free(s->value_cache); free(s->logits);
+}
+
+/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate, which
+   fuses the residual add) for the n_tok activation rows, which were
+   prepared by prepare_act. Weight rows are taken ROW_TILE at a time and
+   applied to every token while they sit in cache: prefill reads each weight
+   byte from memory once per batch, decode once per token. */
+static void matmul_rows(float *out, int out_stride, const RunState *s, const Tensor *w, int n_tok, int r0, int r1, int accumulate)
+{
+    DotFn dot = dot_for(w->type);
+    int int8 = uses_int8_activations(w->type);
+    const uint8_t *act = int8 ? (const uint8_t *)s->xq : (const uint8_t *)s->xb;
+    size_t stride = int8 ? w->cols / QK * sizeof(BlockQ8A) : w->cols * sizeof(float);
+    for (int a = r0; a < r1; a += ROW_TILE)
+        for (int t = 0; t < n_tok; t++)
+            for (int r = a; r < min_i(a + ROW_TILE, r1); r++) {
+                float v = dot(tensor_row(w, r), act + t * stride, w->cols);
+                float *o = out + (size_t)t * out_stride + r;
+                *o = accumulate ? *o + v : v;
+            }
+}
+
+/* Thread me's share of a matmul over all of W's rows. */
+static void matmul_part(float *out, const RunState *s, const Tensor *w, int n_tok, int accumulate, int me, int nth)
+{
+    int r0, r1;
+    split(w->rows, ROW_TILE, me, nth, &r0, &r1);
+    matmul_rows(out, w->rows, s, w, n_tok, r0, r1, accumulate);
+}
+
+/* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
+   activations: done once per matmul, then read by every weight row. */
+static void prepare_act(RunState *s, const Tensor *w, int t0, int t1)
+{
+    if (!uses_int8_activations(w->type)) return;
+    int cols = w->cols;
+    for (int t = t0; t < t1; t++) quantize_act(s->xq + (size_t)t * (cols / QK), s->xb + (size_t)t * cols, cols);
+}
+
+/* Normalizes rows [t0, t1) of x into s->xb, ready for W. */
+static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Tensor *w, int dim, float eps, int t0, int t1)
+{
+    for (int t = t0; t < t1; t++) rmsnorm(s->xb + (size_t)t * dim, x + (size_t)t * dim, norm->data, dim, eps);
+    prepare_act(s, w, t0, t1);
+}
+
+/* Cached row of layer l, KV head h, position pos. The cache is laid out
+   [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
+   attention streams them in order. */
+static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int l, int h, int pos)
+{
+    return cache + (((size_t)l * c->n_kv_heads + h) * s->seq_len + pos) * s->kv_row;
+}
+
+/* Stores one head_dim row of K or V at the cache's precision. */
+static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n)
+{
+    switch (s->kv_type) {
+    case T_F32: memcpy(dst, x, n * sizeof(float)); break;
+    case T_F16: for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_to_fp16(x[i]); break;
+    case T_Q8_0: quantize_q8_0((BlockQ8_0 *)dst, x, n); break;
+    }
+}
+
+/* The QKV step, thread me's share: whole heads of rows of Wqkv (Q heads,
+   then K heads, then V heads) for every token; RoPE on Q and K heads, and
+   K and V rows stored in the cache at positions pos0.. */
+static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
+{
+    const Config *c = &m->c;
+    const Tensor *w = &m->layers[l].wqkv;
+    int hd = c->head_dim, half = c->rope_dim / 2, h0, h1;
+    split(c->n_heads + 2 * c->n_kv_heads, 1, me, nth, &h0, &h1);
+    matmul_rows(s->qkv, w->rows, s, w, n, h0 * hd, h1 * hd, 0);
+    for (int t = 0; t < n; t++)
+        for (int h = h0; h < h1; h++) {
+            float *x = s->qkv + (size_t)t * w->rows + h * hd;
+            int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
+            if (kv < c->n_kv_heads) rope(x, s->rope_cos + t * half, s->rope_sin + t * half, c->rope_dim);
+            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, l, kv, pos0 + t), x, hd);
+            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, l, kv - c->n_kv_heads, pos0 + t), x, hd);
+        }
+}
+
+/* Causal grouped-query attention of token t (position pos) for KV head g:
+   the `group` query heads that share g are done together, so each cached K
+   and V row is read once per token, not once per query head. Writes the
+   heads' outputs to s->xb ([n, q_dim]). */
+static void attend(RunState *s, const Config *c, int l, int t, int g, int pos, int me)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, int8 = uses_int8_activations(s->kv_type);
+    float scale = 1.0f / sqrtf((float)hd), *att = s->scores + (size_t)me * group * s->seq_len;
+    float *v = s->vrow + (size_t)me * hd, *o = s->xb + (size_t)t * q_dim + g * group * hd;
+    BlockQ8A *qq = s->qq + (size_t)me * group * (hd / QK + 1);
+    const float *q = s->qkv + (size_t)t * qkv_dim + g * group * hd;
+    DotFn dot = dot_for(s->kv_type);
+    if (int8) for (int h = 0; h < group; h++) quantize_act(qq + h * (hd / QK), q + h * hd, hd);
+    for (int j = 0; j <= pos; j++) {
+        const uint8_t *k = cache_row(s, s->key_cache, c, l, g, j);
+        for (int h = 0; h < group; h++)
+            att[h * s->seq_len + j] = dot(k, int8 ? (const void *)(qq + h * (hd / QK)) : q + h * hd, hd) * scale;
+    }
+    for (int h = 0; h < group; h++) softmax(att + h * s->seq_len, pos + 1);
+    memset(o, 0, (size_t)group * hd * sizeof(float));
+    for (int j = 0; j <= pos; j++) {
+        dequantize_row(v, cache_row(s, s->value_cache, c, l, g, j), s->kv_type, hd);
+        for (int h = 0; h < group; h++)
+            for (int i = 0; i < hd; i++) o[h * hd + i] += att[h * s->seq_len + j] * v[i];
+    }
+}
+
+/* SwiGLU for hidden units [i0, i1) of every token: xb = silu(gate) * up. */
+static void swiglu_rows(RunState *s, int hid, int n, int i0, int i1)
+{
+    for (int t = 0; t < n; t++) {
+        const float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
+        for (int i = i0; i < i1; i++) s->xb[(size_t)t * hid + i] = silu(gate[i]) * up[i];
+    }
+}
+
+/* One layer for n tokens, run by every thread of the team. */
+static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
+{
+    const Config *c = &m->c;
+    const Layer *L = &m->layers[l];
+    int dim = c->dim, hid = c->hidden_dim, t0, t1, i0, i1;
+    split(n, 1, me, nth, &t0, &t1);
+    /* attention block: x += Wo . attn(RoPE(Wq.h), RoPE(Wk.h), Wv.h), h = norm(x) */
+    norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
+    barrier(&s->bar, nth);
+    qkv_part(m, s, l, n, pos0, me, nth);
+    barrier(&s->bar, nth);
+    /* jobs (token, kv head) dealt round-robin: later tokens attend further */
+    for (int job = me; job < n * c->n_kv_heads; job += nth)
+        attend(s, c, l, job / c->n_kv_heads, job % c->n_kv_heads, pos0 + job / c->n_kv_heads, me);
+    barrier(&s->bar, nth);
+    prepare_act(s, &L->wo, t0, t1);
+    barrier(&s->bar, nth);
+    matmul_part(s->x, s, &L->wo, n, 1, me, nth);
+    barrier(&s->bar, nth);
+    /* feed-forward block: x += W2 . (silu(Wgate.h) * (Wup.h)), h = norm(x) */
+    norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
+    barrier(&s->bar, nth);
+    split(hid, ROW_TILE, me, nth, &i0, &i1); /* gate and up rows of the same units */
+    matmul_rows(s->hb, 2 * hid, s, &L->w13, n, i0, i1, 0);
+    matmul_rows(s->hb, 2 * hid, s, &L->w13, n, hid + i0, hid + i1, 0);
+    barrier(&s->bar, nth); /* w13 reads xb until every thread is done */
+    swiglu_rows(s, hid, n, i0, i1);
+    barrier(&s->bar, nth);
+    prepare_act(s, &L->w2, t0, t1);
+    barrier(&s->bar, nth);
+    matmul_part(s->x, s, &L->w2, n, 1, me, nth);
+    barrier(&s->bar, nth);
+}
+
+/* Runs n (<= CHUNK_TOKENS) tokens at positions pos0.. through every layer,
+   appending their K and V to the cache, then the output head for the
+   chunk's rows [first_logit, n) into s->logits rows 0.. (none when
+   first_logit == n). */
+static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
+{
+    const Config *c = &m->c;
+    int dim = c->dim, half = c->rope_dim / 2;
+    #pragma omp parallel num_threads(s->n_threads)
+    {
+        int me = thread_id(), nth = thread_count(), t0, t1;
+        split(n, 1, me, nth, &t0, &t1);
+        for (int t = t0; t < t1; t++) {
+            dequantize_row(s->x + (size_t)t * dim, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
+            for (int i = 0; i < half; i++) {
+                double angle = (double)(pos0 + t) * s->inv_freq[i];
+                s->rope_cos[t * half + i] = (float)cos(angle);
+                s->rope_sin[t * half + i] = (float)sin(angle);
+            }
+        }
+        barrier(&s->bar, nth);
+        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, pos0, me, nth);
+        if (first_logit < n) {
+            /* only the rows that need logits are normed, packed from xb row 0 */
+            split(n - first_logit, 1, me, nth, &t0, &t1);
+            for (int t = t0; t < t1; t++)
+                rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
+            prepare_act(s, &m->output, t0, t1);
+            barrier(&s->bar, nth);
+            matmul_part(s->logits, s, &m->output, n - first_logit, 0, me, nth);
+        }
+    }
+}
+
+/* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
+   batch, filling the KV cache from position pos0. The output head (a
+   vocab x dim matmul, the largest single one) runs only for the last
+   position, or, when all_logits is set (perplexity, tests), for every
+   position: then n <= CHUNK_TOKENS and s->logits receives n rows. */
+static void prefill(const Model *m, RunState *s, const int *tokens, int n, int pos0, int all_logits)
+{
+    for (int done = 0; done < n; done += CHUNK_TOKENS) {
+        int k = min_i(n - done, CHUNK_TOKENS);
+        forward_chunk(m, s, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
+    }
+}
+
+/* Decode: one token at position pos, attending over everything cached. */
+static void decode_step(const Model *m, RunState *s, int token, int pos)
+{
+    forward_chunk(m, s, &token, 1, pos, 0);
+}
+
+/* ============================================================================
+   4. SAMPLING
+   ========================================================================= */
+
+typedef struct {
+    float temperature; /* 0 = greedy */
+    float top_p;       /* nucleus: smallest set with probability >= top_p (1 = off) */
+    int top_k;         /* keep the k most likely (0 = off) */
+    uint64_t rng;      /* xorshift64* state */
+} Sampler;
+
+typedef struct {
+    float p;
+    int id;
+} Candidate;
+
+static uint32_t random_u32(uint64_t *state)
+{
+    *state ^= *state >> 12;
+    *state ^= *state << 25;
+    *state ^= *state >> 27;
+    return (uint32_t)((*state * 0x2545F4914F6CDD1Dull) >> 32);
+}
+
+static float random_f32(uint64_t *state) { return (random_u32(state) >> 8) / 16777216.0f; } /* [0,1) */
+
+static int sample_argmax(const float *logits, int n)
+{
+    int best = 0;
+    for (int i = 1; i < n; i++) if (logits[i] > logits[best]) best = i;
+    return best;
+}
+
+static int by_prob_desc(const void *a, const void *b)
+{
+    float pa = ((const Candidate *)a)->p, pb = ((const Candidate *)b)->p;
+    return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
+}
+
+/* Samples from softmax(logits / T) restricted to the top-k, then to the
+   top-p nucleus. cand is scratch for n candidates. */
+static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
+{
+    for (int i = 0; i < n; i++) logits[i] /= sm->temperature;
+    softmax(logits, n);
+    /* Tokens below (1-p)/(n-1) can never be in the nucleus: skip sorting them. */
+    float cutoff = sm->top_p < 1 ? (1 - sm->top_p) / (n - 1) : 0;
+    int nc = 0;
+    for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
+    qsort(cand, nc, sizeof *cand, by_prob_desc);
+    if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
+    float total = 0;
+    int keep = nc;
+    for (int i = 0; i < nc; i++) {
+        total += cand[i].p;
+        if (total >= sm->top_p) { keep = i + 1; break; }
+    }
+    float r = random_f32(&sm->rng) * total, acc = 0;
+    for (int i = 0; i < keep; i++) {
+        acc += cand[i].p;
+        if (r < acc) return cand[i].id;
+    }
+    return cand[keep - 1].id;
+}
+
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+{
+    return sm->temperature == 0 ? sample_argmax(logits, n) : sample_topp(sm, logits, n, cand);
+}
+
+/* ============================================================================
+   5. GENERATION
+   ========================================================================= */
+
+/* Streams token texts to stdout so that a UTF-8 character split across
+   tokens is written whole: bytes of an unfinished character wait for the
+   next token (or for the end of the answer). */
+typedef struct {
+    char buf[4];
+    int len;
+} Utf8Stream;
+
+static int utf8_len(unsigned char lead)
+{
+    return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
+}
+
+/* stdout went away (e.g. `| head`): stop quietly, like other filters. */
+static void check_stdout(void)
+{
+    if (fflush(stdout) != 0 || ferror(stdout)) exit(errno == EPIPE ? EXIT_SUCCESS : EXIT_RUNTIME);
+}
+
+static void emit(Utf8Stream *u, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = p[i];
+        if (u->len && (ch & 0xc0) != 0x80) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; } /* broken sequence */
+        if (!u->len && utf8_len(ch) == 1) { fputc(ch, stdout); continue; }
+        u->buf[u->len++] = ch;
+        if (u->len == utf8_len((unsigned char)u->buf[0])) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; }
+    }
+    if (!u->len) check_stdout();
+}
+
+static void emit_flush(Utf8Stream *u)
+{
+    fwrite(u->buf, 1, u->len, stdout);
+    u->len = 0;
+    check_stdout();
+}
+
+/* Per-request numbers for -v: what the user waits for before the first
+   token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
+   memory bandwidth in decode). */
+typedef struct {
+    int n_prompt, n_gen;
+    double prefill_ms;
+    double *itl; /* [n_gen - 1] gaps between streamed tokens, ms */
+} Stats;
+
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
+
+/* Set by SIGINT in chat mode: ends the current answer. */
+static volatile sig_atomic_t interrupted, answering;
+
+static int by_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void report_stats(Stats *st)
+{
+    double pre = st->prefill_ms, itl_sum = 0;
+    int k = st->n_gen > 1 ? st->n_gen - 1 : 0;
+    for (int i = 0; i < k; i++) itl_sum += st->itl[i];
+    qsort(st->itl, k, sizeof(double), by_double);
+    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms\n",
+            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre);
+    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p90 %.2f ms\n", st->n_gen,
+            k ? k / (itl_sum / 1e3) : 0.0, k ? itl_sum / k : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0);
+}
+
+/* The tokens of a conversation in order; the first `pos` of them are in
+   the KV cache. */
+typedef struct {
+    int *ids;
+    int n, cap;
+} Tokens;
+
+static void push(Tokens *t, int id)
+{
+    if (t->n == t->cap) {
+        t->cap = t->cap ? 2 * t->cap : 256;
+        t->ids = realloc(t->ids, t->cap * sizeof(int));
+        if (!t->ids) die(EXIT_RUNTIME, "out of memory");
+    }
+    t->ids[t->n++] = id;
+}
+
+/* Prefills the tokens of conv not yet cached (from *pos), then samples,
+   streams and decodes until an end token (never printed, never fed back),
+   n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
+   model is appended to conv, so conv->n == *pos on return. Returns why it
+   stopped and, in *last, the last token sampled (not fed). */
+static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int *pos, int n_predict,
+                    Stats *st, int *last)
+{
+    Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
+    Utf8Stream u = {{0}, 0};
+    int n = conv->n - *pos, why;
+    *st = (Stats){.n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
+    double t0 = now_ms();
+    prefill(m, s, conv->ids + *pos, n, *pos, 0);
+    *pos += n;
+    int token = sample(sm, s->logits, m->c.vocab_size, cand);
+    double t_prev = now_ms();
+    st->prefill_ms = t_prev - t0;
+    while (1) {
+        *last = token;
+        if (tok_is_eog(m->tok, token)) { why = STOP_END; break; }
+        size_t len;
+        const char *piece = tok_piece(m->tok, token, &len);
+        if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
+        if (++st->n_gen >= n_predict) { why = STOP_LIMIT; break; }
+        if (*pos >= s->seq_len) { why = STOP_CONTEXT; break; }
+        if (interrupted) { why = STOP_INTERRUPT; break; }
+        push(conv, token);
+        decode_step(m, s, token, (*pos)++);
+        token = sample(sm, s->logits, m->c.vocab_size, cand);
+        double t = now_ms();
+        st->itl[st->n_gen - 1] = t - t_prev;
+        t_prev = t;
+    }
+    emit_flush(&u);
+    free(cand);
+    return why;
+}
+
+/* ----- chat templates ----------------------------------------------------- */
+
+/* Appends text tokenized as plain text: control-token look-alikes inside it
+   stay text, so a message cannot inject template tokens. */
+static void push_text(const Model *m, Tokens *t, const char *text, size_t len)
+{
+    int *ids;
+    size_t n;
+    if (tok_encode(m->tok, text, len, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+    for (size_t i = 0; i < n; i++) push(t, ids[i]);
+    free(ids);
+}
+
+/* The id of a control token given by its text, or -1. */
+static int special_id(const Model *m, const char *text)
+{
+    int *ids, id = -1;
+    size_t n;
+    if (tok_encode(m->tok, text, strlen(text), TOK_PARSE_SPECIAL, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory");
+    if (n == 1 && tok_is_control(m->tok, ids[0])) id = ids[0];
+    free(ids);
+    return id;
+}
+
+/* The model's chat template, reduced to what the generation loop needs:
+   ChatML:  <|im_start|>ROLE\nTEXT<|im_end|>\n
+   Gemma:   <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (assistant is "model",
+            the system text opens the first user message; BOS first). */
+typedef struct {
+    int kind;            /* 1 ChatML, 2 Gemma */
+    int start, end;      /* turn delimiter token ids */
+    const char *system;  /* system prompt (-y, else the template's default) */
+    size_t system_len;
+    int system_pending;  /* Gemma: not yet folded into a user message */
+} Chat;
+
+static void build_chat(Chat *ch, const Model *m, const char *system)
+{
+    const tok_info *ti = tok_get_info(m->tok);
+    memset(ch, 0, sizeof *ch);
+    ch->kind = ti->chat_template;
+    if (ch->kind == 1) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
+    else if (ch->kind == 2) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
+    else die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
+    if (ch->start < 0 || ch->end < 0) die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
+    ch->system = system ? system : ti->default_system;
+    ch->system_len = system ? strlen(system) : ti->default_system_len;
+    ch->system_pending = ch->kind == 2 && ch->system_len;
+}
+
+/* The tokens that open a conversation: BOS if the template has one, and
+   the system turn (ChatML) — Gemma folds the system text into the first
+   user message instead. */
+static void chat_open(const Chat *ch, const Model *m, Tokens *t)
+{
+    const tok_info *ti = tok_get_info(m->tok);
+    if (ch->kind == 2 && ti->bos >= 0) push(t, ti->bos);
+    if (ch->kind == 1 && ch->system_len) {
+        push(t, ch->start);
+        char *buf = xmalloc(ch->system_len + 8);
+        int k = sprintf(buf, "system\n");
+        memcpy(buf + k, ch->system, ch->system_len);
+        push_text(m, t, buf, k + ch->system_len);
+        free(buf);
+        push(t, ch->end);
+        push_text(m, t, "\n", 1);
+    }
+}
+
+/* A user turn followed by the assistant's opening, e.g.
+   <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
+static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
+{
+    size_t sys = ch->kind == 2 && ch->system_pending ? ch->system_len + 2 : 0;
+    char *buf = xmalloc(len + sys + 8);
+    int k = sprintf(buf, "user\n");
+    if (sys) { memcpy(buf + k, ch->system, ch->system_len); memcpy(buf + k + ch->system_len, "\n\n", 2); k += sys; }
+    memcpy(buf + k, text, len);
+    push(t, ch->start);
+    push_text(m, t, buf, k + len);
+    push(t, ch->end);
+    push_text(m, t, "\n", 1);
+    push(t, ch->start);
+    push_text(m, t, ch->kind == 2 ? "model\n" : "assistant\n", ch->kind == 2 ? 6 : 10);
+    ch->system_pending = 0;
+    free(buf);
+}
+
+/* After an answer: the last sampled token, if it was text, goes into the
+   conversation, then the turn is closed (<|im_end|>\n). */
+static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
+{
+    if (why != STOP_END) push(conv, last);
+    push(conv, ch->end);
+    push_text(m, conv, "\n", 1);
+}
+
+/* When the conversation plus room for an answer no longer fits, drops the
+   oldest exchanges (keeping the opening: BOS and system turn) and marks
+   everything for re-prefill. Returns 0 when even the newest message alone
+   does not fit. exch[] holds the offset in conv where each exchange starts. */
+static int chat_fit(Tokens *conv, int *pos, int *exch, int *n_exch, int n_open, int need, int seq_len)
+{
+    if (conv->n + need <= seq_len) return 1;
+    int k = 0;
+    while (k < *n_exch - 1 && n_open + conv->n - exch[k] + need > seq_len) k++;
+    if (n_open + conv->n - exch[k] + need > seq_len) return 0;
+    int drop = exch[k] - n_open;
+    memmove(conv->ids + n_open, conv->ids + exch[k], (conv->n - exch[k]) * sizeof(int));
+    conv->n -= drop;
+    for (int i = k; i < *n_exch; i++) exch[i - k] = exch[i] - drop;
+    *n_exch -= k;
+    *pos = 0;
+    return 1;
+}
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    if (answering && !interrupted) interrupted = 1;
+    else _exit(130);
+}
+
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
+    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type;
+    float temperature, top_p;
+    unsigned long long seed;
+} Args;
+
+/* The conversation: one user message per line of stdin (a terminal shows a
+   "> " prompt on stderr); each answer is streamed and ends with a newline.
+   Each turn prefills only its new tokens: earlier turns stay in the cache.
+   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a)
+{
+    Chat ch;
+    build_chat(&ch, m, a->system);
+    Tokens conv = {0};
+    chat_open(&ch, m, &conv);
+    int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
+    int *exch = NULL;
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
+    int reserve = a->n_predict < s->seq_len / 4 ? a->n_predict : s->seq_len / 4;
+    while (1) {
+        if (tty) fputs("> ", stderr);
+        if ((len = getline(&line, &cap, stdin)) < 0) break;
+        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
+        if (!len) continue;
+        exch = realloc(exch, (n_exch + 1) * sizeof *exch);
+        if (!exch) die(EXIT_RUNTIME, "out of memory");
+        int before = conv.n;
+        exch[n_exch++] = conv.n;
+        chat_user_turn(&ch, m, &conv, line, len);
+        if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
+            fprintf(stderr, "run: message too long: %d tokens, the context holds %d\n", conv.n - before, s->seq_len);
+            conv.n = before;
+            n_exch--;
+            continue;
+        }
+        if (a->verbose)
+            fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
+        Stats st;
+        int last;
+        interrupted = 0;
+        answering = 1;
+        int why = generate(m, s, sm, &conv, &pos, a->n_predict, &st, &last);
+        answering = 0;
+        fputc('\n', stdout);
+        check_stdout();
+        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        if (a->verbose) report_stats(&st);
+        free(st.itl);
+        chat_close_answer(&ch, m, &conv, why, last);
+    }
+    free(line);
+    free(exch);
+    free(conv.ids);
+}
+
+/* ----- perplexity ------------------------------------------------------------ */
+
+/* Perplexity of a text file. The tokens are cut into windows of ctx tokens
+   (no overlap); each window is prefilled from position 0 (batched, logits
+   for every position) and only its second half is scored, so every scored
+   token sees at least ctx/2 tokens of context — llama.cpp's scheme, so the
+   numbers compare. With add-BOS models each window starts with BOS. */
+static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    Tokens text = {0};
+    {
+        size_t cap = 1 << 16, n = 0, got;
+        char *buf = xmalloc(cap);
+        while ((got = fread(buf + n, 1, cap - n, f)) > 0)
+            if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", path);
+        fclose(f);
+        push_text(m, &text, buf, n);
+        free(buf);
+    }
+    const tok_info *ti = tok_get_info(m->tok);
+    int n_win = text.n / ctx, vocab = m->c.vocab_size, first = ctx / 2;
+    if (n_win < 1) die(EXIT_RUNTIME, "%s has %d tokens, fewer than one window of %d (lower --ctx)", path, text.n, ctx);
+    double nll = 0, t0 = now_ms();
+    long scored = 0;
+    for (int w = 0; w < n_win; w++) {
+        int *win = text.ids + (size_t)w * ctx, saved = win[0];
+        if (ti->add_bos && ti->bos >= 0) win[0] = ti->bos;
+        for (int off = 0; off < ctx; off += CHUNK_TOKENS) {
+            int k = ctx - off < CHUNK_TOKENS ? ctx - off : CHUNK_TOKENS;
+            prefill(m, s, win + off, k, off, 1);
+            for (int t = 0; t < k; t++) {
+                int p = off + t;
+                if (p < first || p >= ctx - 1) continue;
+                const float *lg = s->logits + (size_t)t * vocab;
+                float mx = lg[0];
+                for (int i = 1; i < vocab; i++) mx = fmaxf(mx, lg[i]);
+                double sum = 0;
+                for (int i = 0; i < vocab; i++) sum += exp(lg[i] - mx);
+                nll += mx + log(sum) - lg[win[p + 1]];
+                scored++;
+            }
+        }
+        win[0] = saved;
+        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(nll / scored));
+    }
+    double sec = (now_ms() - t0) / 1e3;
+    if (isatty(STDERR_FILENO)) fputc('\n', stderr);
+    printf("perplexity: %.4f over %ld tokens (%d windows of %d, second half scored), %.0f tok/s\n",
+           exp(nll / scored), scored, n_win, ctx, (double)n_win * ctx / sec);
+    free(text.ids);
+}
+
+/* ============================================================================
+   6. COMMAND LINE
+   ========================================================================= */
+
+static void usage(FILE *f)
+{
+    fprintf(f,
+        "usage: run MODEL [options]\n"
+        "Generates text with a model file written by export.py. The prompt comes\n"
+        "from -i, or from stdin when stdin is not a terminal (one trailing newline\n"
+        "is dropped). Only generated text goes to stdout; errors and -v go to stderr.\n"
+        "\n"
+        "Generation\n"
+        "  -i PROMPT      prompt text (an empty prompt is an error)\n"
+        "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
+        "                 end-of-turn token or the end of the context)\n"
+        "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
+        "  -p TOPP        top-p nucleus, in (0, 1] (default 0.95)\n"
+        "  -k TOPK        top-k, >= 0; 0 = off (default 40)\n"
+        "  -s SEED        random seed, >= 0 (default: from the clock)\n"
+        "  -c             wrap the prompt in the model's chat template (one user turn)\n"
+        "  -m MODE        generate (default) or chat\n"
+        "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
+        "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
+        "                 (by default they are plain text and cannot inject tokens)\n"
+        "\n"
+        "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
+        "followed by a newline. Each turn prefills only its new tokens. When the\n"
+        "conversation plus min(-n, ctx/4) answer tokens would overflow the context,\n"
+        "the oldest exchanges are dropped (the system turn is kept) and the rest is\n"
+        "prefilled again. Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
+        "\n"
+        "Engine\n"
+        "  --threads N    worker threads, >= 1 (default: number of cores)\n"
+        "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
+        "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
+        "  -v             stderr: model summary, then per request prompt tokens,\n"
+        "                 TTFT, prefill tok/s, decode tok/s, mean and p90 inter-token latency\n"
+        "\n"
+        "Tools\n"
+        "  --tokenize     print the prompt's token ids on one line and exit\n"
+        "  --ppl FILE     perplexity of a text file in windows of --ctx tokens\n"
+        "  --ids \"1 2 3\"  give the prompt as token ids instead of text\n"
+        "  --dump-logits FILE  write float32 logits [prompt tokens, vocab] of every\n"
+        "                 prompt position (batched prefill) to FILE and exit\n"
+        "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
+        "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
+        "  -h, --help     this help; --version prints the version\n"
+        "\n"
+        "Exit status: 0 success (also when the reader of stdout goes away early),\n"
+        "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
+        "context, ...), 2 usage error, 130 interrupted at the chat prompt.\n");
+}
+
+static long parse_long(const char *flag, const char *v, long lo, long hi)
+{
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (errno || end == v || *end || x < lo || x > hi)
+        die(EXIT_USAGE, "%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, v);
+    return x;
+}
+
+static float parse_float(const char *flag, const char *v, float lo, float hi, int lo_open)
+{
+    char *end;
+    errno = 0;
+    float x = strtof(v, &end);
+    if (errno || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
+        die(EXIT_USAGE, "%s expects a number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
+    return x;
+}
+
+static void usage_error(const char *fmt, const char *arg)
+{
+    fputs("run: ", stderr);
+    fprintf(stderr, fmt, arg);
+    fputs(" (run -h for help)\n", stderr);
+    exit(EXIT_USAGE);
+}
+
+static void parse_args(Args *a, int argc, char **argv)
+{
+    *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16};
+    static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
+                                       "--ids", "--dump-logits", "--ppl", "--kv", NULL};
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = NULL;
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit(0); }
+        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit(0); }
+        if (f[0] != '-' || !f[1]) {
+            if (a->model_path) usage_error("unexpected argument '%s'", f);
+            a->model_path = f;
+            continue;
+        }
+        for (int j = 0; with_value[j]; j++)
+            if (!strcmp(f, with_value[j])) {
+                if (i + 1 >= argc) usage_error("%s needs a value", f);
+                v = argv[++i];
+            }
+        if (!strcmp(f, "-i")) a->prompt = v;
+        else if (!strcmp(f, "-n")) a->n_predict = parse_long(f, v, 0, MAX_SEQ);
+        else if (!strcmp(f, "-t")) a->temperature = parse_float(f, v, 0, 100, 0);
+        else if (!strcmp(f, "-p")) a->top_p = parse_float(f, v, 0, 1, 1);
+        else if (!strcmp(f, "-k")) a->top_k = parse_long(f, v, 0, MAX_VOCAB);
+        else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
+        else if (!strcmp(f, "-m")) a->mode = v;
+        else if (!strcmp(f, "-y")) a->system = v;
+        else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
+        else if (!strcmp(f, "--ids")) a->ids = v;
+        else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
+        else if (!strcmp(f, "--ppl")) a->ppl = v;
+        else if (!strcmp(f, "--kv")) {
+            if (!strcmp(v, "f32")) a->kv_type = T_F32;
+            else if (!strcmp(v, "f16")) a->kv_type = T_F16;
+            else if (!strcmp(v, "q8")) a->kv_type = T_Q8_0;
+            else usage_error("--kv expects f32, f16 or q8, got '%s'", v);
+        }
+        else if (!strcmp(f, "-c")) a->chat_wrap = 1;
+        else if (!strcmp(f, "-v")) a->verbose = 1;
+        else if (!strcmp(f, "--special")) a->special = 1;
+        else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
+        else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
+        else if (!strcmp(f, "--scalar")) force_scalar = 1;
+        else usage_error("unknown option '%s'", f);
+    }
+    if (!a->model_path) usage_error("%s", "no model file given");
+    if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
+    if (a->prompt && a->ids) usage_error("%s", "-i and --ids are exclusive");
+    if (!strcmp(a->mode, "chat") && (a->prompt || a->ids)) usage_error("%s", "-m chat reads its messages from stdin; -i/--ids do not apply");
+}
+
+/* Reads all of stdin (the prompt when no -i is given). */
+static char *read_stdin(size_t *len)
+{
+    size_t cap = 4096, n = 0, got;
+    char *buf = xmalloc(cap);
+    while ((got = fread(buf + n, 1, cap - n, stdin)) > 0)
+        if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading stdin");
+    if (ferror(stdin)) die(EXIT_RUNTIME, "cannot read stdin: %s", strerror(errno));
+    if (n && buf[n - 1] == '\n') n--;
+    if (n && buf[n - 1] == '\r') n--;
+    *len = n;
+    return buf;
+}
+
+/* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
+static void parse_ids(Tokens *t, const char *text, int vocab)
+{
+    for (const char *p = text; *p;) {
+        if (*p == ' ' || *p == '\t' || *p == '\n' || *p == ',') { p++; continue; }
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p) usage_error("--ids: '%s' is not a list of token ids", text);
+        if (errno || v < 0 || v >= vocab) die(EXIT_USAGE, "--ids: token id %ld is outside the vocabulary [0, %d)", v, vocab);
+        push(t, (int)v);
+        p = end;
+    }
+}
+
+/* The prompt as tokens, from --ids, -i or stdin; with -c wrapped in the
+   chat template. */
+static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
+{
+    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return; }
+    size_t len;
+    char *text;
+    if (a->prompt) text = strdup(a->prompt), len = strlen(a->prompt);
+    else if (!isatty(STDIN_FILENO)) text = read_stdin(&len);
+    else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
+    if (!text) die(EXIT_RUNTIME, "out of memory");
+    if (a->chat_wrap) {
+        Chat ch;
+        build_chat(&ch, m, a->system);
+        chat_open(&ch, m, t);
+        chat_user_turn(&ch, m, t, text, len);
+    } else {
+        int *ids;
+        size_t n;
+        int flags = TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0);
+        if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing the prompt");
+        for (size_t i = 0; i < n; i++) push(t, ids[i]);
+        free(ids);
+    }
+    free(text);
+}
+
+/* Logits of every prompt position, batched (or one token at a time with
+   --no-batch), written CHUNK_TOKENS rows at a time. */
+static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a)
+{
+    size_t vocab = m->c.vocab_size;
+    FILE *f = fopen(a->dump_logits, "wb");
+    if (!f) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+    for (int off = 0; off < p->n; off += CHUNK_TOKENS) {
+        int k = p->n - off < CHUNK_TOKENS ? p->n - off : CHUNK_TOKENS;
+        if (a->no_batch)
+            for (int t = 0; t < k; t++) {
+                decode_step(m, s, p->ids[off + t], off + t);
+                memmove(s->logits + t * vocab, s->logits, vocab * sizeof(float));
+            }
+        else
+            prefill(m, s, p->ids + off, k, off, 1);
+        if (fwrite(s->logits, sizeof(float) * vocab, k, f) != (size_t)k) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+    }
+    if (fclose(f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+}
+
+int main(int argc, char **argv)
+{
+    Args a;
+    parse_args(&a, argc, argv);
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
+    double t0 = now_ms();
+    Model m;
+    build_model(&m, a.model_path);
+    double load_ms = now_ms() - t0;
+    int chat = !strcmp(a.mode, "chat");
+
+    Tokens prompt = {0};
+    if (!chat && !a.ppl) prompt_tokens(&m, &a, &prompt);
+    if (a.tokenize) {
+        for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
+        printf("\n");
+        check_stdout();
+        free(prompt.ids);
+        free_model(&m);
+        return 0;
+    }
+    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
+    if (!chat && !a.ppl && prompt.n == 0) die(EXIT_RUNTIME, "the prompt is empty");
+    if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
+
+    int threads = a.threads ? a.threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+#ifdef _OPENMP
+    omp_set_num_threads(threads > 0 ? threads : 1);
+#else
+    threads = 1;
+#endif
+    RunState s;
+    if (a.kv_type == T_Q8_0 && m.c.head_dim % QK) die(EXIT_USAGE, "--kv q8 needs a head_dim that is a multiple of %d (this model: %d)", QK, m.c.head_dim);
+    build_state(&s, &m.c, seq_len, threads, a.kv_type);
+    if (a.verbose)
+        fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
+                a.model_path, m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
+                kv_cache_bytes(&m.c, seq_len, a.kv_type) / 1e6, type_name(a.kv_type), threads, load_ms);
+    Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
+    sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
+    if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
+    else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
+    else if (chat) chat_loop(&m, &s, &sm, &a);
+    else if (a.n_predict > 0) {
+        int n_predict = a.n_predict, pos = 0, last;
+        if (n_predict > seq_len - prompt.n + 1) {
+            n_predict = seq_len - prompt.n + 1;
+            if (a.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.n_predict, n_predict, seq_len, prompt.n);
+        }
+        Stats st;
+        generate(&m, &s, &sm, &prompt, &pos, n_predict, &st, &last);
+        if (a.verbose) report_stats(&st);
+        free(st.itl);
+    }
+    free(prompt.ids);
+    free_state(&s);
+    free_model(&m);
+    return 0;
+}

@@ -1,0 +1,157 @@
+/* Kernel tests: every SIMD dot product against its scalar reference, the
+   f16 conversion against the hardware converter over all 65536 inputs, and
+   the int8 activation quantizer's error bound. Includes run.c whole so the
+   static kernels are reachable; prints one line per check and exits 1 if
+   any failed.  Build: cc -O2 -march=native -I. tests/test_kernels.c -lm */
+#define main run_main
+#include "../run.c"
+#undef main
+
+static int failures;
+
+static void check(int ok, const char *what)
+{
+    printf("%s %s\n", ok ? "ok  " : "FAIL", what);
+    if (!ok) failures++;
+}
+
+static uint64_t rng = 88172645463325252ull;
+
+static float frand(void) { return random_f32(&rng) * 2 - 1; } /* [-1, 1) */
+
+static uint16_t f32_to_f16_bits(float f) /* round-to-nearest via the compiler */
+{
+    _Float16 h = (_Float16)f;
+    uint16_t b;
+    memcpy(&b, &h, 2);
+    return b;
+}
+
+/* Random weight rows of every type, one float activation row; compares the
+   dot products of the SIMD kernel to the scalar one. */
+static void test_dots(void)
+{
+    enum { N = 1536, ROWS = 64 };
+    static float x[N];
+    static BlockQ8A xq[N / QK];
+    static uint8_t w[ROWS * N * 4];
+    int types[] = {T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_1};
+    for (int i = 0; i < N; i++) x[i] = frand() * 3;
+    quantize_act(xq, x, N);
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        int type = types[i];
+        size_t rb = row_bytes(type, N);
+        for (size_t b = 0; b < rb * ROWS; b++) w[b] = random_u32(&rng);
+        for (int r = 0; r < ROWS; r++) { /* sane scales: random bits would be inf/NaN */
+            uint8_t *row = w + r * rb;
+            for (int k = 0; k < N / QK; k++) {
+                if (type == T_Q8_0) { BlockQ8_0 *bl = (BlockQ8_0 *)row + k; bl->d = f32_to_f16_bits(frand() * 0.01f); }
+                if (type == T_Q4_1) { BlockQ4_1 *bl = (BlockQ4_1 *)row + k; bl->d = f32_to_f16_bits(frand() * 0.01f); bl->m = f32_to_f16_bits(frand() * 0.05f); }
+            }
+            if (type == T_F32) for (int j = 0; j < N; j++) ((float *)row)[j] = frand();
+            if (type == T_F16) for (int j = 0; j < N; j++) ((uint16_t *)row)[j] = f32_to_f16_bits(frand());
+            if (type == T_BF16) for (int j = 0; j < N; j++) { float f = frand(); uint32_t u; memcpy(&u, &f, 4); ((uint16_t *)row)[j] = u >> 16; }
+        }
+        DotKernels k = dot_kernels(type);
+        const void *act = uses_int8_activations(type) ? (const void *)xq : (const void *)x;
+        double worst = 0;
+        for (int r = 0; r < ROWS && k.simd; r++) {
+            double a = k.scalar(w + r * rb, act, N), b = k.simd(w + r * rb, act, N);
+            double mag = 0; /* sum of |terms| bounds the rounding error of either order */
+            for (int j = 0; j < N; j++) mag += fabs(x[j]);
+            worst = fmax(worst, fabs(a - b) / (mag + 1e-30));
+        }
+        char what[128];
+        snprintf(what, sizeof what, "dot %-4s simd vs scalar: worst |diff| / sum|x| = %.2e%s", type_name(type), worst, k.simd ? "" : " (no SIMD compiled)");
+        check(worst < 1e-6, what);
+    }
+}
+
+/* Integer part exactly: with d = 1 scales, both kernels must return the
+   exact integer sum. */
+static void test_int_exact(void)
+{
+    enum { N = 576 };
+    static BlockQ8A xq[N / QK];
+    static BlockQ8_0 w8[N / QK];
+    static BlockQ4_1 w4[N / QK];
+    long ref8 = 0, ref4 = 0;
+    for (int k = 0; k < N / QK; k++) {
+        xq[k].d = 1; w8[k].d = f32_to_f16_bits(1); w4[k].d = f32_to_f16_bits(1); w4[k].m = 0; xq[k].s = 0;
+        for (int i = 0; i < QK; i++) {
+            xq[k].qs[i] = (int8_t)(random_u32(&rng) % 255 - 127);
+            w8[k].qs[i] = (int8_t)(random_u32(&rng) % 255 - 127);
+            ref8 += xq[k].qs[i] * w8[k].qs[i];
+        }
+        for (int j = 0; j < QK / 2; j++) {
+            w4[k].qs[j] = random_u32(&rng);
+            ref4 += (w4[k].qs[j] & 15) * xq[k].qs[j] + (w4[k].qs[j] >> 4) * xq[k].qs[j + 16];
+        }
+    }
+    DotKernels k8 = dot_kernels(T_Q8_0), k4 = dot_kernels(T_Q4_1);
+    check(k8.scalar(w8, xq, N) == (float)ref8, "q8_0 scalar integer sum exact");
+    check(k4.scalar(w4, xq, N) == (float)ref4, "q4_1 scalar integer sum exact");
+    if (k8.simd) check(k8.simd(w8, xq, N) == (float)ref8, "q8_0 simd integer sum exact");
+    if (k4.simd) check(k4.simd(w4, xq, N) == (float)ref4, "q4_1 simd integer sum exact");
+}
+
+static void test_fp16(void)
+{
+    int bad = 0;
+    for (uint32_t h = 0; h < 65536; h++) {
+        _Float16 ref;
+        uint16_t hb = (uint16_t)h;
+        memcpy(&ref, &hb, 2);
+        float a = fp16_to_f32_scalar(hb), b = (float)ref;
+        if (memcmp(&a, &b, 4) != 0 && !(isnan(a) && isnan(b))) bad++;
+    }
+    check(bad == 0, "fp16_to_f32_scalar equals the compiler's _Float16 conversion on all 65536 inputs");
+    /* float -> half: every half's neighbourhood (exact values, midpoints, just off them) */
+    bad = 0;
+    for (uint32_t h = 0; h < 0x7c00; h++) {
+        float lo = fp16_to_f32_scalar((uint16_t)h), hi = fp16_to_f32_scalar((uint16_t)(h + 1)), mid = (lo + hi) / 2;
+        float probes[] = {lo, mid, nextafterf(mid, 0), nextafterf(mid, 1e9f), -lo, -mid};
+        for (int i = 0; i < 6; i++)
+            if (f32_to_fp16_scalar(probes[i]) != f32_to_f16_bits(probes[i])) bad++;
+    }
+    float specials[] = {INFINITY, -INFINITY, 65520.0f, 1e10f, -1e-10f, 0.0f, -0.0f};
+    for (int i = 0; i < 7; i++) if (f32_to_fp16_scalar(specials[i]) != f32_to_f16_bits(specials[i])) bad++;
+    check(bad == 0, "f32_to_fp16_scalar rounds like the compiler's _Float16 (nearest even) around every half");
+}
+
+/* |x - d*q| <= d/2 per element (plus float slack), and s = d * sum(q). */
+static void test_quantize_act(void)
+{
+    enum { N = 4096 };
+    static float x[N];
+    static BlockQ8A q[N / QK];
+    for (int i = 0; i < N; i++) x[i] = frand() * (i % 97 == 0 ? 50 : 1);
+    for (int i = 0; i < QK; i++) x[i] = 0; /* an all-zero block */
+    quantize_act(q, x, N);
+    int ok = 1;
+    for (int i = 0; i < N; i++) {
+        const BlockQ8A *b = &q[i / QK];
+        if (fabsf(x[i] - b->d * b->qs[i % QK]) > b->d * 0.5f * 1.0001f + 1e-30f) ok = 0;
+    }
+    for (int k = 0; k < N / QK; k++) {
+        int sum = 0;
+        for (int i = 0; i < QK; i++) sum += q[k].qs[i];
+        if (fabsf(q[k].s - q[k].d * sum) > 1e-6f * fabsf(q[k].d * sum) + 1e-30f) ok = 0;
+    }
+    check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
+}
+
+int main(void)
+{
+#ifdef HAVE_AVX2
+    printf("kernels: AVX2 compiled in\n");
+#else
+    printf("kernels: scalar only\n");
+#endif
+    test_fp16();
+    test_quantize_act();
+    test_int_exact();
+    test_dots();
+    printf("%s\n", failures ? "FAILED" : "all kernel checks passed");
+    return failures != 0;
+}
