@@ -81,6 +81,8 @@
 #define MAX_LAYERS 1024
 #define MAX_VOCAB (1 << 24)
 #define MAX_SEQ (1 << 20)
+#define MAX_TENSORS (1 << 20)
+#define ERR_BYTES 256
 
 /* ----------------------------------------------------------------------------
    Errors. A failure anywhere in loading or running prints one line to stderr
@@ -114,6 +116,10 @@ static void *xcalloc(size_t n, size_t size)
     if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu x %zu bytes", n, size);
     return p;
 }
+
+/* Loader errors: the reason goes to err (ERR_BYTES) and the function
+   returns -1; the caller frees what was built. */
+#define LOAD_FAIL(...) do { snprintf(err, ERR_BYTES, __VA_ARGS__); return -1; } while (0)
 
 static double now_ms(void)
 {
@@ -220,21 +226,21 @@ static const uint8_t *tensor_row(const Tensor *t, int r)
 
 /* Reads and bounds-checks the header into c. The file is untrusted: every
    field is checked before anything is sized by it. */
-static void read_config(Model *m, const char *path)
+static int read_config(Model *m, char *err)
 {
     const uint8_t *h = m->map;
     Config *c = &m->c;
     if (m->map_size < HEADER_BYTES || memcmp(h, FILE_MAGIC, 4) != 0)
-        die(EXIT_RUNTIME, "%s: not a model file (bad magic; convert it with export.py)", path);
+        LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
     if (rd_u32(h + 4) != FILE_VERSION)
-        die(EXIT_RUNTIME, "%s: unsupported file version %u (this build reads version %d)", path, rd_u32(h + 4), FILE_VERSION);
+        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + 4), FILE_VERSION);
     if (rd_u32(h + 8) < HEADER_BYTES || rd_u32(h + 8) > m->map_size)
-        die(EXIT_RUNTIME, "%s: bad header size %u", path, rd_u32(h + 8));
+        LOAD_FAIL("bad header size %u", rd_u32(h + 8));
     if (rd_u64(h + 96) != m->map_size)
-        die(EXIT_RUNTIME, "%s: file is %zu bytes but its header says %llu (truncated or damaged)",
-            path, m->map_size, (unsigned long long)rd_u64(h + 96));
+        LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
+            m->map_size, (unsigned long long)rd_u64(h + 96));
     if (rd_u32(h + 12) != ARCH_LLAMA)
-        die(EXIT_RUNTIME, "%s: unsupported architecture id %u (this build runs llama = %d)", path, rd_u32(h + 12), ARCH_LLAMA);
+        LOAD_FAIL("unsupported architecture id %u (this build runs llama = %d)", rd_u32(h + 12), ARCH_LLAMA);
     uint32_t v[9];
     for (int i = 0; i < 9; i++) v[i] = rd_u32(h + 16 + 4 * i);
     c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
@@ -244,82 +250,83 @@ static void read_config(Model *m, const char *path)
     uint32_t flags = rd_u32(h + 56), act = rd_u32(h + 60);
     c->rope_dim = rd_u32(h + 64);
     c->tied = flags & FLAG_TIED_EMBEDDINGS;
-    if (flags & ~FLAG_TIED_EMBEDDINGS) die(EXIT_RUNTIME, "%s: unsupported feature flags 0x%x", path, flags);
-    if (act != 0) die(EXIT_RUNTIME, "%s: unsupported activation %u", path, act);
+    if (flags & ~FLAG_TIED_EMBEDDINGS) LOAD_FAIL("unsupported feature flags 0x%x", flags);
+    if (act != 0) LOAD_FAIL("unsupported activation %u", act);
     int ok = v[0] && v[0] <= MAX_DIM && v[1] && v[1] <= MAX_DIM && v[2] && v[2] <= MAX_LAYERS &&
              v[3] && v[3] <= 1024 && v[4] && v[4] <= v[3] && v[3] % v[4] == 0 &&
              v[5] && v[5] <= 1024 && v[5] % 2 == 0 && (size_t)v[3] * v[5] <= MAX_DIM &&
              v[6] && v[6] <= MAX_VOCAB && v[7] && v[7] <= MAX_SEQ &&
              c->rope_dim > 0 && c->rope_dim <= c->head_dim && c->rope_dim % 2 == 0 &&
              isfinite(c->rope_theta) && c->rope_theta > 1 && isfinite(c->norm_eps) && c->norm_eps > 0;
-    if (!ok) die(EXIT_RUNTIME, "%s: header has an impossible model shape (dim %u, layers %u, heads %u/%u, head_dim %u, vocab %u, ctx %u)",
-                 path, v[0], v[2], v[3], v[4], v[5], v[6], v[7]);
+    if (!ok) LOAD_FAIL("header has an impossible model shape (dim %u, layers %u, heads %u/%u, head_dim %u, vocab %u, ctx %u)",
+                 v[0], v[2], v[3], v[4], v[5], v[6], v[7]);
+    return 0;
 }
 
 /* Finds tensor `name` in the table and checks its shape; every entry was
    validated against the file size when the table was read. */
-static Tensor find_tensor(const Model *m, const Tensor *table, int n, const char *name, int rows, int cols)
+static int find_tensor(Tensor *out, const Tensor *table, int n, const char *name, int rows, int cols, char *err)
 {
     for (int i = 0; i < n; i++) {
         if (strcmp(table[i].name, name) != 0) continue;
         if (table[i].rows != rows || table[i].cols != cols)
-            die(EXIT_RUNTIME, "tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
-        return table[i];
+            LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
+        *out = table[i];
+        return 0;
     }
-    (void)m;
-    die(EXIT_RUNTIME, "model file has no tensor %s", name);
-    return table[0];
+    LOAD_FAIL("model file has no tensor %s", name);
 }
 
 /* Reads the tensor table: each entry's name, type, shape, offset and size
    must describe bytes that lie inside the file. */
-static Tensor *read_tensor_table(const Model *m, const char *path, int *n_out)
+static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err)
 {
     const uint8_t *h = m->map;
     uint32_t n = rd_u32(h + 68);
     uint64_t off = rd_u64(h + 88);
-    if (n > 1u << 20 || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
-        die(EXIT_RUNTIME, "%s: tensor table (%u entries at %llu) lies outside the file", path, n, (unsigned long long)off);
-    Tensor *t = xcalloc(n, sizeof *t);
+    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
+    Tensor *t = *out = xcalloc(n, sizeof *t);
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) die(EXIT_RUNTIME, "%s: tensor %u has an unterminated name", path, i);
+        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
         t[i].name = (const char *)e;
         t[i].type = rd_u32(e + 48);
         uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);
         uint64_t data = rd_u64(e + 64), size = rd_u64(e + 72);
-        if (!type_name(t[i].type)) die(EXIT_RUNTIME, "%s: tensor %s has unsupported type %d", path, t[i].name, t[i].type);
+        if (!type_name(t[i].type)) LOAD_FAIL("tensor %s has unsupported type %d", t[i].name, t[i].type);
         size_t rb = row_bytes(t[i].type, cols);
         if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
-            die(EXIT_RUNTIME, "%s: tensor %s has a bad shape %ux%u for type %s", path, t[i].name, rows, cols, type_name(t[i].type));
+            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", t[i].name, rows, cols, type_name(t[i].type));
         if (size != (uint64_t)rb * rows || data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
-            die(EXIT_RUNTIME, "%s: tensor %s (%llu bytes at %llu) lies outside the file or is misaligned",
-                path, t[i].name, (unsigned long long)size, (unsigned long long)data);
+            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
+                      t[i].name, (unsigned long long)size, (unsigned long long)data);
         t[i].rows = rows;
         t[i].cols = cols;
         t[i].data = m->map + data;
     }
     *n_out = (int)n;
-    return t;
+    return 0;
 }
 
-/* Binds the layer structs to the tensors in the mapping. */
-static void bind_weights(Model *m, const char *path)
+/* Binds the layer structs to the tensors of the table (n entries). */
+static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
 {
     Config *c = &m->c;
-    int n;
-    Tensor *tab = read_tensor_table(m, path, &n);
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
     char name[TENSOR_NAME_BYTES];
-    m->tok_embeddings = find_tensor(m, tab, n, "tok_embeddings", c->vocab_size, c->dim);
-    m->norm = find_tensor(m, tab, n, "norm", 1, c->dim);
-    m->output = c->tied ? m->tok_embeddings : find_tensor(m, tab, n, "output", c->vocab_size, c->dim);
+    if (find_tensor(&m->tok_embeddings, tab, n, "tok_embeddings", c->vocab_size, c->dim, err) ||
+        find_tensor(&m->norm, tab, n, "norm", 1, c->dim, err))
+        return -1;
+    if (c->tied) m->output = m->tok_embeddings;
+    else if (find_tensor(&m->output, tab, n, "output", c->vocab_size, c->dim, err)) return -1;
+    if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
     m->layers = xcalloc(c->n_layers, sizeof(Layer));
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
 #define BIND(field, rows, cols) \
         snprintf(name, sizeof name, "layers.%d." #field, l); \
-        L->field = find_tensor(m, tab, n, name, rows, cols);
+        if (find_tensor(&L->field, tab, n, name, rows, cols, err)) return -1;
         BIND(attn_norm, 1, c->dim);
         BIND(wqkv, q_dim + 2 * kv_dim, c->dim);
         BIND(wo, c->dim, q_dim);
@@ -327,11 +334,9 @@ static void bind_weights(Model *m, const char *path)
         BIND(w13, 2 * c->hidden_dim, c->dim);
         BIND(w2, c->dim, c->hidden_dim);
 #undef BIND
-        if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32)
-            die(EXIT_RUNTIME, "%s: layer %d norm weights must be f32", path, l);
+        if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32) LOAD_FAIL("layer %d norm weights must be f32", l);
     }
-    if (m->norm.type != T_F32) die(EXIT_RUNTIME, "%s: norm weights must be f32", path);
-    /* Parameter count and the dominant weight type, for -v. */
+    /* Parameter count and the type holding the most weight bytes, for -v. */
     size_t bytes_by_type[T_BF16 + 1] = {0};
     for (int i = 0; i < n; i++) {
         m->n_params += (double)tab[i].rows * tab[i].cols;
@@ -340,40 +345,45 @@ static void bind_weights(Model *m, const char *path)
     int best = T_F32;
     for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
     m->dtype = type_name(best);
-    /* The Tensor structs were copied out; names still point into the map. */
-    free(tab);
+    return 0;
 }
 
-static void build_model(Model *m, const char *path)
+/* Maps and validates a model file. Returns 0, or -1 with a one-line reason
+   in err (ERR_BYTES); the caller then frees the partial model with
+   free_model. Never reads outside the mapping, whatever the file holds. */
+static int build_model(Model *m, const char *path, char *err)
 {
     memset(m, 0, sizeof *m);
     int fd = open(path, O_RDONLY);
-    if (fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    if (fd < 0) LOAD_FAIL("cannot open: %s", strerror(errno));
     struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) die(EXIT_RUNTIME, "%s: not a regular file", path);
-    if ((size_t)st.st_size < HEADER_BYTES) die(EXIT_RUNTIME, "%s: not a model file (only %lld bytes)", path, (long long)st.st_size);
-    m->map_size = st.st_size;
-    void *p = mmap(NULL, m->map_size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); LOAD_FAIL("not a regular file"); }
+    if ((size_t)st.st_size < HEADER_BYTES) { close(fd); LOAD_FAIL("not a model file (only %lld bytes)", (long long)st.st_size); }
+    void *p = mmap(NULL, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (p == MAP_FAILED) die(EXIT_RUNTIME, "cannot map %s: %s", path, strerror(errno));
+    if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
-    read_config(m, path);
+    m->map_size = st.st_size;
+    if (read_config(m, err)) return -1;
     uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
-    if (tok_off > m->map_size || m->map_size - tok_off < tok_size)
-        die(EXIT_RUNTIME, "%s: tokenizer section lies outside the file", path);
-    char err[256];
-    if (tok_create(&m->tok, m->map + tok_off, tok_size, err, sizeof err) != 0)
-        die(EXIT_RUNTIME, "%s: tokenizer: %s", path, err);
+    if (tok_off % 4 || tok_off > m->map_size || m->map_size - tok_off < tok_size)
+        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
+    char why[ERR_BYTES];
+    if (tok_create(&m->tok, m->map + tok_off, tok_size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
     if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
-        die(EXIT_RUNTIME, "%s: tokenizer has %d tokens but the model only %d rows", path, tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
-    bind_weights(m, path);
+        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
+    Tensor *tab = NULL;
+    int n = 0, rc = read_tensor_table(m, &tab, &n, err) || bind_weights(m, tab, n, err) ? -1 : 0;
+    free(tab); /* the Tensor structs were copied out; names still point into the map */
+    return rc;
 }
 
 static void free_model(Model *m)
 {
-    tok_free(m->tok);
+    if (m->tok) tok_free(m->tok);
     free(m->layers);
-    munmap((void *)m->map, m->map_size);
+    if (m->map) munmap((void *)m->map, m->map_size);
+    memset(m, 0, sizeof *m);
 }
 
 /* ============================================================================
@@ -1706,7 +1716,8 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
     double t0 = now_ms();
     Model m;
-    build_model(&m, a.model_path);
+    char err[ERR_BYTES];
+    if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
 
