@@ -594,36 +594,60 @@ static __m256i dot_i8x32(__m256i a, __m256i b)
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
+/* One block's contribution added to acc. The SIMD dot products below keep
+   two accumulators so that consecutive blocks do not wait on each other's
+   FMA latency. */
+static __m256 q8_0_block(const BlockQ8_0 *a, const BlockQ8A *b, __m256 acc)
+{
+    __m256i wa = _mm256_loadu_si256((const __m256i *)a->qs);
+    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+    __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
+    return _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a->d) * b->d), p, acc);
+}
+
 static float dot_q8_0_avx2(const void *w, const void *x, int n)
 {
     const BlockQ8_0 *a = w;
     const BlockQ8A *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        __m256i wa = _mm256_loadu_si256((const __m256i *)a[k].qs);
-        __m256i xb = _mm256_loadu_si256((const __m256i *)b[k].qs);
-        __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a[k].d) * b[k].d), p, acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int k = 0, nb = n / QK;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = q8_0_block(a + k, b + k, acc0);
+        acc1 = q8_0_block(a + k + 1, b + k + 1, acc1);
     }
-    return hsum256(acc);
+    if (k < nb) acc0 = q8_0_block(a + k, b + k, acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Nibbles are unsigned 0..15, so they feed maddubs's unsigned operand
+   directly; the minimum m enters through the activation sum s. */
+static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)a->qs);
+    __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
 }
 
 static float dot_q4_1_avx2(const void *w, const void *x, int n)
 {
     const BlockQ4_1 *a = w;
     const BlockQ8A *b = x;
-    const __m256i lo4 = _mm256_set1_epi8(0xf);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0;
-    for (int k = 0; k < n / QK; k++) {
-        __m128i q = _mm_loadu_si128((const __m128i *)a[k].qs);
-        __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), lo4); /* 0..15 */
-        __m256i xb = _mm256_loadu_si256((const __m256i *)b[k].qs);
-        __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a[k].d) * b[k].d), _mm256_cvtepi32_ps(p32), acc);
-        mins += fp16_to_f32(a[k].m) * b[k].s;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float mins0 = 0, mins1 = 0;
+    int k = 0, nb = n / QK;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = q4_1_block(a + k, b + k, acc0);
+        acc1 = q4_1_block(a + k + 1, b + k + 1, acc1);
+        mins0 += fp16_to_f32(a[k].m) * b[k].s;
+        mins1 += fp16_to_f32(a[k + 1].m) * b[k + 1].s;
     }
-    return hsum256(acc) + mins;
+    if (k < nb) {
+        acc0 = q4_1_block(a + k, b + k, acc0);
+        mins0 += fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
 }
 #endif
 
@@ -655,6 +679,8 @@ static DotKernels dot_kernels(int type)
 
 /* Set by --scalar: run the reference kernels (slow; for checking). */
 static int force_scalar;
+/* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
+static int print_ids;
 
 static DotFn dot_for(int type)
 {
@@ -1232,6 +1258,11 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     Utf8Stream u = {{0}, 0};
     int n = conv->n - *pos, why;
     *st = (Stats){.n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
+    if (print_ids) {
+        fputs("ids:", stderr);
+        for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
+        fputc('\n', stderr);
+    }
     double t0 = now_ms();
     prefill(m, s, conv->ids + *pos, n, *pos, 0);
     *pos += n;
@@ -1545,6 +1576,8 @@ static void usage(FILE *f)
         "                 prompt position (batched prefill) to FILE and exit\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
         "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
+        "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
+        "                 (\"ids: 1 2 3\"; shows what a chat template built)\n"
         "  -h, --help     this help; --version prints the version\n"
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
@@ -1624,6 +1657,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
+        else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
