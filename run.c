@@ -187,6 +187,8 @@ typedef struct {
     const uint8_t *map;    /* the whole file, read-only */
     size_t map_size;
     double n_params;
+    double matmul_params;  /* weights multiplied per token: layer matrices + output head */
+    double weight_bytes;   /* bytes of those weights: what decode streams per token */
     const char *dtype;     /* the type of most weight bytes, for -v */
 } Model;
 
@@ -345,6 +347,16 @@ static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
     int best = T_F32;
     for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
     m->dtype = type_name(best);
+    const Tensor *per_token[] = {&m->output};
+    for (int l = 0; l < c->n_layers; l++) {
+        const Tensor *mats[] = {&m->layers[l].wqkv, &m->layers[l].wo, &m->layers[l].w13, &m->layers[l].w2};
+        for (int i = 0; i < 4; i++) {
+            m->matmul_params += (double)mats[i]->rows * mats[i]->cols;
+            m->weight_bytes += (double)mats[i]->rows * row_bytes(mats[i]->type, mats[i]->cols);
+        }
+    }
+    m->matmul_params += (double)per_token[0]->rows * per_token[0]->cols;
+    m->weight_bytes += (double)per_token[0]->rows * row_bytes(per_token[0]->type, per_token[0]->cols);
     return 0;
 }
 
@@ -1155,6 +1167,122 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
     return sm->temperature == 0 ? sample_argmax(logits, n) : sample_topp(sm, logits, n, cand);
 }
 
+/* ----- roofline ---------------------------------------------------------------
+   How fast could this machine go? Small probes (--probe) measure DRAM read
+   bandwidth and the f32 and int8 arithmetic peaks with the same thread
+   team; -v then puts each phase next to its own limit: decode against
+   bandwidth (bytes of weights and KV cache read per token), prefill against
+   arithmetic (FLOPs per prompt). */
+
+typedef struct {
+    double gbps;       /* DRAM read, GB/s */
+    double f32_gflops; /* FMA peak, GFLOP/s */
+    double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
+} Machine;
+
+#define PROBE_BYTES (256u << 20)  /* far beyond any L3 */
+#define PROBE_ITERS 20000000      /* ~10 ms of arithmetic per thread */
+
+/* Read bandwidth: each thread sums its share of a buffer 8x larger than
+   the caches; best of three passes. */
+static double probe_bandwidth(void)
+{
+    size_t n = PROBE_BYTES / sizeof(float);
+    float *buf = xmalloc(PROBE_BYTES), best = 0;
+    memset(buf, 0, PROBE_BYTES);
+    float sink = 0;
+    for (int pass = 0; pass < 3; pass++) {
+        double t0 = now_ms();
+        #pragma omp parallel reduction(+ : sink)
+        {
+            int lo, hi;
+            split((int)(n / 64), 1, thread_id(), thread_count(), &lo, &hi);
+            float acc[16] = {0};
+            for (size_t i = (size_t)lo * 64; i < (size_t)hi * 64; i += 16)
+                for (int j = 0; j < 16; j++) acc[j] += buf[i + j];
+            for (int j = 0; j < 16; j++) sink += acc[j];
+        }
+        double gbps = PROBE_BYTES / ((now_ms() - t0) / 1e3) / 1e9;
+        if (gbps > best) best = gbps;
+    }
+    free(buf);
+    return best + sink * 0; /* sink keeps the loads alive */
+}
+
+/* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
+   thread, enough of them to hide latency. */
+static void probe_compute(double *f32_gflops, double *i8_gops)
+{
+    double t0 = now_ms(), flops = 0, ops = 0;
+    float fsink = 0;
+    int isink = 0;
+    #pragma omp parallel reduction(+ : flops, fsink)
+    {
+#ifdef HAVE_AVX2
+        __m256 acc[8], x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-3f);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_ps((float)j);
+        for (long i = 0; i < PROBE_ITERS / 8; i++)
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(acc[j], x, y);
+        for (int j = 0; j < 8; j++) fsink += hsum256(acc[j]);
+        flops += (double)PROBE_ITERS / 8 * 8 * 8 * 2;
+#else
+        float acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = (float)j;
+        for (long i = 0; i < PROBE_ITERS / 8; i++)
+            for (int j = 0; j < 8; j++) acc[j] = acc[j] * 0.999f + 1e-3f;
+        for (int j = 0; j < 8; j++) fsink += acc[j];
+        flops += (double)PROBE_ITERS / 8 * 8 * 2;
+#endif
+    }
+    *f32_gflops = flops / ((now_ms() - t0) / 1e3) / 1e9;
+    t0 = now_ms();
+    #pragma omp parallel reduction(+ : ops, isink)
+    {
+#ifdef HAVE_AVX2
+        __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi32(j);
+        for (long i = 0; i < PROBE_ITERS / 8; i++)
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), one));
+        for (int j = 0; j < 8; j++) isink += _mm256_extract_epi32(acc[j], 0);
+        ops += (double)PROBE_ITERS / 8 * 8 * 32 * 2;
+#else
+        int acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = j;
+        for (long i = 0; i < PROBE_ITERS / 8; i++)
+            for (int j = 0; j < 8; j++) acc[j] += (int8_t)(i + j) * 3;
+        for (int j = 0; j < 8; j++) isink += acc[j];
+        ops += (double)PROBE_ITERS / 8 * 8 * 2;
+#endif
+    }
+    *i8_gops = ops / ((now_ms() - t0) / 1e3) / 1e9;
+    if (fsink == 1234.5f && isink == 12345) fputc(' ', stderr); /* keep the chains alive */
+}
+
+static void probe_machine(Machine *mc, int threads)
+{
+    mc->gbps = probe_bandwidth();
+    probe_compute(&mc->f32_gflops, &mc->i8_gops);
+    fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s\n",
+            threads, mc->gbps, mc->f32_gflops, mc->i8_gops);
+}
+
+/* FLOPs to prefill n tokens after pos0 cached ones: 2 per weight per token
+   (the output head once), plus attention, 4*q_dim per attended position. */
+static double prefill_flops(const Model *m, int n, int pos0)
+{
+    const Config *c = &m->c;
+    double head = 2.0 * c->vocab_size * c->dim, attended = (double)n * pos0 + (double)n * (n + 1) / 2;
+    return 2.0 * (m->matmul_params - (double)c->vocab_size * c->dim) * n + head +
+           4.0 * c->n_heads * c->head_dim * c->n_layers * attended;
+}
+
+/* Bytes decode reads per token at position pos: every weight, and the
+   cached K and V rows of every layer. */
+static double decode_bytes(const Model *m, const RunState *s, int pos)
+{
+    return m->weight_bytes + 2.0 * m->c.n_layers * m->c.n_kv_heads * (pos + 1) * s->kv_row;
+}
+
 /* ============================================================================
    5. GENERATION
    ========================================================================= */
@@ -1201,6 +1329,7 @@ static void emit_flush(Utf8Stream *u)
    token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
    memory bandwidth in decode). */
 typedef struct {
+    int pos0;       /* tokens already cached before this request */
     int n_prompt, n_gen;
     double prefill_ms;
     double *itl; /* [n_gen - 1] gaps between streamed tokens, ms */
@@ -1217,16 +1346,29 @@ static int by_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static void report_stats(Stats *st)
+/* The -v lines of one request: speed, achieved GFLOP/s (prefill) and GB/s
+   (decode), and with --probe the fraction of the machine's limit and which
+   limit binds. */
+static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
 {
     double pre = st->prefill_ms, itl_sum = 0;
     int k = st->n_gen > 1 ? st->n_gen - 1 : 0;
     for (int i = 0; i < k; i++) itl_sum += st->itl[i];
     qsort(st->itl, k, sizeof(double), by_double);
-    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms\n",
-            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre);
-    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p90 %.2f ms\n", st->n_gen,
-            k ? k / (itl_sum / 1e3) : 0.0, k ? itl_sum / k : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0);
+    double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
+    double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
+    double gbps = k ? bytes / (itl / 1e3) / 1e9 : 0;
+    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
+            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
+    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
+            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (!mc) return;
+    int int8 = uses_int8_activations(m->layers[0].w2.type);
+    double peak = int8 ? mc->i8_gops : mc->f32_gflops;
+    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
+            "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",
+            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / mc->gbps, bytes / 1e6, mc->gbps,
+            bytes / (mc->gbps * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? "memory" : "compute");
 }
 
 /* The tokens of a conversation in order; the first `pos` of them are in
@@ -1257,7 +1399,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
     int n = conv->n - *pos, why;
-    *st = (Stats){.n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
+    *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
     if (print_ids) {
         fputs("ids:", stderr);
         for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
@@ -1415,7 +1557,7 @@ static void on_sigint(int sig)
 
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type;
+    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
     float temperature, top_p;
     unsigned long long seed;
 } Args;
@@ -1424,7 +1566,7 @@ typedef struct {
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
    Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a)
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, const Machine *mc)
 {
     Chat ch;
     build_chat(&ch, m, a->system);
@@ -1466,7 +1608,7 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a)
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (a->verbose) report_stats(&st);
+        if (a->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
@@ -1566,7 +1708,10 @@ static void usage(FILE *f)
         "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
         "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
-        "                 TTFT, prefill tok/s, decode tok/s, mean and p90 inter-token latency\n"
+        "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
+        "                 p90 inter-token latency\n"
+        "  --probe        measure this machine's DRAM bandwidth and f32/int8 peaks first\n"
+        "                 (~0.5 s); with -v each phase is shown against its roofline\n"
         "\n"
         "Tools\n"
         "  --tokenize     print the prompt's token ids on one line and exit\n"
@@ -1658,6 +1803,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
         else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
+        else if (!strcmp(f, "--probe")) a->probe = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -1783,11 +1929,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
                 a.model_path, m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
                 kv_cache_bytes(&m.c, seq_len, a.kv_type) / 1e6, type_name(a.kv_type), threads, load_ms);
+    Machine mc, *mcp = NULL;
+    if (a.probe) probe_machine(mcp = &mc, threads);
     Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) chat_loop(&m, &s, &sm, &a);
+    else if (chat) chat_loop(&m, &s, &sm, &a, mcp);
     else if (a.n_predict > 0) {
         int n_predict = a.n_predict, pos = 0, last;
         if (n_predict > seq_len - prompt.n + 1) {
@@ -1796,7 +1944,7 @@ int main(int argc, char **argv)
         }
         Stats st;
         generate(&m, &s, &sm, &prompt, &pos, n_predict, &st, &last);
-        if (a.verbose) report_stats(&st);
+        if (a.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
     free(prompt.ids);
