@@ -76,6 +76,8 @@
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
 #define CHUNK_TOKENS 64 /* prefill batch: tokens pushed through a layer together */
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
+#define TILE_ROWS 2    /* register tile of the prefill matmul: weight rows ... */
+#define TILE_TOKS 4    /* ... times tokens */
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
@@ -464,7 +466,7 @@ typedef struct {
     int8_t qs[QK];
 } BlockQ8A;
 
-static void quantize_act(BlockQ8A *out, const float *x, int n)
+static void quantize_act_scalar(BlockQ8A *out, const float *x, int n)
 {
     for (int b = 0; b < n / QK; b++, x += QK) {
         float amax = 0;
@@ -476,6 +478,41 @@ static void quantize_act(BlockQ8A *out, const float *x, int n)
         out[b].s = d * sum;
     }
 }
+
+#ifdef HAVE_AVX2
+/* Same results as the scalar version, bit for bit: roundf's half-away-from-
+   zero is rebuilt from truncation, and the scale is computed in scalar. */
+static void quantize_act_avx2(BlockQ8A *out, const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j] = _mm256_loadu_ps(x + 8 * j)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float d = amax / 127, id = d ? 1 / d : 0;
+        __m256i q[4];
+        for (int j = 0; j < 4; j++) {
+            __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(id));
+            __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+            t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
+            q[j] = _mm256_cvtps_epi32(t);
+        }
+        __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        /* the packs interleave 128-bit lanes: restore element order */
+        q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)out[b].qs, q8);
+        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        out[b].d = d;
+        out[b].s = d * _mm_cvtsi128_si32(s4);
+    }
+}
+#endif
 
 /* Quantizes a row to the q8_0 weight format (fp16 scale): the int8 KV cache. */
 static void quantize_q8_0(BlockQ8_0 *out, const float *x, int n)
@@ -661,7 +698,98 @@ static float dot_q4_1_avx2(const void *w, const void *x, int n)
     }
     return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
 }
+
+/* --- AVX2 register tiles for prefill --------------------------------------
+   A tile computes a small block of out[t][r] at once: each weight block it
+   loads serves several tokens and each activation block several rows, and
+   the accumulators are independent, so the batch costs far fewer loads and
+   no FMA waits on another. out is [TILE_ROWS][TILE_TOKS] row-major; the
+   results equal the dot products above up to summation order. */
+
+static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < n / QK; k++) {
+        const BlockQ8_0 *w0 = (const BlockQ8_0 *)w + k, *w1 = (const BlockQ8_0 *)(w + ws) + k;
+        __m256i q0 = _mm256_loadu_si256((const __m256i *)w0->qs), q1 = _mm256_loadu_si256((const __m256i *)w1->qs);
+        __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
+        float d0 = fp16_to_f32(w0->d), d1 = fp16_to_f32(w1->d);
+        for (int t = 0; t < TILE_TOKS; t++) {
+            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
+            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, q0)), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, q1)), ones);
+            acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * b->d), acc[0][t]);
+            acc[1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * b->d), acc[1][t]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+}
+
+static __m256i q4_1_nibbles(const BlockQ4_1 *b)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
+static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < n / QK; k++) {
+        const BlockQ4_1 *w0 = (const BlockQ4_1 *)w + k, *w1 = (const BlockQ4_1 *)(w + ws) + k;
+        __m256i n0 = q4_1_nibbles(w0), n1 = q4_1_nibbles(w1);
+        float d0 = fp16_to_f32(w0->d), d1 = fp16_to_f32(w1->d), m0 = fp16_to_f32(w0->m), m1 = fp16_to_f32(w1->m);
+        for (int t = 0; t < TILE_TOKS; t++) {
+            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
+            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(n0, xb), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(n1, xb), ones);
+            acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * b->d), acc[0][t]);
+            acc[1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * b->d), acc[1][t]);
+            mins[0][t] += m0 * b->s;
+            mins[1][t] += m1 * b->s;
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
+}
+
+/* Float weights: 8 weights per FMA; a weight vector is loaded once and
+   used for every token of the tile. load8 turns 8 stored weights into floats. */
+#define FLOAT_TILE(name, load8)                                                                          \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                    \
+        __m256 acc[TILE_ROWS][TILE_TOKS];                                                                \
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
+        for (int i = 0; i < n; i += 8) {                                                                 \
+            __m256 xv[TILE_TOKS];                                                                        \
+            for (int t = 0; t < TILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
+            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
+                __m256 wv = load8(w + r * ws, i);                                                        \
+                for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);   \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]); \
+    }
+
+static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
+static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
+static __m256 load8_bf16(const uint8_t *row, int i)
+{
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+FLOAT_TILE(f32, load8_f32)
+FLOAT_TILE(f16, load8_f16)
+FLOAT_TILE(bf16, load8_bf16)
 #endif
+
+typedef void (*TileFn)(const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_stride, int n, float *out);
 
 typedef float (*DotFn)(const void *w, const void *x, int n);
 
@@ -691,6 +819,32 @@ static DotKernels dot_kernels(int type)
 
 /* Set by --scalar: run the reference kernels (slow; for checking). */
 static int force_scalar;
+
+/* The register tile for a weight type, or NULL: then matmul_rows uses the
+   dot product alone. Float tiles need rows of whole 8-float vectors. */
+static TileFn tile_for(int type, int cols)
+{
+#ifdef HAVE_AVX2
+    if (force_scalar) return NULL;
+    switch (type) {
+    case T_Q8_0: return tile_q8_0_avx2;
+    case T_Q4_1: return tile_q4_1_avx2;
+    case T_F32: return cols % 8 ? NULL : tile_f32_avx2;
+    case T_F16: return cols % 8 ? NULL : tile_f16_avx2;
+    case T_BF16: return cols % 8 ? NULL : tile_bf16_avx2;
+    }
+#endif
+    (void)type; (void)cols;
+    return NULL;
+}
+static void quantize_act(BlockQ8A *out, const float *x, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) { quantize_act_avx2(out, x, n); return; }
+#endif
+    quantize_act_scalar(out, x, n);
+}
+
 /* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
 static int print_ids;
 
@@ -898,16 +1052,36 @@ static void free_state(RunState *s)
 static void matmul_rows(float *out, int out_stride, const RunState *s, const Tensor *w, int n_tok, int r0, int r1, int accumulate)
 {
     DotFn dot = dot_for(w->type);
+    TileFn tile = tile_for(w->type, w->cols);
     int int8 = uses_int8_activations(w->type);
     const uint8_t *act = int8 ? (const uint8_t *)s->xq : (const uint8_t *)s->xb;
     size_t stride = int8 ? w->cols / QK * sizeof(BlockQ8A) : w->cols * sizeof(float);
-    for (int a = r0; a < r1; a += ROW_TILE)
-        for (int t = 0; t < n_tok; t++)
-            for (int r = a; r < min_i(a + ROW_TILE, r1); r++) {
-                float v = dot(tensor_row(w, r), act + t * stride, w->cols);
-                float *o = out + (size_t)t * out_stride + r;
+    size_t wstride = row_bytes(w->type, w->cols);
+    for (int a = r0; a < r1; a += ROW_TILE) {
+        int b = min_i(a + ROW_TILE, r1), t = 0;
+        for (; tile && t + TILE_TOKS <= n_tok; t += TILE_TOKS) {
+            int r = a;
+            for (; r + TILE_ROWS <= b; r += TILE_ROWS) {
+                float v[TILE_ROWS * TILE_TOKS];
+                tile(tensor_row(w, r), wstride, act + t * stride, stride, w->cols, v);
+                for (int i = 0; i < TILE_ROWS; i++)
+                    for (int j = 0; j < TILE_TOKS; j++) {
+                        float *o = out + (size_t)(t + j) * out_stride + r + i;
+                        *o = accumulate ? *o + v[i * TILE_TOKS + j] : v[i * TILE_TOKS + j];
+                    }
+            }
+            for (; r < b; r++) /* odd row left over */
+                for (int j = 0; j < TILE_TOKS; j++) {
+                    float v = dot(tensor_row(w, r), act + (t + j) * stride, w->cols), *o = out + (size_t)(t + j) * out_stride + r;
+                    *o = accumulate ? *o + v : v;
+                }
+        }
+        for (; t < n_tok; t++) /* decode, and tokens left over */
+            for (int r = a; r < b; r++) {
+                float v = dot(tensor_row(w, r), act + t * stride, w->cols), *o = out + (size_t)t * out_stride + r;
                 *o = accumulate ? *o + v : v;
             }
+    }
 }
 
 /* Thread me's share of a matmul over all of W's rows. */

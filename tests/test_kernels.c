@@ -127,7 +127,18 @@ static void test_quantize_act(void)
     static BlockQ8A q[N / QK];
     for (int i = 0; i < N; i++) x[i] = frand() * (i % 97 == 0 ? 50 : 1);
     for (int i = 0; i < QK; i++) x[i] = 0; /* an all-zero block */
-    quantize_act(q, x, N);
+    quantize_act_scalar(q, x, N);
+#ifdef HAVE_AVX2
+    static BlockQ8A q2[N / QK];
+    static float ties[N];
+    quantize_act_avx2(q2, x, N);
+    check(memcmp(q, q2, sizeof q) == 0, "quantize_act avx2 equals scalar bit for bit");
+    for (int i = 0; i < N; i++) ties[i] = (i % QK == 0) ? 127.0f : (float)((i % 255) - 127) * 0.5f; /* exact .5 ties */
+    quantize_act_scalar(q, ties, N);
+    quantize_act_avx2(q2, ties, N);
+    check(memcmp(q, q2, sizeof q) == 0, "quantize_act avx2 rounds ties away from zero like roundf");
+    quantize_act_scalar(q, x, N);
+#endif
     int ok = 1;
     for (int i = 0; i < N; i++) {
         const BlockQ8A *b = &q[i / QK];
@@ -141,6 +152,57 @@ static void test_quantize_act(void)
     check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
 }
 
+/* Register tiles (prefill) against the scalar dot product of every
+   (row, token) pair they cover. */
+static void test_tiles(void)
+{
+    enum { N = 576 };
+    static float x[TILE_TOKS][N];
+    static BlockQ8A xq[TILE_TOKS][N / QK];
+    static uint8_t w[TILE_ROWS][N * 4];
+    int types[] = {T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_1};
+    for (int t = 0; t < TILE_TOKS; t++) {
+        for (int i = 0; i < N; i++) x[t][i] = frand();
+        quantize_act_scalar(xq[t], x[t], N);
+    }
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        int type = types[i];
+        size_t rb = row_bytes(type, N);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            for (size_t b = 0; b < rb; b++) w[r][b] = random_u32(&rng);
+            for (int k = 0; k < N / QK; k++) {
+                if (type == T_Q8_0) ((BlockQ8_0 *)w[r])[k].d = f32_to_f16_bits(frand() * 0.01f);
+                if (type == T_Q4_1) { ((BlockQ4_1 *)w[r])[k].d = f32_to_f16_bits(frand() * 0.01f); ((BlockQ4_1 *)w[r])[k].m = f32_to_f16_bits(frand() * 0.05f); }
+            }
+            for (int j = 0; j < N; j++) {
+                float f = frand();
+                uint32_t u;
+                memcpy(&u, &f, 4);
+                if (type == T_F32) ((float *)w[r])[j] = f;
+                if (type == T_F16) ((uint16_t *)w[r])[j] = f32_to_f16_bits(f);
+                if (type == T_BF16) ((uint16_t *)w[r])[j] = u >> 16;
+            }
+        }
+        TileFn tile = tile_for(type, N);
+        int int8 = uses_int8_activations(type);
+        const uint8_t *act = int8 ? (const uint8_t *)xq : (const uint8_t *)x;
+        size_t stride = int8 ? sizeof xq[0] : sizeof x[0];
+        double worst = 0;
+        if (tile) {
+            float out[TILE_ROWS * TILE_TOKS];
+            tile(w[0], sizeof w[0], act, stride, N, out);
+            for (int r = 0; r < TILE_ROWS; r++)
+                for (int t = 0; t < TILE_TOKS; t++) {
+                    double ref = dot_kernels(type).scalar(w[r], act + t * stride, N);
+                    worst = fmax(worst, fabs(out[r * TILE_TOKS + t] - ref) / N);
+                }
+        }
+        char what[128];
+        snprintf(what, sizeof what, "tile %-4s vs scalar dot: worst |diff| / n = %.2e%s", type_name(type), worst, tile ? "" : " (no tile compiled)");
+        check(worst < 1e-6, what);
+    }
+}
+
 int main(void)
 {
 #ifdef HAVE_AVX2
@@ -152,6 +214,7 @@ int main(void)
     test_quantize_act();
     test_int_exact();
     test_dots();
+    test_tiles();
     printf("%s\n", failures ? "FAILED" : "all kernel checks passed");
     return failures != 0;
 }
