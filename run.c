@@ -845,6 +845,8 @@ static void quantize_act(BlockQ8A *out, const float *x, int n)
     quantize_act_scalar(out, x, n);
 }
 
+/* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
+static int ignore_eos;
 /* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
 static int print_ids;
 
@@ -1534,8 +1536,8 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
     double gbps = k ? bytes / (itl / 1e3) / 1e9 : 0;
     fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
             st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
-    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
-            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
+            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
     if (!mc) return;
     int int8 = uses_int8_activations(m->layers[0].w2.type);
     double peak = int8 ? mc->i8_gops : mc->f32_gflops;
@@ -1587,7 +1589,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     st->prefill_ms = t_prev - t0;
     while (1) {
         *last = token;
-        if (tok_is_eog(m->tok, token)) { why = STOP_END; break; }
+        if (tok_is_eog(m->tok, token) && !ignore_eos) { why = STOP_END; break; }
         size_t len;
         const char *piece = tok_piece(m->tok, token, &len);
         if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
@@ -1895,6 +1897,7 @@ static void usage(FILE *f)
         "                 prompt position (batched prefill) to FILE and exit\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
         "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
+        "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
         "                 (\"ids: 1 2 3\"; shows what a chat template built)\n"
         "  -h, --help     this help; --version prints the version\n"
@@ -1978,6 +1981,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
         else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
+        else if (!strcmp(f, "--ignore-eos")) ignore_eos = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");

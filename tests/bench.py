@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The benchmark behind `make bench` (a measurement, not a test).
+
+For each weight type it exports SmolLM2-135M-Instruct from the GGUF (once,
+into models/bench-DTYPE.bin) and runs ./run several times, reporting the
+median [min-max] of: load time, TTFT and prefill tok/s for 128- and
+512-token prompts, decode tok/s and inter-token latency (p50, p90) over
+128 tokens, and peak RSS. The machine's DRAM read bandwidth and f32/int8
+peaks come from ./run --probe; each phase is shown as a fraction of its own
+roofline (decode: GB/s achieved / bandwidth; prefill: GFLOP/s / peak).
+With llama-cpp-python installed, llama.cpp runs the same GGUF in the same
+session and the ratio is printed.
+
+    python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN = ROOT / "run"
+GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships with the repo
+
+
+def cpu_name() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def export(dtype: str) -> Path:
+    out = ROOT / "models" / f"bench-{dtype}.bin"
+    if not out.exists():
+        subprocess.run([sys.executable, str(ROOT / "export.py"), str(GGUF), str(out), "--dtype", dtype],
+                       check=True, capture_output=True)
+    return out
+
+
+def prompt_ids(model: Path, n: int) -> str:
+    """n token ids of real text (the README, repeated as needed)."""
+    out = subprocess.run([str(RUN), str(model), "--tokenize"], input=PASSAGE.encode(), capture_output=True, check=True)
+    ids = out.stdout.split()
+    while len(ids) < n:
+        ids += ids
+    return " ".join(i.decode() for i in ids[:n])
+
+
+def run_once(model: Path, ids: str, n_gen: int, threads: int, extra: list[str] | None = None) -> dict:
+    """One ./run -v; returns the parsed numbers and the child's peak RSS."""
+    cmd = [str(RUN), str(model), "--ids", ids, "-n", str(n_gen), "-t", "0", "--ignore-eos", "-v",
+           "--threads", str(threads), *(extra or [])]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = p.stderr.read().decode()
+    _, status, usage = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:2])} failed: {err.strip()}")
+    num = r"([\d.]+)"
+    r = {"rss_mb": usage.ru_maxrss / 1024}
+    r["load_ms"] = float(re.search(r"loaded in " + num, err).group(1))
+    m = re.search(rf"prefill: (\d+) tokens in {num} ms, {num} tok/s, TTFT {num} ms, {num} GFLOP/s", err)
+    r.update(ttft_ms=float(m.group(4)), prefill_tps=float(m.group(3)), gflops=float(m.group(5)))
+    m = re.search(rf"decode: (\d+) tokens, {num} tok/s, ITL {num} ms, p50 {num} ms, p90 {num} ms, {num} GB/s", err)
+    r.update(decode_tps=float(m.group(2)), itl_p50=float(m.group(4)), itl_p90=float(m.group(5)), gbps=float(m.group(6)))
+    return r
+
+
+def probe(model: Path, threads: int) -> dict:
+    out = subprocess.run([str(RUN), str(model), "--probe", "-v", "-n", "1", "-i", "x", "--threads", str(threads)],
+                         capture_output=True, text=True, check=True).stderr
+    m = re.search(r"DRAM read ([\d.]+) GB/s, f32 FMA ([\d.]+) GFLOP/s, int8 ([\d.]+) GOP/s", out)
+    return {"gbps": float(m.group(1)), "f32": float(m.group(2)), "i8": float(m.group(3))}
+
+
+def summary(values: list[float], fmt: str = "{:.0f}") -> str:
+    return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}–{fmt.format(max(values))}]"
+
+
+def bench_dtype(dtype: str, runs: int, threads: int) -> dict:
+    model = export(dtype)
+    ids128, ids512 = prompt_ids(model, 128), prompt_ids(model, 512)
+    short = [run_once(model, ids128, 129, threads) for _ in range(runs)]  # 128 decoded after the first
+    long = [run_once(model, ids512, 1, threads) for _ in range(runs)]
+    col = lambda rs, k: [r[k] for r in rs]  # noqa: E731
+    return {"dtype": dtype, "file_mb": model.stat().st_size / 1e6,
+            "load_ms": col(short, "load_ms"), "ttft128": col(short, "ttft_ms"), "pp128": col(short, "prefill_tps"),
+            "ttft512": col(long, "ttft_ms"), "pp512": col(long, "prefill_tps"), "gflops512": col(long, "gflops"),
+            "tg128": col(short, "decode_tps"), "p50": col(short, "itl_p50"), "p90": col(short, "itl_p90"),
+            "gbps": col(short, "gbps"), "rss": col(short, "rss_mb")}
+
+
+def llamacpp_ratio(threads: int, runs: int) -> dict | None:
+    """llama.cpp on the same GGUF (Q4_1) if llama-cpp-python is installed."""
+    script = ROOT / "tests" / "oracle" / "bench_llamacpp.py"
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    if not script.exists():
+        return None
+    out = subprocess.run([sys.executable, str(script), "--threads", str(threads), "--runs", str(runs)],
+                         capture_output=True, text=True)
+    try:
+        return json.loads(out.stdout)
+    except json.JSONDecodeError:
+        print(f"llama.cpp bench failed: {out.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--dtypes", default="f32,f16,q8_0,q4_1")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--long", action="store_true", help="also decode at 4k context (q4_1, slow)")
+    ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp (llama-cpp-python) for a ratio")
+    args = ap.parse_args()
+    if not RUN.exists() or not GGUF.exists():
+        print("build ./run and fetch the model first (make run model)", file=sys.stderr)
+        return 1
+    mc = probe(export("q4_1"), args.threads)
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; "
+          f"DRAM read {mc['gbps']:.1f} GB/s, f32 {mc['f32']:.0f} GFLOP/s, int8 {mc['i8']:.0f} GOP/s (./run --probe)")
+    print(f"median [min–max] of {args.runs} runs\n")
+    print("| dtype | file MB | load ms | TTFT 128 ms | prefill 128 tok/s | TTFT 512 ms | prefill 512 tok/s | "
+          "prefill % of peak | decode tok/s | ITL p50 ms | ITL p90 ms | decode % of DRAM BW | peak RSS MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        b = bench_dtype(dtype, args.runs, args.threads)
+        peak = mc["i8"] if dtype in ("q8_0", "q4_1") else mc["f32"]
+        pct_pp = statistics.median(b["gflops512"]) / peak * 100
+        pct_bw = statistics.median(b["gbps"]) / mc["gbps"] * 100
+        print(f"| {dtype} | {b['file_mb']:.0f} | {summary(b['load_ms'], '{:.1f}')} | {summary(b['ttft128'])} | "
+              f"{summary(b['pp128'])} | {summary(b['ttft512'])} | {summary(b['pp512'])} | {pct_pp:.0f}% | "
+              f"{summary(b['tg128'], '{:.1f}')} | {summary(b['p50'], '{:.2f}')} | {summary(b['p90'], '{:.2f}')} | "
+              f"{pct_bw:.0f}% | {summary(b['rss'])} |", flush=True)
+    if args.long:
+        model = export("q4_1")
+        ids = prompt_ids(model, 4000)
+        rs = [run_once(model, ids, 129, args.threads) for _ in range(max(1, args.runs // 2))]
+        print(f"\nq4_1 decode at ~4k context: {summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
+              f"{summary([r['gbps'] for r in rs], '{:.1f}')} GB/s (KV f16)")
+    if args.llamacpp:
+        ref = llamacpp_ratio(args.threads, args.runs)
+        if ref:
+            print(f"\nllama.cpp (same GGUF, same machine, this session): {json.dumps(ref)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
