@@ -2053,16 +2053,12 @@ static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args
     size_t vocab = m->c.vocab_size;
     FILE *f = fopen(a->dump_logits, "wb");
     if (!f) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-    for (int off = 0; off < p->n; off += CHUNK_TOKENS) {
-        int k = p->n - off < CHUNK_TOKENS ? p->n - off : CHUNK_TOKENS;
-        if (a->no_batch)
-            for (int t = 0; t < k; t++) {
-                decode_step(m, s, p->ids[off + t], off + t);
-                memmove(s->logits + t * vocab, s->logits, vocab * sizeof(float));
-            }
-        else
-            prefill(m, s, p->ids + off, k, off, 1);
+    for (int off = 0; off < p->n;) {
+        int k = a->no_batch ? 1 : min_i(p->n - off, CHUNK_TOKENS);
+        if (a->no_batch) decode_step(m, s, p->ids[off], off);
+        else prefill(m, s, p->ids + off, k, off, 1);
         if (fwrite(s->logits, sizeof(float) * vocab, k, f) != (size_t)k) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+        off += k;
     }
     if (fclose(f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
 }

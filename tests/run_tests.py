@@ -25,6 +25,7 @@ def load_module(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(TESTS))
+    sys.modules[path.stem] = module  # dataclasses and pickling look modules up here
     spec.loader.exec_module(module)
     return module
 
