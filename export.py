@@ -1,0 +1,1468 @@
+#!/usr/bin/env python3
+"""Convert a GGUF file or a Hugging Face model directory into our model file.
+
+The output format is specified in docs/FORMAT.md. Only the Python standard
+library and numpy are used: GGUF and safetensors are parsed here, and every
+ggml block type found in real model files is dequantized here.
+
+Output types (--dtype):
+  f32   every matrix as F32 (default)
+  f16   every matrix as F16
+  q8_0  every matrix as ggml Q8_0
+  q4_1  every matrix as ggml Q4_1, EXCEPT the token embedding and the output
+        head (the tied output head is the token embedding): those stay Q8_0,
+        because they are the most quantization-sensitive tensors (llama.cpp
+        keeps them at higher precision too). They are copied when the source
+        already holds Q8_0 blocks, else quantized to Q8_0.
+Norm vectors are always F32. When the source tensor already has the requested
+block type (e.g. Q4_1 -> q4_1, Q8_0 -> q8_0) its blocks are copied bit for bit,
+never dequantized and requantized. A matrix whose row length is not a multiple
+of 32 cannot be block-quantized and is written as F32 (with a warning).
+
+--tokenizer-only writes a valid file holding the header and the tokenizer
+section but no tensors (n_tensors = 0); it works for any architecture in the
+family table (llama, qwen2, qwen3, gemma3), e.g. to test Gemma 3's tokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import mmap
+import os
+import re
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+PROG = "export.py"
+
+
+class ExportError(Exception):
+    """A problem with the input or the request: reported as one line on stderr, exit status 1."""
+
+
+def warn(msg: str) -> None:
+    print(f"{PROG}: warning: {msg}", file=sys.stderr)
+
+
+def show(text: str, limit: int = 80) -> str:
+    """A name taken from the input, made safe for a one-line message (escaped, shortened)."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
+def align_up(x: int, a: int) -> int:
+    return x + (-x) % a
+
+
+# ---------------------------------------------------------------------------------------------
+# ggml types: id -> (name, elements per block, bytes per block)  (FACTS.md 2.1)
+
+GGML_TYPES: dict[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 36),
+    10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292), 16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50), 20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136), 24: ("I8", 1, 1), 25: ("I16", 1, 2),
+    26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8), 29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66), 39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36),
+    41: ("Q1_0", 128, 18),
+}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+QK = 32        # elements per legacy block
+QK_K = 256     # elements per K-quant super-block
+
+OUTPUT_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_1": Q4_1}
+
+
+def type_name(t: int) -> str:
+    return GGML_TYPES[t][0] if t in GGML_TYPES else f"unknown type {t}"
+
+
+def row_bytes(t: int, cols: int) -> int:
+    _, block, size = GGML_TYPES[t]
+    return cols // block * size
+
+
+# ---------------------------------------------------------------------------------------------
+# Dequantization: blocks (n, bytes per block) uint8 -> (n, elements per block) float32.
+# The order of the float operations follows ggml's dequantize_row_* so results are bit-exact.
+
+def _half(b: np.ndarray, at: int) -> np.ndarray:
+    """The f16 field at byte `at` of every block, as f32 column (n, 1)."""
+    return np.ascontiguousarray(b[:, at:at + 2]).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Legacy layout: byte j holds element j (low nibble) and element j+16 (high nibble)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+
+
+def _bits32(b: np.ndarray, at: int) -> np.ndarray:
+    """The 32 bits of the little-endian u32 at byte `at`, as (n, 32) uint8."""
+    qh = np.ascontiguousarray(b[:, at:at + 4]).view("<u4")
+    return ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _dec_q4_0(b: np.ndarray) -> np.ndarray:
+    q = _nibbles(b[:, 2:18]).astype(np.int8) - np.int8(8)
+    return q.astype(np.float32) * _half(b, 0)
+
+
+def _dec_q4_1(b: np.ndarray) -> np.ndarray:
+    return _nibbles(b[:, 4:20]).astype(np.float32) * _half(b, 0) + _half(b, 2)
+
+
+def _dec_q5_0(b: np.ndarray) -> np.ndarray:
+    q = (_nibbles(b[:, 6:22]) | (_bits32(b, 2) << 4)).astype(np.int8) - np.int8(16)
+    return q.astype(np.float32) * _half(b, 0)
+
+
+def _dec_q5_1(b: np.ndarray) -> np.ndarray:
+    q = _nibbles(b[:, 8:24]) | (_bits32(b, 4) << 4)
+    return q.astype(np.float32) * _half(b, 0) + _half(b, 2)
+
+
+def _dec_q8_0(b: np.ndarray) -> np.ndarray:
+    return b[:, 2:34].view(np.int8).astype(np.float32) * _half(b, 0)
+
+
+def _two_bit_quants(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K low bits: element (half, j, l) is bits 2j..2j+1 of qs[32*half + l]; -> (n, 256)."""
+    n = qs.shape[0]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)
+    return ((qs.reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, QK_K)
+
+
+def _dec_q2_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    sc = b[:, 0:16]
+    q = _two_bit_quants(b[:, 16:80]).astype(np.float32).reshape(n, 16, 16)
+    dl = (_half(b, 80) * (sc & 0x0F).astype(np.float32)).reshape(n, 16, 1)
+    ml = (_half(b, 82) * (sc >> 4).astype(np.float32)).reshape(n, 16, 1)
+    return (dl * q - ml).reshape(n, QK_K)
+
+
+def _dec_q3_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    hmask, sc = b[:, 0:32], b[:, 96:108]
+    q2 = _two_bit_quants(b[:, 32:96]).astype(np.int8)
+    hbit = ((hmask.reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1).reshape(n, QK_K)
+    q = q2 - np.where(hbit == 1, np.int8(0), np.int8(4))
+    low4 = np.concatenate([sc[:, 0:8] & 0x0F, sc[:, 0:8] >> 4], axis=1)
+    high2 = ((sc[:, 8:12].reshape(n, 1, 4) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 4, 1)) & 3).reshape(n, 16)
+    scales = (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
+    dl = (_half(b, 108) * scales.astype(np.float32)).reshape(n, 16, 1)
+    return (dl * q.astype(np.float32).reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+def _scale_min_k4(sc: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: the 8 six-bit scales and mins packed in 12 bytes -> two (n, 8) uint8 arrays."""
+    s_lo, m_lo, hi = sc[:, 0:4], sc[:, 4:8], sc[:, 8:12]
+    scales = np.concatenate([s_lo & 63, (hi & 0x0F) | ((s_lo >> 6) << 4)], axis=1)
+    mins = np.concatenate([m_lo & 63, (hi >> 4) | ((m_lo >> 6) << 4)], axis=1)
+    return scales, mins
+
+
+def _k4_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """Q4_K/Q5_K: chunk c of 64 elements = low nibbles of qs[32c..32c+31], then their high nibbles; -> (n, 8, 32)."""
+    n = qs.shape[0]
+    q = qs.reshape(n, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(n, 8, 32)
+
+
+def _dec_k_scaled(b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    scales, mins = _scale_min_k4(b[:, 4:16])
+    d = (_half(b, 0) * scales.astype(np.float32)).reshape(n, 8, 1)
+    m = (_half(b, 2) * mins.astype(np.float32)).reshape(n, 8, 1)
+    return (d * q.astype(np.float32) - m).reshape(n, QK_K)
+
+
+def _dec_q4_k(b: np.ndarray) -> np.ndarray:
+    return _dec_k_scaled(b, _k4_low_nibbles(b[:, 16:144]))
+
+
+def _dec_q5_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    high = (b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return _dec_k_scaled(b, _k4_low_nibbles(b[:, 48:176]) | (high << 4))
+
+
+def _dec_q6_k(b: np.ndarray) -> np.ndarray:
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 1, 2, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1, 1)
+    low4 = (ql & 0x0F).reshape(n, 2, 4, 32)
+    high2 = (b[:, 128:192].reshape(n, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3
+    q = (low4 | (high2 << 4)).astype(np.int8) - np.int8(32)
+    d = (_half(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32)).reshape(n, 16, 1)
+    return (d * q.astype(np.float32).reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+def _dec_f32(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f4").astype(np.float32, copy=False)
+
+
+def _dec_f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view("<f2").astype(np.float32)
+
+
+def _dec_bf16(b: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(b).view("<u2").astype(np.uint32) << 16).view(np.float32)
+
+
+DECODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    F32: _dec_f32, F16: _dec_f16, BF16: _dec_bf16,
+    Q4_0: _dec_q4_0, Q4_1: _dec_q4_1, Q5_0: _dec_q5_0, Q5_1: _dec_q5_1, Q8_0: _dec_q8_0,
+    Q2_K: _dec_q2_k, Q3_K: _dec_q3_k, Q4_K: _dec_q4_k, Q5_K: _dec_q5_k, Q6_K: _dec_q6_k,
+}
+
+
+def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Decode a flat uint8 buffer of whole blocks of `ggml_type` into a flat float32 array."""
+    if ggml_type not in DECODERS:
+        raise ExportError(f"cannot decode ggml type {type_name(ggml_type)}")
+    _, block, size = GGML_TYPES[ggml_type]
+    raw = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    if raw.size % size:
+        raise ExportError(f"{raw.size} bytes is not a whole number of {type_name(ggml_type)} blocks")
+    return DECODERS[ggml_type](raw.reshape(-1, size)).reshape(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantization (ggml's reference quantizers, quantize_row_*_ref). Input: float32 (n, 32) blocks.
+
+def _round_half_away(a: np.ndarray) -> np.ndarray:
+    """C roundf: halves go away from zero. floor(|a|) and |a| - floor(|a|) are exact in f32."""
+    mag = np.abs(a)
+    fl = np.floor(mag)
+    return np.copysign(fl + (mag - fl >= np.float32(0.5)), a)
+
+
+def _inverse_scale(d: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def quantize_q8_0(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 32) -> Q8_0 blocks (n, 34) uint8.
+
+    d = max|x| / 127; q = roundf(x * (1/d)), the f32 d, as ggml does; d stored as f16."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = _round_half_away(blocks * _inverse_scale(d)).astype(np.int8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=1)
+
+
+def quantize_q4_1(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 32) -> Q4_1 blocks (n, 20) uint8.
+
+    d = (max - min) / 15, m = min, q = min(15, (int)((x - min) * (1/d) + 0.5)); d and m stored as f16."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    lo = blocks.min(axis=1, keepdims=True)
+    hi = blocks.max(axis=1, keepdims=True)
+    d = ((hi - lo) / np.float32(15)).astype(np.float32)
+    q = np.trunc((blocks - lo) * _inverse_scale(d) + np.float32(0.5))
+    q = np.minimum(q, 15).astype(np.uint8)
+    packed = q[:, :16] | (q[:, 16:] << 4)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8), packed], axis=1)
+
+
+def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
+    """float32 rows (rows, cols) -> bytes (rows, row_bytes) of out_type."""
+    rows, cols = x.shape
+    if out_type == F32:
+        return np.ascontiguousarray(x, dtype="<f4").view(np.uint8).reshape(rows, cols * 4)
+    if out_type == F16:
+        with np.errstate(over="ignore"):
+            return x.astype("<f2").view(np.uint8).reshape(rows, cols * 2)
+    if out_type == Q8_0:
+        return quantize_q8_0(x).reshape(rows, -1)
+    if out_type == Q4_1:
+        return quantize_q4_1(x).reshape(rows, -1)
+    raise ExportError(f"cannot encode ggml type {type_name(out_type)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Source tensors (GGUF and safetensors) share one description: a ggml type and raw row bytes.
+
+@dataclass
+class SourceTensor:
+    name: str
+    ggml_type: int | None        # None: a safetensors dtype we cannot read
+    type_label: str
+    shape: tuple[int, ...]       # numpy order: the last dimension is contiguous
+    buf: Any                     # mmap of the file
+    offset: int                  # absolute byte offset in buf
+    nbytes: int
+    origin: str
+
+    @property
+    def rows_cols(self) -> tuple[int, int]:
+        if not self.shape:
+            return 1, 1
+        return math.prod(self.shape[:-1]), self.shape[-1]
+
+    def raw(self) -> np.ndarray:
+        return np.frombuffer(self.buf, dtype=np.uint8, count=self.nbytes, offset=self.offset)
+
+
+def map_file(path: Path) -> tuple[mmap.mmap, int]:
+    try:
+        size = path.stat().st_size
+        if size == 0:
+            raise ExportError(f"{path} is empty")
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size
+    except OSError as e:
+        raise ExportError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF (FACTS.md section 1)
+
+GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
+GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+                   8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
+GGUF_DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads from a buffer; every overrun is a clear error."""
+
+    def __init__(self, buf: Any, size: int, path: Path):
+        self.buf, self.size, self.pos, self.path = buf, size, 0, path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ExportError(f"{self.path}: {what} at offset {self.pos} ({n} bytes) runs past the end of the "
+                              f"file ({self.size} bytes): truncated or corrupt GGUF")
+
+    def unpack(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(fmt)
+        self.need(n, what)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def u32(self, what: str) -> int:
+        return self.unpack("<I", what)
+
+    def u64(self, what: str) -> int:
+        return self.unpack("<Q", what)
+
+    def string(self, what: str) -> str:
+        n = self.u64(f"length of {what}")
+        if n > self.size - self.pos:
+            raise ExportError(f"{self.path}: {what} at offset {self.pos - 8} has length {n}, past the end of the "
+                              f"file ({self.size} bytes): truncated or corrupt GGUF")
+        raw = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        # surrogateescape keeps invalid UTF-8 bytes so they round-trip into the token blob
+        return raw.decode("utf-8", errors="surrogateescape")
+
+    def value(self, vtype: int, key: str) -> Any:
+        if vtype in GGUF_SCALARS:
+            v = self.unpack(GGUF_SCALARS[vtype], f"value of '{key}'")
+            return bool(v) if vtype == 7 else v
+        if vtype == GGUF_STRING:
+            return self.string(f"value of '{key}'")
+        if vtype == GGUF_ARRAY:
+            etype = self.u32(f"array type of '{key}'")
+            count = self.u64(f"array length of '{key}'")
+            if etype in GGUF_NUMPY:
+                width = np.dtype(GGUF_NUMPY[etype]).itemsize
+                if count > (self.size - self.pos) // width:
+                    raise ExportError(f"{self.path}: array '{key}' claims {count} elements, past the end of the "
+                                      f"file: truncated or corrupt GGUF")
+                arr = np.frombuffer(self.buf, dtype=GGUF_NUMPY[etype], count=count, offset=self.pos).copy()
+                self.pos += count * width
+                return arr.astype(bool) if etype == 7 else arr
+            if etype == GGUF_STRING:
+                if count > (self.size - self.pos) // 8:
+                    raise ExportError(f"{self.path}: array '{key}' claims {count} strings, past the end of the "
+                                      f"file: truncated or corrupt GGUF")
+                return [self.string(f"element {i} of '{key}'") for i in range(count)]
+            raise ExportError(f"{self.path}: array '{key}' has unsupported element type {etype}")
+        raise ExportError(f"{self.path}: metadata '{key}' has invalid value type {vtype}")
+
+
+class GGUFFile:
+    """A parsed GGUF v2/v3 file: metadata dict and tensors (data left in the mapping)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        buf, size = map_file(path)
+        self.buf, self.size = buf, size
+        cur = _Cursor(buf, size, path)
+        magic = buf[0:4]
+        if magic != b"GGUF":
+            raise ExportError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        cur.pos = 4
+        version = cur.u32("version")
+        if version & 0xFFFF == 0 and version != 0:
+            raise ExportError(f"{path}: big-endian GGUF files are not supported")
+        if version not in (2, 3):
+            raise ExportError(f"{path}: unsupported GGUF version {version} (need 2 or 3)")
+        n_tensors = cur.u64("tensor count")
+        n_kv = cur.u64("metadata count")
+        rest = size - cur.pos
+        # smallest possible KV: 8-byte key length + 1-byte key + 4-byte type + 1-byte value
+        if n_kv > rest // 14:
+            raise ExportError(f"{path}: metadata count {n_kv} is impossible for a {size}-byte file: truncated or "
+                              f"corrupt GGUF header")
+        # smallest possible tensor info: 8 + 1 name bytes + 4 n_dims + 4 type + 8 offset
+        if n_tensors > rest // 25:
+            raise ExportError(f"{path}: tensor count {n_tensors} is impossible for a {size}-byte file: truncated or "
+                              f"corrupt GGUF header")
+
+        self.kv: dict[str, Any] = {}
+        self.kv_types: dict[str, int] = {}
+        for i in range(n_kv):
+            key = cur.string(f"metadata key #{i}")
+            if not key:
+                raise ExportError(f"{path}: metadata key #{i} is empty: corrupt GGUF")
+            if key in self.kv:
+                raise ExportError(f"{path}: duplicate metadata key '{show(key)}'")
+            vtype = cur.u32(f"value type of '{show(key)}'")
+            self.kv[key] = cur.value(vtype, show(key))
+            self.kv_types[key] = vtype
+
+        infos = []
+        names: set[str] = set()
+        for i in range(n_tensors):
+            name = cur.string(f"name of tensor #{i}")
+            shown = show(name)
+            if name in names:
+                raise ExportError(f"{path}: duplicate tensor name '{shown}'")
+            names.add(name)
+            n_dims = cur.u32(f"n_dims of tensor '{shown}'")
+            if not 1 <= n_dims <= GGML_MAX_DIMS:
+                raise ExportError(f"{path}: tensor '{shown}' has {n_dims} dimensions (1..{GGML_MAX_DIMS} allowed): corrupt GGUF")
+            ne = [cur.u64(f"dimension {j} of tensor '{shown}'") for j in range(n_dims)]
+            ttype = cur.u32(f"type of tensor '{shown}'")
+            offset = cur.u64(f"data offset of tensor '{shown}'")
+            infos.append((name, ne, ttype, offset))
+
+        alignment = self.kv.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+            raise ExportError(f"{path}: general.alignment = {alignment!r} is not a power of two")
+        data_start = align_up(cur.pos, alignment)
+
+        self.tensors: dict[str, SourceTensor] = {}
+        for name, ne, ttype, offset in infos:
+            if ttype not in GGML_TYPES:
+                raise ExportError(f"{path}: tensor '{show(name)}' has unknown ggml type {ttype}")
+            tname, block, tsize = GGML_TYPES[ttype]
+            if ne[0] % block:
+                raise ExportError(f"{path}: tensor '{show(name)}' row length {ne[0]} is not a multiple of the {tname} "
+                                  f"block size {block}")
+            nbytes = math.prod(ne) // block * tsize
+            start = data_start + offset
+            if start + nbytes > size:
+                raise ExportError(f"{path}: data of tensor '{show(name)}' (offset {start}, {nbytes} bytes) runs past the end "
+                                  f"of the file ({size} bytes): truncated GGUF")
+            self.tensors[name] = SourceTensor(name, ttype, tname, tuple(reversed(ne)), buf, start, nbytes, str(path))
+
+    # Typed metadata access; a robust reader accepts any integer type for integer keys (FACTS 1.4).
+    def get(self, key: str, kind: type, default: Any = ...) -> Any:
+        if key not in self.kv:
+            if default is ...:
+                raise ExportError(f"{self.path}: required metadata key '{key}' is missing")
+            return default
+        v = self.kv[key]
+        vtype = GGUF_TYPE_NAMES.get(self.kv_types[key], "?")
+        if isinstance(v, np.ndarray) and kind in (int, float) and v.size > 0:
+            # per-layer arrays (e.g. head_count) are fine when all layers agree
+            if not np.all(v == v.flat[0]):
+                raise ExportError(f"{self.path}: metadata '{key}' differs between layers, which is not supported")
+            v = v.flat[0].item()
+        if kind is int:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ExportError(f"{self.path}: metadata '{key}' has type {vtype}, expected an integer")
+            return v
+        if kind is float:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ExportError(f"{self.path}: metadata '{key}' has type {vtype}, expected a number")
+            return float(v)
+        if kind is str and not isinstance(v, str):
+            raise ExportError(f"{self.path}: metadata '{key}' has type {vtype}, expected a string")
+        if kind is bool and not isinstance(v, bool):
+            raise ExportError(f"{self.path}: metadata '{key}' has type {vtype}, expected a bool")
+        if kind is list and not isinstance(v, (list, np.ndarray)):
+            raise ExportError(f"{self.path}: metadata '{key}' has type {vtype}, expected an array")
+        return v
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors (FACTS.md 7.1)
+
+SAFETENSORS_DTYPES = {"F32": F32, "F16": F16, "BF16": BF16}
+SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
+                     "F32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+                     "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1}
+SAFETENSORS_MAX_HEADER = 100_000_000
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    d: dict = {}
+    for k, v in pairs:
+        if k in d:
+            raise ExportError(f"duplicate key '{show(k)}'")
+        d[k] = v
+    return d
+
+
+def read_safetensors(path: Path) -> dict[str, SourceTensor]:
+    buf, size = map_file(path)
+    if size < 8:
+        raise ExportError(f"{path}: too small to be a safetensors file ({size} bytes)")
+    (hlen,) = struct.unpack_from("<Q", buf, 0)
+    if hlen > SAFETENSORS_MAX_HEADER or 8 + hlen > size:
+        raise ExportError(f"{path}: safetensors header length {hlen} is past the end of the file ({size} bytes): "
+                          f"truncated or corrupt")
+    try:
+        header = json.loads(buf[8:8 + hlen].decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except ExportError as e:
+        raise ExportError(f"{path}: bad safetensors header: {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"{path}: bad safetensors JSON header: {e}") from None
+    if not isinstance(header, dict):
+        raise ExportError(f"{path}: bad safetensors header: not a JSON object")
+    base = 8 + hlen
+    out: dict[str, SourceTensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = info["dtype"]
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if not isinstance(dtype, str) or not all(isinstance(s, int) and s >= 0 for s in shape):
+                raise TypeError
+            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+                raise TypeError
+        except (KeyError, TypeError, ValueError):
+            raise ExportError(f"{path}: bad safetensors header entry for '{show(name)}': {json.dumps(info)[:200]}") from None
+        if base + end > size:
+            raise ExportError(f"{path}: data of tensor '{show(name)}' (bytes {begin}..{end}) runs past the end of the file: "
+                              f"truncated safetensors")
+        if dtype in SAFETENSORS_SIZES and end - begin != math.prod(shape) * SAFETENSORS_SIZES[dtype]:
+            raise ExportError(f"{path}: tensor '{show(name)}' has {end - begin} bytes of data but shape {list(shape)} of "
+                              f"{dtype} needs {math.prod(shape) * SAFETENSORS_SIZES[dtype]}")
+        out[name] = SourceTensor(name, SAFETENSORS_DTYPES.get(dtype), dtype, shape, buf, base + begin, end - begin, str(path))
+    return out
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except OSError as e:
+        raise ExportError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ExportError(f"bad JSON in {what} {path}: {e}") from None
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory: config.json plus one or more safetensors files."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        cfg_path = path / "config.json"
+        if not cfg_path.is_file():
+            raise ExportError(f"{path}: no config.json (not a Hugging Face model directory)")
+        self.config = read_json(cfg_path, "config")
+        if not isinstance(self.config, dict):
+            raise ExportError(f"{cfg_path}: not a JSON object")
+        self.files = self._weight_files()
+        self.tensors: dict[str, SourceTensor] = {}
+
+    def _weight_files(self) -> list[Path]:
+        index = self.path / "model.safetensors.index.json"
+        if index.is_file():
+            data = read_json(index, "safetensors index")
+            wm = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+                raise ExportError(f"{index}: no valid 'weight_map'")
+            self._index_map = wm
+            files = sorted(set(wm.values()))
+            for f in files:
+                if "/" in f or "\\" in f or f.startswith("."):
+                    raise ExportError(f"{index}: invalid shard file name '{f}'")
+            return [self.path / f for f in files]
+        self._index_map = None
+        single = self.path / "model.safetensors"
+        if single.is_file():
+            return [single]
+        shards = sorted(self.path.glob("*.safetensors"))
+        if not shards:
+            raise ExportError(f"{self.path}: no model.safetensors (or sharded *.safetensors) found")
+        return shards
+
+    def load_tensors(self) -> None:
+        for f in self.files:
+            if not f.is_file():
+                raise ExportError(f"{f}: shard listed in model.safetensors.index.json is missing")
+            for name, t in read_safetensors(f).items():
+                if name in self.tensors:
+                    raise ExportError(f"duplicate tensor '{show(name)}' in {self.tensors[name].origin} and {f}")
+                self.tensors[name] = t
+        if self._index_map is not None:
+            for name, shard in self._index_map.items():
+                if name not in self.tensors:
+                    raise ExportError(f"tensor '{show(name)}' listed in the index is missing from {shard}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Architecture families: one table of names per family. Adding qwen2/qwen3/gemma3 weights means
+# filling in their names, hparams quirks and extra tensors; their tokenizers work already.
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    arch_id: int
+    hf_architectures: tuple[str, ...]
+    activation: int                       # 0 SiLU, 1 tanh-GELU
+    gguf_qk_interleaved: bool = False     # llama.cpp's converter permuted Q/K rows (FACTS 4.3)
+    gguf_names: dict[str, str] = field(default_factory=dict)
+    hf_names: dict[str, str] = field(default_factory=dict)
+    hf_ignored: tuple[str, ...] = ()      # regexes of HF tensors that carry nothing we need
+    layout: Callable[[Hyper], Iterator[tuple[str, list[tuple[str, int, int]]]]] | None = None   # output tensors
+
+
+LLAMA_GGUF_NAMES = {
+    "tok_embeddings": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight",
+    "attn_norm": "blk.{n}.attn_norm.weight", "wq": "blk.{n}.attn_q.weight", "wk": "blk.{n}.attn_k.weight",
+    "wv": "blk.{n}.attn_v.weight", "wo": "blk.{n}.attn_output.weight", "ffn_norm": "blk.{n}.ffn_norm.weight",
+    "w1": "blk.{n}.ffn_gate.weight", "w3": "blk.{n}.ffn_up.weight", "w2": "blk.{n}.ffn_down.weight",
+}
+LLAMA_HF_NAMES = {
+    "tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight", "output": "lm_head.weight",
+    "attn_norm": "model.layers.{n}.input_layernorm.weight", "wq": "model.layers.{n}.self_attn.q_proj.weight",
+    "wk": "model.layers.{n}.self_attn.k_proj.weight", "wv": "model.layers.{n}.self_attn.v_proj.weight",
+    "wo": "model.layers.{n}.self_attn.o_proj.weight", "ffn_norm": "model.layers.{n}.post_attention_layernorm.weight",
+    "w1": "model.layers.{n}.mlp.gate_proj.weight", "w3": "model.layers.{n}.mlp.up_proj.weight",
+    "w2": "model.layers.{n}.mlp.down_proj.weight",
+}
+
+def family_for_gguf(arch: str, tokenizer_only: bool) -> Family:
+    fam = FAMILIES.get(arch)
+    if fam is None or not (fam.layout or tokenizer_only):
+        raise ExportError(f"unsupported architecture '{show(arch)}' (supported: llama"
+                          f"{'; with --tokenizer-only also ' + ', '.join(FAMILIES) if not tokenizer_only else ''})")
+    return fam
+
+
+def family_for_hf(archs: Any, tokenizer_only: bool) -> Family:
+    if not isinstance(archs, list) or not archs or not all(isinstance(a, str) for a in archs):
+        raise ExportError(f"config.json 'architectures' is missing or invalid: {archs!r}")
+    for fam in FAMILIES.values():
+        if archs[0] in fam.hf_architectures and (fam.layout or tokenizer_only):
+            return fam
+    raise ExportError(f"unsupported architecture '{show(archs[0])}' (supported: LlamaForCausalLM)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Hyperparameters
+
+@dataclass
+class Hyper:
+    family: Family
+    dim: int
+    hidden_dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float
+    norm_eps: float
+    rope_dim: int
+    tied: bool
+
+    def check(self, where: str) -> None:
+        for k in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len", "rope_dim"):
+            v = getattr(self, k)
+            if not isinstance(v, int) or not 0 < v < 2**32:
+                raise ExportError(f"{where}: {k} = {v!r} is not a valid size")
+        if self.n_heads % self.n_kv_heads:
+            raise ExportError(f"{where}: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.rope_dim > self.head_dim or self.rope_dim % 2:
+            raise ExportError(f"{where}: rope dimension {self.rope_dim} is invalid for head_dim {self.head_dim}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ExportError(f"{where}: rope theta {self.rope_theta} is invalid")
+        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
+            raise ExportError(f"{where}: norm eps {self.norm_eps} is invalid")
+
+
+def check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
+    """Only "no scaling" is implemented: type none/linear/default with factor 1 (or absent/0)."""
+    kind_ok = kind in (None, "none", "linear", "default")
+    factor_ok = factor in (None, 0, 0.0, 1, 1.0)
+    if not (kind_ok and factor_ok):
+        raise ExportError(f"{where}: rope scaling type '{kind}' with factor {factor} is not supported "
+                          f"(only no scaling / linear with factor 1)")
+
+
+def hparams_from_gguf(g: GGUFFile, fam: Family, strict: bool) -> Hyper:
+    a = g.get("general.architecture", str)
+    dim = g.get(f"{a}.embedding_length", int)
+    n_heads = g.get(f"{a}.attention.head_count", int)
+    if n_heads <= 0:
+        raise ExportError(f"{g.path}: {a}.attention.head_count = {n_heads} is invalid")
+    if f"{a}.attention.key_length" in g.kv:
+        head_dim = g.get(f"{a}.attention.key_length", int)
+    elif dim % n_heads:
+        raise ExportError(f"{g.path}: embedding_length {dim} is not a multiple of head_count {n_heads}")
+    else:
+        head_dim = dim // n_heads
+    value_len = g.get(f"{a}.attention.value_length", int, head_dim)
+    if strict and value_len != head_dim:
+        raise ExportError(f"{g.path}: value_length {value_len} != key_length {head_dim} is not supported")
+    tokens = g.kv.get("tokenizer.ggml.tokens")
+    if "token_embd.weight" in g.tensors:
+        vocab = g.tensors["token_embd.weight"].rows_cols[0]
+    else:
+        vocab = g.get(f"{a}.vocab_size", int, len(tokens) if isinstance(tokens, list) else 0)
+    declared = g.get(f"{a}.vocab_size", int, vocab)
+    if strict and declared != vocab:
+        raise ExportError(f"{g.path}: token_embd.weight has {vocab} rows but {a}.vocab_size is {declared}")
+    if strict:
+        factor = g.kv.get(f"{a}.rope.scaling.factor", g.kv.get(f"{a}.rope.scale_linear"))
+        check_rope_scaling(g.kv.get(f"{a}.rope.scaling.type"), factor, str(g.path))
+        if "rope_freqs.weight" in g.tensors:
+            raise ExportError(f"{g.path}: rope_freqs.weight (Llama-3-style rope scaling) is not supported")
+    n_kv = g.get(f"{a}.attention.head_count_kv", int, n_heads)
+    hp = Hyper(fam, dim, g.get(f"{a}.feed_forward_length", int), g.get(f"{a}.block_count", int), n_heads,
+               n_kv, head_dim, vocab, g.get(f"{a}.context_length", int),
+               g.get(f"{a}.rope.freq_base", float, 10000.0), g.get(f"{a}.attention.layer_norm_rms_epsilon", float),
+               g.get(f"{a}.rope.dimension_count", int, head_dim), "output.weight" not in g.tensors)
+    hp.check(str(g.path))
+    if strict and fam.gguf_qk_interleaved and hp.rope_dim != hp.head_dim:
+        raise ExportError(f"{g.path}: rope.dimension_count {hp.rope_dim} != head_dim {hp.head_dim} (llama requires equal)")
+    return hp
+
+
+def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
+    c = ck.config
+    where = str(ck.path / "config.json")
+
+    def num(key: str, kind: type, default: Any = ...) -> Any:
+        v = c.get(key)
+        if v is None:
+            if default is ...:
+                raise ExportError(f"{where}: required key '{key}' is missing")
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            raise ExportError(f"{where}: '{key}' = {v!r} is not a valid {kind.__name__}")
+        return kind(v)
+
+    dim = num("hidden_size", int)
+    n_heads = num("num_attention_heads", int)
+    if n_heads <= 0:
+        raise ExportError(f"{where}: num_attention_heads = {n_heads} is invalid")
+    head_dim = num("head_dim", int, dim // n_heads)
+    rope_params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
+    theta = num("rope_theta", float, float(rope_params.get("rope_theta", 10000.0)))
+    if strict:
+        if c.get("hidden_act", "silu") != "silu":
+            raise ExportError(f"{where}: hidden_act '{c.get('hidden_act')}' is not supported (need silu)")
+        for flag in ("attention_bias", "mlp_bias"):
+            if c.get(flag):
+                raise ExportError(f"{where}: {flag} = true is not supported yet")
+        scaling = c.get("rope_scaling") or {}
+        if not isinstance(scaling, dict):
+            raise ExportError(f"{where}: rope_scaling = {scaling!r} is invalid")
+        check_rope_scaling(scaling.get("rope_type", scaling.get("type")), scaling.get("factor"), where)
+        check_rope_scaling(rope_params.get("rope_type"), rope_params.get("factor"), where)
+    vocab = num("vocab_size", int)
+    tied = bool(c.get("tie_word_embeddings", False))
+    hp = Hyper(fam, dim, num("intermediate_size", int), num("num_hidden_layers", int), n_heads,
+               num("num_key_value_heads", int, n_heads), head_dim, vocab, num("max_position_embeddings", int),
+               theta, num("rms_norm_eps", float, 1e-6), head_dim, tied)
+    hp.check(where)
+    return hp
+
+
+# ---------------------------------------------------------------------------------------------
+# Output plan: which source tensors (parts) form each output tensor.
+
+@dataclass
+class Part:
+    tensor: SourceTensor
+    rows: int
+    cols: int
+    perm_heads: int = 0          # >0: undo llama.cpp's Q/K row interleave with this many heads
+
+
+@dataclass
+class OutTensor:
+    name: str
+    parts: list[Part]
+    rows: int
+    cols: int
+    out_type: int = F32
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * row_bytes(self.out_type, self.cols)
+
+
+VECTOR_PARTS = {"attn_norm", "ffn_norm", "norm"}
+
+
+def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
+    """(output name, [(part key, rows, cols)]) in file order (FORMAT.md tensor table).
+
+    A generator, so a corrupt layer count fails at the first missing tensor instead of
+    building a huge list."""
+    d, hd = hp.dim, hp.head_dim
+    q_dim, kv_dim = hp.n_heads * hd, hp.n_kv_heads * hd
+    yield "tok_embeddings", [("tok_embeddings", hp.vocab_size, d)]
+    for n in range(hp.n_layers):
+        p = f"layers.{n}."
+        yield p + "attn_norm", [(f"attn_norm@{n}", 1, d)]
+        yield p + "wqkv", [(f"wq@{n}", q_dim, d), (f"wk@{n}", kv_dim, d), (f"wv@{n}", kv_dim, d)]
+        yield p + "wo", [(f"wo@{n}", d, q_dim)]
+        yield p + "ffn_norm", [(f"ffn_norm@{n}", 1, d)]
+        yield p + "w13", [(f"w1@{n}", hp.hidden_dim, d), (f"w3@{n}", hp.hidden_dim, d)]
+        yield p + "w2", [(f"w2@{n}", d, hp.hidden_dim)]
+    yield "norm", [("norm", 1, d)]
+    if not hp.tied:
+        yield "output", [("output", hp.vocab_size, d)]
+
+
+# Weights are exported for families with a layout; the others only have --tokenizer-only for now.
+FAMILIES = {
+    "llama": Family("llama", 1, ("LlamaForCausalLM",), 0, gguf_qk_interleaved=True,
+                    gguf_names=LLAMA_GGUF_NAMES, hf_names=LLAMA_HF_NAMES,
+                    hf_ignored=(r".*\.rotary_emb\.inv_freq$",), layout=llama_layout),
+    "qwen2": Family("qwen2", 2, ("Qwen2ForCausalLM",), 0),
+    "qwen3": Family("qwen3", 3, ("Qwen3ForCausalLM",), 0),
+    "gemma3": Family("gemma3", 4, ("Gemma3ForCausalLM",), 1),
+}
+
+
+def choose_out_type(out_name: str, cols: int, is_vector: bool, dtype: str, unblockable: list[str]) -> int:
+    if is_vector:
+        return F32
+    want = OUTPUT_DTYPES[dtype]
+    if dtype == "q4_1" and out_name in ("tok_embeddings", "output"):
+        want = Q8_0
+    if GGML_TYPES[want][1] > 1 and cols % GGML_TYPES[want][1]:
+        unblockable.append(f"{out_name} ({cols})")
+        want = F32
+    return want
+
+
+def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
+               dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
+    used: set[str] = set()
+    plan = []
+    unblockable: list[str] = []
+    for out_name, parts in hp.family.layout(hp):
+        srcs = []
+        for key, rows, cols in parts:
+            base, _, layer = key.partition("@")
+            src_name = names[base].format(n=layer)
+            t = tensors.get(src_name)
+            if t is None:
+                raise ExportError(f"missing tensor '{src_name}'")
+            used.add(src_name)
+            if t.ggml_type is None:
+                raise ExportError(f"tensor '{src_name}' has dtype {t.type_label}, which export.py cannot read "
+                                  f"(supported: F32, F16, BF16)")
+            r, c = t.rows_cols
+            if (r, c) != (rows, cols) or not t.shape:
+                want = f"[{cols}]" if base in VECTOR_PARTS else f"{rows}x{cols}"
+                raise ExportError(f"tensor '{src_name}' has shape {'x'.join(map(str, t.shape))}, expected {want} "
+                                  f"from the model config (rows x cols)")
+            perm = 0
+            if from_gguf and hp.family.gguf_qk_interleaved and base in ("wq", "wk"):
+                perm = hp.n_heads if base == "wq" else hp.n_kv_heads
+                if hp.head_dim % 2:
+                    raise ExportError(f"head_dim {hp.head_dim} is odd; cannot undo the Q/K row permutation")
+            srcs.append(Part(t, rows, cols, perm))
+        rows = sum(p.rows for p in srcs)
+        cols = srcs[0].cols
+        out_type = choose_out_type(out_name, cols, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, unblockable)
+        for p in srcs:
+            if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
+                raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
+                                  f"({p.tensor.ggml_type}), which export.py cannot decode")
+        plan.append(OutTensor(out_name, srcs, rows, cols, out_type))
+    for name in tensors:
+        if name in used or any(re.fullmatch(rx, name) for rx in ignored):
+            continue
+        if not from_gguf and hp.tied and name == names["output"]:
+            continue   # tied checkpoints may still carry a copy of the embedding as lm_head
+        raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
+    if unblockable:
+        warn(f"{len(unblockable)} matrices have a row length that is not a multiple of 32 and are written as F32: "
+             f"{', '.join(unblockable[:3])}{' ...' if len(unblockable) > 3 else ''}")
+    return plan
+
+
+def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
+    """Index array p with hf_rows = gguf_rows[p]: HF row h*hd + s*half + i = GGUF row h*hd + 2i + s (FACTS 4.3)."""
+    return np.arange(n_heads * head_dim).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+CHUNK_ELEMENTS = 1 << 16   # rows are converted in chunks of about this many values to bound memory
+
+
+def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None]) -> None:
+    t = part.tensor
+    src_type = t.ggml_type
+    src = t.raw().reshape(part.rows, row_bytes(src_type, part.cols))
+    perm = head_permutation(part.perm_heads, part.rows // part.perm_heads) if part.perm_heads else None
+    step = max(1, CHUNK_ELEMENTS // part.cols)
+    for r0 in range(0, part.rows, step):
+        r1 = min(part.rows, r0 + step)
+        chunk = src[perm[r0:r1]] if perm is not None else src[r0:r1]
+        if src_type == out_type:
+            write(chunk)   # same block type: bit-for-bit copy of whole rows
+        else:
+            values = DECODERS[src_type](chunk.reshape(-1, GGML_TYPES[src_type][2])).reshape(r1 - r0, part.cols)
+            write(encode_rows(values, out_type))
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer (FACTS.md section 5)
+
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
+KIND_BYTE_BPE, KIND_SPM = 1, 2
+PRE_NONE, PRE_GPT2, PRE_SMOLLM, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3, 4
+GGUF_PRE = {"gpt-2": PRE_GPT2, "smollm": PRE_SMOLLM, "llama3": PRE_LLAMA3, "llama-bpe": PRE_LLAMA3,
+            "llama-v3": PRE_LLAMA3, "qwen2": PRE_QWEN2}
+CHAT_NONE, CHAT_CHATML, CHAT_GEMMA = 0, 1, 2
+EOT_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+SPM_SPACE = "\u2581"
+LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def gpt2_unicode_to_byte() -> dict[str, int]:
+    """Inverse of GPT-2's bytes_to_unicode (FACTS 5.2)."""
+    printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    inv: dict[str, int] = {}
+    extra = 0
+    for b in range(256):
+        if b in printable:
+            inv[chr(b)] = b
+        else:
+            inv[chr(0x100 + extra)] = b
+            extra += 1
+    return inv
+
+
+@dataclass
+class Vocab:
+    kind: int
+    pre: int
+    texts: list[bytes]
+    types: list[int]
+    scores: np.ndarray
+    merges: np.ndarray            # (n, 3) int32
+    bos: int
+    eos: int
+    eot: int
+    unk: int
+    add_bos: bool
+    add_eos: bool
+    add_space_prefix: bool
+    chat: int
+    system: bytes
+
+    def serialize(self) -> bytes:
+        n = len(self.texts)
+        blob = b"".join(self.texts)
+        offsets = np.zeros(n + 1, dtype="<u4")
+        lengths = np.fromiter((len(t) for t in self.texts), dtype=np.int64, count=n)
+        if blob and len(blob) >= 2**32:
+            raise ExportError("token text blob exceeds 4 GiB")
+        offsets[1:] = np.cumsum(lengths)
+        flags = int(self.add_bos) | int(self.add_eos) << 1 | int(self.add_space_prefix) << 2
+        hdr = struct.pack("<IIIIiiiiIIII", self.kind, self.pre, n, len(self.merges), self.bos, self.eos, self.eot,
+                          self.unk, flags, self.chat, len(self.system), len(blob)).ljust(64, b"\0")
+        out = bytearray(hdr)
+
+        def add(data: bytes) -> None:
+            out.extend(b"\0" * ((-len(out)) % 4))   # every array starts on a 4-byte boundary
+            out.extend(data)
+
+        add(offsets.tobytes())
+        add(np.asarray(self.types, dtype=np.uint8).tobytes())
+        add(np.asarray(self.scores, dtype="<f4").tobytes())
+        add(np.asarray(self.merges, dtype="<i4").reshape(-1, 3).tobytes())
+        add(self.system)
+        add(blob)
+        return bytes(out)
+
+
+def chat_kind(template: str | None) -> int:
+    if not template:
+        return CHAT_NONE
+    if "<|im_start|>" in template:
+        return CHAT_CHATML
+    if "<start_of_turn>" in template:
+        return CHAT_GEMMA
+    return CHAT_NONE
+
+
+def chatml_default_system(template: str) -> str:
+    """The literal system text the template emits when the conversation has no system message.
+
+    Looks for a Jinja string literal '<|im_start|>system\\n...<|im_end|>' whose body is plain text
+    (the branch that uses messages[0]['content'] concatenates, so it is skipped)."""
+    for m in re.finditer(r"(['\"])<\|im_start\|>system(?:\n|\\n)", template):
+        quote = m.group(1)
+        end = template.find("<|im_end|>", m.end())
+        if end < 0:
+            continue
+        body = template[m.end():end]
+        unescaped_quote = re.search(r"(?<!\\)" + re.escape(quote), body)
+        if unescaped_quote or "{{" in body or "{%" in body:
+            continue
+        return re.sub(r"\\(.)", lambda e: {"n": "\n", "t": "\t"}.get(e.group(1), e.group(1)), body)
+    return ""
+
+
+def _token_id(ids: dict[str, int], text: str | None) -> int:
+    return ids.get(text, -1) if text is not None else -1
+
+
+def resolve_merges(merges: list[Any], ids: dict[str, int], where: str) -> np.ndarray:
+    """Merge rules ("A B" or [A, B]) -> (left, right, result) ids; every part must be a token."""
+    out = np.empty((len(merges), 3), dtype=np.int32)
+    for k, m in enumerate(merges):
+        if isinstance(m, str):
+            cut = m.find(" ", 1)   # llama.cpp splits at the first space after position 0
+            if cut < 0:
+                raise ExportError(f"{where}: merge #{k} {m!r} has no space separator")
+            left, right = m[:cut], m[cut + 1:]
+        elif isinstance(m, list) and len(m) == 2 and all(isinstance(p, str) for p in m):
+            left, right = m
+        else:
+            raise ExportError(f"{where}: merge #{k} {m!r} is malformed")
+        row = (ids.get(left), ids.get(right), ids.get(left + right))
+        if None in row:
+            missing = [p for p, i in zip((left, right, left + right), row) if i is None]
+            raise ExportError(f"{where}: merge #{k} {m!r}: {missing[0]!r} is not in the vocabulary")
+        out[k] = row
+    return out
+
+
+def decode_bpe_text(text: str, ttype: int, inv: dict[str, int], bad: list[str]) -> bytes:
+    # Control/user-defined tokens are stored literally in GGUF/tokenizer.json (not byte-mapped),
+    # and llama.cpp prints them verbatim, so keep their UTF-8 text.
+    if ttype in (TOKEN_CONTROL, TOKEN_USER, TOKEN_UNKNOWN):
+        return text.encode("utf-8", "surrogateescape")
+    try:
+        return bytes(inv[c] for c in text)
+    except KeyError:
+        bad.append(text)
+        return text.encode("utf-8", "surrogateescape")
+
+
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def decode_spm_text(text: str, ttype: int, where: str, idx: int) -> bytes:
+    if ttype == TOKEN_BYTE:
+        m = BYTE_TOKEN.fullmatch(text)
+        if not m:
+            raise ExportError(f"{where}: byte token {idx} has text {text!r}, expected <0xAB>")
+        return bytes([int(m.group(1), 16)])
+    if ttype in (TOKEN_NORMAL, TOKEN_UNUSED):
+        return text.replace(SPM_SPACE, " ").encode("utf-8", "surrogateescape")
+    return text.encode("utf-8", "surrogateescape")   # control, user-defined, unknown: literal
+
+
+def vocab_from_gguf(g: GGUFFile) -> Vocab:
+    where = str(g.path)
+    if "tokenizer.ggml.model" not in g.kv:
+        raise ExportError(f"{where}: no tokenizer in the GGUF (tokenizer.ggml.model missing)")
+    model = g.get("tokenizer.ggml.model", str)
+    tokens = g.get("tokenizer.ggml.tokens", list)
+    if not isinstance(tokens, list) or not tokens:
+        raise ExportError(f"{where}: tokenizer.ggml.tokens is empty or not a string array")
+    n = len(tokens)
+    types = np.asarray(g.get("tokenizer.ggml.token_type", list, np.ones(n, dtype=np.int32)))
+    scores = np.asarray(g.get("tokenizer.ggml.scores", list, np.zeros(n, dtype=np.float32)), dtype=np.float32)
+    if len(types) != n or len(scores) != n:
+        raise ExportError(f"{where}: tokenizer token_type/scores length ({len(types)}/{len(scores)}) != {n} tokens")
+    if types.dtype.kind not in "iu" or types.size and (types.min() < 0 or types.max() > TOKEN_BYTE):
+        raise ExportError(f"{where}: tokenizer.ggml.token_type holds invalid values")
+    types = np.where(types == 0, TOKEN_NORMAL, types).astype(np.uint8)   # 0 = "undefined"
+    ids = {t: i for i, t in enumerate(tokens)}   # later duplicates win, as in llama.cpp's token_to_id
+
+    if model == "gpt2":
+        pre_name = g.get("tokenizer.ggml.pre", str, "default")
+        if pre_name not in GGUF_PRE:
+            raise ExportError(f"{where}: unsupported pre-tokenizer '{pre_name}' (supported: {', '.join(GGUF_PRE)})")
+        kind, pre = KIND_BYTE_BPE, GGUF_PRE[pre_name]
+        inv, bad = gpt2_unicode_to_byte(), []
+        texts = [decode_bpe_text(t, int(ty), inv, bad) for t, ty in zip(tokens, types)]
+        if bad:
+            warn(f"{len(bad)} normal tokens are not in the GPT-2 byte alphabet (e.g. {bad[0]!r}); stored as UTF-8")
+        merges = resolve_merges(g.get("tokenizer.ggml.merges", list), ids, where)
+        defaults = dict(bos=11, eos=11, unk=-1, add_bos=pre == PRE_LLAMA3, space=False)
+    elif model == "llama":
+        kind, pre = KIND_SPM, PRE_NONE
+        texts = [decode_spm_text(t, int(ty), where, i) for i, (t, ty) in enumerate(zip(tokens, types))]
+        merges = np.zeros((0, 3), dtype=np.int32)
+        defaults = dict(bos=1, eos=2, unk=0, add_bos=True, space=True)
+    else:
+        raise ExportError(f"{where}: unsupported tokenizer model '{model}' (supported: gpt2, llama)")
+
+    def tid(key: str, default: int) -> int:
+        v = g.get(key, int, default)
+        if not -1 <= v < n and v != 2**32 - 1:
+            raise ExportError(f"{where}: {key} = {v} is out of range for {n} tokens")
+        return -1 if v == 2**32 - 1 else v
+
+    eot = tid("tokenizer.ggml.eot_token_id", -1)
+    if eot < 0:
+        eot = next((ids[t] for t in EOT_TEXTS[:2] if t in ids), -1)
+    template = g.get("tokenizer.chat_template", str, None)
+    chat = chat_kind(template)
+    system = chatml_default_system(template) if chat == CHAT_CHATML else ""
+    return Vocab(kind, pre, texts, types.tolist(), scores if kind == KIND_SPM else np.zeros(n, np.float32), merges,
+                 tid("tokenizer.ggml.bos_token_id", defaults["bos"]), tid("tokenizer.ggml.eos_token_id", defaults["eos"]),
+                 eot, tid("tokenizer.ggml.unknown_token_id", defaults["unk"]),
+                 g.get("tokenizer.ggml.add_bos_token", bool, defaults["add_bos"]),
+                 g.get("tokenizer.ggml.add_eos_token", bool, False),
+                 g.get("tokenizer.ggml.add_space_prefix", bool, defaults["space"]),
+                 chat, system.encode("utf-8", "surrogateescape"))
+
+
+def looks_special(text: str) -> bool:
+    """Added tokens that llama.cpp's converter marks CONTROL even when not flagged special."""
+    return (text in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (text.startswith("<|") and text.endswith("|>"))
+            or (text.startswith("<\uff5c") and text.endswith("\uff5c>")) or text.startswith(("<start_of_", "<end_of_")))
+
+
+def hf_pre_kind(pt: Any, where: str) -> int:
+    def is_type(x: Any, name: str) -> bool:
+        return isinstance(x, dict) and x.get("type") == name
+
+    def byte_level(x: Any, regex: bool) -> bool:
+        return is_type(x, "ByteLevel") and bool(x.get("use_regex", True)) == regex and not x.get("add_prefix_space", False)
+
+    if byte_level(pt, True):
+        return PRE_GPT2
+    if is_type(pt, "Sequence") and isinstance(pt.get("pretokenizers"), list):
+        seq = pt["pretokenizers"]
+        if len(seq) == 2 and is_type(seq[0], "Digits") and seq[0].get("individual_digits") and byte_level(seq[1], True):
+            return PRE_SMOLLM
+        if len(seq) == 2 and is_type(seq[0], "Split") and byte_level(seq[1], False):
+            pattern = seq[0].get("pattern") or {}
+            regex = pattern.get("Regex") if isinstance(pattern, dict) else None
+            if regex == LLAMA3_REGEX:
+                return PRE_LLAMA3
+            if regex == QWEN2_REGEX:
+                return PRE_QWEN2
+    raise ExportError(f"{where}: unsupported pre_tokenizer {json.dumps(pt)[:160]}")
+
+
+def _special_text(v: Any) -> str | None:
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _template_adds(post: Any, which: str) -> bool | None:
+    """From a TemplateProcessing post-processor: does the single template start (bos) / end (eos) with a special?"""
+    if not isinstance(post, dict):
+        return None
+    procs = post.get("processors") if post.get("type") == "Sequence" else [post]
+    for p in procs or []:
+        if isinstance(p, dict) and p.get("type") == "TemplateProcessing" and isinstance(p.get("single"), list) and p["single"]:
+            item = p["single"][0] if which == "bos" else p["single"][-1]
+            return isinstance(item, dict) and "SpecialToken" in item
+    return None
+
+
+def vocab_from_hf(ck: HFCheckpoint) -> Vocab:
+    tj_path = ck.path / "tokenizer.json"
+    if not tj_path.is_file():
+        raise ExportError(f"{ck.path}: no tokenizer.json (needed for the tokenizer section)")
+    tj = read_json(tj_path, "tokenizer")
+    where = str(tj_path)
+    model = tj.get("model") if isinstance(tj, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = model.get("type") if isinstance(model, dict) else None
+        raise ExportError(f"{where}: unsupported tokenizer model {kind!r} (only byte-level BPE is supported for HF dirs)")
+    pre = hf_pre_kind(tj.get("pre_tokenizer"), where)
+    vocab = model.get("vocab")
+    merges = model.get("merges", [])
+    added = tj.get("added_tokens") or []
+    if not isinstance(vocab, dict) or not isinstance(merges, list) or not isinstance(added, list):
+        raise ExportError(f"{where}: malformed model.vocab / model.merges / added_tokens")
+    id_text: dict[int, tuple[str, int]] = {}
+    for text, i in vocab.items():
+        if not isinstance(i, int) or i < 0:
+            raise ExportError(f"{where}: token {text!r} has invalid id {i!r}")
+        id_text[i] = (text, TOKEN_NORMAL)
+    for a in added:
+        if not isinstance(a, dict) or not isinstance(a.get("id"), int) or not isinstance(a.get("content"), str) or a["id"] < 0:
+            raise ExportError(f"{where}: malformed added token {json.dumps(a)[:100]}")
+        special = a.get("special") or looks_special(a["content"])
+        text = a["content"] if special else a["content"].replace(SPM_SPACE, " ")
+        id_text[a["id"]] = (text, TOKEN_CONTROL if special else TOKEN_USER)
+    n = max(id_text) + 1
+    if n > 2**31 - 1:
+        raise ExportError(f"{where}: token id {n - 1} is too large")
+    inv, bad = gpt2_unicode_to_byte(), []
+    texts, types = [], []
+    for i in range(n):
+        text, ttype = id_text.get(i, (f"[PAD{i}]", TOKEN_UNUSED))
+        texts.append(decode_bpe_text(text, ttype, inv, bad) if i in id_text else text.encode())
+        types.append(ttype)
+    if bad:
+        warn(f"{len(bad)} normal tokens are not in the GPT-2 byte alphabet (e.g. {bad[0]!r}); stored as UTF-8")
+    ids = {text: i for i, (text, _) in sorted(id_text.items())}
+    merge_ids = resolve_merges(merges, ids, where)
+
+    cfg_path = ck.path / "tokenizer_config.json"
+    tc = read_json(cfg_path, "tokenizer config") if cfg_path.is_file() else {}
+    if not isinstance(tc, dict):
+        raise ExportError(f"{cfg_path}: not a JSON object")
+
+    def special_id(name: str, config_key: str) -> int:
+        tid = _token_id(ids, _special_text(tc.get(name)))
+        if tid < 0:
+            v = ck.config.get(config_key)
+            v = v[0] if isinstance(v, list) and v else v
+            tid = v if isinstance(v, int) and 0 <= v < n else -1
+        return tid
+
+    unk = _token_id(ids, _special_text(tc.get("unk_token")))
+    if unk < 0 and isinstance(model.get("unk_token"), str):
+        unk = ids.get(model["unk_token"], -1)
+    template = tc.get("chat_template")
+    if isinstance(template, list):   # named templates: take "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str) and (ck.path / "chat_template.jinja").is_file():
+        template = (ck.path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+    template = template if isinstance(template, str) else None
+    chat = chat_kind(template)
+    add_bos = tc.get("add_bos_token")
+    if not isinstance(add_bos, bool):
+        add_bos = bool(_template_adds(tj.get("post_processor"), "bos"))
+    add_eos = tc.get("add_eos_token")
+    if not isinstance(add_eos, bool):
+        add_eos = bool(_template_adds(tj.get("post_processor"), "eos"))
+    eot = next((ids[t] for t in EOT_TEXTS if t in ids), -1)
+    system = chatml_default_system(template) if chat == CHAT_CHATML else ""
+    return Vocab(KIND_BYTE_BPE, pre, texts, types, np.zeros(n, np.float32), merge_ids,
+                 special_id("bos_token", "bos_token_id"), special_id("eos_token", "eos_token_id"), eot, unk,
+                 add_bos, add_eos, False, chat, system.encode("utf-8", "surrogateescape"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+HEADER_SIZE = 256
+SECTION_ALIGN = 64
+TABLE_ENTRY = 80
+NAME_FIELD = 48
+FORMAT_VERSION = 1
+FLAG_TIED = 1
+
+
+def pack_header(hp: Hyper, n_tensors: int, tok_off: int, tok_size: int, table_off: int, file_size: int) -> bytes:
+    u32_fields = dict(dim=hp.dim, hidden_dim=hp.hidden_dim, n_layers=hp.n_layers, n_heads=hp.n_heads,
+                      n_kv_heads=hp.n_kv_heads, head_dim=hp.head_dim, vocab_size=hp.vocab_size,
+                      max_seq_len=hp.max_seq_len, rope_dim=hp.rope_dim)
+    for k, v in u32_fields.items():
+        if not 0 <= v < 2**32:
+            raise ExportError(f"{k} = {v} does not fit the header's u32 field")
+    head = struct.pack("<4sIIIIIIIIIIIffIIIIQQQQ", b"LLMF", FORMAT_VERSION, HEADER_SIZE, hp.family.arch_id,
+                       hp.dim, hp.hidden_dim, hp.n_layers, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.vocab_size,
+                       hp.max_seq_len, hp.rope_theta, hp.norm_eps, FLAG_TIED if hp.tied else 0,
+                       hp.family.activation, hp.rope_dim, n_tensors, tok_off, tok_size, table_off, file_size)
+    return head.ljust(HEADER_SIZE, b"\0")
+
+
+class Progress:
+    """Tensor progress on stderr: an overwritten line on a TTY, else a line every ~10%."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.tty = total, 0, sys.stderr.isatty()
+        self.next_report = 0.1
+
+    def step(self, name: str) -> None:
+        self.done += 1
+        if self.tty:
+            print(f"\r[{self.done}/{self.total}] {name:<40}", end="", file=sys.stderr, flush=True)
+        elif self.done / self.total >= self.next_report or self.done == self.total:
+            print(f"[{self.done}/{self.total}] {name}", file=sys.stderr, flush=True)
+            while self.next_report <= self.done / self.total:
+                self.next_report += 0.1
+
+    def finish(self) -> None:
+        if self.tty and self.total:
+            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
+
+
+def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) -> int:
+    if len(vocab.texts) > hp.vocab_size and plan:
+        raise ExportError(f"tokenizer has {len(vocab.texts)} tokens but the embedding has only {hp.vocab_size} rows")
+    tok = vocab.serialize()
+    tok_off = HEADER_SIZE
+    table_off = align_up(tok_off + len(tok), SECTION_ALIGN)
+    pos = table_off + TABLE_ENTRY * len(plan)
+    for ot in plan:
+        ot.offset = align_up(pos, SECTION_ALIGN)
+        pos = ot.offset + ot.nbytes
+    file_size = pos
+
+    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
+    try:
+        try:
+            f = open(tmp, "xb")
+        except OSError as e:
+            raise ExportError(f"cannot create {tmp}: {e.strerror or e}") from None
+        with f:
+            f.write(pack_header(hp, len(plan), tok_off, len(tok), table_off, file_size))
+            f.write(tok)
+            f.write(b"\0" * (table_off - f.tell()))
+            for ot in plan:
+                name = ot.name.encode("ascii")
+                if len(name) >= NAME_FIELD:
+                    raise ExportError(f"tensor name '{ot.name}' is too long")
+                f.write(struct.pack("<48sIIIIQQ", name, ot.out_type, ot.rows, ot.cols, 0, ot.offset, ot.nbytes))
+            progress = Progress(len(plan))
+            for ot in plan:
+                f.write(b"\0" * (ot.offset - f.tell()))
+                for part in ot.parts:
+                    convert_part(part, ot.out_type, lambda a: f.write(np.ascontiguousarray(a).data))
+                if f.tell() != ot.offset + ot.nbytes:
+                    raise ExportError(f"internal error: {ot.name} wrote {f.tell() - ot.offset} bytes, expected {ot.nbytes}")
+                progress.step(ot.name)
+            progress.finish()
+            if f.tell() != file_size:
+                raise ExportError(f"internal error: wrote {f.tell()} bytes, expected {file_size}")
+        os.replace(tmp, out_path)
+    except OSError as e:
+        _remove(tmp)
+        raise ExportError(f"writing {out_path}: {e.strerror or e}") from None
+    except BaseException:
+        _remove(tmp)
+        raise
+    return file_size
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+
+def same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)
+
+
+def export(args: argparse.Namespace) -> None:
+    t0 = time.time()
+    src, out = Path(args.input), Path(args.output)
+    if not src.exists():
+        raise ExportError(f"input {src} does not exist")
+    if out.is_dir():
+        raise ExportError(f"output {out} is a directory")
+
+    if src.is_dir():
+        ck = HFCheckpoint(src)
+        fam = family_for_hf(ck.config.get("architectures"), args.tokenizer_only)
+        sources = [*ck.files]
+        if any(same_file(out, s) for s in sources + [src / "config.json"]):
+            raise ExportError(f"output {out} is the same file as an input file")
+        hp = hparams_from_hf(ck, fam, strict=not args.tokenizer_only)
+        vocab = vocab_from_hf(ck)
+        plan: list[OutTensor] = []
+        if not args.tokenizer_only:
+            ck.load_tensors()
+            emb = ck.tensors.get(fam.hf_names["tok_embeddings"])
+            if emb is not None and emb.rows_cols[0] != hp.vocab_size:
+                raise ExportError(f"tensor '{emb.name}' has {emb.rows_cols[0]} rows but config vocab_size is {hp.vocab_size}")
+            if fam.hf_names["output"] not in ck.tensors:
+                hp.tied = True
+            plan = build_plan(hp, ck.tensors, fam.hf_names, False, args.dtype, fam.hf_ignored)
+    else:
+        if same_file(out, src):
+            raise ExportError(f"output {out} is the same file as the input")
+        g = GGUFFile(src)
+        fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
+        hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
+        vocab = vocab_from_gguf(g)
+        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, args.dtype, ())
+
+    size = write_model(out, hp, vocab, plan)
+    params = sum(ot.rows * ot.cols for ot in plan)
+    what = "tokenizer only" if args.tokenizer_only else args.dtype
+    print(f"{PROG}: wrote {out}: {len(plan)} tensors, {params:,} parameters, {size:,} bytes ({what}), "
+          f"{len(vocab.texts)} tokens, {len(vocab.merges)} merges in {time.time() - t0:.2f} s", file=sys.stderr)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
+    ap.add_argument("output", help="the model file to write (written to OUTPUT.tmp-PID, then renamed)")
+    ap.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="f32",
+                    help="type of the weight matrices (default f32); with q4_1 the token embedding / output head "
+                         "stay Q8_0; norms are always F32")
+    ap.add_argument("--tokenizer-only", action="store_true",
+                    help="write the header and tokenizer section only (no tensors); any architecture in the table")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        export(args)
+    except ExportError as e:
+        print(f"{PROG}: error: {show(str(e), 600)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except MemoryError:
+        print(f"{PROG}: error: out of memory", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"{PROG}: error: {show(str(e.filename or ''))}: {show(str(e.strerror or e))}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - damaged inputs must still give one line, never a traceback
+        print(f"{PROG}: error: unexpected {type(e).__name__} while exporting (corrupt input?): {show(str(e), 300)}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,699 @@
+"""export.py on damaged or unsupported inputs: exit 1, one line on stderr naming the problem,
+no traceback, no output (or temp) file left behind.
+
+Bad files are made in SCRATCH from the real GGUF's header bytes and from a tiny synthetic llama
+model written here (GGUF and Hugging Face layouts, with writers independent of export.py). The
+synthetic model also serves as the positive control: unmodified, it must export, and the GGUF and
+HF versions of the same weights must give byte-identical model files.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require
+
+EXPORT = ROOT / "export.py"
+WORK = SCRATCH / "export_errors"
+WORK.mkdir(parents=True, exist_ok=True)
+
+# ---------------------------------------------------------------------------------------------
+# A tiny llama model (GQA, tied embeddings) and a byte-level BPE vocabulary
+
+DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, CTX = 64, 128, 2, 4, 2, 16, 256
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
+TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\nYou are a tiny test model<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}")
+
+
+def byte_alphabet() -> list[str]:
+    """GPT-2's bytes_to_unicode: printable bytes map to themselves, the other 68 to U+0100.."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(0x100 + extra))
+            extra += 1
+    return chars
+
+
+TOKENS = SPECIALS + byte_alphabet() + [a + b for a, b in MERGES]
+VOCAB = len(TOKENS)
+
+
+def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = {"model.embed_tokens.weight": rng.standard_normal((VOCAB, DIM)), "model.norm.weight": 1 + rng.standard_normal(DIM) * 0.1}
+    for n in range(LAYERS):
+        p = f"model.layers.{n}."
+        w[p + "input_layernorm.weight"] = 1 + rng.standard_normal(DIM) * 0.1
+        w[p + "self_attn.q_proj.weight"] = rng.standard_normal((HEADS * HEAD_DIM, DIM))
+        w[p + "self_attn.k_proj.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, DIM))
+        w[p + "self_attn.v_proj.weight"] = rng.standard_normal((KV_HEADS * HEAD_DIM, DIM))
+        w[p + "self_attn.o_proj.weight"] = rng.standard_normal((DIM, HEADS * HEAD_DIM))
+        w[p + "post_attention_layernorm.weight"] = 1 + rng.standard_normal(DIM) * 0.1
+        w[p + "mlp.gate_proj.weight"] = rng.standard_normal((HIDDEN, DIM))
+        w[p + "mlp.up_proj.weight"] = rng.standard_normal((HIDDEN, DIM))
+        w[p + "mlp.down_proj.weight"] = rng.standard_normal((DIM, HIDDEN))
+    return {k: (v * 0.05).astype(np.float32) for k, v in w.items()}
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's converter does to llama Q/K rows (FACTS.md 4.3)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF writer (FACTS.md section 1)
+
+U32, I32, F32V, BOOL, STR, ARR = 4, 5, 6, 7, 8, 9
+SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def gguf_str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def gguf_value(vtype: int, value) -> bytes:
+    if vtype == STR:
+        return gguf_str(value)
+    if vtype == ARR:
+        etype, items = value
+        body = b"".join(gguf_value(etype, v) for v in items)
+        return struct.pack("<IQ", etype, len(items)) + body
+    return struct.pack(SCALAR_FMT[vtype], value)
+
+
+def gguf_bytes(kvs: list, tensors: list, *, n_kv: int | None = None, n_tensors: int | None = None,
+               magic: bytes = b"GGUF", version: int = 3, align: int = 32) -> bytes:
+    """kvs: [(key, vtype, value)]; tensors: [(name, ne, ggml_type, data bytes)] (offsets computed)."""
+    out = bytearray(magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
+                                        len(kvs) if n_kv is None else n_kv))
+    for key, vtype, value in kvs:
+        out += gguf_str(key) + struct.pack("<I", vtype) + gguf_value(vtype, value)
+    offset = 0
+    for name, ne, ttype, data in tensors:
+        out += gguf_str(name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, ttype, offset)
+        offset += len(data) + (-len(data)) % align
+    out += bytes((-len(out)) % align)
+    for *_, data in tensors:
+        out += data + bytes((-len(data)) % align)
+    return bytes(out)
+
+
+def gguf_kvs(arch: str = "llama", pre: str = "smollm", extra: list | None = None) -> list:
+    a = arch
+    kvs = [
+        ("general.architecture", STR, arch), ("general.name", STR, "tiny test"),
+        (f"{a}.context_length", U32, CTX), (f"{a}.embedding_length", U32, DIM), (f"{a}.block_count", U32, LAYERS),
+        (f"{a}.feed_forward_length", U32, HIDDEN), (f"{a}.attention.head_count", U32, HEADS),
+        (f"{a}.attention.head_count_kv", U32, KV_HEADS), (f"{a}.rope.freq_base", F32V, 10000.0),
+        (f"{a}.attention.layer_norm_rms_epsilon", F32V, 1e-5), (f"{a}.rope.dimension_count", U32, HEAD_DIM),
+        (f"{a}.vocab_size", U32, VOCAB),
+        ("tokenizer.ggml.model", STR, "gpt2"), ("tokenizer.ggml.pre", STR, pre),
+        ("tokenizer.ggml.tokens", ARR, (STR, TOKENS)),
+        ("tokenizer.ggml.token_type", ARR, (I32, [3] * len(SPECIALS) + [1] * (VOCAB - len(SPECIALS)))),
+        ("tokenizer.ggml.merges", ARR, (STR, [f"{a_} {b}" for a_, b in MERGES])),
+        ("tokenizer.ggml.bos_token_id", U32, 1), ("tokenizer.ggml.eos_token_id", U32, 2),
+        ("tokenizer.ggml.unknown_token_id", U32, 0), ("tokenizer.ggml.add_bos_token", BOOL, False),
+        ("tokenizer.ggml.add_space_prefix", BOOL, False), ("tokenizer.chat_template", STR, TEMPLATE),
+    ]
+    return kvs + (extra or [])
+
+
+GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight", "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def gguf_tensors(weights: dict[str, np.ndarray]) -> list:
+    out = []
+    for name, w in weights.items():
+        if name in GGUF_NAMES:
+            gname = GGUF_NAMES[name]
+        else:
+            _, _, n, *rest = name.split(".")
+            suffix = ".".join(rest)
+            gname = f"blk.{n}.{GGUF_NAMES[suffix]}"
+            if suffix == "self_attn.q_proj.weight":
+                w = llama_cpp_permute(w, HEADS)
+            elif suffix == "self_attn.k_proj.weight":
+                w = llama_cpp_permute(w, KV_HEADS)
+        out.append((gname, list(reversed(w.shape)), 0, np.ascontiguousarray(w, dtype="<f4").tobytes()))
+    return out
+
+
+def write_gguf(name: str, data: bytes) -> Path:
+    path = WORK / name
+    path.write_bytes(data)
+    return path
+
+
+def good_gguf(name: str = "tiny.gguf") -> Path:
+    return write_gguf(name, gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights())))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face directory writer (FACTS.md section 7)
+
+def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
+    header, blobs, pos = {}, [], 0
+    for name, arr in tensors.items():
+        raw = np.ascontiguousarray(arr, dtype="<f4").tobytes()
+        header[name] = {"dtype": "F32", "shape": list(arr.shape), "data_offsets": [pos, pos + len(raw)]}
+        blobs.append(raw)
+        pos += len(raw)
+    h = json.dumps(header).encode()
+    h += b" " * ((-8 - len(h)) % 8)
+    return struct.pack("<Q", len(h)) + h + b"".join(blobs)
+
+
+def hf_config(**changes) -> dict:
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": DIM,
+           "intermediate_size": HIDDEN, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+           "num_key_value_heads": KV_HEADS, "max_position_embeddings": CTX, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": True, "vocab_size": VOCAB,
+           "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2}
+    cfg.update(changes)
+    return cfg
+
+
+def hf_tokenizer_json() -> dict:
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "added_tokens": [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for i, t in enumerate(SPECIALS)],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level]},
+        "post_processor": dict(byte_level),
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "fuse_unk": False, "byte_fallback": False,
+                  "vocab": {t: i for i, t in enumerate(TOKENS)}, "merges": [f"{a} {b}" for a, b in MERGES]},
+    }
+
+
+def good_hf(name: str = "tiny_hf", config: dict | None = None, weights: dict | None = None) -> Path:
+    d = WORK / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(config or hf_config()))
+    (d / "model.safetensors").write_bytes(safetensors_bytes(hf_weights() if weights is None else weights))
+    (d / "tokenizer.json").write_text(json.dumps(hf_tokenizer_json()))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "chat_template": TEMPLATE, "add_prefix_space": False}))
+    return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Assertions
+
+def _leftovers(out: Path) -> list[Path]:
+    return list(out.parent.glob(out.name + ".tmp-*"))
+
+
+def _clean(out: Path) -> None:
+    """Remove the output and stale temp files of earlier runs, so only this run's leftovers count."""
+    for p in [out, *_leftovers(out)]:
+        p.unlink(missing_ok=True)
+
+
+def expect_failure(inp: Path, *words: str, out: Path | None = None, extra: tuple = ()) -> str:
+    out = out or WORK / "out.bin"
+    _clean(out)
+    r = python([EXPORT, inp, out, *extra], timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    lines = err.strip().splitlines()
+    assert r.returncode == 1, f"exit status {r.returncode} (want 1); stderr: {err[-600:]!r}"
+    assert "Traceback" not in err, f"traceback on stderr: {err[-600:]}"
+    assert len(lines) == 1, f"want exactly one line on stderr, got {len(lines)}: {err[-600:]!r}"
+    for w in words:
+        assert w.lower() in lines[0].lower(), f"{w!r} not in the error message {lines[0]!r}"
+    assert not out.exists(), f"{out} was left behind"
+    assert not _leftovers(out), f"temp files left behind: {_leftovers(out)}"
+    return lines[0]
+
+
+def expect_success(inp: Path, out: Path, *extra: str) -> bytes:
+    _clean(out)
+    r = python([EXPORT, inp, out, *extra], timeout=300)
+    err = r.stderr.decode("utf-8", "replace")
+    assert r.returncode == 0, f"export of {inp} failed ({r.returncode}): {err[-600:]}"
+    assert "Traceback" not in err
+    assert out.exists() and not _leftovers(out)
+    return out.read_bytes()
+
+
+_export_module = None
+
+
+def run_in_process(args: list[str]) -> tuple[int, list[str]]:
+    """export.main(args) in this process (much faster than a subprocess): exit status, stderr lines."""
+    global _export_module
+    if _export_module is None:
+        spec = importlib.util.spec_from_file_location("export_under_test", EXPORT)
+        _export_module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = _export_module   # dataclasses look their module up here
+        spec.loader.exec_module(_export_module)
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        rc = _export_module.main(args)
+    return rc, buf.getvalue().strip().splitlines()
+
+
+def real_gguf_head(n: int) -> bytearray:
+    require(DEFAULT_GGUF, "the default SmolLM2 GGUF must be in models/")
+    with open(DEFAULT_GGUF, "rb") as f:
+        return bytearray(f.read(n))
+
+
+# ---------------------------------------------------------------------------------------------
+# Positive controls
+
+def test_synthetic_gguf_and_hf_agree() -> None:
+    """The unmodified synthetic model exports from both layouts, to identical bytes (so the
+    Q/K un-permutation of GGUF llama files is right), and the header says what we wrote."""
+    for dtype in ("f32", "q8_0"):
+        a = expect_success(good_gguf(), WORK / f"tiny_gguf_{dtype}.bin", "--dtype", dtype)
+        b = expect_success(good_hf(), WORK / f"tiny_hf_{dtype}.bin", "--dtype", dtype)
+        assert a[:4] == b"LLMF", a[:4]
+        fields = struct.unpack_from("<13I", a, 4)
+        assert fields[2:12] == (1, DIM, HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, CTX, struct.unpack("<I", struct.pack("<f", 10000.0))[0]), fields
+        assert struct.unpack_from("<Q", a, 96)[0] == len(a)
+        assert len(a) == len(b), (len(a), len(b))
+        diff = np.flatnonzero(np.frombuffer(a, np.uint8) != np.frombuffer(b, np.uint8))
+        assert diff.size == 0, f"{dtype}: GGUF and HF exports differ in {diff.size} bytes, first at {diff[0]}"
+
+
+def test_gguf_v2_and_custom_alignment_accepted() -> None:
+    """GGUF v2 has the v3 layout; general.alignment moves the data start and tensor padding."""
+    base = expect_success(good_gguf(), WORK / "tiny_base.bin")
+    weights = gguf_tensors(hf_weights())
+    v2 = write_gguf("tiny_v2.gguf", gguf_bytes(gguf_kvs(), weights, version=2))
+    assert expect_success(v2, WORK / "tiny_v2.bin") == base
+    kvs = gguf_kvs(extra=[("general.alignment", U32, 256)])
+    aligned = write_gguf("tiny_align.gguf", gguf_bytes(kvs, weights, align=256))
+    assert expect_success(aligned, WORK / "tiny_align.bin") == base
+
+
+def test_untied_output_head() -> None:
+    """An output head (GGUF output.weight / HF lm_head.weight with tie_word_embeddings false)
+    becomes the `output` tensor and clears flag bit 0; both layouts still agree."""
+    w = hf_weights()
+    head = np.random.default_rng(5).standard_normal((VOCAB, DIM)).astype(np.float32)
+    tensors = gguf_tensors(w) + [("output.weight", [DIM, VOCAB], 0, head.tobytes())]
+    a = expect_success(write_gguf("untied.gguf", gguf_bytes(gguf_kvs(), tensors)), WORK / "untied_gguf.bin")
+    b = expect_success(good_hf("hf_untied", config=hf_config(tie_word_embeddings=False), weights={**w, "lm_head.weight": head}),
+                       WORK / "untied_hf.bin")
+    assert a == b, "GGUF and HF exports of the untied model differ"
+    assert struct.unpack_from("<I", a, 56)[0] & 1 == 0, "tied flag set on an untied model"
+    assert struct.unpack_from("<I", a, 68)[0] == 1 + 6 * LAYERS + 2
+    table = struct.unpack_from("<Q", a, 88)[0] + 80 * (1 + 6 * LAYERS + 1)
+    name, ttype, rows, cols, _, off, size = struct.unpack_from("<48sIIIIQQ", a, table)
+    assert (name.rstrip(b"\0"), ttype, rows, cols) == (b"output", 0, VOCAB, DIM)
+    assert a[off:off + size] == head.tobytes()
+
+
+def test_real_gguf_header_is_parsed() -> None:
+    """Control for the header-corruption tests below: the real file itself exports (tokenizer only, fast)."""
+    require(DEFAULT_GGUF, "the default SmolLM2 GGUF must be in models/")
+    data = expect_success(DEFAULT_GGUF, WORK / "real_tok.bin", "--tokenizer-only")
+    assert struct.unpack_from("<I", data, 68)[0] == 0   # n_tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# Command-line level errors
+
+def test_missing_input() -> None:
+    expect_failure(WORK / "does-not-exist.gguf", "does-not-exist.gguf")
+
+
+def test_output_equals_input() -> None:
+    src = good_gguf("same.gguf")
+    _clean(src.with_name("same_link.gguf"))
+    for p in _leftovers(src):
+        p.unlink()
+    before = src.read_bytes()
+    for target in (src, WORK / "." / "same.gguf"):
+        r = python([EXPORT, src, target])
+        err = r.stderr.decode()
+        assert r.returncode == 1 and "same file" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    link = WORK / "same_link.gguf"
+    link.unlink(missing_ok=True)
+    link.symlink_to(src)
+    r = python([EXPORT, src, link])
+    assert r.returncode == 1 and "same file" in r.stderr.decode(), r.stderr
+    assert src.read_bytes() == before, "the input was modified"
+    assert not _leftovers(src)
+
+
+def test_output_directory_missing() -> None:
+    expect_failure(good_gguf(), "cannot create", out=WORK / "no-such-dir" / "out.bin")
+
+
+def test_write_failure_leaves_nothing() -> None:
+    """A write error half-way (file size limit -> EFBIG; CPython ignores SIGXFSZ) must remove the temp file."""
+    import resource
+    src, out = good_gguf(), WORK / "limited.bin"
+    _clean(out)
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
+
+    r = subprocess.run([sys.executable, str(EXPORT), str(src), str(out)], capture_output=True, preexec_fn=limit, timeout=120)
+    err = r.stderr.decode()
+    lines = [l for l in err.strip().splitlines() if not l.startswith("[")]   # progress lines may precede it
+    assert r.returncode == 1 and "Traceback" not in err, (r.returncode, err)
+    assert len(lines) == 1 and "too large" in lines[0].lower() and str(out) in lines[0], err
+    assert not out.exists() and not _leftovers(out), _leftovers(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged GGUF files
+
+def test_truncated_gguf_in_metadata() -> None:
+    expect_failure(write_gguf("trunc_meta.gguf", bytes(real_gguf_head(5000))), "truncated")
+    expect_failure(write_gguf("trunc_meta.gguf", bytes(real_gguf_head(500_000))), "truncated")
+
+
+def test_truncated_gguf_in_tensor_data() -> None:
+    expect_failure(write_gguf("trunc_data.gguf", bytes(real_gguf_head(40_000_000))), "past the end", "blk.")
+
+
+def test_truncated_synthetic_gguf_everywhere() -> None:
+    """Cut points in the header, every metadata region, the tensor infos and the data (in-process, fast)."""
+    data = gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights()))
+    src, out = WORK / "trunc.gguf", WORK / "trunc.bin"
+    for cut in (0, 3, 4, 8, 20, 24, 100, 1000, 3000, 6000, 9000, len(data) // 2, len(data) - 1):
+        src.write_bytes(data[:cut])
+        rc, lines = run_in_process([str(src), str(out)])
+        assert rc == 1 and len(lines) == 1 and lines[0].startswith("export.py: error:"), (cut, rc, lines)
+        assert "unexpected" not in lines[0], (cut, lines)
+        assert not out.exists() and not _leftovers(out), cut
+
+
+def test_bad_magic() -> None:
+    head = real_gguf_head(65536)
+    head[3] ^= 0xFF
+    expect_failure(write_gguf("magic.gguf", bytes(head)), "magic")
+
+
+def test_unsupported_version() -> None:
+    head = real_gguf_head(65536)
+    struct.pack_into("<I", head, 4, 7)
+    expect_failure(write_gguf("version.gguf", bytes(head)), "version 7")
+
+
+def test_garbage_tensor_count() -> None:
+    head = real_gguf_head(65536)
+    struct.pack_into("<Q", head, 8, 0xFFFF_FFFF_FFFF_FF00)
+    expect_failure(write_gguf("ntensors.gguf", bytes(head)), "tensor count")
+
+
+def test_garbage_metadata_count() -> None:
+    head = real_gguf_head(65536)
+    struct.pack_into("<Q", head, 16, 0x7FFF_FFFF_FFFF)
+    expect_failure(write_gguf("nkv.gguf", bytes(head)), "metadata count")
+
+
+def test_absurd_string_length() -> None:
+    head = real_gguf_head(65536)
+    struct.pack_into("<Q", head, 24, 1 << 60)   # length of the first key
+    expect_failure(write_gguf("strlen.gguf", bytes(head)), "length")
+
+
+def test_unsupported_architecture() -> None:
+    kvs = [kv if kv[0] != "general.architecture" else (kv[0], STR, "mamba") for kv in gguf_kvs()]
+    expect_failure(write_gguf("mamba.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "mamba", "architecture")
+
+
+def test_unknown_tensor_type() -> None:
+    tensors = gguf_tensors(hf_weights())
+    name, ne, _, data = tensors[3]
+    tensors[3] = (name, ne, 99, data)
+    expect_failure(write_gguf("type99.gguf", gguf_bytes(gguf_kvs(), tensors)), name, "99")
+
+
+def test_undecodable_tensor_type() -> None:
+    """IQ4_NL is a valid ggml type (32-element, 18-byte blocks) that export.py cannot decode."""
+    tensors = gguf_tensors(hf_weights())
+    i = next(k for k, t in enumerate(tensors) if t[0] == "blk.1.attn_q.weight")
+    name, ne, _, _ = tensors[i]
+    tensors[i] = (name, ne, 20, bytes(ne[0] // 32 * 18 * ne[1]))
+    expect_failure(write_gguf("iq4nl.gguf", gguf_bytes(gguf_kvs(), tensors)), "blk.1.attn_q.weight", "IQ4_NL")
+
+
+def test_missing_tensor() -> None:
+    tensors = [t for t in gguf_tensors(hf_weights()) if t[0] != "blk.1.ffn_up.weight"]
+    expect_failure(write_gguf("missing.gguf", gguf_bytes(gguf_kvs(), tensors)), "missing", "blk.1.ffn_up.weight")
+
+
+def test_tensor_shape_mismatch() -> None:
+    w = hf_weights()
+    w["model.layers.0.self_attn.k_proj.weight"] = np.zeros((3 * HEAD_DIM, DIM), np.float32)
+    expect_failure(write_gguf("shape.gguf", gguf_bytes(gguf_kvs(), gguf_tensors(w))), "blk.0.attn_k.weight", "shape")
+
+
+def test_config_mismatch() -> None:
+    kvs = [kv if kv[0] != "llama.feed_forward_length" else (kv[0], U32, HIDDEN * 2) for kv in gguf_kvs()]
+    expect_failure(write_gguf("cfg.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "shape", "blk.0.ffn_gate.weight")
+
+
+def test_duplicate_tensor_name() -> None:
+    tensors = gguf_tensors(hf_weights())
+    tensors.append(tensors[2])
+    expect_failure(write_gguf("dup.gguf", gguf_bytes(gguf_kvs(), tensors)), "duplicate", tensors[2][0])
+
+
+def test_duplicate_metadata_key() -> None:
+    kvs = gguf_kvs(extra=[("llama.block_count", U32, LAYERS)])
+    expect_failure(write_gguf("dupkv.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "duplicate", "llama.block_count")
+
+
+def test_tensor_offset_past_eof() -> None:
+    data = bytearray(gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights())))
+    name = b"output_norm.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name) + 4 + 8 + 4   # n_dims, 1 dim, type
+    struct.pack_into("<Q", data, at, 1 << 40)
+    expect_failure(write_gguf("offset.gguf", bytes(data)), "output_norm.weight", "past the end")
+
+
+def test_wrong_metadata_type() -> None:
+    kvs = [kv if kv[0] != "llama.block_count" else (kv[0], STR, "two") for kv in gguf_kvs()]
+    expect_failure(write_gguf("kvtype.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "llama.block_count")
+
+
+def test_rope_scaling_refused() -> None:
+    kvs = gguf_kvs(extra=[("llama.rope.scaling.type", STR, "yarn"), ("llama.rope.scaling.factor", F32V, 4.0)])
+    expect_failure(write_gguf("yarn.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "rope scaling", "yarn")
+
+
+def test_unknown_pre_tokenizer() -> None:
+    expect_failure(write_gguf("pre.gguf", gguf_bytes(gguf_kvs(pre="no-such-pre"), gguf_tensors(hf_weights()))),
+                   "pre-tokenizer", "no-such-pre")
+
+
+def test_merge_not_in_vocab() -> None:
+    kvs = [kv if kv[0] != "tokenizer.ggml.merges" else (kv[0], ARR, (STR, ["Ġ t", "q z"])) for kv in gguf_kvs()]
+    expect_failure(write_gguf("merge.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "merge", "'qz'")
+
+
+def test_fuzzed_gguf_headers_fail_cleanly() -> None:
+    """Random byte damage in the metadata/tensor-info region: the export either succeeds or fails
+    with one clear line (never the catch-all 'unexpected' message, never an exception)."""
+    good = gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights()))
+    header_end = good.index(np.ascontiguousarray(hf_weights()["model.embed_tokens.weight"], "<f4").tobytes()[:64])
+    rng = np.random.default_rng(1234)
+    src, out = WORK / "fuzz.gguf", WORK / "fuzz.bin"
+    failures = 0
+    for i in range(250):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 4))):
+            at = int(rng.integers(0, header_end))
+            data[at] = int(rng.integers(0, 256)) if rng.random() < 0.7 else data[at] ^ 0x80
+        src.write_bytes(bytes(data))
+        _clean(out)
+        rc, err = run_in_process([str(src), str(out), "--dtype", "q8_0"])
+        assert rc in (0, 1), f"mutation {i}: exit {rc}"
+        assert not _leftovers(out), f"mutation {i}: temp file left"
+        if rc == 1:
+            failures += 1
+            errors = [line for line in err if line.startswith("export.py: error:")]
+            assert len(errors) == 1 and err[-1] == errors[0], f"mutation {i}: {err}"
+            assert "unexpected" not in errors[0], f"mutation {i}: unhandled case: {errors[0]}"
+            assert not out.exists()
+    assert failures > 50, f"only {failures} of 250 mutations failed: the fuzzer is not reaching the parser"
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged or unsupported Hugging Face directories
+
+def test_hf_truncated_safetensors() -> None:
+    d = good_hf("hf_trunc")
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    expect_failure(d, "past the end")
+
+
+def test_hf_truncated_safetensors_header() -> None:
+    d = good_hf("hf_trunc_head")
+    st = d / "model.safetensors"
+    st.write_bytes(st.read_bytes()[:100])
+    expect_failure(d, "header length")
+
+
+def test_hf_bad_safetensors_json() -> None:
+    d = good_hf("hf_badjson")
+    st = d / "model.safetensors"
+    data = bytearray(st.read_bytes())
+    data[8:20] = b"{not json!!!"
+    st.write_bytes(bytes(data))
+    expect_failure(d, "JSON")
+
+
+def test_hf_safetensors_duplicate_key() -> None:
+    d = good_hf("hf_dupkey")
+    st = d / "model.safetensors"
+    data = st.read_bytes()
+    (hlen,) = struct.unpack_from("<Q", data)
+    header = data[8:8 + hlen].decode().rstrip()
+    first = header[1:header.index("}") + 1]          # '"name": {...}' of the first entry
+    header = "{" + first + ", " + header[1:]
+    header += " " * ((-8 - len(header)) % 8)
+    st.write_bytes(struct.pack("<Q", len(header)) + header.encode() + data[8 + hlen:])
+    expect_failure(d, "duplicate")
+
+
+def test_hf_shape_mismatch() -> None:
+    good_hf("hf_shape", config=hf_config(intermediate_size=HIDDEN // 2))
+    expect_failure(WORK / "hf_shape", "shape")
+
+
+def test_hf_vocab_mismatch() -> None:
+    good_hf("hf_vocab", config=hf_config(vocab_size=VOCAB + 5))
+    expect_failure(WORK / "hf_vocab", "vocab")
+
+
+def test_hf_missing_tensor() -> None:
+    w = hf_weights()
+    del w["model.layers.1.mlp.down_proj.weight"]
+    expect_failure(good_hf("hf_missing", weights=w), "missing", "model.layers.1.mlp.down_proj.weight")
+
+
+def test_hf_missing_tokenizer() -> None:
+    d = good_hf("hf_notok")
+    (d / "tokenizer.json").unlink()
+    expect_failure(d, "tokenizer.json")
+
+
+def test_hf_missing_config() -> None:
+    d = good_hf("hf_nocfg")
+    (d / "config.json").unlink()
+    expect_failure(d, "config.json")
+
+
+def test_hf_unsupported_architecture() -> None:
+    expect_failure(good_hf("hf_arch", config=hf_config(architectures=["MambaForCausalLM"])), "MambaForCausalLM")
+
+
+def test_hf_rope_scaling_refused() -> None:
+    cfg = hf_config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    expect_failure(good_hf("hf_rope", config=cfg), "rope scaling", "llama3")
+
+
+# ---------------------------------------------------------------------------------------------
+# --tokenizer-only on a Gemma-3-style SentencePiece vocabulary (other archs are refused without it)
+
+SPM_TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+              + [f"<0x{b:02X}>" for b in range(256)] + ["▁", "▁▁", "▁the", "he", "ll", "hello", "▁héllo", "<table>"])
+SPM_TYPES = [3, 3, 3, 2, 3, 3, 3] + [6] * 256 + [1] * 7 + [4]
+GEMMA_TEMPLATE = "{{ bos_token }}{% for message in messages %}<start_of_turn>{{ message['role'] }}\n{% endfor %}"
+
+
+def gemma3_gguf(name: str = "gemma3_tok.gguf") -> Path:
+    a = "gemma3"
+    kvs = [("general.architecture", STR, a), (f"{a}.context_length", U32, 32768), (f"{a}.embedding_length", U32, 640),
+           (f"{a}.block_count", U32, 18), (f"{a}.feed_forward_length", U32, 2048), (f"{a}.attention.head_count", U32, 4),
+           (f"{a}.attention.head_count_kv", U32, 1), (f"{a}.attention.key_length", U32, 256),
+           (f"{a}.attention.value_length", U32, 256), (f"{a}.attention.layer_norm_rms_epsilon", F32V, 1e-6),
+           (f"{a}.rope.freq_base", F32V, 1e6),
+           ("tokenizer.ggml.model", STR, "llama"), ("tokenizer.ggml.pre", STR, "default"),
+           ("tokenizer.ggml.tokens", ARR, (STR, SPM_TOKENS)),
+           ("tokenizer.ggml.scores", ARR, (F32V, [-1000.0] * 7 + [0.0] * 256 + [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0, -7.0, 0.0])),
+           ("tokenizer.ggml.token_type", ARR, (I32, SPM_TYPES)),
+           ("tokenizer.ggml.bos_token_id", U32, 2), ("tokenizer.ggml.eos_token_id", U32, 1),
+           ("tokenizer.ggml.unknown_token_id", U32, 3), ("tokenizer.ggml.padding_token_id", U32, 0),
+           ("tokenizer.ggml.add_bos_token", BOOL, True), ("tokenizer.ggml.add_eos_token", BOOL, False),
+           ("tokenizer.ggml.add_space_prefix", BOOL, False), ("tokenizer.chat_template", STR, GEMMA_TEMPLATE)]
+    return write_gguf(name, gguf_bytes(kvs, []))
+
+
+def parse_tokenizer_section(data: bytes) -> dict:
+    """FORMAT.md tokenizer section, parsed independently of export.py."""
+    tok_off, tok_size = struct.unpack_from("<QQ", data, 72)
+    t = data[tok_off:tok_off + tok_size]
+    keys = "kind pre n_vocab n_merges bos eos eot unk flags chat system_size blob_size".split()
+    s = dict(zip(keys, struct.unpack_from("<IIIIiiiiIIII", t, 0)))
+    n, pos = s["n_vocab"], 64
+
+    def take(count: int, dtype: str) -> np.ndarray:
+        nonlocal pos
+        pos += (-pos) % 4
+        arr = np.frombuffer(t, dtype, count, pos)
+        pos += arr.nbytes
+        return arr
+
+    offsets = take(n + 1, "<u4")
+    s["types"] = take(n, "u1").tolist()
+    s["scores"] = take(n, "<f4").tolist()
+    s["merges"] = take(3 * s["n_merges"], "<i4").reshape(-1, 3)
+    s["system"] = take(s["system_size"], "u1").tobytes()
+    blob = take(s["blob_size"], "u1").tobytes()
+    assert pos == len(t), (pos, len(t))
+    s["texts"] = [blob[offsets[i]:offsets[i + 1]] for i in range(n)]
+    return s
+
+
+def test_tokenizer_only_gemma3_spm() -> None:
+    data = expect_success(gemma3_gguf(), WORK / "gemma3_tok.bin", "--tokenizer-only")
+    hdr = struct.unpack_from("<4sIII9I", data, 0)
+    assert hdr[0] == b"LLMF" and hdr[3] == 4, hdr                         # arch gemma3
+    assert hdr[4:12] == (640, 2048, 18, 4, 1, 256, len(SPM_TOKENS), 32768), hdr
+    assert struct.unpack_from("<I", data, 68)[0] == 0                     # n_tensors
+    assert struct.unpack_from("<Q", data, 96)[0] == len(data)
+    s = parse_tokenizer_section(data)
+    assert (s["kind"], s["pre"], s["n_vocab"], s["n_merges"]) == (2, 0, len(SPM_TOKENS), 0), s
+    assert (s["bos"], s["eos"], s["eot"], s["unk"]) == (2, 1, 6, 3), s
+    assert s["flags"] == 1 and s["chat"] == 2 and s["system"] == b"", s
+    assert s["types"] == SPM_TYPES
+    texts = s["texts"]
+    assert texts[6] == b"<end_of_turn>" and texts[3] == b"<unk>"
+    assert [texts[7 + b] for b in (0x00, 0x0A, 0x41, 0xFF)] == [b"\x00", b"\n", b"A", b"\xff"]
+    by_text = dict(zip(SPM_TOKENS, texts))
+    assert by_text["▁"] == b" " and by_text["▁▁"] == b"  " and by_text["▁the"] == b" the"
+    assert by_text["▁héllo"] == " héllo".encode() and by_text["<table>"] == b"<table>"
+    assert s["scores"][263:266] == [-1.0, -2.0, -3.0], s["scores"][263:266]
+
+
+def test_gemma3_weights_refused() -> None:
+    expect_failure(gemma3_gguf("gemma3_w.gguf"), "gemma3", "architecture")
