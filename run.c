@@ -1642,6 +1642,7 @@ typedef struct {
     const char *system;  /* system prompt (-y, else the template's default) */
     size_t system_len;
     int system_pending;  /* Gemma: not yet folded into a user message */
+    int system_turn;     /* ChatML: open with a system turn */
 } Chat;
 
 static void build_chat(Chat *ch, const Model *m, const char *system)
@@ -1656,6 +1657,9 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
     ch->system = system ? system : ti->default_system;
     ch->system_len = system ? strlen(system) : ti->default_system_len;
     ch->system_pending = ch->kind == 2 && ch->system_len;
+    /* An explicit -y "" is an empty system message: ChatML still renders
+       its turn (the template adds its default only without one). */
+    ch->system_turn = ch->system_len || system;
 }
 
 /* The tokens that open a conversation: BOS if the template has one, and
@@ -1665,7 +1669,7 @@ static void chat_open(const Chat *ch, const Model *m, Tokens *t)
 {
     const tok_info *ti = tok_get_info(m->tok);
     if (ch->kind == 2 && ti->bos >= 0) push(t, ti->bos);
-    if (ch->kind == 1 && ch->system_len) {
+    if (ch->kind == 1 && ch->system_turn) {
         push(t, ch->start);
         char *buf = xmalloc(ch->system_len + 8);
         int k = sprintf(buf, "system\n");
@@ -1706,14 +1710,17 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
 }
 
 /* When the conversation plus room for an answer no longer fits, drops the
-   oldest exchanges (keeping the opening: BOS and system turn) and marks
-   everything for re-prefill. Returns 0 when even the newest message alone
-   does not fit. exch[] holds the offset in conv where each exchange starts. */
+   oldest exchanges (keeping the opening: BOS and system turn) until it fits
+   in half the context, or at least fits, so that the next turns can reuse
+   the cache again; everything is then re-prefilled. Returns 0 when even the
+   newest message alone does not fit. exch[] holds the offset in conv where
+   each exchange starts. */
 static int chat_fit(Tokens *conv, int *pos, int *exch, int *n_exch, int n_open, int need, int seq_len)
 {
     if (conv->n + need <= seq_len) return 1;
     int k = 0;
-    while (k < *n_exch - 1 && n_open + conv->n - exch[k] + need > seq_len) k++;
+    while (k < *n_exch - 1 && n_open + conv->n - exch[k] + need > seq_len / 2) k++;
+    while (k > 0 && n_open + conv->n - exch[k - 1] + need <= seq_len / 2) k--;
     if (n_open + conv->n - exch[k] + need > seq_len) return 0;
     int drop = exch[k] - n_open;
     memmove(conv->ids + n_open, conv->ids + exch[k], (conv->n - exch[k]) * sizeof(int));
@@ -1764,13 +1771,16 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
         if (!len) continue;
         exch = realloc(exch, (n_exch + 1) * sizeof *exch);
         if (!exch) die(EXIT_RUNTIME, "out of memory");
-        int before = conv.n;
+        int before = conv.n, system_pending = ch.system_pending;
         exch[n_exch++] = conv.n;
         chat_user_turn(&ch, m, &conv, line, len);
         if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
             fprintf(stderr, "run: message too long: %d tokens, the context holds %d\n", conv.n - before, s->seq_len);
             conv.n = before;
             n_exch--;
+            ch.system_pending = system_pending;
+            fputc('\n', stdout); /* an empty answer keeps answers and messages line for line */
+            check_stdout();
             continue;
         }
         if (a->verbose)
@@ -1876,8 +1886,10 @@ static void usage(FILE *f)
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
         "followed by a newline. Each turn prefills only its new tokens. When the\n"
         "conversation plus min(-n, ctx/4) answer tokens would overflow the context,\n"
-        "the oldest exchanges are dropped (the system turn is kept) and the rest is\n"
-        "prefilled again. Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
+        "the oldest exchanges are dropped (the system turn is kept) until it fills at\n"
+        "most half the context, and the rest is prefilled again. A message too long\n"
+        "to fit alone is refused (stderr) and answered with an empty line.\n"
+        "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
         "  --threads N    worker threads, >= 1 (default: number of cores)\n"
@@ -1931,7 +1943,7 @@ static void usage_error(const char *fmt, const char *arg)
 {
     fputs("run: ", stderr);
     fprintf(stderr, fmt, arg);
-    fputs(" (run -h for help)\n", stderr);
+    fputs("\nusage: run MODEL [options]   (run -h for every option)\n", stderr);
     exit(EXIT_USAGE);
 }
 
@@ -2030,6 +2042,7 @@ static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
     else if (!isatty(STDIN_FILENO)) text = read_stdin(&len);
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
+    if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
     if (a->chat_wrap) {
         Chat ch;
         build_chat(&ch, m, a->system);
