@@ -1,0 +1,301 @@
+"""tokenizer.c against llama.cpp, plus round trips, malformed files, sanitizers and speed.
+
+Expected ids come from llama.cpp (llama-cpp-python, vocab_only) on the same GGUFs and were
+checked in by tests/tokenizer/make_goldens.py (see its docstring for the vocabularies and
+what "skip" means); the corpus is tests/tokenizer/corpus.jsonl (make_corpus.py). The model
+files are made here by export.py --tokenizer-only from models/*.gguf; the pre-tokenizer and
+add_space_prefix variants change the same fields of that output as the golden script
+changed in the GGUF (tests/tokenizer/variants.py).
+
+The driver tests/tok_driver.c is built twice into SCRATCH: -O2, and -O1 with
+AddressSanitizer + UndefinedBehaviorSanitizer.
+"""
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from common import MODELS, ROOT, SCRATCH, TESTS, python, require
+
+sys.path.insert(0, str(TESTS / "tokenizer"))
+from make_corpus import entry_bytes, load_corpus  # noqa: E402
+from variants import add_extra_tokens, read_section, write_model  # noqa: E402
+
+TOKDIR = TESTS / "tokenizer"
+GOLDENS = TOKDIR / "goldens"
+BENCH = TOKDIR / "bench"
+SMOLLM2_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_GGUF = MODELS / "gemma3-270m-q4_k_m.gguf"
+FETCH = "run `make test` (the Makefile fetches the GGUFs into models/)"
+CFLAGS = ["-std=c11", "-Wall", "-Wextra", "-Werror", "-I", str(ROOT)]
+SANITIZE = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+PRE_KIND = {"gpt2": 1, "smollm": 2, "llama3": 3, "qwen2": 4}
+FLAG_SPACE_PREFIX = 4
+# SmolLM2's vocabulary has no token for these 21 byte values (no GPT-2 alphabet character
+# for them among its tokens); llama.cpp drops such bytes, and so do we.
+# test_smollm2_byte_coverage checks this list against the model file.
+SMOLLM2_UNCOVERED = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
+RANDOM_STRINGS = 10_000
+MB = 1 << 20
+
+
+# --- building -------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def driver(sanitize: bool = False) -> Path:
+    out = SCRATCH / ("tok_driver_asan" if sanitize else "tok_driver")
+    flags = SANITIZE if sanitize else ["-O2"]
+    cmd = ["cc", *flags, *CFLAGS, str(TESTS / "tok_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, f"building the tokenizer driver failed:\n{' '.join(cmd)}\n{r.stderr}"
+    assert not r.stderr.strip(), f"compiler warnings:\n{r.stderr}"
+    return out
+
+
+@lru_cache(maxsize=None)
+def exported(base: str) -> Path:
+    gguf = require(SMOLLM2_GGUF if base == "smollm2" else GEMMA3_GGUF, FETCH)
+    out = SCRATCH / f"tok-{base}.bin"
+    r = python([ROOT / "export.py", gguf, out, "--tokenizer-only"])
+    assert r.returncode == 0, f"export.py --tokenizer-only {gguf.name} failed:\n{r.stderr.decode()}"
+    return out
+
+
+@lru_cache(maxsize=None)
+def model(name: str) -> Path:
+    """The model file for a golden vocabulary name (see make_goldens.py)."""
+    base, _, variant = name.partition("-")
+    src = exported(base)
+    if not variant:
+        return src
+    sec = read_section(src.read_bytes())
+    if variant == "prefix":
+        sec["flags"] |= FLAG_SPACE_PREFIX
+    else:
+        sec["pre"] = PRE_KIND[variant]
+        add_extra_tokens(sec)
+    out = SCRATCH / f"tok-{name}.bin"
+    write_model(out, sec)
+    return out
+
+
+def run_driver(args: list, sanitize: bool = False, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([str(driver(sanitize)), *map(str, args)], capture_output=True, text=True, timeout=timeout)
+
+
+def write_hex(path: Path, strings: list[bytes]) -> Path:
+    path.write_text("".join(s.hex() + "\n" for s in strings))
+    return path
+
+
+# --- goldens --------------------------------------------------------------------------
+
+def load_golden(name: str, mode: str) -> list[str]:
+    path = require(GOLDENS / f"{name}.{mode}.txt", "checked-in golden; regenerate with tests/tokenizer/make_goldens.py")
+    return path.read_text().splitlines()
+
+
+def compare(name: str, sanitize: bool = False) -> str:
+    """Encode the corpus with the driver and compare with llama.cpp's ids; returns a summary."""
+    corpus = load_corpus()
+    report = []
+    for mode, flags in (("plain", []), ("special", ["--special", "--add-special"])):
+        golden = load_golden(name, mode)
+        assert len(golden) == len(corpus), f"{name}.{mode}: {len(golden)} golden lines for {len(corpus)} corpus entries"
+        picked = [i for i, g in enumerate(golden) if g != "skip"]
+        hexfile = write_hex(SCRATCH / f"tok-corpus-{name}-{mode}.hex", [entry_bytes(corpus[i]) for i in picked])
+        r = run_driver([model(name), "--encode", hexfile, *flags], sanitize)
+        assert r.returncode == 0, f"{name}.{mode}: driver failed ({r.returncode}):\n{r.stderr[-3000:]}"
+        got = r.stdout.split("\n")[:len(picked)]
+        bad = [(i, g) for i, g in zip(picked, got) if g.split() != golden[i].split()]
+        if bad:
+            lines = [f"{name}.{mode}: {len(bad)} of {len(picked)} strings differ from llama.cpp, e.g."]
+            for i, g in bad[:6]:
+                e = corpus[i]
+                lines.append(f"  #{i} [{e['cat']}] {entry_bytes(e)[:80]!r}\n    llama.cpp {golden[i][:160]}\n    ours      {g[:160]}")
+            raise AssertionError("\n".join(lines))
+        report.append(f"{mode} {len(picked)} ok")
+    return f"{name}: " + ", ".join(report)
+
+
+def test_goldens_smollm2() -> None:
+    print(compare("smollm2"))
+
+
+def test_goldens_smollm2_pre_gpt2() -> None:
+    print(compare("smollm2-gpt2"))
+
+
+def test_goldens_smollm2_pre_llama3() -> None:
+    print(compare("smollm2-llama3"))
+
+
+def test_goldens_smollm2_pre_qwen2() -> None:
+    print(compare("smollm2-qwen2"))
+
+
+def test_goldens_gemma3() -> None:
+    print(compare("gemma3"))
+
+
+def test_goldens_gemma3_add_space_prefix() -> None:
+    print(compare("gemma3-prefix"))
+
+
+def test_goldens_under_sanitizers() -> None:
+    """The same comparisons with the ASan/UBSan build (catches reads past arrays that happen to work)."""
+    for name in ("smollm2", "smollm2-llama3", "gemma3", "gemma3-prefix"):
+        print(compare(name, sanitize=True))
+
+
+def test_corpus_is_broad() -> None:
+    corpus = load_corpus()
+    cats = {e["cat"] for e in corpus}
+    need = {"english", "code", "whitespace", "numbers", "punctuation", "contractions", "scripts", "emoji", "combining",
+            "zero_width", "special", "chat", "unicode", "long", "control", "bytes", "merge_probes"}
+    assert len(corpus) >= 2000, f"corpus has {len(corpus)} strings, want >= 2000"
+    assert need <= cats, f"corpus lacks categories {need - cats}"
+    r = python([TOKDIR / "make_corpus.py", "--check"])
+    assert r.returncode == 0, f"corpus.jsonl is not what make_corpus.py builds:\n{r.stdout.decode()}{r.stderr.decode()}"
+
+
+def test_unicode_tables_up_to_date() -> None:
+    r = python([TESTS / "gen_unicode.py", "--check"])
+    assert r.returncode == 0, f"tests/gen_unicode.py --check failed:\n{r.stdout.decode()}{r.stderr.decode()}"
+
+
+# --- round trips ----------------------------------------------------------------------
+
+def test_smollm2_byte_coverage() -> None:
+    sec = read_section(model("smollm2").read_bytes())
+    singles = {t[0] for t, ty in zip(sec["texts"], sec["types"]) if len(t) == 1 and ty == 1}
+    missing = bytes(sorted(set(range(256)) - singles))
+    assert missing == SMOLLM2_UNCOVERED, f"SmolLM2 byte tokens missing for {missing.hex()}, expected {SMOLLM2_UNCOVERED.hex()}"
+
+
+def roundtrip_random(name: str, sanitize: bool = False, count: int = RANDOM_STRINGS) -> None:
+    args = [model(name), "--roundtrip", count, 12345]
+    if name.startswith("smollm2"):
+        args += ["--drop-bytes", SMOLLM2_UNCOVERED.hex()]
+    r = run_driver(args, sanitize)
+    assert r.returncode == 0, f"{name}: decode(encode(x)) != x:\n{r.stdout[-2000:]}{r.stderr[-2000:]}"
+    print(r.stdout.strip())
+
+
+def test_roundtrip_random_smollm2() -> None:
+    roundtrip_random("smollm2")
+
+
+def test_roundtrip_random_gemma3() -> None:
+    roundtrip_random("gemma3")
+
+
+def test_roundtrip_random_under_sanitizers() -> None:
+    # Not gemma3-prefix: with add_space_prefix, llama.cpp's rule puts a space after every
+    # user-defined token too (Gemma has many: "\n", tabs, ...), and decoding removes only
+    # the first; a real add_space_prefix vocabulary (Llama 2) has no user-defined tokens.
+    for name in ("smollm2-qwen2", "gemma3"):
+        roundtrip_random(name, sanitize=True, count=2000)
+
+
+def test_roundtrip_corpus() -> None:
+    """Every corpus string (also the ones llama.cpp cannot take) decodes back to itself."""
+    corpus = [entry_bytes(e) for e in load_corpus()]
+    for name in ("smollm2", "gemma3"):
+        strings = [bytes(b for b in s if b not in SMOLLM2_UNCOVERED) if name == "smollm2" else s for s in corpus]
+        hexfile = write_hex(SCRATCH / f"tok-roundtrip-{name}.hex", strings)
+        r = run_driver([model(name), "--roundtrip-file", hexfile])
+        assert r.returncode == 0, f"{name}: {r.stdout[-2000:]}{r.stderr[-2000:]}"
+
+
+# --- special tokens ----------------------------------------------------------------------
+
+def encode(name: str, text: bytes, *flags: str) -> list[int]:
+    hexfile = write_hex(SCRATCH / "tok-one.hex", [text])
+    r = run_driver([model(name), "--encode", hexfile, *flags])
+    assert r.returncode == 0, r.stderr
+    return [int(x) for x in r.stdout.split()]
+
+
+def test_control_tokens_need_the_flag() -> None:
+    im_start, im_end = 1, 2                       # SmolLM2: <|im_start|> <|im_end|>
+    plain = encode("smollm2", b"<|im_start|>user\nhi<|im_end|>")
+    assert im_start not in plain and im_end not in plain, plain
+    special = encode("smollm2", b"<|im_start|>user\nhi<|im_end|>", "--special")
+    assert special[0] == im_start and im_end in special, special
+    start_of_turn, bos = 105, 2                   # Gemma 3
+    plain = encode("gemma3", b"<start_of_turn>user\n<bos>")
+    assert start_of_turn not in plain and bos not in plain, plain
+    assert encode("gemma3", b"<start_of_turn>", "--special") == [start_of_turn]
+    assert encode("gemma3", b"hi", "--add-special")[0] == bos
+
+
+def test_empty_input() -> None:
+    assert encode("smollm2", b"") == [] and encode("gemma3", b"") == []
+    assert encode("smollm2", b"", "--add-special") == []          # SmolLM2's GGUF says add_bos false
+    assert encode("gemma3", b"", "--add-special") == [2]          # <bos>, as llama.cpp
+
+
+# --- malformed files ------------------------------------------------------------------------
+
+def test_malformed_sections_under_sanitizers() -> None:
+    """Truncated and randomly corrupted tokenizer sections: tok_create refuses or the tokenizer works; never a crash."""
+    for name, count in (("smollm2", 300), ("gemma3", 60)):
+        r = run_driver([model(name), "--fuzz-section", count, 7], sanitize=True, timeout=900)
+        assert r.returncode == 0, f"{name}: {r.stdout[-2000:]}{r.stderr[-3000:]}"
+        print(r.stdout.strip())
+
+
+# --- speed ----------------------------------------------------------------------------------
+
+def pathological_inputs() -> dict[str, bytes]:
+    rng = random.Random(5)
+    return {
+        "one letter": b"a" * MB, "spaces": b" " * MB, "newlines": b"\n" * MB, "apostrophes": b"'" * MB,
+        "space-tab": b" \t" * (MB // 2), "digits": b"1234567890" * (MB // 10), "CJK, no spaces": "中文字符".encode() * (MB // 12),
+        "random bytes": bytes(rng.randrange(256) for _ in range(MB)), "<s> tags": b"<s>" * (MB // 3),
+        "NUL": b"\0" * MB, "emoji": "😀".encode() * (MB // 4),
+    }
+
+
+def seconds(name: str, path: Path) -> float:
+    """CPU seconds of one tok_encode of the file (the driver also checks the round trip)."""
+    drop = ["--drop-bytes", SMOLLM2_UNCOVERED.hex()] if name.startswith("smollm2") else []
+    r = run_driver([model(name), "--time", path, *drop])
+    assert r.returncode == 0, f"{name} {path.name}: {r.stdout}{r.stderr}"
+    return float(r.stdout.split("seconds")[1].split()[0])
+
+
+def test_encoding_is_never_slow() -> None:
+    """1 MB of anything encodes in well under a second of CPU time, and 4x the input costs
+    at most 10x the time (n log n: ~4.4x, more when the 1 MB heap outgrows the caches;
+    quadratic would be 16x)."""
+    worst = []
+    for label, data in pathological_inputs().items():
+        big = SCRATCH / "tok-patho.bin"
+        small = SCRATCH / "tok-patho-small.bin"
+        big.write_bytes(data)
+        small.write_bytes(data[:len(data) // 4])
+        for name in ("smollm2", "smollm2-llama3", "gemma3"):
+            t_big = seconds(name, big)
+            t_small = max(seconds(name, small), 1e-3)
+            worst.append((t_big, label, name))
+            assert t_big < 1.5, f"{name}: 1 MB of {label} took {t_big:.2f} s"
+            assert t_big < 10 * t_small + 0.02, f"{name}: {label}: 1 MB {t_big:.3f} s vs 256 kB {t_small:.3f} s"
+    worst.sort(reverse=True)
+    print("slowest 1 MB inputs: " + ", ".join(f"{n} {l} {t:.3f} s" for t, l, n in worst[:4]))
+
+
+def test_benchmark_report() -> None:
+    """MB/s on 1 MB of English prose, C source and Chinese poetry (bench inputs, repeated to 1 MB)."""
+    for name in ("smollm2", "gemma3"):
+        for text in ("english", "code", "cjk"):
+            r = run_driver([model(name), "--bench", require(BENCH / f"{text}.txt", "bench input"), "--min-bytes", MB,
+                            "--seconds", 0.3])
+            assert r.returncode == 0, r.stderr
+            mbs = float(r.stdout.split("encode")[1].split()[0])
+            print(f"{name} {text}: {r.stdout.strip()}")
+            assert mbs > 2.0, f"{name} {text}: encoding at {mbs} MB/s"
