@@ -381,7 +381,7 @@ enum { TYPE_NORMAL = 1, TYPE_UNKNOWN = 2, TYPE_CONTROL = 3, TYPE_USER = 4, TYPE_
 #define ATTR_UNUSED  8u
 #define ATTR_EOG     16u
 
-#define MAX_INPUT  ((size_t)1 << 28)   /* 256 MiB: keeps every index in 32 bits */
+#define TOK_MAX_INPUT  ((size_t)1 << 28)   /* 256 MiB: keeps every index in 32 bits */
 #define NONE       (-1)
 #define BYTE_VALUES 256
 #define MEMO_MAX_KEY 64           /* pieces up to this many bytes are memoised per call */
@@ -1532,7 +1532,7 @@ int tok_encode(const tok_tokenizer *t, const char *text_in, size_t len, int flag
     const uint8_t *text = (const uint8_t *)text_in;
     *ids = NULL;
     *n_ids = 0;
-    if (len > MAX_INPUT || (!text && len)) return -1;
+    if (len > TOK_MAX_INPUT || (!text && len)) return -1;
     encoder e = {.t = t};
     segvec segs = {0};
     if (len && partition(t, text, len, (flags & TOK_PARSE_SPECIAL) != 0, &segs)) return -1;
