@@ -1143,6 +1143,8 @@ def vocab_from_gguf(g: GGUFFile) -> Vocab:
         eot = next((ids[t] for t in EOT_TEXTS[:2] if t in ids), -1)
     template = g.get("tokenizer.chat_template", str, None)
     chat = chat_kind(template)
+    if chat == CHAT_NONE and "<start_of_turn>" in ids and "<end_of_turn>" in ids:
+        chat = CHAT_GEMMA  # Gemma GGUFs often omit the template; these turn tokens only exist for it
     system = chatml_default_system(template) if chat == CHAT_CHATML else ""
     return Vocab(kind, pre, texts, types.tolist(), scores if kind == KIND_SPM else np.zeros(n, np.float32), merges,
                  tid("tokenizer.ggml.bos_token_id", defaults["bos"]), tid("tokenizer.ggml.eos_token_id", defaults["eos"]),
