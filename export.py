@@ -536,7 +536,7 @@ def read_safetensors(path: Path) -> dict[str, SourceTensor]:
         header = json.loads(buf[8:8 + hlen].decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except ExportError as e:
         raise ExportError(f"{path}: bad safetensors header: {e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
         raise ExportError(f"{path}: bad safetensors JSON header: {e}") from None
     if not isinstance(header, dict):
         raise ExportError(f"{path}: bad safetensors header: not a JSON object")
@@ -571,7 +571,7 @@ def read_json(path: Path, what: str) -> Any:
             return json.loads(f.read().decode("utf-8"))
     except OSError as e:
         raise ExportError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
         raise ExportError(f"bad JSON in {what} {path}: {e}") from None
 
 

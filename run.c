@@ -82,6 +82,8 @@
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
+#define MAX_HEADS 1024
+#define MAX_HEAD_DIM 1024
 #define MAX_VOCAB (1 << 24)
 #define MAX_SEQ (1 << 20)
 #define MAX_TENSORS (1 << 20)
@@ -95,7 +97,7 @@
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE 2
 
-static void die(int code, const char *fmt, ...)
+static _Noreturn void die(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -257,14 +259,19 @@ static int read_config(Model *m, char *err)
     c->tied = flags & FLAG_TIED_EMBEDDINGS;
     if (flags & ~FLAG_TIED_EMBEDDINGS) LOAD_FAIL("unsupported feature flags 0x%x", flags);
     if (act != 0) LOAD_FAIL("unsupported activation %u", act);
-    int ok = v[0] && v[0] <= MAX_DIM && v[1] && v[1] <= MAX_DIM && v[2] && v[2] <= MAX_LAYERS &&
-             v[3] && v[3] <= 1024 && v[4] && v[4] <= v[3] && v[3] % v[4] == 0 &&
-             v[5] && v[5] <= 1024 && v[5] % 2 == 0 && (size_t)v[3] * v[5] <= MAX_DIM &&
-             v[6] && v[6] <= MAX_VOCAB && v[7] && v[7] <= MAX_SEQ &&
-             c->rope_dim > 0 && c->rope_dim <= c->head_dim && c->rope_dim % 2 == 0 &&
-             isfinite(c->rope_theta) && c->rope_theta > 1 && isfinite(c->norm_eps) && c->norm_eps > 0;
-    if (!ok) LOAD_FAIL("header has an impossible model shape (dim %u, layers %u, heads %u/%u, head_dim %u, vocab %u, ctx %u)",
-                 v[0], v[2], v[3], v[4], v[5], v[6], v[7]);
+    /* one check per field, so that the message names the field that is wrong */
+    static const char *const field[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                                        "vocab_size", "context length"};
+    const uint32_t max[] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
+    for (size_t i = 0; i < sizeof field / sizeof *field; i++)
+        if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
+    if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
+    if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
+    if ((size_t)v[3] * v[5] > MAX_DIM) LOAD_FAIL("header: n_heads x head_dim = %zu exceeds %d", (size_t)v[3] * v[5], MAX_DIM);
+    if (c->rope_dim <= 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
+        LOAD_FAIL("header: rope_dim %d is not an even number in [2, head_dim %d]", c->rope_dim, c->head_dim);
+    if (!isfinite(c->rope_theta) || c->rope_theta <= 1) LOAD_FAIL("header: rope_theta %g is not a finite number > 1", c->rope_theta);
+    if (!isfinite(c->norm_eps) || c->norm_eps <= 0) LOAD_FAIL("header: norm_eps %g is not a finite number > 0", c->norm_eps);
     return 0;
 }
 
@@ -303,7 +310,10 @@ static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err
         size_t rb = row_bytes(t[i].type, cols);
         if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
             LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", t[i].name, rows, cols, type_name(t[i].type));
-        if (size != (uint64_t)rb * rows || data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+        if (size != (uint64_t)rb * rows)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", t[i].name,
+                      (unsigned long long)size, rows, cols, type_name(t[i].type), (unsigned long long)rb * rows);
+        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
             LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
                       t[i].name, (unsigned long long)size, (unsigned long long)data);
         t[i].rows = rows;
@@ -467,6 +477,13 @@ typedef struct {
     int8_t qs[QK];
 } BlockQ8A;
 
+/* round(x) to int8 for |x| <= 127. NaN or inf activations (weights that
+   overflow) give a defined 0 or +-127 instead of undefined behaviour. */
+static int8_t round_i8(float x)
+{
+    return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
+}
+
 static void quantize_act_scalar(BlockQ8A *out, const float *x, int n)
 {
     for (int b = 0; b < n / QK; b++, x += QK) {
@@ -474,7 +491,7 @@ static void quantize_act_scalar(BlockQ8A *out, const float *x, int n)
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127, id = d ? 1 / d : 0;
         int sum = 0;
-        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = (int8_t)roundf(x[i] * id);
+        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = round_i8(x[i] * id);
         out[b].d = d;
         out[b].s = d * sum;
     }
@@ -522,7 +539,7 @@ static void quantize_q8_0(BlockQ8_0 *out, const float *x, int n)
         float amax = 0;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127, id = d ? 1 / d : 0;
-        for (int i = 0; i < QK; i++) out[b].qs[i] = (int8_t)roundf(x[i] * id);
+        for (int i = 0; i < QK; i++) out[b].qs[i] = round_i8(x[i] * id);
         out[b].d = f32_to_fp16(d);
     }
 }
@@ -1375,10 +1392,13 @@ static int by_prob_desc(const void *a, const void *b)
    top-p nucleus. cand is scratch for n candidates. */
 static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
 {
-    for (int i = 0; i < n; i++) logits[i] /= sm->temperature;
+    /* (l - max) / T: the largest logit becomes exactly 0, so no temperature,
+       however small, can overflow it to inf (inf - inf = NaN in softmax) */
+    float max = logits[sample_argmax(logits, n)];
+    for (int i = 0; i < n; i++) logits[i] = (logits[i] - max) / sm->temperature;
     softmax(logits, n);
     /* Tokens below (1-p)/(n-1) can never be in the nucleus: skip sorting them. */
-    float cutoff = sm->top_p < 1 ? (1 - sm->top_p) / (n - 1) : 0;
+    float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0;
     int nc = 0;
     for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
     qsort(cand, nc, sizeof *cand, by_prob_desc);
@@ -1399,6 +1419,9 @@ static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
 
 static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
 {
+    for (int i = 0; i < n; i++)
+        if (!isfinite(logits[i]))
+            die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
     return sm->temperature == 0 ? sample_argmax(logits, n) : sample_topp(sm, logits, n, cand);
 }
 
@@ -1998,7 +2021,7 @@ static float parse_float(const char *flag, const char *v, float lo, float hi, in
     return x;
 }
 
-static void usage_error(const char *fmt, const char *arg)
+static _Noreturn void usage_error(const char *fmt, const char *arg)
 {
     fputs("run: ", stderr);
     fprintf(stderr, fmt, arg);
@@ -2162,7 +2185,15 @@ int main(int argc, char **argv)
     if (!chat && !a.ppl && prompt.n == 0) die(EXIT_RUNTIME, "the prompt is empty");
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
-    int threads = a.threads ? a.threads : (int)sysconf(_SC_NPROCESSORS_ONLN);
+    int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    cores = cores > 0 ? cores : 1;
+    int threads = a.threads ? a.threads : cores;
+    if (threads > cores) {
+        /* the barriers spin: threads beyond the cores only wait for each other
+           (--threads 1024 on 2 cores took over a minute per token) */
+        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d cores\n", threads, cores);
+        threads = cores;
+    }
 #ifdef _OPENMP
     omp_set_num_threads(threads > 0 ? threads : 1);
 #else

@@ -1,0 +1,1 @@
+"""Fuzz targets, seeds and regression inputs; see tests/README.md."""

@@ -1,0 +1,237 @@
+#!/usr/bin/env python3
+"""Fuzz export.py's GGUF and safetensors readers, in process, with atheris (libFuzzer for Python).
+
+    python3 tests/fuzz/fuzz_export.py gguf WORKDIR [--seconds 60] [--engine auto|atheris|mutate]
+    python3 tests/fuzz/fuzz_export.py safetensors WORKDIR ...
+    python3 tests/fuzz/fuzz_export.py gguf WORKDIR --replay FILE...     # regression inputs
+
+WORKDIR is what tests/fuzz/make_seeds.py built: seeds/TARGET, hf_template/. The corpus grows in
+WORKDIR/corpus/TARGET and a failing input is written to WORKDIR/crashes/TARGET/.
+
+An input is a whole GGUF file (gguf), or the model.safetensors of a Hugging Face directory
+whose config.json and tokenizer files are fixed (safetensors). export.export() runs on it
+with an output dtype (and, for GGUF, --tokenizer-only now and then) chosen from the input's
+length, so that a saved input replays the same way. What counts as a failure:
+  - any exception other than ExportError (export.py's "clear one-line error"), including
+    MemoryError and RecursionError: a crafted header made it allocate or recurse unboundedly
+  - an ExportError with an empty or multi-line message
+  - a failed export that leaves the output file, or a *.tmp-* file, behind
+  - an export that changed its input file
+  - a successful export whose output breaks docs/FORMAT.md's layout rules (modelfile.problems)
+  - more than --timeout seconds for one input (a hang), more than 2 GB of memory
+
+The engine is atheris when it can be imported (coverage-guided; `pip install atheris`), else
+a plain mutation loop over the seeds (--engine mutate), so the target runs everywhere.
+Both end with libFuzzer's `stat::number_of_executed_units: N` line.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib.util
+import io
+import random
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import modelfile  # noqa: E402
+
+DTYPES = ("f32", "f16", "q8_0", "q4_1")
+MEMORY_LIMIT_MB = 2048
+
+
+def load_export(instrument: bool):
+    """Import ROOT/export.py, with atheris's coverage instrumentation when fuzzing with it."""
+    sys.path.insert(0, str(ROOT))
+    if instrument:
+        import atheris
+        with atheris.instrument_imports(include=["export"]):
+            import export
+    else:
+        import export
+    return export
+
+
+class Harness:
+    """Runs export on one input in a private scratch directory and judges the outcome."""
+
+    def __init__(self, target: str, workdir: Path, export_module):
+        self.target, self.ex = target, export_module
+        base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"fuzz_export_{target}_", dir=base))
+        self.template = workdir / "hf_template"
+        if target == "safetensors" and not (self.template / "config.json").exists():
+            raise SystemExit(f"fuzz_export: {self.template} is missing: run tests/fuzz/make_seeds.py {workdir}")
+        self.executions = 0
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _input_path(self, data: bytes) -> Path:
+        if self.target == "gguf":
+            path = self.tmp / "in.gguf"
+        else:
+            d = self.tmp / "hf"
+            if not d.exists():
+                shutil.copytree(self.template, d)
+            path = d / "model.safetensors"
+        path.write_bytes(data)
+        return path
+
+    def run(self, data: bytes) -> None:
+        self.executions += 1
+        inp = self._input_path(data)
+        src = inp if self.target == "gguf" else inp.parent
+        out = self.tmp / "out.bin"
+        out.unlink(missing_ok=True)
+        args = argparse.Namespace(input=str(src), output=str(out), dtype=DTYPES[len(data) % len(DTYPES)],
+                                  tokenizer_only=self.target == "gguf" and len(data) % 7 == 0)
+        before = hashlib.sha256(data).digest()
+        failed = None
+        with contextlib.redirect_stderr(io.StringIO()):
+            try:
+                self.ex.export(args)
+            except self.ex.ExportError as e:
+                failed = str(e)
+        if hashlib.sha256(inp.read_bytes()).digest() != before:
+            raise AssertionError("export changed its input file")
+        leftovers = [p.name for p in out.parent.glob("out.bin.tmp-*")]
+        if leftovers:
+            raise AssertionError(f"export left temporary files behind: {leftovers}")
+        if failed is not None:
+            if not failed.strip() or "\n" in self.ex.show(failed, 600):
+                raise AssertionError(f"ExportError without a one-line message: {failed!r}")
+            if out.exists():
+                raise AssertionError(f"failed export ({failed}) left {out} behind")
+            return
+        bad = modelfile.problems(out.read_bytes())
+        if bad:
+            raise AssertionError(f"export wrote an invalid model file: {bad[:3]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Engines
+
+def limit_memory() -> None:
+    import resource
+    limit = MEMORY_LIMIT_MB << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit * 4, limit * 4))   # address space; RSS is libFuzzer's
+
+
+def run_atheris(h: Harness, workdir: Path, seconds: int, timeout: int) -> None:
+    import atheris
+    corpus = workdir / "corpus" / h.target
+    crashes = workdir / "crashes" / h.target
+    corpus.mkdir(parents=True, exist_ok=True)
+    crashes.mkdir(parents=True, exist_ok=True)
+    seeds = workdir / "seeds" / h.target
+    max_len = max(p.stat().st_size for p in seeds.iterdir())
+    argv = [sys.argv[0], f"-max_total_time={seconds}", f"-timeout={timeout}", f"-rss_limit_mb={MEMORY_LIMIT_MB}",
+            f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/", str(corpus), str(seeds)]
+    atheris.Setup(argv, h.run)
+    atheris.Fuzz()
+
+
+INTERESTING = [0, 1, 2, 3, 4, 7, 8, 9, 12, 16, 31, 32, 64, 127, 128, 255, 256, 4096, 0x7FFF, 0xFFFF,
+               0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 2**63 - 1, 2**64 - 1]
+
+
+def mutate(data: bytearray, rng: random.Random, pool: list[bytes]) -> bytearray:
+    for _ in range(rng.randint(1, 4)):
+        if not data:
+            data = bytearray(rng.choice(pool))
+        op, at = rng.randrange(7), rng.randrange(len(data))
+        if op == 0:
+            data[at] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            data[at] = rng.randrange(256)
+        elif op in (2, 3):
+            fmt = "<I" if op == 2 else "<Q"
+            v = rng.choice(INTERESTING) & (0xFFFFFFFF if op == 2 else 2**64 - 1)
+            if at + struct.calcsize(fmt) <= len(data):
+                struct.pack_into(fmt, data, at, v)
+        elif op == 4:
+            del data[at:at + rng.randint(1, 64)]
+        elif op == 5:
+            data[at:at] = bytes(rng.randrange(256) for _ in range(rng.randint(1, 16)))
+        else:
+            other = rng.choice(pool)
+            k = rng.randrange(len(other)) if other else 0
+            data[at:] = other[k:k + rng.randint(1, 256)] + data[at:]
+    return data
+
+
+def run_mutate(h: Harness, workdir: Path, seconds: int, timeout: int, seed: int) -> None:
+    import signal
+    seeds = workdir / "seeds" / h.target
+    corpus = workdir / "corpus" / h.target
+    crashes = workdir / "crashes" / h.target
+    crashes.mkdir(parents=True, exist_ok=True)
+    pool = [p.read_bytes() for d in (seeds, corpus) if d.is_dir() for p in sorted(d.iterdir())]
+    rng = random.Random(seed)
+
+    def on_alarm(signum, frame):
+        raise TimeoutError(f"one input ran longer than {timeout} s")
+
+    signal.signal(signal.SIGALRM, on_alarm)
+    t_end = time.time() + seconds
+    while time.time() < t_end:
+        data = bytes(mutate(bytearray(rng.choice(pool)), rng, pool))
+        signal.alarm(timeout)
+        try:
+            h.run(data)
+        except BaseException:
+            signal.alarm(0)
+            crash = crashes / f"crash-{hashlib.sha1(data).hexdigest()}"
+            crash.write_bytes(data)
+            print(f"fuzz_export: failure after {h.executions} executions; input written to {crash}", file=sys.stderr)
+            raise
+        signal.alarm(0)
+    print(f"stat::number_of_executed_units: {h.executions}")
+    print(f"stat::average_exec_per_sec:     {h.executions // max(seconds, 1)}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("target", choices=("gguf", "safetensors"))
+    ap.add_argument("workdir", type=Path)
+    ap.add_argument("--seconds", type=int, default=60)
+    ap.add_argument("--timeout", type=int, default=20, help="seconds one input may take")
+    ap.add_argument("--engine", choices=("auto", "atheris", "mutate"), default="auto")
+    ap.add_argument("--seed", type=int, default=1, help="RNG seed of the mutate engine")
+    ap.add_argument("--replay", nargs="+", type=Path, metavar="FILE", help="run these inputs once each and exit")
+    args = ap.parse_args()
+    workdir = args.workdir.resolve()
+
+    engine = args.engine
+    if engine == "auto":
+        engine = "atheris" if importlib.util.find_spec("atheris") else "mutate"
+    limit_memory()
+    h = Harness(args.target, workdir, load_export(instrument=engine == "atheris" and not args.replay))
+    try:
+        if args.replay:
+            for f in args.replay:
+                h.run(f.read_bytes())
+                print(f"ok {f}")
+            return 0
+        print(f"fuzz_export: {args.target}: engine {engine}, {args.seconds} s", file=sys.stderr)
+        if engine == "atheris":
+            run_atheris(h, workdir, args.seconds, args.timeout)
+        else:
+            run_mutate(h, workdir, args.seconds, args.timeout, args.seed)
+    finally:
+        h.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Build the fuzz targets, make their seeds, run each for a bounded time, report executions and crashes.
+
+    python3 tests/fuzz/run_fuzz.py [--seconds 60] [--jobs 2] [--work DIR] [--targets loader,tokenizer,...]
+    python3 tests/fuzz/run_fuzz.py --build-only
+
+Targets (C ones built with clang -fsanitize=fuzzer,address,undefined; Python ones with atheris):
+  loader       tests/fuzz/fuzz_loader.c       run.c's build_model + a short generation
+  tokenizer    tests/fuzz/fuzz_tokenizer.c    tok_encode/tok_decode on the real vocabularies
+  tok_section  tests/fuzz/fuzz_tok_section.c  tok_create on damaged tokenizer sections
+  gguf         tests/fuzz/fuzz_export.py      export.py on damaged GGUF files
+  safetensors  tests/fuzz/fuzz_export.py      export.py on damaged safetensors files
+
+Each target runs --seconds (libFuzzer's -max_total_time), --jobs at a time. The corpus is kept
+in WORK/corpus/TARGET between runs; a crash is written to WORK/crashes/TARGET/ and fails the
+run. To keep a crash as a regression case, fix the bug, then copy the input into
+tests/fuzz/regressions/TARGET/ (tests/test_fuzz_regressions.py replays them all).
+Exit status: 0 when every target ran its time without a failure, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+C_TARGETS = {"loader": "fuzz_loader.c", "tokenizer": "fuzz_tokenizer.c", "tok_section": "fuzz_tok_section.c"}
+PY_TARGETS = ("gguf", "safetensors")
+ALL_TARGETS = tuple(C_TARGETS) + PY_TARGETS
+CLANG = os.environ.get("FUZZ_CC", "clang")
+CFLAGS = ["-std=c11", "-g", "-O1", "-march=native", "-fno-omit-frame-pointer", "-Wall", "-Wextra",
+          "-Wno-unknown-pragmas", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all",
+          f"-fsanitize-coverage-ignorelist={HERE / 'coverage_ignore.txt'}", f"-I{ROOT}"]
+# Leaks are checked; the quarantine is kept small so that fresh pages are not faulted in on every run.
+ASAN_OPTIONS = "detect_leaks=1:quarantine_size_mb=64:allocator_may_return_null=1"
+UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
+# the sources fuzzed: the repository's, or a patched copy (FUZZ_SRC=dir or --src dir)
+DEFAULT_SRC = Path(os.environ.get("FUZZ_SRC", ROOT))
+# shared with the tests (tests/common.py's SCRATCH), so that `make test` and `make fuzz` reuse one build
+DEFAULT_WORK = Path(os.environ.get("TEST_SCRATCH", tempfile.gettempdir())) / "llm-tests" / "fuzz"
+
+
+def sanitizer_env(extra: dict | None = None) -> dict:
+    return dict(os.environ, ASAN_OPTIONS=ASAN_OPTIONS, UBSAN_OPTIONS=UBSAN_OPTIONS, **(extra or {}))
+
+
+def check_clang() -> None:
+    if not shutil.which(CLANG):
+        raise SystemExit(f"run_fuzz: {CLANG} not found: the fuzz targets need clang and its sanitizer runtime "
+                         f"(Debian: apt-get install clang libclang-rt-dev)")
+
+
+def build(work: Path, src_dir: Path = DEFAULT_SRC) -> dict[str, Path]:
+    """Compile the C targets into WORK/bin (again only when a source is newer). Returns {target: exe}.
+    src_dir holds the run.c, tokenizer.c and tokenizer.h to fuzz (a patched copy, say)."""
+    check_clang()
+    out = work / "bin"
+    out.mkdir(parents=True, exist_ok=True)
+    exes = {}
+    stamp = out / "src_dir"
+    rebuild_all = not stamp.exists() or stamp.read_text() != str(src_dir)
+    for target, src in C_TARGETS.items():
+        exe = out / f"fuzz_{target}"
+        sources = [HERE / src, src_dir / "tokenizer.c"]
+        deps = sources + [src_dir / "tokenizer.h", src_dir / "run.c", HERE / "coverage_ignore.txt", Path(__file__)]
+        if rebuild_all or not exe.exists() or any(d.stat().st_mtime > exe.stat().st_mtime for d in deps):
+            cmd = [CLANG, f"-I{src_dir}", *CFLAGS, f'-DRUN_C="{src_dir / "run.c"}"', *map(str, sources), "-lm", "-o", str(exe)]
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise SystemExit(f"run_fuzz: building {exe.name} failed:\n{' '.join(cmd)}\n{r.stderr}")
+            if r.stderr.strip():
+                print(f"run_fuzz: warnings building {exe.name}:\n{r.stderr}", file=sys.stderr)
+        exes[target] = exe
+    stamp.write_text(str(src_dir))
+    return exes
+
+
+def make_seeds(work: Path) -> None:
+    r = subprocess.run([sys.executable, str(HERE / "make_seeds.py"), str(work)], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"run_fuzz: make_seeds.py failed:\n{r.stdout}{r.stderr}")
+
+
+def target_env(target: str, work: Path) -> dict:
+    return sanitizer_env({"FUZZ_VOCABS": str(work / "vocab.list")} if target == "tokenizer" else None)
+
+
+def run_target(target: str, work: Path, exes: dict[str, Path], seconds: int) -> dict:
+    corpus, crashes, seeds = (work / d / target for d in ("corpus", "crashes", "seeds"))
+    corpus.mkdir(parents=True, exist_ok=True)
+    crashes.mkdir(parents=True, exist_ok=True)
+    for old in crashes.iterdir():
+        old.unlink()
+    log = work / "logs" / f"{target}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    if target in C_TARGETS:
+        max_len = max(p.stat().st_size for p in seeds.iterdir())
+        cmd = [str(exes[target]), f"-max_total_time={seconds}", "-timeout=20", "-rss_limit_mb=2048",
+               f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/",
+               *([f"-dict={HERE / 'loader.dict'}"] if target == "loader" else []), str(corpus), str(seeds)]
+    else:
+        cmd = [sys.executable, str(HERE / "fuzz_export.py"), target, str(work), "--seconds", str(seconds)]
+    t0 = time.time()
+    with open(log, "wb") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=target_env(target, work),
+                            timeout=seconds + 600).returncode
+    text = log.read_text(errors="replace")
+    runs = re.findall(r"stat::number_of_executed_units:\s*(\d+)", text)
+    found = sorted(crashes.iterdir())
+    return {"target": target, "rc": rc, "seconds": time.time() - t0, "runs": int(runs[-1]) if runs else 0,
+            "corpus": len(list(corpus.iterdir())), "crashes": found, "log": log}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=int, default=60, help="per target (default 60)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="targets run at once (default: cores)")
+    ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"build, seed and corpus directory ({DEFAULT_WORK})")
+    ap.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated subset")
+    ap.add_argument("--build-only", action="store_true", help="build the C targets and the seeds, run nothing")
+    ap.add_argument("--src", type=Path, default=DEFAULT_SRC, help="directory with the run.c/tokenizer.c/tokenizer.h "
+                    "to fuzz (default: $FUZZ_SRC, else the repository's)")
+    args = ap.parse_args()
+    work = args.work.resolve()
+    targets = [t for t in args.targets.split(",") if t]
+    unknown = set(targets) - set(ALL_TARGETS)
+    if unknown:
+        ap.error(f"unknown targets {sorted(unknown)} (known: {', '.join(ALL_TARGETS)})")
+
+    exes = build(work, args.src.resolve())
+    make_seeds(work)
+    if args.build_only:
+        return 0
+    print(f"run_fuzz: {len(targets)} targets x {args.seconds} s, {args.jobs} at a time, in {work}", flush=True)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(lambda t: run_target(t, work, exes, args.seconds), targets))
+
+    failed = 0
+    print(f"{'target':12s} {'seconds':>8s} {'executions':>11s} {'exec/s':>7s} {'corpus':>7s}  result")
+    for r in results:
+        ok = r["rc"] == 0 and not r["crashes"] and r["runs"] > 0
+        failed += not ok
+        result = "clean" if ok else f"FAILED (exit {r['rc']}; {len(r['crashes'])} crash inputs; log {r['log']})"
+        print(f"{r['target']:12s} {r['seconds']:8.0f} {r['runs']:11d} {r['runs'] / max(r['seconds'], 1):7.0f} "
+              f"{r['corpus']:7d}  {result}")
+        for c in r["crashes"]:
+            print(f"    crash input: {c}")
+        if not ok:
+            tail = r["log"].read_text(errors="replace").splitlines()[-40:]
+            print("    " + "\n    ".join(tail))
+    (work / "summary.txt").write_text("\n".join(f"{r['target']} {r['runs']} {len(r['crashes'])}" for r in results) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

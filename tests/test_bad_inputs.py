@@ -1,0 +1,492 @@
+"""Hostile model files, prompts and flags given to ./run: each gets a clear error or a correct result.
+
+One test per row of the bad-input table in tests/README.md (test_readme_table_is_complete checks
+that every row names a test that exists). A refused input must give exit status 1 (runtime,
+e.g. a damaged file) or 2 (usage), exactly one line on stderr that starts with "run: " and names
+the problem, and nothing on stdout. A sanitizer report or a signal fails the test the same way,
+so `make sanitize` (RUN_BIN = the ASan/UBSan build) runs this file to catch silent memory errors.
+
+The damaged files are made from a tiny valid model (tests/make_synthetic.py shapes, exported by
+export.py) with one defect each, written by tests/fuzz/modelfile.py from docs/FORMAT.md.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import re
+import resource
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+from common import DEFAULT_MODEL, ROOT, RUN, SCRATCH, TESTS, python, require, run
+
+from fuzz import modelfile as mf
+from fuzz.make_seeds import TINY_TIED
+
+WORK = SCRATCH / "bad_inputs"
+WORK.mkdir(parents=True, exist_ok=True)
+UNUSUAL_EXIT = "exit status {rc} (a signal or a sanitizer abort?)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+
+def tiny_model() -> Path:
+    """A valid 1-layer model (dim 32, vocab 300, ctx 64, head_dim 16, Q8_0, ChatML), rebuilt when
+    export.py or make_synthetic.py change."""
+    import make_synthetic as ms
+    out = WORK / "tiny.q8_0.bin"
+    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
+    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
+        return out
+    src = ms.make_all(WORK / "src", TINY_TIED, gguf_types=("f32",), hf=False)["gguf-f32"]
+    r = python([ROOT / "export.py", src, out, "--dtype", "q8_0"])
+    assert r.returncode == 0, f"export of the tiny model failed:\n{r.stderr.decode()}"
+    return out
+
+
+def variant(name: str, patch) -> Path:
+    """A copy of the tiny model changed by patch(bytearray) -> bytearray|None."""
+    buf = bytearray(tiny_model().read_bytes())
+    buf = patch(buf) or buf
+    path = WORK / f"{name}.bin"
+    path.write_bytes(bytes(buf))
+    return path
+
+
+def is_asan_build() -> bool:
+    return b"__asan_init" in RUN.read_bytes()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks
+
+def stderr_lines(r: subprocess.CompletedProcess) -> list[str]:
+    text = r.stderr.decode("utf-8", "replace")
+    # an allocation refused on purpose (test_out_of_memory) makes ASan warn before returning NULL
+    return [ln for ln in text.splitlines() if ln.strip() and "WARNING: AddressSanitizer failed to allocate" not in ln]
+
+
+def expect_error(args: list, code: int, *words: str, stdin: bytes | None = None, env: dict | None = None,
+                 preexec=None, timeout: float = 120) -> str:
+    """Run ./run; require exit `code`, one 'run: ...' line on stderr holding every word (for a usage
+    error, exit 2, a 'usage: ...' synopsis line may follow), and empty stdout."""
+    r = subprocess.run([str(RUN), *map(str, args)], input=stdin if stdin is not None else b"", capture_output=True,
+                       timeout=timeout, env=env, preexec_fn=preexec)
+    lines = stderr_lines(r)
+    shown = "\n".join(lines[:20])
+    assert r.returncode != 0, f"{args}: exit 0, expected an error; stdout {r.stdout[:200]!r}\n{shown}"
+    assert r.returncode in (1, 2), f"{args}: " + UNUSUAL_EXIT.format(rc=r.returncode) + f"\n{shown}"
+    assert r.returncode == code, f"{args}: exit {r.returncode}, expected {code}:\n{shown}"
+    if code == 2 and len(lines) == 2 and lines[1].startswith("usage: "):
+        lines = lines[:1]                    # a usage error may add the one-line usage synopsis
+    assert len(lines) == 1 and lines[0].startswith("run: "), f"{args}: expected one 'run: ...' line, got:\n{shown}"
+    for w in words:
+        assert w.lower() in lines[0].lower(), f"{args}: message does not mention {w!r}: {lines[0]}"
+    assert r.stdout == b"", f"{args}: wrote to stdout on error: {r.stdout[:200]!r}"
+    return lines[0]
+
+
+def expect_ok(args: list, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    r = run(args, stdin=stdin if stdin is not None else b"", timeout=timeout)
+    assert r.returncode == 0, f"{args}: exit {r.returncode}:\n{r.stderr.decode('utf-8', 'replace')[-2000:]}"
+    return r
+
+
+def expect_file_error(patch, *words: str, name: str) -> str:
+    """A damaged copy of the tiny model (file `name`.bin) must be refused: exit 1, one line naming the problem."""
+    path = variant(name, patch)
+    msg = expect_error([path, "-i", "hi", "-n", "2"], 1, str(path))
+    reason = msg.replace(str(path), "")      # the words must be in the reason, not in the file name
+    for w in words:
+        assert w.lower() in reason.lower(), f"message does not mention {w!r}: {msg}"
+    return msg
+
+
+def tokens_of(model: Path, text: str) -> list[int]:
+    r = expect_ok([model, "--tokenize", "-i", text])
+    return [int(x) for x in r.stdout.split()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model files: whole-file problems
+
+def test_model_missing():
+    expect_error([WORK / "no-such-model.bin", "-i", "hi"], 1, "no-such-model.bin", "cannot open", "no such file")
+
+
+def test_model_is_directory():
+    expect_error([WORK, "-i", "hi"], 1, "not a regular file")
+
+
+def test_model_empty_file():
+    empty = WORK / "empty.bin"
+    empty.write_bytes(b"")
+    expect_error([empty, "-i", "hi"], 1, "not a model file", "0 bytes")
+
+
+def test_model_is_a_gguf():
+    gguf = WORK / "not-exported.gguf"
+    gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 0) + bytes(300))
+    expect_error([gguf, "-i", "hi"], 1, "not a model file", "export.py")
+
+
+def test_model_truncated():
+    full = tiny_model().read_bytes()
+    toks = mf.get(full, "tok_offset")
+    table = mf.get(full, "table_offset")
+    for cut in (100, 255, 256, toks + 10, table + 5, table + mf.TABLE_ENTRY * 3, len(full) - 1):
+        path = WORK / f"truncated-{cut}.bin"
+        path.write_bytes(full[:cut])
+        msg = expect_error([path, "-i", "hi"], 1, "not a model file" if cut < mf.HEADER_BYTES else "truncated")
+        if cut >= mf.HEADER_BYTES:
+            assert str(cut) in msg and str(len(full)) in msg, f"message should give both sizes: {msg}"
+
+
+def test_model_bad_version():
+    expect_file_error(lambda b: mf.put(b, "version", 2), "version 2", name="version2")
+
+
+def test_model_unsupported_architecture():
+    expect_file_error(lambda b: mf.put(b, "arch", 4), "architecture", "4", name="arch4")
+
+
+def test_model_zero_dim():
+    expect_file_error(lambda b: mf.put(b, "dim", 0), "dim 0", name="dim0")
+
+
+def test_model_heads_not_multiple_of_kv_heads():
+    def patch(b):
+        mf.put(b, "n_heads", 3)
+        mf.put(b, "n_kv_heads", 2)
+    expect_file_error(patch, "heads", "3", "2", name="heads3kv2")
+
+
+def test_model_absurd_context_length():
+    expect_file_error(lambda b: mf.put(b, "max_seq_len", 0xFFFFFFFF), "4294967295", name="ctx-huge")
+
+
+def test_model_nan_rope_theta():
+    expect_file_error(lambda b: mf.put(b, "rope_theta", math.nan), "rope_theta", name="theta-nan")
+
+
+def test_model_unknown_feature_flags():
+    expect_file_error(lambda b: mf.put(b, "flags", 0x3), "feature flags", name="flags3")
+
+
+def test_model_unknown_activation():
+    expect_file_error(lambda b: mf.put(b, "activation", 1), "activation", name="act1")
+
+
+# Model files: tokenizer section
+
+def test_tokenizer_section_outside_file():
+    expect_file_error(lambda b: mf.put(b, "tok_offset", len(b) + 64), "tokenizer", "outside", name="tok-off")
+
+
+def test_tokenizer_vocab_count_absurd():
+    expect_file_error(lambda b: mf.tok_put(b, "n_vocab", 0x3FFFFFFF), "tokenizer", "truncated", name="tok-nvocab")
+
+
+def test_tokenizer_unknown_kind():
+    expect_file_error(lambda b: mf.tok_put(b, "kind", 7), "tokenizer", "kind", name="tok-kind")
+
+
+def test_tokenizer_special_id_out_of_range():
+    expect_file_error(lambda b: mf.tok_put(b, "bos", 300), "tokenizer", "special token", name="tok-bos")
+
+
+def test_tokenizer_larger_than_embedding():
+    def patch(b):
+        mf.put(b, "vocab_size", 299)
+    msg = expect_file_error(patch, "tokenizer has 300 tokens", name="tok-vs-embedding")
+    assert "299" in msg, msg
+
+
+# Model files: tensor table
+
+def test_tensor_table_outside_file():
+    expect_file_error(lambda b: mf.put(b, "table_offset", len(b) - 40), "tensor table", "outside", name="table-off")
+
+
+def test_tensor_count_absurd():
+    expect_file_error(lambda b: mf.put(b, "n_tensors", 0xFFFFFFFF), "tensor table", name="table-n")
+
+
+def test_tensor_unsupported_type():
+    msg = expect_file_error(lambda b: mf.entry_put(b, "tok_embeddings", "type", 12), "tok_embeddings",
+                            "unsupported type", name="tensor-q4k")
+    assert "12" in msg, msg
+
+
+def test_tensor_data_past_end():
+    past_end = (len(tiny_model().read_bytes()) + 63) // 64 * 64
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.w13", "offset", past_end), "layers.0.w13",
+                      "outside the file", name="tensor-off")
+
+
+def test_tensor_data_misaligned():
+    def patch(b):
+        mf.entry_put(b, "norm", "offset", mf.tensor(b, "norm").offset + 4)
+    expect_file_error(patch, "norm", "misaligned", name="tensor-misaligned")
+
+
+def test_tensor_size_disagrees_with_shape():
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "size", mf.tensor(b, "layers.0.wo").size - 34),
+                      "layers.0.wo", "size", name="tensor-size")
+
+
+def test_tensor_name_unterminated():
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "name", b"n" * mf.NAME_BYTES), "unterminated name",
+                      name="tensor-name")
+
+
+def test_tensor_missing():
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wX"), "no tensor layers.0.wo",
+                      name="tensor-missing")
+
+
+def test_tensor_wrong_shape():
+    def patch(b):   # 32x64 Q8_0 and 64x32 Q8_0 take the same bytes: only the shape is wrong
+        mf.entry_put(b, "layers.0.w2", "rows", 64)
+        mf.entry_put(b, "layers.0.w2", "cols", 32)
+    msg = expect_file_error(patch, "layers.0.w2", "64x32", name="tensor-shape")
+    assert "32x64" in msg, msg
+
+
+def test_norm_not_f32():
+    def patch(b):
+        mf.entry_put(b, "norm", "type", 1)      # F16, with the size an F16 vector has
+        mf.entry_put(b, "norm", "size", mf.tensor(b, "norm").cols * 2)
+    expect_file_error(patch, "norm", "f32", name="norm-f16")
+
+
+def test_nan_weights_give_an_error_not_garbage():
+    """Non-finite weights make every logit NaN: the sampler must neither index outside its
+    candidates (it did: heap-buffer-overflow in sample_topp, tests/fuzz/regressions/loader/) nor
+    print tokens chosen from NaN (greedy picked token 0 forever)."""
+    path = require(TESTS / "fuzz" / "regressions" / "loader" / "nan-final-norm.bin", "checked-in regression input")
+    for temp in ("0.8", "0"):
+        expect_error([path, "-i", "hi", "-n", "4", "-t", temp, "-s", "1"], 1, "non-finite")
+
+
+def test_damaged_header_bytes_never_crash():
+    """Every header byte, tokenizer-header byte and byte of the first two tensor entries set to
+    0xFF in turn: ./run must load and generate, or refuse with one line, never crash."""
+    base = tiny_model().read_bytes()
+    tok, table = mf.get(base, "tok_offset"), mf.get(base, "table_offset")
+    spots = list(range(0, 108)) + list(range(tok, tok + 48)) + list(range(table, table + 2 * mf.TABLE_ENTRY))
+
+    def one(at: int) -> str | None:
+        buf = bytearray(base)
+        buf[at] = 0xFF if buf[at] != 0xFF else 0x7F
+        path = WORK / f"ff-{at}.bin"
+        path.write_bytes(bytes(buf))
+        try:
+            r = run([path, "-i", "hi there", "-n", "3", "-t", "0.8", "-s", "7", "--threads", "1"], stdin=b"", timeout=60)
+        finally:
+            path.unlink()
+        lines = stderr_lines(r)
+        if r.returncode == 0:
+            return None if not lines else f"byte {at}: exit 0 but stderr: {lines[:3]}"
+        if r.returncode == 1 and len(lines) == 1 and lines[0].startswith("run: "):
+            return None
+        return f"byte {at}: exit {r.returncode}, stderr: {lines[:5]}"
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        bad = [m for m in pool.map(one, spots) if m]
+    assert not bad, f"{len(bad)} of {len(spots)} damaged files misbehaved:\n" + "\n".join(bad[:10])
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+def test_prompt_longer_than_context():
+    model = tiny_model()
+    text = "the small model reads the text one token at a time " * 4
+    n = len(tokens_of(model, text))
+    msg = expect_error([model, "-i", text, "--ctx", "16"], 1, "prompt")
+    assert str(n) in msg and "16" in msg, f"message should give both counts ({n} tokens, context 16): {msg}"
+
+
+def test_n_past_context_is_capped():
+    model = tiny_model()
+    n_prompt = len(tokens_of(model, "Hi"))
+    r = expect_ok([model, "-i", "Hi", "-n", "1000", "-t", "0", "-v"])
+    note = [ln for ln in r.stderr.decode().splitlines() if "capped" in ln]
+    assert note, f"no note about capping -n under -v:\n{r.stderr.decode()}"
+    assert "1000" in note[0] and str(64 - n_prompt + 1) in note[0], note[0]
+    quiet = expect_ok([model, "-i", "Hi", "-n", "1000", "-t", "0"])
+    assert quiet.stderr == b"", f"without -v stderr must stay empty: {quiet.stderr[:300]!r}"
+    assert quiet.stdout == r.stdout, "-v changed the generated text"
+
+
+def test_empty_prompt():
+    model = tiny_model()
+    expect_error([model, "-i", ""], 1, "prompt is empty")
+    expect_error([model], 1, "prompt is empty", stdin=b"")
+    expect_error([model], 1, "prompt is empty", stdin=b"\n")   # the one trailing newline is dropped
+
+
+def test_prompt_of_bytes_without_tokens():
+    """SmolLM2 has no token for bytes such as 0xFF (llama.cpp drops them too): such a prompt is empty."""
+    model = require(DEFAULT_MODEL, "make model")
+    r = expect_ok([model, "--tokenize"], stdin=b"\xff\xfe\xc0")
+    assert r.stdout.strip() == b"", r.stdout
+    expect_error([model], 1, "prompt is empty", stdin=b"\xff\xfe\xc0")
+
+
+def test_prompt_with_nul_and_invalid_utf8():
+    model = tiny_model()
+    text = b"a\0b\xff\xc3\x28 \xed\xa0\x80 end"
+    ids = [int(x) for x in expect_ok([model, "--tokenize"], stdin=text).stdout.split()]
+    # the tiny vocabulary (tests/make_synthetic.py): ids 3..258 are the bytes 0..255 in order
+    assert 3 + 0 in ids and 3 + 0xFF in ids, f"NUL and 0xFF must survive tokenization: {ids}"
+    expect_ok([model, "-n", "3", "-t", "0"], stdin=text)
+
+
+def test_control_token_text_is_not_injected():
+    model = tiny_model()
+    plain = tokens_of(model, "<|im_start|>")
+    assert len(plain) > 1, f"<|im_start|> in a prompt must stay text without --special: {plain}"
+    special = [int(x) for x in expect_ok([model, "--tokenize", "--special", "-i", "<|im_start|>"]).stdout.split()]
+    assert special == [1], f"with --special it is the control token 1: {special}"
+
+
+def test_huge_prompt_is_linear():
+    """A 4 MB prompt of one repeated character (the pre-tokenizer's worst case) is tokenized quickly."""
+    model = tiny_model()
+    t0 = time.time()
+    r = expect_ok([model, "--tokenize"], stdin=b"a" * (4 << 20), timeout=120)
+    assert len(r.stdout.split()) > 0 and time.time() - t0 < 60, f"took {time.time() - t0:.1f} s"
+
+
+def test_ids_out_of_vocabulary():
+    model = tiny_model()
+    expect_error([model, "--ids", "1 300"], 2, "300", "vocabulary")
+    expect_error([model, "--ids", "-1"], 2, "-1", "vocabulary")
+
+
+def test_ids_not_numbers():
+    expect_error([tiny_model(), "--ids", "1,x"], 2, "not a list of token ids")
+
+
+# ---------------------------------------------------------------------------------------------
+# Flags
+
+def test_flag_numbers_out_of_range():
+    model = tiny_model()
+    cases = [("-n", "-1"), ("-n", "abc"), ("-n", "99999999999999999999"), ("-t", "nan"), ("-t", "inf"), ("-t", "-1"),
+             ("-p", "0"), ("-p", "1.5"), ("-k", "-1"), ("-s", "-5"), ("--threads", "0"), ("--ctx", "0")]
+    for flag, value in cases:
+        expect_error([model, "-i", "hi", flag, value], 2, flag, f"'{value}'")
+
+
+def test_flag_unknown():
+    expect_error([tiny_model(), "-i", "hi", "--bogus"], 2, "unknown option", "--bogus")
+
+
+def test_flag_missing_value():
+    expect_error([tiny_model(), "-i", "hi", "-n"], 2, "-n needs a value")
+
+
+def test_flag_bad_choice():
+    expect_error([tiny_model(), "-i", "hi", "--kv", "f8"], 2, "--kv", "f8")
+    expect_error([tiny_model(), "-i", "hi", "-m", "bogus"], 2, "-m", "bogus")
+
+
+def test_no_model_or_two_models():
+    expect_error(["-i", "hi"], 2, "no model file")
+    model = tiny_model()
+    expect_error([model, model, "-i", "hi"], 2, "unexpected argument")
+
+
+def test_ctx_larger_than_model():
+    expect_error([tiny_model(), "-i", "hi", "--ctx", "100"], 2, "--ctx 100", "64")
+
+
+def test_kv_q8_with_unsuitable_head_dim():
+    expect_error([tiny_model(), "-i", "hi", "--kv", "q8"], 2, "--kv q8", "16")
+
+
+def test_tiny_temperature():
+    """-t 2e-38 made logits/T overflow to inf, softmax NaN, and sample_topp read cand[-1]."""
+    r = expect_ok([tiny_model(), "-i", "hi", "-n", "4", "-t", "2e-38", "-s", "1"])
+    assert r.stderr == b"", r.stderr[:500]
+
+
+def test_threads_far_beyond_cores():
+    """--threads 1024 on a 2-core machine: spinning barriers across 1024 threads took minutes for
+    three tokens. It must still finish promptly (and give the same text as one thread)."""
+    model = tiny_model()
+    one = expect_ok([model, "-i", "hi", "-n", "3", "-t", "0", "--threads", "1"])
+    t0 = time.time()
+    many = expect_ok([model, "-i", "hi", "-n", "3", "-t", "0", "--threads", "1024"], timeout=300)
+    took = time.time() - t0
+    assert many.stdout == one.stdout, "thread count changed the output"
+    assert took < 20, f"--threads 1024 took {took:.1f} s for 3 tokens of a 1-layer model"
+
+
+def test_chat_flag_without_template():
+    no_template = variant("no-chat-template", lambda b: mf.tok_put(b, "chat_template", 0))
+    expect_error([no_template, "-c", "-i", "hi"], 1, "chat template")
+
+
+def test_dump_logits_unwritable():
+    expect_error([tiny_model(), "-i", "hi", "--dump-logits", WORK / "no-dir" / "x.bin"], 1, "cannot write", "no-dir")
+
+
+def test_ppl_file_missing():
+    expect_error([tiny_model(), "--ppl", WORK / "no-such.txt", "--ctx", "32"], 1, "cannot open", "no-such.txt")
+
+
+def test_stdout_closed_early():
+    """The reader of stdout goes away: exit 0, no SIGPIPE death, no error spew (documented in -h)."""
+    p = subprocess.Popen([str(RUN), str(tiny_model()), "-i", "hi", "-n", "60", "-t", "0"], stdin=subprocess.DEVNULL,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read()
+    rc = p.wait(timeout=60)
+    assert rc == 0 and not [ln for ln in err.decode().splitlines() if ln.strip()], f"exit {rc}, stderr {err[:300]!r}"
+
+
+def test_out_of_memory():
+    """Memory that cannot be mapped or allocated: one line, exit 1. The address-space limit
+    (ulimit -v) works on the plain build; under ASan, which reserves terabytes of shadow memory,
+    a cap on single allocations stands in for it (mmap cannot be made to fail there)."""
+    model = require(DEFAULT_MODEL, "make model")
+    args = [model, "-i", "hi", "-n", "2", "-t", "0", "--threads", "1", "--kv", "f32"]
+    if is_asan_build():
+        env = dict(os.environ, ASAN_OPTIONS="allocator_may_return_null=1:max_allocation_size_mb=64")
+        expect_error(args, 1, "out of memory", env=env)
+        return
+
+    def limit(mb: int):
+        return lambda: resource.setrlimit(resource.RLIMIT_AS, (mb << 20, mb << 20))
+
+    expect_error(args, 1, "cannot map", preexec=limit(60))
+    expect_error(args, 1, "out of memory", preexec=limit(300))
+
+
+# ---------------------------------------------------------------------------------------------
+# The table in tests/README.md
+
+def test_readme_table_is_complete():
+    """Every row of the bad-input table names tests that exist; at least 25 rows."""
+    import importlib
+    text = require(TESTS / "README.md", "the bad-input table").read_text()
+    rows = [ln for ln in text.splitlines() if re.match(r"^\|\s*\d+\s*\|", ln)]
+    assert len(rows) >= 25, f"only {len(rows)} numbered rows in the bad-input table"
+    missing = []
+    for row in rows:
+        refs = re.findall(r"`(test_\w+)\.(test_\w+)`", row)
+        if not refs:
+            missing.append(f"row without a test: {row[:80]}")
+        for module, fn in refs:
+            if not (TESTS / f"{module}.py").exists() or not hasattr(importlib.import_module(module), fn):
+                missing.append(f"{module}.{fn}")
+    assert not missing, "the table names tests that do not exist:\n" + "\n".join(missing)

@@ -1,0 +1,36 @@
+"""The end-to-end suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
+and every fuzz target for a bounded time. Named to run last: both are long.
+
+Each is one test here so that `make test` ends with a single count; the child
+runs print their own per-test lines. SAN_TESTS and FUZZ_SECONDS/FUZZ_JOBS
+(environment) change what runs; `make sanitize` and `make fuzz` run them alone.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from common import ROOT
+
+SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions cli chat synthetic oracle").split()
+SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1",
+           "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
+
+
+def test_suite_under_asan_ubsan():
+    build = subprocess.run(["make", "-C", str(ROOT), "run-asan"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    env = {**os.environ, **SAN_ENV, "RUN_BIN": str(ROOT / "run-asan")}
+    r = subprocess.run([sys.executable, str(ROOT / "tests/run_tests.py"), *SAN_TESTS], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    print("\n".join("    asan: " + line for line in r.stdout.splitlines()[-3:]))
+    assert r.returncode == 0 and " 0 failed" in r.stdout, "sanitizer run failed:\n" + r.stdout[-6000:] + r.stderr[-2000:]
+
+
+def test_fuzz_targets_run_clean():
+    seconds, jobs = os.environ.get("FUZZ_SECONDS", "60"), os.environ.get("FUZZ_JOBS", "3")
+    r = subprocess.run([sys.executable, str(ROOT / "tests/fuzz/run_fuzz.py"), "--seconds", seconds, "--jobs", jobs],
+                       capture_output=True, text=True, timeout=3600)
+    print("\n".join("    fuzz: " + line for line in r.stdout.splitlines()[-8:]))
+    assert r.returncode == 0, "a fuzz target failed:\n" + r.stdout[-6000:] + r.stderr[-3000:]
