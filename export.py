@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Convert a GGUF file or a Hugging Face model directory into our model file.
 
-The output format is specified in docs/FORMAT.md. Only the Python standard
+The output format is specified in README.md ("The model file"). Only the Python standard
 library and numpy are used: GGUF and safetensors are parsed here, and every
 ggml block type found in real model files is dequantized here.
 
@@ -826,7 +826,7 @@ VECTOR_PARTS = {"attn_norm", "ffn_norm", "norm"}
 
 
 def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
-    """(output name, [(part key, rows, cols)]) in file order (FORMAT.md tensor table).
+    """(output name, [(part key, rows, cols)]) in file order (the README's tensor table).
 
     A generator, so a corrupt layer count fails at the first missing tensor instead of
     building a huge list."""

@@ -1,5 +1,5 @@
 /* tokenizer.c - see tokenizer.h for the manual. The behaviour mirrors llama.cpp's
-   llama_tokenize (src/llama-vocab.cpp, src/unicode.cpp); docs/FORMAT.md gives the layout. */
+   llama_tokenize (src/llama-vocab.cpp, src/unicode.cpp); README.md ("The model file") gives the layout. */
 #include "tokenizer.h"
 
 #include <limits.h>
@@ -363,7 +363,7 @@ static const uint8_t uc_stage2[6464] = {
 /* END GENERATED unicode tables */
 
 /* ------------------------------------------------------------------------------------------
-   Tokenizer section layout (docs/FORMAT.md)                                                */
+   Tokenizer section layout (README.md ("The model file"))                                                */
 
 #define SEC_HEADER_SIZE   64
 #define SEC_ALIGN         4

@@ -7,7 +7,7 @@ the problem, and nothing on stdout. A sanitizer report or a signal fails the tes
 so `make sanitize` (RUN_BIN = the ASan/UBSan build) runs this file to catch silent memory errors.
 
 The damaged files are made from a tiny valid model (tests/make_synthetic.py shapes, exported by
-export.py) with one defect each, written by tests/fuzz/modelfile.py from docs/FORMAT.md.
+export.py) with one defect each, written by tests/fuzz/modelfile.py from README.md ("The model file").
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ length, so that a saved input replays the same way. What counts as a failure:
   - an ExportError with an empty or multi-line message
   - a failed export that leaves the output file, or a *.tmp-* file, behind
   - an export that changed its input file
-  - a successful export whose output breaks docs/FORMAT.md's layout rules (modelfile.problems)
+  - a successful export whose output breaks README.md ("The model file")'s layout rules (modelfile.problems)
   - more than --timeout seconds for one input (a hang), more than 2 GB of memory
 
 The engine is atheris when it can be imported (coverage-guided; `pip install atheris`), else

@@ -1,4 +1,4 @@
-"""Read and patch model files (docs/FORMAT.md) byte by byte, to craft damaged ones.
+"""Read and patch model files (README.md ("The model file")) byte by byte, to craft damaged ones.
 
 Written from the format spec, independently of export.py and run.c: the tests use it to
 make one precise defect at a time in an otherwise valid file.
@@ -101,7 +101,7 @@ BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20)}   # type ->
 
 
 def problems(buf: bytes) -> list[str]:
-    """What makes buf an invalid model file by docs/FORMAT.md's layout rules (empty list: none).
+    """What makes buf an invalid model file by README.md ("The model file")'s layout rules (empty list: none).
 
     Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts), the
     rules every file export.py writes must satisfy whatever its input was."""
