@@ -13,7 +13,7 @@ import sys
 
 from common import ROOT
 
-SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions cli chat synthetic oracle").split()
+SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions cli chat synthetic").split()
 SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1",
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 

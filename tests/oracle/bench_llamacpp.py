@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""llama.cpp's speed on this machine, for comparison with ./run -v (prints JSON).
+
+Timings come from llama.cpp's own counters (llama_perf_context: prompt-eval time/tokens for
+batched decodes, eval time/tokens for one-token decodes), median over --runs after one
+warm-up. Measured per model file:
+  prefill_128 / prefill_512   one llama_decode batch of 128 / 512 prompt tokens, tok/s
+  decode_128                  128 one-token decodes after a 128-token prompt
+                              (positions 128..255), tok/s
+Two configurations: "matched" uses the oracle settings of make_goldens.py (F32 KV cache,
+flash attention off, like our engine); "llamacpp_default" uses what llama.cpp picks by
+default on CPU (F16 KV cache, flash attention on).
+
+    python3 tests/oracle/bench_llamacpp.py                # needs llama-cpp-python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+CONFIGS = {
+    "matched": {"flash_attn": False, "type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32},
+    "llamacpp_default": {"flash_attn": True, "type_k": GGML_TYPE_F16, "type_v": GGML_TYPE_F16},
+}
+N_CTX = 1024  # room for 512 prompt tokens, and for 128 + 128
+
+
+def prompt_ids(llm, n: int) -> list[int]:
+    """n real-text token ids (content does not affect speed, but keeps attention realistic)."""
+    from make_goldens import PROSE
+
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += llm.tokenize(PROSE.encode(), add_bos=False, special=False)
+    return ids[:n]
+
+
+def perf(llm) -> tuple[float, int, float, int]:
+    import llama_cpp
+
+    d = llama_cpp.llama_perf_context(llm._ctx.ctx)
+    return d.t_p_eval_ms, d.n_p_eval, d.t_eval_ms, d.n_eval
+
+
+def one_run(llm, ids512: list[int]) -> dict[str, float]:
+    import llama_cpp
+
+    out = {}
+    for n in (128, 512):
+        llm.reset()
+        llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+        llm.eval(ids512[:n])
+        t_ms, n_tok, _, _ = perf(llm)
+        assert n_tok == n, f"llama.cpp counted {n_tok} prompt tokens, expected {n}"
+        out[f"prefill_{n}_tok_s"] = n / (t_ms / 1e3)
+    llm.reset()
+    llm.eval(ids512[:128])
+    llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+    for tok in ids512[128:256]:
+        llm.eval([tok])
+    _, _, t_ms, n_tok = perf(llm)
+    assert n_tok == 128, f"llama.cpp counted {n_tok} decode tokens, expected 128"
+    out["decode_128_tok_s"] = 128 / (t_ms / 1e3)
+    return out
+
+
+def bench(path: Path, config: dict, threads: int, runs: int) -> dict:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, logits_all=False, verbose=False, n_gpu_layers=0, **config)
+    ids = prompt_ids(llm, 512)
+    one_run(llm, ids)  # warm-up: page in the weights, spin up the thread pool
+    results = [one_run(llm, ids) for _ in range(runs)]
+    llm.close()
+    return {key: {"median": round(statistics.median(r[key] for r in results), 1),
+                  "runs": [round(r[key], 1) for r in results]} for key in results[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--q4-1", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--f32", type=Path, default=Path("/tmp/oracle-scratch/SmolLM2-135M-Instruct.F32.gguf"),
+                    help="made from --q4-1 with llama.cpp's quantize API if missing")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--config", choices=[*CONFIGS, "both"], default="both")
+    args = ap.parse_args()
+
+    import llama_cpp
+
+    if not args.f32.exists():
+        from make_goldens import make_f32_gguf
+
+        args.f32.parent.mkdir(parents=True, exist_ok=True)
+        make_f32_gguf(args.q4_1, args.f32)
+    configs = CONFIGS if args.config == "both" else {args.config: CONFIGS[args.config]}
+    report = {"llama_cpp_python": llama_cpp.__version__,
+              "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+              "threads": args.threads, "runs": args.runs, "n_ctx": N_CTX, "n_batch": 512,
+              "timing": "llama_perf_context counters, median of runs after one warm-up",
+              "results": {}}
+    for cname, config in configs.items():
+        for mname, path in (("q4_1", args.q4_1), ("f32", args.f32)):
+            report["results"][f"{mname}/{cname}"] = {"model": path.name, "settings": {
+                "flash_attn": config["flash_attn"], "kv_cache": "f32" if config["type_k"] == GGML_TYPE_F32 else "f16"},
+                **bench(path, config, args.threads, args.runs)}
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
