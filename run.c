@@ -1891,7 +1891,8 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
    (no overlap); each window is prefilled from position 0 (batched, logits
    for every position) and only its second half is scored, so every scored
    token sees at least ctx/2 tokens of context — llama.cpp's scheme, so the
-   numbers compare. With add-BOS models each window starts with BOS. */
+   numbers compare. With add-BOS models the text is tokenized with BOS in
+   front and each window's first token is replaced by BOS. */
 static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 {
     FILE *f = fopen(path, "rb");
@@ -1903,7 +1904,11 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
         while ((got = fread(buf + n, 1, cap - n, f)) > 0)
             if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", path);
         fclose(f);
-        push_text(m, &text, buf, n);
+        int *ids;
+        size_t n_ids; /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
+        if (tok_encode(m->tok, buf, n, TOK_ADD_SPECIAL, &ids, &n_ids) != 0) die(EXIT_RUNTIME, "out of memory tokenizing %s", path);
+        for (size_t i = 0; i < n_ids; i++) push(&text, ids[i]);
+        free(ids);
         free(buf);
     }
     const tok_info *ti = tok_get_info(m->tok);
