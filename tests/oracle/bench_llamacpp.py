@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -49,6 +50,15 @@ def perf(llm) -> tuple[float, int, float, int]:
     return d.t_p_eval_ms, d.n_p_eval, d.t_eval_ms, d.n_eval
 
 
+def decode(llm, ids: list[int]) -> None:
+    """One llama_decode call, waited for: llama.cpp books its timing counters at the
+    synchronization that reading logits implies, and a sampler always reads them."""
+    import llama_cpp
+
+    llm.eval(ids)
+    llama_cpp.llama_synchronize(llm._ctx.ctx)
+
+
 def one_run(llm, ids512: list[int]) -> dict[str, float]:
     import llama_cpp
 
@@ -56,15 +66,15 @@ def one_run(llm, ids512: list[int]) -> dict[str, float]:
     for n in (128, 512):
         llm.reset()
         llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
-        llm.eval(ids512[:n])
+        decode(llm, ids512[:n])
         t_ms, n_tok, _, _ = perf(llm)
         assert n_tok == n, f"llama.cpp counted {n_tok} prompt tokens, expected {n}"
         out[f"prefill_{n}_tok_s"] = n / (t_ms / 1e3)
     llm.reset()
-    llm.eval(ids512[:128])
+    decode(llm, ids512[:128])
     llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
     for tok in ids512[128:256]:
-        llm.eval([tok])
+        decode(llm, [tok])
     _, _, t_ms, n_tok = perf(llm)
     assert n_tok == 128, f"llama.cpp counted {n_tok} decode tokens, expected 128"
     out["decode_128_tok_s"] = 128 / (t_ms / 1e3)
@@ -78,7 +88,10 @@ def bench(path: Path, config: dict, threads: int, runs: int) -> dict:
                           n_threads_batch=threads, logits_all=False, verbose=False, n_gpu_layers=0, **config)
     ids = prompt_ids(llm, 512)
     one_run(llm, ids)  # warm-up: page in the weights, spin up the thread pool
-    results = [one_run(llm, ids) for _ in range(runs)]
+    results = []
+    for i in range(runs):
+        results.append(one_run(llm, ids))
+        print(f"{path.name} run {i + 1}/{runs}: {results[-1]}", file=sys.stderr, flush=True)
     llm.close()
     return {key: {"median": round(statistics.median(r[key] for r in results), 1),
                   "runs": [round(r[key], 1) for r in results]} for key in results[0]}
@@ -102,7 +115,12 @@ def main() -> None:
         args.f32.parent.mkdir(parents=True, exist_ok=True)
         make_f32_gguf(args.q4_1, args.f32)
     configs = CONFIGS if args.config == "both" else {args.config: CONFIGS[args.config]}
-    report = {"llama_cpp_python": llama_cpp.__version__,
+    if os.getloadavg()[0] > 0.5:
+        # llama.cpp's threads spin at barriers: with other work on the cores, one preempted
+        # thread stalls the other, and decode speed collapses by 10-100x.
+        print(f"warning: load average {os.getloadavg()[0]:.1f}; the machine is busy and the "
+              "numbers will be far too low", file=sys.stderr)
+    report = {"llama_cpp_python": llama_cpp.__version__, "load_average_at_start": os.getloadavg(),
               "system_info": llama_cpp.llama_print_system_info().decode().strip(),
               "threads": args.threads, "runs": args.runs, "n_ctx": N_CTX, "n_batch": 512,
               "timing": "llama_perf_context counters, median of runs after one warm-up",
@@ -112,6 +130,7 @@ def main() -> None:
             report["results"][f"{mname}/{cname}"] = {"model": path.name, "settings": {
                 "flash_attn": config["flash_attn"], "kv_cache": "f32" if config["type_k"] == GGML_TYPE_F32 else "f16"},
                 **bench(path, config, args.threads, args.runs)}
+    report["load_average_at_end"] = os.getloadavg()  # > threads means the numbers are not clean
     print(json.dumps(report, indent=1))
 
 
