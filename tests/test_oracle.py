@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -98,9 +100,10 @@ def model_file(dtype: str) -> Path:
     out = SCRATCH / f"smollm2-{dtype}.bin"
     newest_input = max(EXPORT.stat().st_mtime, DEFAULT_GGUF.stat().st_mtime)
     if not out.exists() or out.stat().st_mtime < newest_input:
-        tmp = out.with_suffix(".tmp")
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
         p = python([EXPORT, DEFAULT_GGUF, tmp, "--dtype", dtype])
         if p.returncode != 0:
+            tmp.unlink(missing_ok=True)
             raise AssertionError(f"export.py --dtype {dtype} failed ({p.returncode}):\n{p.stderr.decode(errors='replace')}")
         tmp.replace(out)
     return out
@@ -110,37 +113,55 @@ def require_run() -> None:
     require(RUN, "the engine binary; build it with `make`")
 
 
-@lru_cache(maxsize=None)
-def dumped_logits(dtype: str, ids: tuple[int, ...], kv: str = KV) -> np.ndarray:
+def dumped_logits(dtype: str, ids: tuple[int, ...], kv: str) -> np.ndarray:
     """Our logits for every position of `ids` from the batched prefill, shape (len(ids), vocab)."""
     require_run()
     model = model_file(dtype)
-    out = SCRATCH / f"oracle-{dtype}-logits.f32"
-    p = run([model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--threads", THREADS, "--ctx", CTX, "--kv", kv])
-    if p.returncode != 0:
-        raise AssertionError(f"./run --dump-logits failed ({p.returncode}): {p.stderr.decode(errors='replace')}")
-    logits = np.fromfile(out, dtype="<f4")
+    fd, out = tempfile.mkstemp(suffix=".f32", prefix=f"oracle-{dtype}-", dir=SCRATCH)
+    os.close(fd)
+    try:
+        p = run([model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--threads", THREADS, "--ctx", CTX, "--kv", kv])
+        if p.returncode != 0:
+            raise AssertionError(f"./run --dump-logits failed ({p.returncode}): {p.stderr.decode(errors='replace')}")
+        logits = np.fromfile(out, dtype="<f4")
+    finally:
+        os.unlink(out)
     if logits.size % len(ids):
         raise AssertionError(f"--dump-logits wrote {logits.size} floats, not a multiple of {len(ids)} positions")
-    return logits.reshape(len(ids), -1)
+    logits = logits.reshape(len(ids), -1)
+    if not np.isfinite(logits).all():
+        raise AssertionError(f"--dump-logits: {np.count_nonzero(~np.isfinite(logits))} logits are NaN or infinite")
+    return logits
 
 
-def sequence(prompt: dict) -> tuple[int, ...]:
-    return tuple(prompt["prompt_ids"] + prompt["continuation_ids"])
+@lru_cache(maxsize=None)
+def ours(name: str, dtype: str, kv: str = KV) -> list[dict]:
+    """Per golden prompt, what the checks need from our logits (the full arrays are ~35 MB
+    each, so only these are kept): argmax at every position, our logits at the oracle's
+    top-10 ids, and our rows at the positions whose full oracle rows are stored."""
+    golden, rows = load_golden(name)
+    out = []
+    for pr in golden["prompts"]:
+        logits = dumped_logits(dtype, tuple(pr["prompt_ids"] + pr["continuation_ids"]), kv)
+        if logits.shape[1] != rows.shape[1]:
+            raise AssertionError(f"vocab {logits.shape[1]} != llama.cpp's {rows.shape[1]}")
+        out.append({"top1": logits.argmax(axis=1),
+                    "at_top10": np.take_along_axis(logits, np.asarray(pr["top10_ids"]), axis=1).astype(np.float64),
+                    "full": {f["pos"]: logits[f["pos"]].astype(np.float64) for f in pr["full_logits"]}})
+    return out
 
 
 def check_top1(name: str, dtype: str, margin: float, kv: str = KV) -> None:
     golden, _ = load_golden(name)
     failures, checked, skipped = [], 0, 0
-    for pr in golden["prompts"]:
-        ours = dumped_logits(dtype, sequence(pr), kv).argmax(axis=1)
+    for pr, our in zip(golden["prompts"], ours(name, dtype, kv)):
         for pos, (want, gap) in enumerate(zip(pr["top1"], pr["margin"])):
             if gap <= margin:
                 skipped += 1
                 continue
             checked += 1
-            if ours[pos] != want:
-                failures.append(f"{pr['name']} pos {pos}: ours {ours[pos]}, llama.cpp {want} (margin {gap:.3f})")
+            if our["top1"][pos] != want:
+                failures.append(f"{pr['name']} pos {pos}: ours {our['top1'][pos]}, llama.cpp {want} (margin {gap:.3f})")
     assert checked >= MIN_CHECKED, f"only {checked} of {checked + skipped} positions have margin > {margin}"
     assert not failures, f"{len(failures)} of {checked} top-1 mismatches (margin > {margin}):\n" + "\n".join(failures[:20])
 
@@ -149,20 +170,16 @@ def check_logits(name: str, dtype: str, tol_max: float, tol_mean: float, kv: str
     golden, rows = load_golden(name)
     worst_full, worst_top, where_full, where_top = 0.0, 0.0, "", ""
     full_diffs = []
-    for pr in golden["prompts"]:
-        ours = dumped_logits(dtype, sequence(pr), kv)
-        if ours.shape[1] != rows.shape[1]:
-            raise AssertionError(f"vocab {ours.shape[1]} != llama.cpp's {rows.shape[1]}")
+    for pr, our in zip(golden["prompts"], ours(name, dtype, kv)):
         for full in pr["full_logits"]:
-            d = np.abs(ours[full["pos"]].astype(np.float64) - rows[full["row"]])
+            d = np.abs(our["full"][full["pos"]] - rows[full["row"]])
             full_diffs.append(d)
             if d.max() > worst_full:
                 worst_full, where_full = float(d.max()), f"{pr['name']} pos {full['pos']} id {int(d.argmax())}"
-        ids, want = np.asarray(pr["top10_ids"]), np.asarray(pr["top10_logits"], dtype=np.float64)
-        d = np.abs(np.take_along_axis(ours, ids, axis=1) - want)
+        d = np.abs(our["at_top10"] - np.asarray(pr["top10_logits"], dtype=np.float64))
         if d.max() > worst_top:
             pos, k = np.unravel_index(d.argmax(), d.shape)
-            worst_top, where_top = float(d.max()), f"{pr['name']} pos {pos} id {ids[pos, k]}"
+            worst_top, where_top = float(d.max()), f"{pr['name']} pos {pos} id {pr['top10_ids'][pos][k]}"
     mean_full = float(np.concatenate(full_diffs).mean())
     print(f"    {name} (--kv {kv}): |logit diff| full rows max {worst_full:.2e} ({where_full}) mean {mean_full:.2e}; "
           f"top-10 max {worst_top:.2e} ({where_top})")
