@@ -1,6 +1,7 @@
 """Shared helpers for the tests: paths, running ./run, scratch space."""
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import tempfile
@@ -45,3 +46,12 @@ def exported(dtype: str) -> Path:
         r = python([ROOT / "export.py", DEFAULT_GGUF, out, "--dtype", dtype])
         assert r.returncode == 0, r.stderr.decode()
     return out
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB pieces (model files are large)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS  # noqa: E402
+from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, sha256_file  # noqa: E402
 
 EXPORT = ROOT / "export.py"
 TEXT = TESTS / "data" / "kjv-genesis.txt"
@@ -60,14 +60,6 @@ MB = 1e6
 
 # ---------------------------------------------------------------------------------------------
 # Model files (cached in WORK, keyed by content so a changed exporter or source is re-exported)
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def _replace_stale(out: Path, prefix: str) -> None:
     """Delete older cache files of the same kind (other keys) so SCRATCH does not grow without bound."""

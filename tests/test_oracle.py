@@ -14,7 +14,6 @@ newer than export.py and the GGUF.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tempfile
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run
+from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
 
 GOLDEN = TESTS / "golden"
 EXPORT = ROOT / "export.py"
@@ -80,13 +79,6 @@ def load_golden(name: str) -> tuple[dict, np.ndarray]:
     return golden, rows
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 @lru_cache(maxsize=None)
 def model_file(dtype: str) -> Path:
@@ -95,7 +87,7 @@ def model_file(dtype: str) -> Path:
     require(DEFAULT_GGUF, "the default model; `make model` downloads it")
     require(EXPORT, "export.py (the exporter) has not landed")
     golden_sha = load_golden("smollm2_f32")[0]["meta"]["source_gguf_sha256"]
-    if sha256(DEFAULT_GGUF) != golden_sha:
+    if sha256_file(DEFAULT_GGUF) != golden_sha:
         raise AssertionError(f"{DEFAULT_GGUF} is not the file the goldens were made from (sha256 {golden_sha})")
     out = SCRATCH / f"smollm2-{dtype}.bin"
     newest_input = max(EXPORT.stat().st_mtime, DEFAULT_GGUF.stat().st_mtime)
