@@ -123,8 +123,14 @@ static void *xcalloc(size_t n, size_t size)
 }
 
 /* Loader errors: the reason goes to err (ERR_BYTES) and the function
-   returns -1; the caller frees what was built. */
-#define LOAD_FAIL(...) do { snprintf(err, ERR_BYTES, __VA_ARGS__); return -1; } while (0)
+   returns -1; the caller frees what was built. A reason may quote bytes
+   from a damaged file, so control bytes become '?': it stays one line. */
+static void one_line(char *s)
+{
+    for (; *s; s++)
+        if ((unsigned char)*s < 0x20 || *s == 0x7f) *s = '?';
+}
+#define LOAD_FAIL(...) do { snprintf(err, ERR_BYTES, __VA_ARGS__); one_line(err); return -1; } while (0)
 
 static double now_ms(void)
 {
@@ -302,6 +308,8 @@ static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
         if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+        for (const uint8_t *c = e; *c; c++)
+            if (*c <= ' ' || *c >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *c);
         t[i].name = (const char *)e;
         t[i].type = rd_u32(e + 48);
         uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);

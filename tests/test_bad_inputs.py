@@ -244,6 +244,12 @@ def test_tensor_name_unterminated():
                       name="tensor-name")
 
 
+def test_tensor_name_not_printable():
+    # a name quoted in an error must not break the one-line rule (found by fuzzing)
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "name", b"no\nrm\x14"), "byte 0x0a", "not printable",
+                      name="tensor-name-ctrl")
+
+
 def test_tensor_missing():
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wX"), "no tensor layers.0.wo",
                       name="tensor-missing")
