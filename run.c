@@ -78,7 +78,10 @@
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
 #define TILE_ROWS 2    /* register tile of the prefill matmul: weight rows ... */
 #define TILE_TOKS 4    /* ... times tokens */
-#define ATT_CHUNK 256  /* cached positions per attention work unit */
+#define ATT_CHUNK 256  /* cached positions per attention work unit (decode) */
+#define ATT_QTILE 16   /* prefill attention: query tokens per work unit ... */
+#define ATT_KTILE 64   /* ... and cached positions converted to floats at a time */
+_Static_assert(ATT_KTILE % 32 == 0 && ATT_KTILE <= ATT_CHUNK, "att_scores_avx2 works in 32s into the score buffer");
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
@@ -815,6 +818,75 @@ FLOAT_TILE(f16, load8_f16)
 FLOAT_TILE(bf16, load8_bf16)
 #endif
 
+/* --- attention kernels for prefill -----------------------------------------
+   Prefill attends a tile of queries to a block of ATT_KTILE cached positions
+   held as floats: K transposed (kt[i * ATT_KTILE + j] is element i of key
+   j), so one broadcast query element meets 8 keys in a vector; V as rows.
+   Both are small GEMMs, and both are exact up to summation order. */
+
+/* out[j] = q . k_j for j < n (out has room for ATT_KTILE scores). */
+static void att_scores_scalar(float *out, const float *q, const float *kt, int hd, int n)
+{
+    for (int j = 0; j < n; j++) out[j] = 0;
+    for (int i = 0; i < hd; i++)
+        for (int j = 0; j < n; j++) out[j] += q[i] * kt[i * ATT_KTILE + j];
+}
+
+/* o += sum over j < n of p[j] * v_j (v is [n, hd]). */
+static void att_accum_scalar(float *o, const float *p, const float *v, int hd, int n)
+{
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < hd; i++) o[i] += p[j] * v[(size_t)j * hd + i];
+}
+
+#ifdef HAVE_AVX2
+/* Keys in groups of 32 (four independent accumulators); the columns past n
+   are computed from whatever the block holds and never read. */
+static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
+{
+    for (int j = 0; j < n; j += 32) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int i = 0; i < hd; i++) {
+            __m256 qi = _mm256_broadcast_ss(q + i);
+            const float *k = kt + i * ATT_KTILE + j;
+            a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k), a0);
+            a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 8), a1);
+            a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 16), a2);
+            a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 24), a3);
+        }
+        _mm256_storeu_ps(out + j, a0), _mm256_storeu_ps(out + j + 8, a1);
+        _mm256_storeu_ps(out + j + 16, a2), _mm256_storeu_ps(out + j + 24, a3);
+    }
+}
+
+/* 32 output elements at a time in registers, then 8, then a scalar tail. */
+static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
+{
+    int i = 0;
+    for (; i + 32 <= hd; i += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + i), a1 = _mm256_loadu_ps(o + i + 8);
+        __m256 a2 = _mm256_loadu_ps(o + i + 16), a3 = _mm256_loadu_ps(o + i + 24);
+        for (int j = 0; j < n; j++) {
+            __m256 pj = _mm256_broadcast_ss(p + j);
+            const float *r = v + (size_t)j * hd + i;
+            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r), a0);
+            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8), a1);
+            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 16), a2);
+            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 24), a3);
+        }
+        _mm256_storeu_ps(o + i, a0), _mm256_storeu_ps(o + i + 8, a1);
+        _mm256_storeu_ps(o + i + 16, a2), _mm256_storeu_ps(o + i + 24, a3);
+    }
+    for (; i + 8 <= hd; i += 8) {
+        __m256 a = _mm256_loadu_ps(o + i);
+        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
+        _mm256_storeu_ps(o + i, a);
+    }
+    for (; i < hd; i++)
+        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
+}
+#endif
+
 typedef void (*TileFn)(const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_stride, int n, float *out);
 
 typedef float (*DotFn)(const void *w, const void *x, int n);
@@ -869,6 +941,22 @@ static void quantize_act(BlockQ8A *out, const float *x, int n)
     if (!force_scalar) { quantize_act_avx2(out, x, n); return; }
 #endif
     quantize_act_scalar(out, x, n);
+}
+
+static void att_scores(float *out, const float *q, const float *kt, int hd, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) { att_scores_avx2(out, q, kt, hd, n); return; }
+#endif
+    att_scores_scalar(out, q, kt, hd, n);
+}
+
+static void att_accum(float *o, const float *p, const float *v, int hd, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) { att_accum_avx2(o, p, v, hd, n); return; }
+#endif
+    att_accum_scalar(o, p, v, hd, n);
 }
 
 /* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
@@ -1025,8 +1113,11 @@ typedef struct {
     float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
     float *inv_freq;            /* [rope_dim/2] */
     float *scores;  /* [n_threads, group, ATT_CHUNK] attention weights of a chunk */
-    float *partial; /* [max(n_threads, n_kv_heads), seq_len/ATT_CHUNK + 1, group, head_dim + 2] */
+    float *partial; /* [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] decode partials */
     float *vrow;    /* [n_threads, head_dim] a V row as floats */
+    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K, transposed, as floats (prefill) */
+    float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
+    float *qstat;   /* [n_threads, 2, ATT_QTILE * group] running max and sum of each query (prefill) */
     BlockQ8A *qq;   /* [n_threads, group * head_dim/32] int8 queries (q8 cache) */
     uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
     uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
@@ -1057,8 +1148,11 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
     for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
     s->scores = xcalloc((size_t)n_threads * group * ATT_CHUNK, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(n_threads, c->n_kv_heads) * (seq_len / ATT_CHUNK + 1) * group * (c->head_dim + 2), sizeof(float));
+    s->partial = xcalloc((size_t)c->n_kv_heads * (seq_len / ATT_CHUNK + 1) * group * (c->head_dim + 2), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
+    s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
+    s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
+    s->qstat = xcalloc((size_t)n_threads * 2 * ATT_QTILE * group, sizeof(float));
     s->qq = xcalloc((size_t)n_threads * group * (c->head_dim / QK + 1), sizeof(BlockQ8A));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
@@ -1071,6 +1165,7 @@ static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb);
     free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow); free(s->qq);
+    free(s->kblock); free(s->vblock); free(s->qstat);
     free(s->key_cache); free(s->value_cache); free(s->logits);
 }
 
@@ -1234,21 +1329,68 @@ static void merge_chunks(const float *parts, int n_chunks, int group, int hd, fl
     }
 }
 
-/* The attention step of a layer for n tokens at positions pos0.., thread
-   me's share; outputs go to s->xb ([n, q_dim]). Prefill deals whole
-   (token, KV head) jobs round-robin (later tokens attend further); decode
-   deals the (KV head, chunk) pieces of its one token, then merges. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int me, int nth)
+/* Prefill attention for the query tokens [t0, t1) of the batch and KV head
+   g, flash-attention style. Cached positions are taken ATT_KTILE at a time
+   and converted to floats once, then used by every query of the tile and
+   of the group: a (query x key) block is a small GEMM instead of one dot
+   product per cached row. Each query keeps a running max and sum, so the
+   softmax is exact without a score row as long as the context. Outputs go
+   to s->xb ([n, q_dim]). */
+static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int pos0, int me)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
-    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
+    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, nq = (t1 - t0) * group, last = pos0 + t1 - 1;
+    float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
+    float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * group * ATT_CHUNK;
+    float *mx = s->qstat + (size_t)me * 2 * ATT_QTILE * group, *sum = mx + ATT_QTILE * group;
+    float scale = 1.0f / sqrtf((float)hd);
+    for (int k = 0; k < nq; k++) {
+        mx[k] = -INFINITY, sum[k] = 0;
+        memset(s->xb + (size_t)(t0 + k / group) * q_dim + (g * group + k % group) * hd, 0, hd * sizeof(float));
+    }
+    for (int j0 = 0; j0 <= last; j0 += ATT_KTILE) {
+        int nj = min_i(ATT_KTILE, last + 1 - j0);
+        for (int j = 0; j < nj; j++) {
+            dequantize_row(row, cache_row(s, s->key_cache, c, l, g, j0 + j), s->kv_type, hd);
+            for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
+            dequantize_row(vb + (size_t)j * hd, cache_row(s, s->value_cache, c, l, g, j0 + j), s->kv_type, hd);
+        }
+        for (int k = 0; k < nq; k++) {
+            int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
+            if (n <= 0) continue; /* the whole block lies in this token's future */
+            float *o = s->xb + (size_t)t * q_dim + h * hd, m = mx[k];
+            att_scores(sc, s->qkv + (size_t)t * qkv_dim + h * hd, kt, hd, n);
+            for (int j = 0; j < n; j++) m = fmaxf(m, sc[j] *= scale);
+            float rescale = expf(mx[k] - m); /* 0 on the first block */
+            if (rescale != 1.0f) {
+                sum[k] *= rescale;
+                for (int i = 0; i < hd; i++) o[i] *= rescale;
+            }
+            for (int j = 0; j < n; j++) sum[k] += sc[j] = expf(sc[j] - m);
+            mx[k] = m;
+            att_accum(o, sc, vb, hd, n);
+        }
+    }
+    for (int k = 0; k < nq; k++) {
+        float *o = s->xb + (size_t)(t0 + k / group) * q_dim + (g * group + k % group) * hd;
+        for (int i = 0; i < hd; i++) o[i] /= sum[k];
+    }
+}
+
+/* The attention step of a layer for n tokens at positions pos0.., thread
+   me's share; outputs go to s->xb ([n, q_dim]). Prefill deals (query tile,
+   KV head) jobs round-robin; decode deals the (KV head, chunk) pieces of its
+   one token, then merges. Either way the jobs do not depend on the thread
+   count, so neither do the results. */
+static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int me, int nth)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
+    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
     if (n > 1) {
-        float *parts = s->partial + (size_t)me * max_chunks * part;
-        for (int job = me; job < n * c->n_kv_heads; job += nth) {
-            int t = job / c->n_kv_heads, g = job % c->n_kv_heads, pos = pos0 + t, n_chunks = pos / ATT_CHUNK + 1;
-            const float *q = s->qkv + (size_t)t * qkv_dim + g * group * hd;
-            for (int k = 0; k < n_chunks; k++) attend_chunk(s, c, l, q, g, k, pos, parts + k * part, me);
-            merge_chunks(parts, n_chunks, group, hd, s->xb + (size_t)t * q_dim + g * group * hd);
+        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
+        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
+            int t0 = job / c->n_kv_heads * ATT_QTILE;
+            attend_tile(s, c, l, job % c->n_kv_heads, t0, min_i(t0 + ATT_QTILE, n), pos0, me);
         }
         return;
     }
