@@ -82,6 +82,8 @@
 #define ATT_QTILE 16   /* prefill attention: query tokens per work unit ... */
 #define ATT_KTILE 64   /* ... and cached positions converted to floats at a time */
 _Static_assert(ATT_KTILE % 32 == 0 && ATT_KTILE <= ATT_CHUNK, "att_scores_avx2 works in 32s into the score buffer");
+#define PREFETCH_AHEAD 4096 /* decode: weight bytes requested ahead of use (measured: 1-16 KB all help) */
+#define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
@@ -1169,6 +1171,16 @@ static void free_state(RunState *s)
     free(s->key_cache); free(s->value_cache); free(s->logits);
 }
 
+/* Decode reads each weight once, in order. One core's hardware prefetcher
+   keeps too few cache misses in flight to reach DRAM bandwidth (here 6.7 of
+   the two cores' 21 GB/s), so ask for the lines PREFETCH_AHEAD bytes ahead
+   of the row about to be read; past the end this is harmless (a prefetch
+   never faults). */
+static void prefetch_ahead(const uint8_t *row, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
+}
+
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate, which
    fuses the residual add) for the n_tok activation rows, which were
    prepared by prepare_act. Weight rows are taken ROW_TILE at a time and
@@ -1203,6 +1215,7 @@ static void matmul_rows(float *out, int out_stride, const RunState *s, const Ten
         }
         for (; t < n_tok; t++) /* decode, and tokens left over */
             for (int r = a; r < b; r++) {
+                prefetch_ahead(tensor_row(w, r), wstride);
                 float v = dot(tensor_row(w, r), act + t * stride, w->cols), *o = out + (size_t)t * out_stride + r;
                 *o = accumulate ? *o + v : v;
             }

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """llama.cpp's speed on this machine, for comparison with ./run -v (prints JSON).
 
-Timings come from llama.cpp's own counters (llama_perf_context: prompt-eval time/tokens for
+Model files: the Q4_1 GGUF as shipped, and F32, F16 and Q8_0 GGUFs made from it with
+llama.cpp's own quantize code (kept next to --f32). Timings come from llama.cpp's own counters (llama_perf_context: prompt-eval time/tokens for
 batched decodes, eval time/tokens for one-token decodes), median over --runs after one
 warm-up. Measured per model file:
   prefill_128 / prefill_512   one llama_decode batch of 128 / 512 prompt tokens, tok/s
@@ -25,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
+GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q8_0 = 0, 1, 8
+LLAMA_FTYPE_MOSTLY_F16, LLAMA_FTYPE_MOSTLY_Q8_0 = 1, 7
+DERIVED = {"f16": (LLAMA_FTYPE_MOSTLY_F16, GGML_TYPE_F16), "q8_0": (LLAMA_FTYPE_MOSTLY_Q8_0, GGML_TYPE_Q8_0)}
 CONFIGS = {
     "matched": {"flash_attn": False, "type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32},
     "llamacpp_default": {"flash_attn": True, "type_k": GGML_TYPE_F16, "type_v": GGML_TYPE_F16},
@@ -105,15 +108,20 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--config", choices=[*CONFIGS, "both"], default="both")
+    ap.add_argument("--dtypes", default="f32,f16,q8_0,q4_1", help="comma-separated subset")
     args = ap.parse_args()
 
     import llama_cpp
+    from make_goldens import make_f32_gguf, requantize_gguf
 
     if not args.f32.exists():
-        from make_goldens import make_f32_gguf
-
         args.f32.parent.mkdir(parents=True, exist_ok=True)
         make_f32_gguf(args.q4_1, args.f32)
+    models = {"q4_1": args.q4_1, "f32": args.f32}
+    for name, (ftype, ttype) in DERIVED.items():
+        models[name] = args.f32.with_name(args.f32.name.replace(".F32.", f".{name.upper()}."))
+        if name in args.dtypes.split(",") and not models[name].exists():
+            requantize_gguf(args.f32, models[name], ftype, ttype)
     configs = CONFIGS if args.config == "both" else {args.config: CONFIGS[args.config]}
     if os.getloadavg()[0] > 0.5:
         # llama.cpp's threads spin at barriers: with other work on the cores, one preempted
@@ -126,7 +134,8 @@ def main() -> None:
               "timing": "llama_perf_context counters, median of runs after one warm-up",
               "results": {}}
     for cname, config in configs.items():
-        for mname, path in (("q4_1", args.q4_1), ("f32", args.f32)):
+        for mname in args.dtypes.split(","):
+            path = models[mname]
             report["results"][f"{mname}/{cname}"] = {"model": path.name, "settings": {
                 "flash_attn": config["flash_attn"], "kv_cache": "f32" if config["type_k"] == GGML_TYPE_F32 else "f16"},
                 **bench(path, config, args.threads, args.runs)}

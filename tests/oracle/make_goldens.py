@@ -87,15 +87,21 @@ def sha256(path: Path) -> str:
 
 def make_f32_gguf(src: Path, dst: Path) -> None:
     """Dequantize every tensor of `src` to F32 with llama.cpp's own quantize code."""
+    requantize_gguf(src, dst, LLAMA_FTYPE_ALL_F32, GGML_TYPE_F32)
+
+
+def requantize_gguf(src: Path, dst: Path, ftype: int, tensor_type: int) -> None:
+    """Write `src` as llama.cpp file type `ftype` with llama.cpp's quantize code; the
+    embedding and output tensors get `tensor_type` explicitly, so that no "output tensor"
+    rule picks another type for the tied embedding."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = N_THREADS
-    params.ftype = LLAMA_FTYPE_ALL_F32
-    params.allow_requantize = True  # the inputs are quantized; F32 output means dequantize
-    # Explicit so that no "output tensor" rule can pick a quantized type for the tied embedding.
-    params.token_embedding_type = GGML_TYPE_F32
-    params.output_tensor_type = GGML_TYPE_F32
+    params.ftype = ftype
+    params.allow_requantize = True  # the inputs may be quantized
+    params.token_embedding_type = tensor_type
+    params.output_tensor_type = tensor_type
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise SystemExit(f"llama_model_quantize failed with {rc}")
