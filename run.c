@@ -78,10 +78,10 @@
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
 #define TILE_ROWS 2    /* register tile of the prefill matmul: weight rows ... */
 #define TILE_TOKS 4    /* ... times tokens */
-#define ATT_CHUNK 256  /* cached positions per attention work unit (decode) */
-#define ATT_QTILE 16   /* prefill attention: query tokens per work unit ... */
-#define ATT_KTILE 64   /* ... and cached positions converted to floats at a time */
-_Static_assert(ATT_KTILE % 32 == 0 && ATT_KTILE <= ATT_CHUNK, "att_scores_avx2 works in 32s into the score buffer");
+#define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
+#define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
+#define ATT_KTILE 64   /* cached positions converted to floats at a time */
+_Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* decode: weight bytes requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
@@ -975,7 +975,7 @@ static DotFn dot_for(int type)
 static int uses_int8_activations(int type) { return type == T_Q8_0 || type == T_Q4_1; }
 
 /* One row of n elements of any type as floats (embedding rows, KV rows). */
-static void dequantize_row(float *out, const void *row, int type, int n)
+static void dequantize_row_scalar(float *out, const void *row, int type, int n)
 {
     switch (type) {
     case T_F32: memcpy(out, row, n * sizeof(float)); break;
@@ -995,6 +995,36 @@ static void dequantize_row(float *out, const void *row, int type, int n)
         }
         break;
     }
+}
+
+#ifdef HAVE_AVX2
+/* The KV cache's types, 8 elements per step: attention converts every
+   cached row it reads, so at long context this is decode's inner loop. */
+static void dequantize_row_avx2(float *out, const void *row, int type, int n)
+{
+    int i = 0;
+    if (type == T_F16)
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
+    if (type == T_Q8_0)
+        for (; i + QK <= n; i += QK) {
+            const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
+            __m256 d = _mm256_set1_ps(fp16_to_f32(b->d));
+            for (int j = 0; j < QK; j += 8) {
+                __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
+                _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+            }
+        }
+    if (i < n) dequantize_row_scalar(out + i, (const uint8_t *)row + row_bytes(type, i), type, n - i);
+}
+#endif
+
+static void dequantize_row(float *out, const void *row, int type, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar && (type == T_F16 || type == T_Q8_0)) { dequantize_row_avx2(out, row, type, n); return; }
+#endif
+    dequantize_row_scalar(out, row, type, n);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
@@ -1114,13 +1144,12 @@ typedef struct {
     float *hb;      /* [chunk, 2*hidden_dim] gate | up */
     float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
     float *inv_freq;            /* [rope_dim/2] */
-    float *scores;  /* [n_threads, group, ATT_CHUNK] attention weights of a chunk */
-    float *partial; /* [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] decode partials */
-    float *vrow;    /* [n_threads, head_dim] a V row as floats */
-    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K, transposed, as floats (prefill) */
+    float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
+    float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
+                       prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
+    float *vrow;    /* [n_threads, head_dim] a K row as floats */
+    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K, transposed, as floats */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    float *qstat;   /* [n_threads, 2, ATT_QTILE * group] running max and sum of each query (prefill) */
-    BlockQ8A *qq;   /* [n_threads, group * head_dim/32] int8 queries (q8 cache) */
     uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
     uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
     float *logits;  /* [chunk, vocab] */
@@ -1149,13 +1178,12 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
     for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
-    s->scores = xcalloc((size_t)n_threads * group * ATT_CHUNK, sizeof(float));
-    s->partial = xcalloc((size_t)c->n_kv_heads * (seq_len / ATT_CHUNK + 1) * group * (c->head_dim + 2), sizeof(float));
+    s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
+    s->partial = xcalloc((size_t)max_i(c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) * group * (c->head_dim + 2),
+                         sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
-    s->qstat = xcalloc((size_t)n_threads * 2 * ATT_QTILE * group, sizeof(float));
-    s->qq = xcalloc((size_t)n_threads * group * (c->head_dim / QK + 1), sizeof(BlockQ8A));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
     s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
@@ -1166,8 +1194,8 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
 static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb);
-    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow); free(s->qq);
-    free(s->kblock); free(s->vblock); free(s->qstat);
+    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow);
+    free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
 }
 
@@ -1284,46 +1312,6 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
         }
 }
 
-/* Attention works on chunks of ATT_CHUNK cached positions. For one chunk
-   and KV head g, the `group` query heads that share g are done together, so
-   each cached K and V row is read once per token, not once per query head.
-   The result is a partial softmax per head (PART_FLOATS floats): the
-   largest score m, the sum of exp(score - m), and the unnormalized output
-   sum of exp(score - m) * v. Chunks combine exactly (merge_chunks), which
-   lets decode spread one token's attention over all threads while prefill
-   gives each thread whole (token, head) jobs: same arithmetic either way,
-   whatever the thread count. */
-static void attend_chunk(RunState *s, const Config *c, int l, const float *q, int g, int chunk, int pos, float *part, int me)
-{
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, int8 = uses_int8_activations(s->kv_type);
-    int j0 = chunk * ATT_CHUNK, j1 = min_i(pos + 1, j0 + ATT_CHUNK);
-    float scale = 1.0f / sqrtf((float)hd), *att = s->scores + (size_t)me * group * ATT_CHUNK;
-    float *v = s->vrow + (size_t)me * hd;
-    BlockQ8A *qq = s->qq + (size_t)me * group * (hd / QK + 1);
-    DotFn dot = dot_for(s->kv_type);
-    if (int8) for (int h = 0; h < group; h++) quantize_act(qq + h * (hd / QK), q + h * hd, hd);
-    for (int j = j0; j < j1; j++) {
-        const uint8_t *k = cache_row(s, s->key_cache, c, l, g, j);
-        for (int h = 0; h < group; h++)
-            att[h * ATT_CHUNK + j - j0] = dot(k, int8 ? (const void *)(qq + h * (hd / QK)) : q + h * hd, hd) * scale;
-    }
-    for (int h = 0; h < group; h++) {
-        float *p = part + h * (hd + 2), *a = att + h * ATT_CHUNK, m = a[0], sum = 0;
-        for (int j = 1; j < j1 - j0; j++) m = fmaxf(m, a[j]);
-        for (int j = 0; j < j1 - j0; j++) sum += a[j] = expf(a[j] - m);
-        p[0] = m;
-        p[1] = sum;
-        memset(p + 2, 0, hd * sizeof(float));
-    }
-    for (int j = j0; j < j1; j++) {
-        dequantize_row(v, cache_row(s, s->value_cache, c, l, g, j), s->kv_type, hd);
-        for (int h = 0; h < group; h++) {
-            float w = att[h * ATT_CHUNK + j - j0], *o = part + h * (hd + 2) + 2;
-            for (int i = 0; i < hd; i++) o[i] += w * v[i];
-        }
-    }
-}
-
 /* Softmax-weighted output of each of the group's heads from its n_chunks
    partials ([n_chunks][group][hd + 2]), combined in chunk order. */
 static void merge_chunks(const float *parts, int n_chunks, int group, int hd, float *out)
@@ -1342,26 +1330,30 @@ static void merge_chunks(const float *parts, int n_chunks, int group, int hd, fl
     }
 }
 
-/* Prefill attention for the query tokens [t0, t1) of the batch and KV head
-   g, flash-attention style. Cached positions are taken ATT_KTILE at a time
-   and converted to floats once, then used by every query of the tile and
-   of the group: a (query x key) block is a small GEMM instead of one dot
-   product per cached row. Each query keeps a running max and sum, so the
-   softmax is exact without a score row as long as the context. Outputs go
-   to s->xb ([n, q_dim]). */
-static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int pos0, int me)
+/* Attention of the query tokens [t0, t1) of the batch (positions pos0 + t)
+   and their `group` query heads that share KV head g, to the cached
+   positions [j_lo, j_hi) that each token may see (those <= its own), in the
+   style of flash attention. Positions are taken ATT_KTILE at a time and
+   converted to floats once, then used by every query of the tile and of the
+   group: a (query x position) block is a small GEMM, not one dot product per
+   cached row. Each query keeps a running max m, the sum of exp(score - m)
+   and the unnormalized output sum of exp(score - m) * v, written to part
+   ([t1 - t0, group, head_dim + 2]) as a partial softmax: partials over
+   separate position ranges combine exactly (merge_chunks). */
+static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int pos0, int j_lo, int j_hi,
+                        float *part, int me)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
-    int qkv_dim = q_dim + 2 * c->n_kv_heads * hd, nq = (t1 - t0) * group, last = pos0 + t1 - 1;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group;
+    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
     float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
-    float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * group * ATT_CHUNK;
-    float *mx = s->qstat + (size_t)me * 2 * ATT_QTILE * group, *sum = mx + ATT_QTILE * group;
+    float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
     float scale = 1.0f / sqrtf((float)hd);
     for (int k = 0; k < nq; k++) {
-        mx[k] = -INFINITY, sum[k] = 0;
-        memset(s->xb + (size_t)(t0 + k / group) * q_dim + (g * group + k % group) * hd, 0, hd * sizeof(float));
+        float *p = part + (size_t)k * (hd + 2);
+        p[0] = -INFINITY, p[1] = 0;
+        memset(p + 2, 0, hd * sizeof(float));
     }
-    for (int j0 = 0; j0 <= last; j0 += ATT_KTILE) {
+    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0);
         for (int j = 0; j < nj; j++) {
             dequantize_row(row, cache_row(s, s->key_cache, c, l, g, j0 + j), s->kv_type, hd);
@@ -1371,46 +1363,47 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
             if (n <= 0) continue; /* the whole block lies in this token's future */
-            float *o = s->xb + (size_t)t * q_dim + h * hd, m = mx[k];
+            float *p = part + (size_t)k * (hd + 2), m = p[0];
             att_scores(sc, s->qkv + (size_t)t * qkv_dim + h * hd, kt, hd, n);
             for (int j = 0; j < n; j++) m = fmaxf(m, sc[j] *= scale);
-            float rescale = expf(mx[k] - m); /* 0 on the first block */
+            float rescale = expf(p[0] - m); /* 0 on the first block */
             if (rescale != 1.0f) {
-                sum[k] *= rescale;
-                for (int i = 0; i < hd; i++) o[i] *= rescale;
+                p[1] *= rescale;
+                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
             }
-            for (int j = 0; j < n; j++) sum[k] += sc[j] = expf(sc[j] - m);
-            mx[k] = m;
-            att_accum(o, sc, vb, hd, n);
+            for (int j = 0; j < n; j++) p[1] += sc[j] = expf(sc[j] - m);
+            p[0] = m;
+            att_accum(p + 2, sc, vb, hd, n);
         }
-    }
-    for (int k = 0; k < nq; k++) {
-        float *o = s->xb + (size_t)(t0 + k / group) * q_dim + (g * group + k % group) * hd;
-        for (int i = 0; i < hd; i++) o[i] /= sum[k];
     }
 }
 
 /* The attention step of a layer for n tokens at positions pos0.., thread
    me's share; outputs go to s->xb ([n, q_dim]). Prefill deals (query tile,
-   KV head) jobs round-robin; decode deals the (KV head, chunk) pieces of its
-   one token, then merges. Either way the jobs do not depend on the thread
-   count, so neither do the results. */
+   KV head) jobs round-robin, each over all the positions its tokens see.
+   Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
+   jobs, so that even one KV head's long context is spread over every
+   thread, then merges the chunks. Either way the jobs do not depend on the
+   thread count, so neither do the results. */
 static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int me, int nth)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
     int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
     if (n > 1) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
+        float *parts = s->partial + (size_t)me * ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
-            int t0 = job / c->n_kv_heads * ATT_QTILE;
-            attend_tile(s, c, l, job % c->n_kv_heads, t0, min_i(t0 + ATT_QTILE, n), pos0, me);
+            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
+            attend_tile(s, c, l, g, t0, t1, pos0, 0, pos0 + t1, parts, me);
+            for (int t = t0; t < t1; t++)
+                merge_chunks(parts + (size_t)(t - t0) * part, 1, group, hd, s->xb + (size_t)t * q_dim + g * group * hd);
         }
         return;
     }
     int n_chunks = pos0 / ATT_CHUNK + 1;
     for (int job = me; job < c->n_kv_heads * n_chunks; job += nth) {
         int g = job / n_chunks, k = job % n_chunks;
-        attend_chunk(s, c, l, s->qkv + g * group * hd, g, k, pos0, s->partial + ((size_t)g * max_chunks + k) * part, me);
+        attend_tile(s, c, l, g, 0, 1, pos0, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
     }
     barrier(&s->bar, nth);
     for (int g = me; g < c->n_kv_heads; g += nth)

@@ -239,6 +239,30 @@ static void test_attention(void)
     check(worst_a < 1e-6, what);
 }
 
+/* Row conversion of the KV cache types: SIMD and scalar must agree exactly
+   (each element is one conversion and at most one multiply). */
+static void test_dequantize_rows(void)
+{
+    enum { N = 200 }; /* not a multiple of 8 or 32: the scalar tail runs too */
+    static uint8_t row[N * 4];
+    float ref[N], got[N];
+    int types[] = {T_F16, T_Q8_0}, ok = 1;
+    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
+        int type = types[i], n = type == T_Q8_0 ? 192 : N;
+        for (size_t b = 0; b < sizeof row; b++) row[b] = random_u32(&rng);
+        for (int j = 0; j < n; j++) if (type == T_F16) ((uint16_t *)row)[j] = f32_to_f16_bits(frand() * 100);
+        for (int k = 0; type == T_Q8_0 && k < n / QK; k++) ((BlockQ8_0 *)row)[k].d = f32_to_f16_bits(frand() * 0.01f);
+        dequantize_row_scalar(ref, row, type, n);
+#ifdef HAVE_AVX2
+        dequantize_row_avx2(got, row, type, n);
+#else
+        memcpy(got, ref, sizeof ref);
+#endif
+        if (memcmp(ref, got, n * sizeof(float))) ok = 0;
+    }
+    check(ok, "KV row conversion (f16, q8_0): SIMD equals scalar bit for bit");
+}
+
 int main(void)
 {
 #ifdef HAVE_AVX2
@@ -252,6 +276,7 @@ int main(void)
     test_dots();
     test_tiles();
     test_attention();
+    test_dequantize_rows();
     printf("%s\n", failures ? "FAILED" : "all kernel checks passed");
     return failures != 0;
 }
