@@ -81,6 +81,7 @@
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
+#define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* decode: weight bytes requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
@@ -1148,7 +1149,7 @@ typedef struct {
     float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
                        prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
     float *vrow;    /* [n_threads, head_dim] a K row as floats */
-    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K, transposed, as floats */
+    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
     uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
     uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
@@ -1353,19 +1354,32 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
         p[0] = -INFINITY, p[1] = 0;
         memset(p + 2, 0, hd * sizeof(float));
     }
+    /* Transposing K costs a scattered store per element; it pays when many
+       queries share the block (prefill), not for decode's `group` queries,
+       which take one dot product per key row instead. */
+    int transpose = nq >= ATT_TRANSPOSE_MIN;
+    DotFn dot = dot_for(T_F32);
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0);
-        for (int j = 0; j < nj; j++) {
-            dequantize_row(row, cache_row(s, s->key_cache, c, l, g, j0 + j), s->kv_type, hd);
-            for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
-            dequantize_row(vb + (size_t)j * hd, cache_row(s, s->value_cache, c, l, g, j0 + j), s->kv_type, hd);
+        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
+            const uint8_t *kc = cache_row(s, s->key_cache, c, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, l, g, j0 + j);
+            float *kr = transpose ? row : kt + (size_t)j * hd;
+            prefetch_ahead(kc, s->kv_row);
+            prefetch_ahead(vc, s->kv_row);
+            dequantize_row(kr, kc, s->kv_type, hd);
+            if (transpose) for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
+            dequantize_row(vb + (size_t)j * hd, vc, s->kv_type, hd);
         }
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
             if (n <= 0) continue; /* the whole block lies in this token's future */
-            float *p = part + (size_t)k * (hd + 2), m = p[0];
-            att_scores(sc, s->qkv + (size_t)t * qkv_dim + h * hd, kt, hd, n);
-            for (int j = 0; j < n; j++) m = fmaxf(m, sc[j] *= scale);
+            float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
+            if (transpose) att_scores(sc, q, kt, hd, n);
+            else for (int j = 0; j < n; j++) sc[j] = dot(kt + (size_t)j * hd, q, hd);
+            for (int j = 0; j < n; j++) {
+                sc[j] *= scale;
+                m = sc[j] > m ? sc[j] : m; /* not fmaxf: a libm call per score */
+            }
             float rescale = expf(p[0] - m); /* 0 on the first block */
             if (rescale != 1.0f) {
                 p[1] *= rescale;

@@ -31,10 +31,16 @@ PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships 
 
 
 def cpu_name() -> str:
+    """The CPU model, with its family/model numbers (a VM may show only "AMD EPYC") and SIMD level."""
+    info: dict[str, str] = {}
     for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    flags = info.get("flags", "").split()
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    vnni = ", VNNI" if "avx512_vnni" in flags or "avx_vnni" in flags else ""
+    return (f"{info.get('model name', 'unknown CPU')} (family {info.get('cpu family', '?')} "
+            f"model {info.get('model', '?')}, {simd}{vnni})")
 
 
 def export(dtype: str) -> Path:
@@ -98,22 +104,36 @@ def bench_dtype(dtype: str, runs: int, threads: int) -> dict:
             "gbps": col(short, "gbps"), "rss": col(short, "rss_mb")}
 
 
-def llamacpp_ratio(threads: int, runs: int) -> dict | None:
-    """llama.cpp on the same GGUF (Q4_1) if llama-cpp-python is installed."""
-    script = ROOT / "tests" / "oracle" / "bench_llamacpp.py"
+def llamacpp_bench(dtypes: str, threads: int, runs: int) -> dict | None:
+    """llama.cpp (llama-cpp-python) on the same GGUF at the same types, with its CPU defaults
+    (F16 KV cache like ours, flash attention on); None if it is not installed."""
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp comparison", file=sys.stderr)
         return None
-    if not script.exists():
-        return None
-    out = subprocess.run([sys.executable, str(script), "--threads", str(threads), "--runs", str(runs)],
-                         capture_output=True, text=True)
+    script = ROOT / "tests" / "oracle" / "bench_llamacpp.py"
+    out = subprocess.run([sys.executable, str(script), "--threads", str(threads), "--runs", str(runs),
+                          "--dtypes", dtypes, "--config", "llamacpp_default"], capture_output=True, text=True)
     try:
-        return json.loads(out.stdout)
-    except json.JSONDecodeError:
+        return json.loads(out.stdout)["results"]
+    except (json.JSONDecodeError, KeyError):
         print(f"llama.cpp bench failed: {out.stderr.strip()[-300:]}", file=sys.stderr)
         return None
+
+
+def print_ratios(ours: dict, ref: dict) -> None:
+    print("\nllama.cpp on the same machine in this run (same GGUF, same type; its timing counters):\n")
+    print("| dtype | llama.cpp prefill 128 tok/s | llama.cpp prefill 512 tok/s | llama.cpp decode tok/s | "
+          "ours ÷ llama.cpp prefill 512 | ours ÷ llama.cpp decode |")
+    print("|---|---|---|---|---|---|")
+    for dtype, b in ours.items():
+        r = ref.get(f"{dtype}/llamacpp_default")
+        if not r:
+            continue
+        pp, tg = r["prefill_512_tok_s"]["median"], r["decode_128_tok_s"]["median"]
+        print(f"| {dtype} | {r['prefill_128_tok_s']['median']:.0f} | {pp:.0f} | {tg:.1f} | "
+              f"{statistics.median(b['pp512']) / pp:.2f}× | {statistics.median(b['tg128']) / tg:.2f}× |")
 
 
 def main() -> int:
@@ -134,8 +154,9 @@ def main() -> int:
     print("| dtype | file MB | load ms | TTFT 128 ms | prefill 128 tok/s | TTFT 512 ms | prefill 512 tok/s | "
           "prefill % of peak | decode tok/s | ITL p50 ms | ITL p90 ms | decode % of DRAM BW | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ours = {}
     for dtype in args.dtypes.split(","):
-        b = bench_dtype(dtype, args.runs, args.threads)
+        b = ours[dtype] = bench_dtype(dtype, args.runs, args.threads)
         peak = mc["i8"] if dtype in ("q8_0", "q4_1") else mc["f32"]
         pct_pp = statistics.median(b["gflops512"]) / peak * 100
         pct_bw = statistics.median(b["gbps"]) / mc["gbps"] * 100
@@ -150,9 +171,9 @@ def main() -> int:
         print(f"\nq4_1 decode at ~4k context: {summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
               f"{summary([r['gbps'] for r in rs], '{:.1f}')} GB/s (KV f16)")
     if args.llamacpp:
-        ref = llamacpp_ratio(args.threads, args.runs)
+        ref = llamacpp_bench(args.dtypes, args.threads, args.runs)
         if ref:
-            print(f"\nllama.cpp (same GGUF, same machine, this session): {json.dumps(ref)}")
+            print_ratios(ours, ref)
     return 0
 
 
