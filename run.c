@@ -76,8 +76,12 @@
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
 #define CHUNK_TOKENS 64 /* prefill batch: tokens pushed through a layer together */
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
-#define TILE_ROWS 2    /* register tile of the prefill matmul: weight rows ... */
-#define TILE_TOKS 4    /* ... times tokens */
+#define TILE_ROWS 2    /* int8 register tile of the prefill matmul: weight rows ... */
+#define TILE_TOKS 4    /* ... times tokens (each row needs |w| and w in registers) */
+#define FTILE_ROWS 4   /* float tile: 12 accumulators, 3 token vectors and a weight */
+#define FTILE_TOKS 3   /* vector fill AVX2's 16 registers: 7 loads per 12 FMAs */
+#define MAX_TILE 12    /* outputs of the larger tile */
+_Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= MAX_TILE, "tile outputs");
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
@@ -735,8 +739,8 @@ static float dot_q4_1_avx2(const void *w, const void *x, int n)
    A tile computes a small block of out[t][r] at once: each weight block it
    loads serves several tokens and each activation block several rows, and
    the accumulators are independent, so the batch costs far fewer loads and
-   no FMA waits on another. out is [TILE_ROWS][TILE_TOKS] row-major; the
-   results equal the dot products above up to summation order. */
+   no FMA waits on another. out is [rows][tokens] row-major; the results
+   equal the dot products above up to summation order. */
 
 static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
 {
@@ -796,17 +800,18 @@ static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
 #define FLOAT_TILE(name, load8)                                                                          \
     static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
     {                                                                                                    \
-        __m256 acc[TILE_ROWS][TILE_TOKS];                                                                \
-        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
+        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
+        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
         for (int i = 0; i < n; i += 8) {                                                                 \
-            __m256 xv[TILE_TOKS];                                                                        \
-            for (int t = 0; t < TILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
-            for (int r = 0; r < TILE_ROWS; r++) {                                                        \
+            __m256 xv[FTILE_TOKS];                                                                       \
+            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
+            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
                 __m256 wv = load8(w + r * ws, i);                                                        \
-                for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);   \
+                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
             }                                                                                            \
         }                                                                                                \
-        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]); \
+        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
+            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
     }
 
 static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
@@ -892,6 +897,12 @@ static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int
 
 typedef void (*TileFn)(const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_stride, int n, float *out);
 
+/* A register tile and the block of out it computes: rows x toks. */
+typedef struct {
+    TileFn fn;
+    int rows, toks;
+} Tile;
+
 typedef float (*DotFn)(const void *w, const void *x, int n);
 
 /* Dot products by weight type: the scalar reference and, when compiled in,
@@ -921,23 +932,27 @@ static DotKernels dot_kernels(int type)
 /* Set by --scalar: run the reference kernels (slow; for checking). */
 static int force_scalar;
 
-/* The register tile for a weight type, or NULL: then matmul_rows uses the
-   dot product alone. Float tiles need rows of whole 8-float vectors. */
-static TileFn tile_for(int type, int cols)
+/* The register tile for a weight type (fn NULL when there is none: then
+   matmul_rows uses the dot product alone). Float tiles need rows of whole
+   8-float vectors. */
+static Tile tile_for(int type, int cols)
 {
+    Tile none = {NULL, 1, 1};
 #ifdef HAVE_AVX2
-    if (force_scalar) return NULL;
+    if (force_scalar) return none;
+    int vec = cols % 8 == 0;
     switch (type) {
-    case T_Q8_0: return tile_q8_0_avx2;
-    case T_Q4_1: return tile_q4_1_avx2;
-    case T_F32: return cols % 8 ? NULL : tile_f32_avx2;
-    case T_F16: return cols % 8 ? NULL : tile_f16_avx2;
-    case T_BF16: return cols % 8 ? NULL : tile_bf16_avx2;
+    case T_Q8_0: return (Tile){tile_q8_0_avx2, TILE_ROWS, TILE_TOKS};
+    case T_Q4_1: return (Tile){tile_q4_1_avx2, TILE_ROWS, TILE_TOKS};
+    case T_F32: return vec ? (Tile){tile_f32_avx2, FTILE_ROWS, FTILE_TOKS} : none;
+    case T_F16: return vec ? (Tile){tile_f16_avx2, FTILE_ROWS, FTILE_TOKS} : none;
+    case T_BF16: return vec ? (Tile){tile_bf16_avx2, FTILE_ROWS, FTILE_TOKS} : none;
     }
 #endif
     (void)type; (void)cols;
-    return NULL;
+    return none;
 }
+
 static void quantize_act(BlockQ8A *out, const float *x, int n)
 {
 #ifdef HAVE_AVX2
@@ -1218,26 +1233,26 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
 static void matmul_rows(float *out, int out_stride, const RunState *s, const Tensor *w, int n_tok, int r0, int r1, int accumulate)
 {
     DotFn dot = dot_for(w->type);
-    TileFn tile = tile_for(w->type, w->cols);
+    Tile tile = tile_for(w->type, w->cols);
     int int8 = uses_int8_activations(w->type);
     const uint8_t *act = int8 ? (const uint8_t *)s->xq : (const uint8_t *)s->xb;
     size_t stride = int8 ? w->cols / QK * sizeof(BlockQ8A) : w->cols * sizeof(float);
     size_t wstride = row_bytes(w->type, w->cols);
     for (int a = r0; a < r1; a += ROW_TILE) {
         int b = min_i(a + ROW_TILE, r1), t = 0;
-        for (; tile && t + TILE_TOKS <= n_tok; t += TILE_TOKS) {
+        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) {
             int r = a;
-            for (; r + TILE_ROWS <= b; r += TILE_ROWS) {
-                float v[TILE_ROWS * TILE_TOKS];
-                tile(tensor_row(w, r), wstride, act + t * stride, stride, w->cols, v);
-                for (int i = 0; i < TILE_ROWS; i++)
-                    for (int j = 0; j < TILE_TOKS; j++) {
+            for (; r + tile.rows <= b; r += tile.rows) {
+                float v[MAX_TILE];
+                tile.fn(tensor_row(w, r), wstride, act + t * stride, stride, w->cols, v);
+                for (int i = 0; i < tile.rows; i++)
+                    for (int j = 0; j < tile.toks; j++) {
                         float *o = out + (size_t)(t + j) * out_stride + r + i;
-                        *o = accumulate ? *o + v[i * TILE_TOKS + j] : v[i * TILE_TOKS + j];
+                        *o = accumulate ? *o + v[i * tile.toks + j] : v[i * tile.toks + j];
                     }
             }
-            for (; r < b; r++) /* odd row left over */
-                for (int j = 0; j < TILE_TOKS; j++) {
+            for (; r < b; r++) /* rows left over */
+                for (int j = 0; j < tile.toks; j++) {
                     float v = dot(tensor_row(w, r), act + (t + j) * stride, w->cols), *o = out + (size_t)(t + j) * out_stride + r;
                     *o = accumulate ? *o + v : v;
                 }

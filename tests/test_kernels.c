@@ -157,19 +157,19 @@ static void test_quantize_act(void)
    (row, token) pair they cover. */
 static void test_tiles(void)
 {
-    enum { N = 576 };
-    static float x[TILE_TOKS][N];
-    static BlockQ8A xq[TILE_TOKS][N / QK];
-    static uint8_t w[TILE_ROWS][N * 4];
+    enum { N = 576, ROWS = 4, TOKS = 4 }; /* room for either tile shape */
+    static float x[TOKS][N];
+    static BlockQ8A xq[TOKS][N / QK];
+    static uint8_t w[ROWS][N * 4];
     int types[] = {T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_1};
-    for (int t = 0; t < TILE_TOKS; t++) {
+    for (int t = 0; t < TOKS; t++) {
         for (int i = 0; i < N; i++) x[t][i] = frand();
         quantize_act_scalar(xq[t], x[t], N);
     }
     for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
         int type = types[i];
         size_t rb = row_bytes(type, N);
-        for (int r = 0; r < TILE_ROWS; r++) {
+        for (int r = 0; r < ROWS; r++) {
             for (size_t b = 0; b < rb; b++) w[r][b] = random_u32(&rng);
             for (int k = 0; k < N / QK; k++) {
                 if (type == T_Q8_0) ((BlockQ8_0 *)w[r])[k].d = f32_to_f16_bits(frand() * 0.01f);
@@ -184,22 +184,24 @@ static void test_tiles(void)
                 if (type == T_BF16) ((uint16_t *)w[r])[j] = u >> 16;
             }
         }
-        TileFn tile = tile_for(type, N);
+        Tile tile = tile_for(type, N);
         int int8 = uses_int8_activations(type);
         const uint8_t *act = int8 ? (const uint8_t *)xq : (const uint8_t *)x;
         size_t stride = int8 ? sizeof xq[0] : sizeof x[0];
         double worst = 0;
-        if (tile) {
-            float out[TILE_ROWS * TILE_TOKS];
-            tile(w[0], sizeof w[0], act, stride, N, out);
-            for (int r = 0; r < TILE_ROWS; r++)
-                for (int t = 0; t < TILE_TOKS; t++) {
+        if (tile.fn) {
+            float out[MAX_TILE];
+            check(tile.rows <= ROWS && tile.toks <= TOKS, "tile fits the test's buffers");
+            tile.fn(w[0], sizeof w[0], act, stride, N, out);
+            for (int r = 0; r < tile.rows; r++)
+                for (int t = 0; t < tile.toks; t++) {
                     double ref = dot_kernels(type).scalar(w[r], act + t * stride, N);
-                    worst = fmax(worst, fabs(out[r * TILE_TOKS + t] - ref) / N);
+                    worst = fmax(worst, fabs(out[r * tile.toks + t] - ref) / N);
                 }
         }
         char what[128];
-        snprintf(what, sizeof what, "tile %-4s vs scalar dot: worst |diff| / n = %.2e%s", type_name(type), worst, tile ? "" : " (no tile compiled)");
+        snprintf(what, sizeof what, "tile %-4s (%dx%d) vs scalar dot: worst |diff| / n = %.2e%s", type_name(type),
+                 tile.rows, tile.toks, worst, tile.fn ? "" : " (no tile compiled)");
         check(worst < 1e-6, what);
     }
 }
