@@ -17,7 +17,8 @@
                      with a plain scalar reference and an AVX2 version beside it.
      3. forward      prefill pushes the whole prompt through each layer as one
                      batch (matrix x matrix); decode_step pushes one token
-                     (matrix x vector) and attends over the cached K/V.
+                     (matrix x vector). Both attend over the cached K/V in
+                     blocks with a running softmax (flash-attention style).
      4. sampling     greedy, temperature, top-k, top-p, seeded RNG.
      5. generation   tokenize -> prefill -> decode loop -> detokenize, streamed
                      to stdout UTF-8-safely.
