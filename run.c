@@ -796,6 +796,15 @@ static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
         for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
 }
 
+/* GCC likes to fold a loaded vector into every FMA that uses it as a memory
+   operand, which costs one load per FMA and makes the tile load-bound; an
+   empty asm that "changes" the value pins it in a register. */
+#if defined(__GNUC__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) (void)0
+#endif
+
 /* Float weights: 8 weights per FMA; a weight vector is loaded once and
    used for every token of the tile. load8 turns 8 stored weights into floats. */
 #define FLOAT_TILE(name, load8)                                                                          \
@@ -806,6 +815,7 @@ static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
         for (int i = 0; i < n; i += 8) {                                                                 \
             __m256 xv[FTILE_TOKS];                                                                       \
             for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
+            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
             for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
                 __m256 wv = load8(w + r * ws, i);                                                        \
                 for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
