@@ -88,7 +88,7 @@ _Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= M
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
-#define PREFETCH_AHEAD 4096 /* decode: weight bytes requested ahead of use (measured: 1-16 KB all help) */
+#define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
 #define MAX_DIM (1 << 16)
