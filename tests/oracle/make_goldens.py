@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import json
 import os
 import platform
@@ -35,6 +34,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(ROOT / "tests"))
+from common import sha256_file  # noqa: E402
 
 N_CTX = 512
 N_THREADS = 2
@@ -75,14 +76,6 @@ PROMPTS: list[tuple[str, str, bool]] = [
 ]
 # The Q4_1 set is smaller: it checks the quantized path, the F32 set checks the model math.
 Q4_1_PROMPTS = ("france", "chatml_france", "chatml_explain", "code", "numbers", "prose")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def make_f32_gguf(src: Path, dst: Path) -> None:
@@ -320,7 +313,7 @@ def main() -> None:
     print("F32 conversion:", conversion, flush=True)
     ref = None if args.no_numpy_ref else numpy_reference(args.gguf)
 
-    common_meta = {"source_gguf": args.gguf.name, "source_gguf_sha256": sha256(args.gguf),
+    common_meta = {"source_gguf": args.gguf.name, "source_gguf_sha256": sha256_file(args.gguf),
                    "settings": settings(), "n_continue": N_CONTINUE, "top_k": TOP_K,
                    "generated_by": "tests/oracle/make_goldens.py",
                    "date": time.strftime("%Y-%m-%d")}
@@ -329,7 +322,7 @@ def main() -> None:
     np.save(args.out / "smollm2_f32_logits.npy", rows)
     write_json(args.out / "smollm2_f32.json",
                {**common_meta, "oracle_model": "F32 GGUF from llama_model_quantize(ftype=ALL_F32, "
-                "allow_requantize=True) of the source GGUF", "f32_gguf_sha256": sha256(f32_path),
+                "allow_requantize=True) of the source GGUF", "f32_gguf_sha256": sha256_file(f32_path),
                 "f32_conversion": conversion, "measured_noise": noise,
                 "full_logits_file": "smollm2_f32_logits.npy"}, entries)
 
