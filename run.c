@@ -1168,7 +1168,9 @@ typedef struct {
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
     BlockQ8A *xq;   /* [chunk, max_cols/32] the same, as int8 blocks */
     float *qkv;     /* [chunk, q_dim + 2*kv_dim] */
-    float *hb;      /* [chunk, 2*hidden_dim] gate | up */
+    float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds silu(gate) * up */
+    BlockQ8A *hq;   /* [chunk, hidden_dim/32] silu(gate) * up as int8 blocks, W2's input: apart
+                       from xq because other threads may still be reading xq in W13 */
     float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
     float *inv_freq;            /* [rope_dim/2] */
     float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
@@ -1201,6 +1203,7 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->xq = xcalloc((size_t)T * (max_cols / QK + 1), sizeof(BlockQ8A));
     s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
     s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
+    s->hq = xcalloc((size_t)T * (c->hidden_dim / QK + 1), sizeof(BlockQ8A));
     s->rope_cos = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
@@ -1220,7 +1223,7 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
 
 static void free_state(RunState *s)
 {
-    free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb);
+    free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
     free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
@@ -1236,19 +1239,35 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
 }
 
+/* A matmul's input rows as its weights read them: floats, or int8 blocks
+   for integer weights. stride is in bytes. */
+typedef struct {
+    const uint8_t *rows;
+    size_t stride;
+} Act;
+
+/* W's input from float rows f ([n, f_cols]) or their int8 blocks q
+   ([n, W.cols/32]). */
+static Act act_for(const Tensor *w, const float *f, int f_cols, const BlockQ8A *q)
+{
+    if (uses_int8_activations(w->type)) return (Act){(const uint8_t *)q, w->cols / QK * sizeof(BlockQ8A)};
+    return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
+}
+
+/* The usual input: s->xb and s->xq, rows packed W.cols apart. */
+static Act act_xb(const RunState *s, const Tensor *w) { return act_for(w, s->xb, w->cols, s->xq); }
+
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate, which
-   fuses the residual add) for the n_tok activation rows, which were
-   prepared by prepare_act. Weight rows are taken ROW_TILE at a time and
-   applied to every token while they sit in cache: prefill reads each weight
-   byte from memory once per batch, decode once per token. */
-static void matmul_rows(float *out, int out_stride, const RunState *s, const Tensor *w, int n_tok, int r0, int r1, int accumulate)
+   fuses the residual add) for the n_tok input rows in = x. Weight rows are
+   taken ROW_TILE at a time and applied to every token while they sit in
+   cache: prefill reads each weight byte from memory once per batch, decode
+   once per token. */
+static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
 {
     DotFn dot = dot_for(w->type);
     Tile tile = tile_for(w->type, w->cols);
-    int int8 = uses_int8_activations(w->type);
-    const uint8_t *act = int8 ? (const uint8_t *)s->xq : (const uint8_t *)s->xb;
-    size_t stride = int8 ? w->cols / QK * sizeof(BlockQ8A) : w->cols * sizeof(float);
-    size_t wstride = row_bytes(w->type, w->cols);
+    const uint8_t *act = in.rows;
+    size_t stride = in.stride, wstride = row_bytes(w->type, w->cols);
     for (int a = r0; a < r1; a += ROW_TILE) {
         int b = min_i(a + ROW_TILE, r1), t = 0;
         for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) {
@@ -1278,11 +1297,11 @@ static void matmul_rows(float *out, int out_stride, const RunState *s, const Ten
 }
 
 /* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const RunState *s, const Tensor *w, int n_tok, int accumulate, int me, int nth)
+static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int me, int nth)
 {
     int r0, r1;
     split(w->rows, ROW_TILE, me, nth, &r0, &r1);
-    matmul_rows(out, w->rows, s, w, n_tok, r0, r1, accumulate);
+    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate);
 }
 
 /* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
@@ -1328,7 +1347,7 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
     const Tensor *w = &m->layers[l].wqkv;
     int hd = c->head_dim, half = c->rope_dim / 2, h0, h1;
     split(c->n_heads + 2 * c->n_kv_heads, 1, me, nth, &h0, &h1);
-    matmul_rows(s->qkv, w->rows, s, w, n, h0 * hd, h1 * hd, 0);
+    matmul_rows(s->qkv, w->rows, w, act_xb(s, w), n, h0 * hd, h1 * hd, 0);
     for (int t = 0; t < n; t++)
         for (int h = h0; h < h1; h++) {
             float *x = s->qkv + (size_t)t * w->rows + h * hd;
@@ -1418,16 +1437,28 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
     }
 }
 
+/* The outputs of KV head g's query heads for token t, merged from their
+   n_chunks partials into s->xb ([n, q_dim]), and into s->xq when Wo
+   wants int8 blocks and the slice is made of whole ones (quantizing here
+   spares Wo a pass and a barrier). */
+static void attention_out(RunState *s, const Config *c, const float *parts, int n_chunks, int g, int t, int quantize)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    float *o = s->xb + (size_t)t * q_dim + g * group * hd;
+    merge_chunks(parts, n_chunks, group, hd, o);
+    if (quantize) quantize_act(s->xq + (size_t)t * (q_dim / QK) + g * group * hd / QK, o, group * hd);
+}
+
 /* The attention step of a layer for n tokens at positions pos0.., thread
-   me's share; outputs go to s->xb ([n, q_dim]). Prefill deals (query tile,
+   me's share (attention_out writes the results). Prefill deals (query tile,
    KV head) jobs round-robin, each over all the positions its tokens see.
    Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
    jobs, so that even one KV head's long context is spread over every
    thread, then merges the chunks. Either way the jobs do not depend on the
    thread count, so neither do the results. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int me, int nth)
+static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int quantize, int me, int nth)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
     int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
     if (n > 1) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
@@ -1435,8 +1466,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
             attend_tile(s, c, l, g, t0, t1, pos0, 0, pos0 + t1, parts, me);
-            for (int t = t0; t < t1; t++)
-                merge_chunks(parts + (size_t)(t - t0) * part, 1, group, hd, s->xb + (size_t)t * q_dim + g * group * hd);
+            for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, quantize);
         }
         return;
     }
@@ -1446,16 +1476,24 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         attend_tile(s, c, l, g, 0, 1, pos0, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
     }
     barrier(&s->bar, nth);
-    for (int g = me; g < c->n_kv_heads; g += nth)
-        merge_chunks(s->partial + (size_t)g * max_chunks * part, n_chunks, group, hd, s->xb + g * group * hd);
+    for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, quantize);
 }
 
-/* SwiGLU for hidden units [i0, i1) of every token: xb = silu(gate) * up. */
-static void swiglu_rows(RunState *s, int hid, int n, int i0, int i1)
+/* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
+   of 32: the gate and up rows of those units (one matrix W13, the two
+   halves stacked), then, as the epilogue of the same step, SwiGLU
+   silu(gate) * up written over the gate half and quantized for W2. A
+   thread owns whole int8 blocks of the result, so no barrier separates
+   the matmul, the activation and the quantization. */
+static void ffn_up_part(RunState *s, const Layer *L, int hid, int n, int i0, int i1)
 {
-    for (int t = 0; t < n; t++) {
-        const float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        for (int i = i0; i < i1; i++) s->xb[(size_t)t * hid + i] = silu(gate[i]) * up[i];
+    Act in = act_xb(s, &L->w13);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
+    for (int t = 0; t < n && i0 < i1; t++) {
+        float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
+        for (int i = i0; i < i1; i++) gate[i] = silu(gate[i]) * up[i];
+        if (uses_int8_activations(L->w2.type)) quantize_act(s->hq + (size_t)t * (hid / QK) + i0 / QK, gate + i0, i1 - i0);
     }
 }
 
@@ -1464,31 +1502,29 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
 {
     const Config *c = &m->c;
     const Layer *L = &m->layers[l];
-    int dim = c->dim, hid = c->hidden_dim, t0, t1, i0, i1;
+    int dim = c->dim, hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
+    int att_quantized = uses_int8_activations(L->wo.type) && group * c->head_dim % QK == 0;
     split(n, 1, me, nth, &t0, &t1);
     /* attention block: x += Wo . attn(RoPE(Wq.h), RoPE(Wk.h), Wv.h), h = norm(x) */
     norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
     qkv_part(m, s, l, n, pos0, me, nth);
     barrier(&s->bar, nth);
-    attention_part(s, c, l, n, pos0, me, nth);
+    attention_part(s, c, l, n, pos0, att_quantized, me, nth);
     barrier(&s->bar, nth);
-    prepare_act(s, &L->wo, t0, t1);
-    barrier(&s->bar, nth);
-    matmul_part(s->x, s, &L->wo, n, 1, me, nth);
+    if (!att_quantized) {
+        prepare_act(s, &L->wo, t0, t1);
+        barrier(&s->bar, nth);
+    }
+    matmul_part(s->x, &L->wo, act_xb(s, &L->wo), n, 1, me, nth);
     barrier(&s->bar, nth);
     /* feed-forward block: x += W2 . (silu(Wgate.h) * (Wup.h)), h = norm(x) */
     norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
-    split(hid, ROW_TILE, me, nth, &i0, &i1); /* gate and up rows of the same units */
-    matmul_rows(s->hb, 2 * hid, s, &L->w13, n, i0, i1, 0);
-    matmul_rows(s->hb, 2 * hid, s, &L->w13, n, hid + i0, hid + i1, 0);
-    barrier(&s->bar, nth); /* w13 reads xb until every thread is done */
-    swiglu_rows(s, hid, n, i0, i1);
+    split(hid, QK, me, nth, &i0, &i1);
+    ffn_up_part(s, L, hid, n, i0, i1);
     barrier(&s->bar, nth);
-    prepare_act(s, &L->w2, t0, t1);
-    barrier(&s->bar, nth);
-    matmul_part(s->x, s, &L->w2, n, 1, me, nth);
+    matmul_part(s->x, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, 1, me, nth);
     barrier(&s->bar, nth);
 }
 
@@ -1521,7 +1557,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
                 rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
             prepare_act(s, &m->output, t0, t1);
             barrier(&s->bar, nth);
-            matmul_part(s->logits, s, &m->output, n - first_logit, 0, me, nth);
+            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
         }
     }
 }
