@@ -153,8 +153,8 @@ static void test_quantize_act(void)
     check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
 }
 
-/* Register tiles (prefill) against the scalar dot product of every
-   (row, token) pair they cover. */
+/* Register tiles (prefill's, and decode's several rows of one token)
+   against the scalar dot product of every (row, token) pair they cover. */
 static void test_tiles(void)
 {
     enum { N = 576, ROWS = 4, TOKS = 4 }; /* room for either tile shape */
@@ -184,25 +184,29 @@ static void test_tiles(void)
                 if (type == T_BF16) ((uint16_t *)w[r])[j] = u >> 16;
             }
         }
-        Tile tile = tile_for(type, N);
         int int8 = uses_int8_activations(type);
         const uint8_t *act = int8 ? (const uint8_t *)xq : (const uint8_t *)x;
         size_t stride = int8 ? sizeof xq[0] : sizeof x[0];
-        double worst = 0;
-        if (tile.fn) {
-            float out[MAX_TILE];
-            check(tile.rows <= ROWS && tile.toks <= TOKS, "tile fits the test's buffers");
-            tile.fn(w[0], sizeof w[0], act, stride, N, out);
-            for (int r = 0; r < tile.rows; r++)
-                for (int t = 0; t < tile.toks; t++) {
-                    double ref = dot_kernels(type).scalar(w[r], act + t * stride, N);
-                    worst = fmax(worst, fabs(out[r * tile.toks + t] - ref) / N);
-                }
+        /* prefill's tile for every type; decode's several-row tile for the integer types */
+        Tile tiles[2] = {tile_for(type, N), gemv_for(type)};
+        for (int which = 0; which < 1 + int8; which++) {
+            Tile tile = tiles[which];
+            double worst = 0;
+            if (tile.fn) {
+                float out[MAX_TILE];
+                check(tile.rows <= ROWS && tile.toks <= TOKS, "tile fits the test's buffers");
+                tile.fn(w[0], sizeof w[0], act, stride, N, out);
+                for (int r = 0; r < tile.rows; r++)
+                    for (int t = 0; t < tile.toks; t++) {
+                        double ref = dot_kernels(type).scalar(w[r], act + t * stride, N);
+                        worst = fmax(worst, fabs(out[r * tile.toks + t] - ref) / N);
+                    }
+            }
+            char what[128];
+            snprintf(what, sizeof what, "%s %-4s (%dx%d) vs scalar dot: worst |diff| / n = %.2e%s", which ? "gemv" : "tile",
+                     type_name(type), tile.rows, tile.toks, worst, tile.fn ? "" : " (not compiled)");
+            check(worst < 1e-6, what);
         }
-        char what[128];
-        snprintf(what, sizeof what, "tile %-4s (%dx%d) vs scalar dot: worst |diff| / n = %.2e%s", type_name(type),
-                 tile.rows, tile.toks, worst, tile.fn ? "" : " (no tile compiled)");
-        check(worst < 1e-6, what);
     }
 }
 
