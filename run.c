@@ -918,7 +918,79 @@ static void att_accum_scalar(float *o, const float *p, const float *v, int hd, i
         for (int i = 0; i < hd; i++) o[i] += p[j] * v[(size_t)j * hd + i];
 }
 
+/* One step of the online softmax for a query and a block of n scores:
+   scales them, raises the running maximum *m to cover them, and replaces
+   each by exp(score - *m); returns their sum. */
+static float att_softmax_scalar(float *sc, int n, float scale, float *m)
+{
+    float mx = *m, sum = 0;
+    for (int j = 0; j < n; j++) {
+        sc[j] *= scale;
+        mx = sc[j] > mx ? sc[j] : mx; /* not fmaxf: a libm call per score */
+    }
+    for (int j = 0; j < n; j++) sum += sc[j] = expf(sc[j] - mx);
+    *m = mx;
+    return sum;
+}
+
 #ifdef HAVE_AVX2
+/* exp(x) for x <= 0, 8 at a time, within 2 ulp of expf: x = n ln2 + r with
+   |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from its
+   Taylor-like minimax polynomial (Cephes' coefficients), times 2^n built
+   in the exponent bits. Below -87.3 the result is 0 (expf gives a
+   denormal there, which no softmax weight notices). */
+static __m256 exp_neg_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+}
+
+static float hmax256(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* max_ps(score, mx) keeps mx when a score is NaN, as the scalar compare does. */
+static float att_softmax_avx2(float *sc, int n, float scale, float *m)
+{
+    __m256 vmax = _mm256_set1_ps(*m), vs = _mm256_set1_ps(scale), vsum = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs);
+        _mm256_storeu_ps(sc + j, v);
+        vmax = _mm256_max_ps(v, vmax);
+    }
+    float mx = hmax256(vmax), sum = 0;
+    for (int i = j; i < n; i++) {
+        sc[i] *= scale;
+        mx = sc[i] > mx ? sc[i] : mx;
+    }
+    __m256 vm = _mm256_set1_ps(mx);
+    for (int i = 0; i < j; i += 8) {
+        __m256 e = exp_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        _mm256_storeu_ps(sc + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    for (int i = j; i < n; i++) sum += sc[i] = expf(sc[i] - mx);
+    *m = mx;
+    return hsum256(vsum) + sum;
+}
+
 /* Keys in groups of 32 (four independent accumulators); the columns past n
    are computed from whatever the block holds and never read. */
 static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
@@ -1051,6 +1123,14 @@ static void att_scores(float *out, const float *q, const float *kt, int hd, int 
     if (!force_scalar) { att_scores_avx2(out, q, kt, hd, n); return; }
 #endif
     att_scores_scalar(out, q, kt, hd, n);
+}
+
+static float att_softmax(float *sc, int n, float scale, float *m)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) return att_softmax_avx2(sc, n, scale, m);
+#endif
+    return att_softmax_scalar(sc, n, scale, m);
 }
 
 static void att_accum(float *o, const float *p, const float *v, int hd, int n)
@@ -1491,16 +1571,10 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
             float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
             if (transpose) att_scores(sc, q, kt, hd, n);
             else for (int j = 0; j < n; j++) sc[j] = dot(kt + (size_t)j * hd, q, hd);
-            for (int j = 0; j < n; j++) {
-                sc[j] *= scale;
-                m = sc[j] > m ? sc[j] : m; /* not fmaxf: a libm call per score */
-            }
-            float rescale = expf(p[0] - m); /* 0 on the first block */
-            if (rescale != 1.0f) {
-                p[1] *= rescale;
+            float sum = att_softmax(sc, n, scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
+            if (rescale != 1.0f)
                 for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
-            }
-            for (int j = 0; j < n; j++) p[1] += sc[j] = expf(sc[j] - m);
+            p[1] = p[1] * rescale + sum;
             p[0] = m;
             att_accum(p + 2, sc, vb, hd, n);
         }

@@ -245,6 +245,50 @@ static void test_attention(void)
     check(worst_a < 1e-6, what);
 }
 
+/* The online-softmax step: the SIMD version's maximum must equal the
+   scalar one exactly, its exponentials (a polynomial, not libm's expf)
+   agree within a few ulp, and so does the sum; every score size takes the
+   vector body and the scalar tail. Also the vector exp alone, against
+   expf, over the whole range a softmax feeds it (x <= 0). */
+static void test_softmax(void)
+{
+    float ref[ATT_KTILE], got[ATT_KTILE];
+    double worst_e = 0, worst_s = 0;
+    int ns[] = {1, 7, 8, 33, ATT_KTILE}, max_ok = 1;
+    for (size_t c = 0; c < sizeof ns / sizeof *ns; c++)
+        for (int rep = 0; rep < 50; rep++) {
+            int n = ns[c];
+            float m0 = rep % 2 ? -INFINITY : frand() * 20, mr = m0, mg = m0;
+            for (int j = 0; j < n; j++) ref[j] = got[j] = frand() * 40;
+            double sr = att_softmax_scalar(ref, n, 0.125f, &mr), sg = sr;
+#ifdef HAVE_AVX2
+            sg = att_softmax_avx2(got, n, 0.125f, &mg);
+#else
+            memcpy(got, ref, sizeof ref);
+            mg = mr;
+#endif
+            if (mr != mg) max_ok = 0;
+            for (int j = 0; j < n; j++) worst_e = fmax(worst_e, fabs(got[j] - ref[j]) / fmax(ref[j], 1e-30));
+            worst_s = fmax(worst_s, fabs(sg - sr) / sr);
+        }
+    check(max_ok, "softmax step: running maximum equal to the scalar one");
+    char what[128];
+    snprintf(what, sizeof what, "softmax step exp(score - max) vs expf: worst relative diff %.2e, sums %.2e", worst_e, worst_s);
+    check(worst_e < 5e-7 && worst_s < 1e-6, what);
+#ifdef HAVE_AVX2
+    double worst = 0;
+    int zero_ok = 1;
+    for (float x = -100.0f; x <= 0; x += 0.00137f) {
+        float v[8], e = expf(x);
+        _mm256_storeu_ps(v, exp_neg_avx2(_mm256_set1_ps(x)));
+        if (x < -87.34f) zero_ok &= v[0] == 0;
+        else if (e >= 1e-37f) worst = fmax(worst, fabs(v[0] - e) / e);
+    }
+    snprintf(what, sizeof what, "vector exp on [-87.3, 0] vs expf: worst relative diff %.2e; 0 below", worst);
+    check(worst < 5e-7 && zero_ok, what);
+#endif
+}
+
 /* Row conversion of the KV cache types: SIMD and scalar must agree exactly
    (each element is one conversion and at most one multiply). */
 static void test_dequantize_rows(void)
@@ -282,6 +326,7 @@ int main(void)
     test_dots();
     test_tiles();
     test_attention();
+    test_softmax();
     test_dequantize_rows();
     printf("%s\n", failures ? "FAILED" : "all kernel checks passed");
     return failures != 0;
