@@ -1488,17 +1488,27 @@ static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n)
     }
 }
 
-/* The QKV step, thread me's share: whole heads of rows of Wqkv (Q heads,
-   then K heads, then V heads) for every token; RoPE on Q and K heads, and
-   K and V rows stored in the cache at positions pos0.. */
+/* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
+   then V heads) for some tokens, RoPE on their Q and K heads, and their K
+   and V rows stored in the cache at positions pos0 + t. A batch is split
+   by tokens, in whole register tiles so that no result depends on the
+   thread count: the rows split by heads would leave one thread a head
+   more than the other (15 heads for SmolLM2). One token is split by heads. */
 static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
 {
     const Config *c = &m->c;
     const Tensor *w = &m->layers[l].wqkv;
-    int hd = c->head_dim, half = c->rope_dim / 2, h0, h1;
-    split(c->n_heads + 2 * c->n_kv_heads, 1, me, nth, &h0, &h1);
-    matmul_rows(s->qkv, w->rows, w, act_xb(s, w), n, h0 * hd, h1 * hd, 0);
-    for (int t = 0; t < n; t++)
+    int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
+    Act in = act_xb(s, w);
+    int unit = tile_for(w->type, w->cols).toks;
+    if (n >= nth * unit) {
+        split(n, unit, me, nth, &t0, &t1);
+        in.rows += t0 * in.stride;
+    } else {
+        split(heads, 1, me, nth, &h0, &h1);
+    }
+    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
+    for (int t = t0; t < t1; t++)
         for (int h = h0; h < h1; h++) {
             float *x = s->qkv + (size_t)t * w->rows + h * hd;
             int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
