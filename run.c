@@ -897,6 +897,52 @@ FLOAT_TILE(f16, load8_f16)
 FLOAT_TILE(bf16, load8_bf16)
 #endif
 
+/* --- SwiGLU, the feed-forward's activation -----------------------------
+   g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
+static void swiglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+#ifdef HAVE_AVX2
+/* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
+   with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
+   a minimax polynomial (Cephes' coefficients), times 2^n built in the
+   exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
+   no softmax weight notices); above 88.3 it is +inf (expf overflows at
+   88.7). */
+static __m256 exp_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+}
+
+static void swiglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), e = exp_avx2(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    swiglu_scalar(g + i, u + i, n - i);
+}
+#endif
+
 /* --- attention kernels for prefill -----------------------------------------
    Prefill attends a tile of queries to a block of ATT_KTILE cached positions
    held as floats: K transposed (kt[i * ATT_KTILE + j] is element i of key
@@ -934,30 +980,6 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
 }
 
 #ifdef HAVE_AVX2
-/* exp(x) for x <= 0, 8 at a time, within 2 ulp of expf: x = n ln2 + r with
-   |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from its
-   Taylor-like minimax polynomial (Cephes' coefficients), times 2^n built
-   in the exponent bits. Below -87.3 the result is 0 (expf gives a
-   denormal there, which no softmax weight notices). */
-static __m256 exp_neg_avx2(__m256 x)
-{
-    const __m256 lo = _mm256_set1_ps(-87.33654f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
-}
-
 static float hmax256(__m256 v)
 {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -982,7 +1004,7 @@ static float att_softmax_avx2(float *sc, int n, float scale, float *m)
     }
     __m256 vm = _mm256_set1_ps(mx);
     for (int i = 0; i < j; i += 8) {
-        __m256 e = exp_neg_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
         _mm256_storeu_ps(sc + i, e);
         vsum = _mm256_add_ps(vsum, e);
     }
@@ -1133,6 +1155,14 @@ static float att_softmax(float *sc, int n, float scale, float *m)
     return att_softmax_scalar(sc, n, scale, m);
 }
 
+static void swiglu(float *g, const float *u, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) { swiglu_avx2(g, u, n); return; }
+#endif
+    swiglu_scalar(g, u, n);
+}
+
 static void att_accum(float *o, const float *p, const float *v, int hd, int n)
 {
 #ifdef HAVE_AVX2
@@ -1235,8 +1265,6 @@ static void softmax(float *x, int n)
     for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
     for (int i = 0; i < n; i++) x[i] /= sum;
 }
-
-static float silu(float x) { return x / (1.0f + expf(-x)); }
 
 /* ============================================================================
    3. FORWARD PASS
@@ -1646,7 +1674,7 @@ static void ffn_up_part(RunState *s, const Layer *L, int hid, int n, int i0, int
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        for (int i = i0; i < i1; i++) gate[i] = silu(gate[i]) * up[i];
+        swiglu(gate + i0, up + i0, i1 - i0);
         if (uses_int8_activations(L->w2.type)) quantize_act(s->hq + (size_t)t * (hid / QK) + i0 / QK, gate + i0, i1 - i0);
     }
 }
