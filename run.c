@@ -437,6 +437,9 @@ static void free_model(Model *m)
    compiler targets AVX2+FMA+F16C, a SIMD version that must agree with it.
    ========================================================================= */
 
+/* Set by --scalar: run the reference kernels (slow; for checking). */
+static int force_scalar;
+
 /* IEEE half -> float, including subnormals, infinities and NaN. */
 static float fp16_to_f32_scalar(uint16_t h)
 {
@@ -487,7 +490,15 @@ static float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
 #else
 #define fp16_to_f32 fp16_to_f32_scalar
 #endif
-#define f32_to_fp16 f32_to_fp16_scalar /* only the KV cache writes halves: not hot */
+
+/* The f16 KV cache writes a half per element: one instruction with F16C. */
+static uint16_t f32_to_fp16(float f)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+    return f32_to_fp16_scalar(f);
+}
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
    with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
@@ -1094,8 +1105,6 @@ static DotKernels dot_kernels(int type)
     return (DotKernels){NULL, NULL};
 }
 
-/* Set by --scalar: run the reference kernels (slow; for checking). */
-static int force_scalar;
 
 /* The register tile for a weight type (fn NULL when there is none: then
    matmul_rows uses the dot product alone). Float tiles need rows of whole

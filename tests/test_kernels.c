@@ -113,11 +113,12 @@ static void test_fp16(void)
         float lo = fp16_to_f32_scalar((uint16_t)h), hi = fp16_to_f32_scalar((uint16_t)(h + 1)), mid = (lo + hi) / 2;
         float probes[] = {lo, mid, nextafterf(mid, 0), nextafterf(mid, 1e9f), -lo, -mid};
         for (int i = 0; i < 6; i++)
-            if (f32_to_fp16_scalar(probes[i]) != f32_to_f16_bits(probes[i])) bad++;
+            if (f32_to_fp16_scalar(probes[i]) != f32_to_f16_bits(probes[i]) || f32_to_fp16(probes[i]) != f32_to_f16_bits(probes[i])) bad++;
     }
-    float specials[] = {INFINITY, -INFINITY, 65520.0f, 1e10f, -1e-10f, 0.0f, -0.0f};
-    for (int i = 0; i < 7; i++) if (f32_to_fp16_scalar(specials[i]) != f32_to_f16_bits(specials[i])) bad++;
-    check(bad == 0, "f32_to_fp16_scalar rounds like the compiler's _Float16 (nearest even) around every half");
+    float specials[] = {INFINITY, -INFINITY, 65520.0f, 1e10f, -1e-10f, 0.0f, -0.0f, NAN};
+    for (int i = 0; i < 8; i++)
+        if (f32_to_fp16_scalar(specials[i]) != f32_to_f16_bits(specials[i]) || f32_to_fp16(specials[i]) != f32_to_f16_bits(specials[i])) bad++;
+    check(bad == 0, "f32_to_fp16 (scalar, and F16C when compiled) rounds like the compiler's _Float16 (nearest even) around every half");
 }
 
 /* |x - d*q| <= d/2 per element (plus float slack), and s = d * sum(q). */
