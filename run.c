@@ -75,7 +75,9 @@
 #define ARCH_LLAMA 1
 #define FLAG_TIED_EMBEDDINGS 1u
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
-#define CHUNK_TOKENS 64 /* prefill batch: tokens pushed through a layer together */
+#define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
+                          both tiles' token counts, or a batch's last token would take the slow
+                          one-token path (measured: +5-7% float prefill against 64) */
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
 #define TILE_ROWS 2    /* int8 register tile of the prefill matmul: weight rows ... */
 #define TILE_TOKS 4    /* ... times tokens (each row needs |w| and w in registers) */
@@ -84,6 +86,7 @@
 #define GEMV_ROWS 4    /* decode: weight rows per pass over one token's int8 activation */
 #define MAX_TILE 12    /* outputs of the larger tile */
 _Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= MAX_TILE, "tile outputs");
+_Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, "batch of whole tiles");
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */

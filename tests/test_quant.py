@@ -175,7 +175,7 @@ def check_ppl(ctx: int, add_bos: bool) -> None:
 
 
 def test_ppl_matches_reference_ctx128():
-    """Two windows of 128 (each prefilled in two 64-token chunks), 63 tokens of tail dropped."""
+    """Two windows of 128 (each prefilled in a 72- and a 56-token chunk), 63 tokens of tail dropped."""
     check_ppl(128, add_bos=False)
 
 
