@@ -971,6 +971,17 @@ static void att_scores_scalar(float *out, const float *q, const float *kt, int h
         for (int j = 0; j < n; j++) out[j] += q[i] * kt[i * ATT_KTILE + j];
 }
 
+/* out[j] = q . k_j for keys stored as rows (k is [n, hd]): decode, whose
+   few queries do not pay for a transpose. */
+static void att_scores_rows_scalar(float *out, const float *q, const float *k, int hd, int n)
+{
+    for (int j = 0; j < n; j++) {
+        float sum = 0;
+        for (int i = 0; i < hd; i++) sum += q[i] * k[(size_t)j * hd + i];
+        out[j] = sum;
+    }
+}
+
 /* o += sum over j < n of p[j] * v_j (v is [n, hd]). */
 static void att_accum_scalar(float *o, const float *p, const float *v, int hd, int n)
 {
@@ -1032,37 +1043,66 @@ static float att_softmax_avx2(float *sc, int n, float scale, float *m)
 static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
 {
     for (int j = 0; j < n; j += 32) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int i = 0; i < hd; i++) {
-            __m256 qi = _mm256_broadcast_ss(q + i);
+        /* two elements of q per step into separate sums: one chain of FMAs
+           per accumulator would wait on its own latency */
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 2 <= hd; i += 2) {
+            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
             const float *k = kt + i * ATT_KTILE + j;
-            a0 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k), a0);
-            a1 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 8), a1);
-            a2 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 16), a2);
-            a3 = _mm256_fmadd_ps(qi, _mm256_loadu_ps(k + 24), a3);
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
+            }
         }
-        _mm256_storeu_ps(out + j, a0), _mm256_storeu_ps(out + j + 8, a1);
-        _mm256_storeu_ps(out + j + 16, a2), _mm256_storeu_ps(out + j + 24, a3);
+        for (; i < hd; i++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
     }
 }
 
-/* 32 output elements at a time in registers, then 8, then a scalar tail. */
+/* Eight keys at a time: eight independent sums, reduced together by a
+   tree of horizontal adds instead of one reduction per key. */
+static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
+{
+    int j = 0, vec = hd / 8 * 8;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int i = 0; i < vec; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
+        }
+        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+        for (int r = 0; r < 8; r++)
+            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
+    }
+    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
+}
+
+/* 32 output elements at a time in registers, two positions per step into
+   separate sums; then 8 at a time, then a scalar tail. */
 static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
 {
     int i = 0;
     for (; i + 32 <= hd; i += 32) {
-        __m256 a0 = _mm256_loadu_ps(o + i), a1 = _mm256_loadu_ps(o + i + 8);
-        __m256 a2 = _mm256_loadu_ps(o + i + 16), a3 = _mm256_loadu_ps(o + i + 24);
-        for (int j = 0; j < n; j++) {
-            __m256 pj = _mm256_broadcast_ss(p + j);
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
             const float *r = v + (size_t)j * hd + i;
-            a0 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r), a0);
-            a1 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 8), a1);
-            a2 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 16), a2);
-            a3 = _mm256_fmadd_ps(pj, _mm256_loadu_ps(r + 24), a3);
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
+            }
         }
-        _mm256_storeu_ps(o + i, a0), _mm256_storeu_ps(o + i + 8, a1);
-        _mm256_storeu_ps(o + i + 16, a2), _mm256_storeu_ps(o + i + 24, a3);
+        for (; j < n; j++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
     }
     for (; i + 8 <= hd; i += 8) {
         __m256 a = _mm256_loadu_ps(o + i);
@@ -1173,6 +1213,14 @@ static void swiglu(float *g, const float *u, int n)
     if (!force_scalar) { swiglu_avx2(g, u, n); return; }
 #endif
     swiglu_scalar(g, u, n);
+}
+
+static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n)
+{
+#ifdef HAVE_AVX2
+    if (!force_scalar) { att_scores_rows_avx2(out, q, k, hd, n); return; }
+#endif
+    att_scores_rows_scalar(out, q, k, hd, n);
 }
 
 static void att_accum(float *o, const float *p, const float *v, int hd, int n)
@@ -1603,7 +1651,6 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
        queries share the block (prefill), not for decode's `group` queries,
        which take one dot product per key row instead. */
     int transpose = nq >= ATT_TRANSPOSE_MIN;
-    DotFn dot = dot_for(T_F32);
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0);
         for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
@@ -1620,7 +1667,7 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
             if (n <= 0) continue; /* the whole block lies in this token's future */
             float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
             if (transpose) att_scores(sc, q, kt, hd, n);
-            else for (int j = 0; j < n; j++) sc[j] = dot(kt + (size_t)j * hd, q, hd);
+            else att_scores_rows(sc, q, kt, hd, n);
             float sum = att_softmax(sc, n, scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
             if (rescale != 1.0f)
                 for (int i = 0; i < hd; i++) p[2 + i] *= rescale;

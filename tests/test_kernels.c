@@ -218,32 +218,38 @@ static void test_attention(void)
 {
     static float q[MAX_HD], kt[MAX_HD * ATT_KTILE], v[ATT_KTILE * MAX_HD], p[ATT_KTILE];
     int hds[] = {64, 72, 18, 2}, ns[] = {1, 7, 33, ATT_KTILE};
-    double worst_s = 0, worst_a = 0;
+    double worst_s = 0, worst_a = 0, worst_r = 0;
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < 4; b++) {
             int hd = hds[a], n = ns[b];
             for (int i = 0; i < hd; i++) q[i] = frand();
             for (int i = 0; i < hd * ATT_KTILE; i++) kt[i] = frand(), v[i] = frand();
             for (int j = 0; j < n; j++) p[j] = (frand() + 1) / 2;
-            float ref[ATT_KTILE], got[ATT_KTILE], oref[MAX_HD], ogot[MAX_HD];
+            float ref[ATT_KTILE], got[ATT_KTILE], oref[MAX_HD], ogot[MAX_HD], rref[ATT_KTILE], rgot[ATT_KTILE];
             att_scores_scalar(ref, q, kt, hd, n);
+            att_scores_rows_scalar(rref, q, v, hd, n); /* v as row-major keys */
             for (int i = 0; i < hd; i++) oref[i] = ogot[i] = frand();
             att_accum_scalar(oref, p, v, hd, n);
 #ifdef HAVE_AVX2
             att_scores_avx2(got, q, kt, hd, n);
             att_accum_avx2(ogot, p, v, hd, n);
+            att_scores_rows_avx2(rgot, q, v, hd, n);
 #else
+            memcpy(rgot, rref, sizeof rref);
             memcpy(got, ref, sizeof ref);
             memcpy(ogot, oref, sizeof oref);
 #endif
             for (int j = 0; j < n; j++) worst_s = fmax(worst_s, fabs(got[j] - ref[j]) / hd);
             for (int i = 0; i < hd; i++) worst_a = fmax(worst_a, fabs(ogot[i] - oref[i]) / n);
+            for (int j = 0; j < n; j++) worst_r = fmax(worst_r, fabs(rgot[j] - rref[j]) / hd);
         }
     char what[128];
     snprintf(what, sizeof what, "attention scores vs scalar: worst |diff| / hd = %.2e", worst_s);
     check(worst_s < 1e-6, what);
     snprintf(what, sizeof what, "attention weighted V sum vs scalar: worst |diff| / n = %.2e", worst_a);
     check(worst_a < 1e-6, what);
+    snprintf(what, sizeof what, "attention scores, keys as rows (decode) vs scalar: worst |diff| / hd = %.2e", worst_r);
+    check(worst_r < 1e-6, what);
 }
 
 /* The online-softmax step: the SIMD version's maximum must equal the
