@@ -957,11 +957,13 @@ static void swiglu_avx2(float *g, const float *u, int n)
 }
 #endif
 
-/* --- attention kernels for prefill -----------------------------------------
-   Prefill attends a tile of queries to a block of ATT_KTILE cached positions
-   held as floats: K transposed (kt[i * ATT_KTILE + j] is element i of key
-   j), so one broadcast query element meets 8 keys in a vector; V as rows.
-   Both are small GEMMs, and both are exact up to summation order. */
+/* --- attention kernels -----------------------------------------------------
+   Attention works on blocks of ATT_KTILE cached positions held as floats.
+   Prefill's many queries take K transposed (kt[i * ATT_KTILE + j] is
+   element i of key j), so one broadcast query element meets 8 keys in a
+   vector; decode's few take K as rows. V is rows. These are small GEMMs,
+   exact up to summation order; the softmax step between them uses a
+   polynomial exp in its SIMD version. */
 
 /* out[j] = q . k_j for j < n (out has room for ATT_KTILE scores). */
 static void att_scores_scalar(float *out, const float *q, const float *kt, int hd, int n)
@@ -1038,8 +1040,8 @@ static float att_softmax_avx2(float *sc, int n, float scale, float *m)
     return hsum256(vsum) + sum;
 }
 
-/* Keys in groups of 32 (four independent accumulators); the columns past n
-   are computed from whatever the block holds and never read. */
+/* Keys in groups of 32 (four vectors of 8); the columns past n are
+   computed from whatever the block holds and never read. */
 static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
 {
     for (int j = 0; j < n; j += 32) {
@@ -1147,7 +1149,6 @@ static DotKernels dot_kernels(int type)
 #undef KERNELS
     return (DotKernels){NULL, NULL};
 }
-
 
 /* The register tile for a weight type (fn NULL when there is none: then
    matmul_rows uses the dot product alone). Float tiles need rows of whole
@@ -1501,7 +1502,8 @@ static void put_block(float *out, int out_stride, int r, int t, const float *v, 
 
 /* Rows [a, b) of W times the tile.toks input rows from token t: tile.rows
    at a time, then one dot product per row left over. With one token
-   (decode), each weight byte is used once, so the rows are prefetched. */
+   (decode) each weight byte is used once, so rows read by the dot product
+   are prefetched here (the GEMV kernels prefetch their own). */
 static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Tile tile, int t, int a, int b, int accumulate)
 {
     DotFn dot = dot_for(w->type);
