@@ -1184,53 +1184,20 @@ static Tile gemv_for(int type)
     return none;
 }
 
-static void quantize_act(BlockQ8A *out, const float *x, int n)
-{
+/* Each kernel below is its SIMD version when one is compiled in and
+   --scalar is not given, else its scalar reference. */
 #ifdef HAVE_AVX2
-    if (!force_scalar) { quantize_act_avx2(out, x, n); return; }
+#define KERNEL(name, ...) (force_scalar ? name##_scalar(__VA_ARGS__) : name##_avx2(__VA_ARGS__))
+#else
+#define KERNEL(name, ...) name##_scalar(__VA_ARGS__)
 #endif
-    quantize_act_scalar(out, x, n);
-}
 
-static void att_scores(float *out, const float *q, const float *kt, int hd, int n)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) { att_scores_avx2(out, q, kt, hd, n); return; }
-#endif
-    att_scores_scalar(out, q, kt, hd, n);
-}
-
-static float att_softmax(float *sc, int n, float scale, float *m)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) return att_softmax_avx2(sc, n, scale, m);
-#endif
-    return att_softmax_scalar(sc, n, scale, m);
-}
-
-static void swiglu(float *g, const float *u, int n)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) { swiglu_avx2(g, u, n); return; }
-#endif
-    swiglu_scalar(g, u, n);
-}
-
-static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) { att_scores_rows_avx2(out, q, k, hd, n); return; }
-#endif
-    att_scores_rows_scalar(out, q, k, hd, n);
-}
-
-static void att_accum(float *o, const float *p, const float *v, int hd, int n)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) { att_accum_avx2(o, p, v, hd, n); return; }
-#endif
-    att_accum_scalar(o, p, v, hd, n);
-}
+static void quantize_act(BlockQ8A *out, const float *x, int n) { KERNEL(quantize_act, out, x, n); }
+static void att_scores(float *out, const float *q, const float *kt, int hd, int n) { KERNEL(att_scores, out, q, kt, hd, n); }
+static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { KERNEL(att_scores_rows, out, q, k, hd, n); }
+static float att_softmax(float *sc, int n, float scale, float *m) { return KERNEL(att_softmax, sc, n, scale, m); }
+static void att_accum(float *o, const float *p, const float *v, int hd, int n) { KERNEL(att_accum, o, p, v, hd, n); }
+static void swiglu(float *g, const float *u, int n) { KERNEL(swiglu, g, u, n); }
 
 /* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
 static int ignore_eos;
