@@ -730,12 +730,18 @@ static float dot_q8_0_avx2(const void *w, const void *x, int n)
     return hsum256(_mm256_add_ps(acc0, acc1));
 }
 
+/* A q4_1 block's 32 nibbles as bytes, in element order. */
+static __m256i q4_1_nibbles(const BlockQ4_1 *b)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
 /* Nibbles are unsigned 0..15, so they feed maddubs's unsigned operand
    directly; the minimum m enters through the activation sum s. */
 static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
 {
-    __m128i q = _mm_loadu_si128((const __m128i *)a->qs);
-    __m256i nib = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+    __m256i nib = q4_1_nibbles(a);
     __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
     __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
     return _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
@@ -805,23 +811,10 @@ static void gemv_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
     __m256 acc[GEMV_ROWS];
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
-        const BlockQ8A *b = (const BlockQ8A *)x + k;
-        __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
         prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ8_0), GEMV_ROWS * sizeof(BlockQ8_0));
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            const BlockQ8_0 *a = (const BlockQ8_0 *)(w + r * ws) + k;
-            __m256i q = _mm256_loadu_si256((const __m256i *)a->qs);
-            __m256 p = _mm256_cvtepi32_ps(dot_i8x32(q, xb));
-            acc[r] = _mm256_fmadd_ps(p, _mm256_set1_ps(fp16_to_f32(a->d) * b->d), acc[r]);
-        }
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = q8_0_block((const BlockQ8_0 *)(w + r * ws) + k, (const BlockQ8A *)x + k, acc[r]);
     }
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-static __m256i q4_1_nibbles(const BlockQ4_1 *b)
-{
-    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
 }
 
 static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
@@ -855,15 +848,12 @@ static void gemv_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
     __m256 acc[GEMV_ROWS];
     float mins[GEMV_ROWS] = {0};
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < n / QK; k++) {
         const BlockQ8A *b = (const BlockQ8A *)x + k;
-        __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
         prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ4_1), GEMV_ROWS * sizeof(BlockQ4_1));
         for (int r = 0; r < GEMV_ROWS; r++) {
             const BlockQ4_1 *a = (const BlockQ4_1 *)(w + r * ws) + k;
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q4_1_nibbles(a), xb), ones);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16_to_f32(a->d) * b->d), acc[r]);
+            acc[r] = q4_1_block(a, b, acc[r]);
             mins[r] += fp16_to_f32(a->m) * b->s;
         }
     }
