@@ -160,7 +160,7 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
 
 typedef struct {
     uint16_t d;      /* scale, fp16 */
@@ -222,30 +222,11 @@ static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return 
 static uint64_t rd_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static float rd_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
 
-static const char *type_name(int type)
-{
-    switch (type) {
-    case T_F32: return "f32";
-    case T_F16: return "f16";
-    case T_BF16: return "bf16";
-    case T_Q8_0: return "q8_0";
-    case T_Q4_1: return "q4_1";
-    default: return NULL;
-    }
-}
-
-/* Bytes one row of `cols` elements takes, or 0 for an unknown type or a
-   row that is not a whole number of blocks. */
-static size_t row_bytes(int type, size_t cols)
-{
-    switch (type) {
-    case T_F32: return cols * 4;
-    case T_F16: case T_BF16: return cols * 2;
-    case T_Q8_0: return cols % QK ? 0 : cols / QK * sizeof(BlockQ8_0);
-    case T_Q4_1: return cols % QK ? 0 : cols / QK * sizeof(BlockQ4_1);
-    default: return 0;
-    }
-}
+/* Defined with the weight-type table (section 2): a type's name (NULL for
+   a type this build does not know) and the bytes of a row of cols elements
+   (0 when that is not a whole number of its blocks). */
+static const char *type_name(int type);
+static size_t row_bytes(int type, size_t cols);
 
 static const uint8_t *tensor_row(const Tensor *t, int r)
 {
@@ -440,11 +421,8 @@ static void free_model(Model *m)
    compiler targets AVX2+FMA+F16C, a SIMD version that must agree with it.
    ========================================================================= */
 
-/* Set by --scalar: run the reference kernels (slow; for checking). */
-static int force_scalar;
-
 /* IEEE half -> float, including subnormals, infinities and NaN. */
-static float fp16_to_f32_scalar(uint16_t h)
+static float fp16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);           /* inf, NaN */
@@ -469,7 +447,7 @@ static float bf16_to_f32(uint16_t h)
 }
 
 /* float -> IEEE half, rounding to nearest even; overflow gives infinity. */
-static uint16_t f32_to_fp16_scalar(float f)
+static uint16_t f32_to_fp16(float f)
 {
     uint32_t x;
     memcpy(&x, &f, 4);
@@ -488,21 +466,6 @@ static uint16_t f32_to_fp16_scalar(float f)
     return sign | (h + (rem > 0x1000 || (rem == 0x1000 && (h & 1)))); /* a carry rounds up the exponent */
 }
 
-#ifdef HAVE_AVX2
-static float fp16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-#else
-#define fp16_to_f32 fp16_to_f32_scalar
-#endif
-
-/* The f16 KV cache writes a half per element: one instruction with F16C. */
-static uint16_t f32_to_fp16(float f)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar) return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#endif
-    return f32_to_fp16_scalar(f);
-}
-
 /* Activations for integer dot products: x quantized per block of 32 to int8
    with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
    one multiply per block. Quantized once per matmul, reused by every row. */
@@ -518,8 +481,9 @@ static int8_t round_i8(float x)
     return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
 }
 
-static void quantize_act_scalar(BlockQ8A *out, const float *x, int n)
+static void quantize_act_scalar(void *blocks, const float *x, int n)
 {
+    BlockQ8A *out = blocks;
     for (int b = 0; b < n / QK; b++, x += QK) {
         float amax = 0;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
@@ -534,8 +498,9 @@ static void quantize_act_scalar(BlockQ8A *out, const float *x, int n)
 #ifdef HAVE_AVX2
 /* Same results as the scalar version, bit for bit: roundf's half-away-from-
    zero is rebuilt from truncation, and the scale is computed in scalar. */
-static void quantize_act_avx2(BlockQ8A *out, const float *x, int n)
+static void quantize_act_avx2(void *blocks, const float *x, int n)
 {
+    BlockQ8A *out = blocks;
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     for (int b = 0; b < n / QK; b++, x += QK) {
         __m256 v[4], mx = _mm256_setzero_ps();
@@ -566,15 +531,55 @@ static void quantize_act_avx2(BlockQ8A *out, const float *x, int n)
 }
 #endif
 
-/* Quantizes a row to the q8_0 weight format (fp16 scale): the int8 KV cache. */
-static void quantize_q8_0(BlockQ8_0 *out, const float *x, int n)
+/* --- row conversions: one row of n elements to and from floats ----------
+   to_float serves embedding lookups and attention's reads of the KV cache;
+   from_float is how the KV cache stores K and V rows. */
+
+static void to_float_f32_scalar(float *out, const void *row, int n) { memcpy(out, row, n * sizeof(float)); }
+static void from_float_f32_scalar(void *row, const float *x, int n) { memcpy(row, x, n * sizeof(float)); }
+
+static void to_float_f16_scalar(float *out, const void *row, int n)
 {
+    for (int i = 0; i < n; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]);
+}
+
+static void from_float_f16_scalar(void *row, const float *x, int n)
+{
+    for (int i = 0; i < n; i++) ((uint16_t *)row)[i] = f32_to_fp16(x[i]);
+}
+
+static void to_float_bf16_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+static void to_float_q8_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
+        out[i] = b->qs[i % QK] * fp16_to_f32(b->d);
+    }
+}
+
+/* The int8 KV cache: q8_0 blocks with d = max|x| / 127. */
+static void from_float_q8_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ8_0 *out = row;
     for (int b = 0; b < n / QK; b++, x += QK) {
         float amax = 0;
         for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127, id = d ? 1 / d : 0;
         for (int i = 0; i < QK; i++) out[b].qs[i] = round_i8(x[i] * id);
         out[b].d = f32_to_fp16(d);
+    }
+}
+
+static void to_float_q4_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
     }
 }
 
@@ -593,7 +598,7 @@ static float dot_f16_scalar(const void *w, const void *x, int n)
     const uint16_t *a = w;
     const float *b = x;
     float sum = 0;
-    for (int i = 0; i < n; i++) sum += fp16_to_f32_scalar(a[i]) * b[i];
+    for (int i = 0; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
     return sum;
 }
 
@@ -614,7 +619,7 @@ static float dot_q8_0_scalar(const void *w, const void *x, int n)
     for (int k = 0; k < n / QK; k++) {
         int isum = 0;
         for (int i = 0; i < QK; i++) isum += a[k].qs[i] * b[k].qs[i];
-        sum += fp16_to_f32_scalar(a[k].d) * b[k].d * isum;
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
     }
     return sum;
 }
@@ -628,7 +633,7 @@ static float dot_q4_1_scalar(const void *w, const void *x, int n)
         int isum = 0;
         for (int j = 0; j < QK / 2; j++)
             isum += (a[k].qs[j] & 0xf) * b[k].qs[j] + (a[k].qs[j] >> 4) * b[k].qs[j + QK / 2];
-        sum += fp16_to_f32_scalar(a[k].d) * b[k].d * isum + fp16_to_f32_scalar(a[k].m) * b[k].s;
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
     }
     return sum;
 }
@@ -678,7 +683,7 @@ static float dot_f16_avx2(const void *w, const void *x, int n)
         acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
     }
     float sum = hsum256(acc);
-    for (; i < n; i++) sum += fp16_to_f32_scalar(a[i]) * b[i];
+    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
     return sum;
 }
 
@@ -713,7 +718,7 @@ static __m256 q8_0_block(const BlockQ8_0 *a, const BlockQ8A *b, __m256 acc)
     __m256i wa = _mm256_loadu_si256((const __m256i *)a->qs);
     __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
     __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
-    return _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a->d) * b->d), p, acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), p, acc);
 }
 
 static float dot_q8_0_avx2(const void *w, const void *x, int n)
@@ -744,7 +749,7 @@ static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
     __m256i nib = q4_1_nibbles(a);
     __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
     __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(fp16_to_f32(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
+    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
 }
 
 static float dot_q4_1_avx2(const void *w, const void *x, int n)
@@ -757,12 +762,12 @@ static float dot_q4_1_avx2(const void *w, const void *x, int n)
     for (; k + 1 < nb; k += 2) {
         acc0 = q4_1_block(a + k, b + k, acc0);
         acc1 = q4_1_block(a + k + 1, b + k + 1, acc1);
-        mins0 += fp16_to_f32(a[k].m) * b[k].s;
-        mins1 += fp16_to_f32(a[k + 1].m) * b[k + 1].s;
+        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
+        mins1 += _cvtsh_ss(a[k + 1].m) * b[k + 1].s;
     }
     if (k < nb) {
         acc0 = q4_1_block(a + k, b + k, acc0);
-        mins0 += fp16_to_f32(a[k].m) * b[k].s;
+        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
     }
     return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
 }
@@ -780,17 +785,21 @@ static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < n / QK; k++) {
-        const BlockQ8_0 *w0 = (const BlockQ8_0 *)w + k, *w1 = (const BlockQ8_0 *)(w + ws) + k;
-        __m256i q0 = _mm256_loadu_si256((const __m256i *)w0->qs), q1 = _mm256_loadu_si256((const __m256i *)w1->qs);
-        __m256i a0 = _mm256_sign_epi8(q0, q0), a1 = _mm256_sign_epi8(q1, q1);
-        float d0 = fp16_to_f32(w0->d), d1 = fp16_to_f32(w1->d);
+        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's quants and their magnitudes */
+        float d[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const BlockQ8_0 *wr = (const BlockQ8_0 *)(w + r * ws) + k;
+            q[r] = _mm256_loadu_si256((const __m256i *)wr->qs);
+            mag[r] = _mm256_sign_epi8(q[r], q[r]);
+            d[r] = _cvtsh_ss(wr->d);
+        }
         for (int t = 0; t < TILE_TOKS; t++) {
             const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
             __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xb, q0)), ones);
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xb, q1)), ones);
-            acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * b->d), acc[0][t]);
-            acc[1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * b->d), acc[1][t]);
+            for (int r = 0; r < TILE_ROWS; r++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xb, q[r])), ones);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+            }
         }
     }
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
@@ -824,18 +833,22 @@ static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < n / QK; k++) {
-        const BlockQ4_1 *w0 = (const BlockQ4_1 *)w + k, *w1 = (const BlockQ4_1 *)(w + ws) + k;
-        __m256i n0 = q4_1_nibbles(w0), n1 = q4_1_nibbles(w1);
-        float d0 = fp16_to_f32(w0->d), d1 = fp16_to_f32(w1->d), m0 = fp16_to_f32(w0->m), m1 = fp16_to_f32(w1->m);
+        __m256i nib[TILE_ROWS];
+        float d[TILE_ROWS], m[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const BlockQ4_1 *wr = (const BlockQ4_1 *)(w + r * ws) + k;
+            nib[r] = q4_1_nibbles(wr);
+            d[r] = _cvtsh_ss(wr->d);
+            m[r] = _cvtsh_ss(wr->m);
+        }
         for (int t = 0; t < TILE_TOKS; t++) {
             const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
             __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(n0, xb), ones);
-            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(n1, xb), ones);
-            acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * b->d), acc[0][t]);
-            acc[1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * b->d), acc[1][t]);
-            mins[0][t] += m0 * b->s;
-            mins[1][t] += m1 * b->s;
+            for (int r = 0; r < TILE_ROWS; r++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib[r], xb), ones);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+                mins[r][t] += m[r] * b->s;
+            }
         }
     }
     for (int r = 0; r < TILE_ROWS; r++)
@@ -854,7 +867,7 @@ static void gemv_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
         for (int r = 0; r < GEMV_ROWS; r++) {
             const BlockQ4_1 *a = (const BlockQ4_1 *)(w + r * ws) + k;
             acc[r] = q4_1_block(a, b, acc[r]);
-            mins[r] += fp16_to_f32(a->m) * b->s;
+            mins[r] += _cvtsh_ss(a->m) * b->s;
         }
     }
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
@@ -1106,154 +1119,223 @@ static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int
 }
 #endif
 
-typedef void (*TileFn)(const uint8_t *w, size_t w_stride, const uint8_t *x, size_t x_stride, int n, float *out);
+#ifdef HAVE_AVX2
+/* The KV cache's types, 8 elements per step: attention converts every
+   cached row it reads, so at long context this is decode's inner loop. */
+static void to_float_f16_avx2(float *out, const void *row, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
+    to_float_f16_scalar(out + i, (const uint16_t *)row + i, n - i);
+}
 
-/* A register tile and the block of out it computes: rows x toks. */
+static void from_float_f16_avx2(void *row, const float *x, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
+}
+
+static void to_float_q8_0_avx2(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i += QK) {
+        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
+        __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        for (int j = 0; j < QK; j += 8) {
+            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
+            _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        }
+    }
+}
+#endif
+
+/* ============================================================================
+   THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
+   Everything the engine knows about a tensor type is one row of TYPES:
+   its block shape, the activations its matrix products consume, and its
+   kernels in every kernel set. A kernel set is one instruction-set level
+   (the scalar reference, AVX2); select_kernels picks one at start-up and
+   resolves every row against it, filling what a set leaves out from the
+   scalar reference. The forward pass only ever calls the resolved kernels.
+   Adding a type is: its kernel functions and one row here.
+   ========================================================================= */
+
+typedef void (*ToFloatFn)(float *out, const void *row, int n);
+typedef void (*FromFloatFn)(void *row, const float *x, int n);
+typedef float (*DotFn)(const void *w, const void *x, int n);
+/* A register tile: out[r * toks + t] = row r of w (rows ws bytes apart) .
+   activation row t of x (xs bytes apart), for n elements. */
+typedef void (*TileFn)(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+typedef void (*QuantizeFn)(void *out, const float *x, int n);
+
+/* A register tile and the block of out it computes: rows x toks, for rows
+   whose length is a multiple of cols. */
 typedef struct {
     TileFn fn;
-    int rows, toks;
+    int rows, toks, cols;
 } Tile;
 
-typedef float (*DotFn)(const void *w, const void *x, int n);
-
-/* Dot products by weight type: the scalar reference and, when compiled in,
-   the SIMD version. The tests run both and compare them. */
+/* One type's kernels in one kernel set; NULL = take the scalar set's (for
+   the tiles: none, one dot product per row and token). */
 typedef struct {
-    DotFn scalar, simd;
-} DotKernels;
+    ToFloatFn to_float;     /* a row as floats */
+    FromFloatFn from_float; /* floats into a row (KV cache types only) */
+    DotFn dot;              /* one row . one activation row */
+    Tile gemv;              /* decode: several rows x one token */
+    Tile tile;              /* prefill: rows x tokens */
+} TypeKernels;
 
-static DotKernels dot_kernels(int type)
-{
+/* Activation formats: what a matrix product reads as its input rows. */
+enum { ACT_F32, ACT_Q8, N_ACTS };
+static const struct {
+    int block;          /* elements per block */
+    size_t block_bytes; /* bytes per block */
+} ACT_FORMATS[N_ACTS] = {
+    [ACT_F32] = {1, sizeof(float)},
+    [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d and d*sum */
+};
+
+enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
+
+typedef struct {
+    const char *name;    /* as -v prints it and --kv takes it */
+    const char *kv_name; /* the name --kv takes, or NULL: not a KV cache type */
+    int block;           /* elements per block (1 for float types) */
+    size_t block_bytes;
+    int act;             /* ACT_*: the activations its matrix products read */
+    TypeKernels k[N_KSETS];
+} WeightType;
+
 #ifdef HAVE_AVX2
-#define KERNELS(name) (DotKernels){dot_##name##_scalar, dot_##name##_avx2}
+#define AVX2(...) __VA_ARGS__
 #else
-#define KERNELS(name) (DotKernels){dot_##name##_scalar, NULL}
+#define AVX2(...) {0}
 #endif
-    switch (type) {
-    case T_F32: return KERNELS(f32);
-    case T_F16: return KERNELS(f16);
-    case T_BF16: return KERNELS(bf16);
-    case T_Q8_0: return KERNELS(q8_0);
-    case T_Q4_1: return KERNELS(q4_1);
-    }
-#undef KERNELS
-    return (DotKernels){NULL, NULL};
-}
+#define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
+#define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
+#define GEMV_SHAPE GEMV_ROWS, 1, QK
 
-/* The register tile for a weight type (fn NULL when there is none: then
-   matmul_rows uses the dot product alone). Float tiles need rows of whole
-   8-float vectors. */
-static Tile tile_for(int type, int cols)
+/* Type ids and block layouts are ggml's (ggml-common.h), so quantized
+   blocks are copied from GGUF files bit for bit. */
+static const WeightType TYPES[N_TYPES] = {
+    [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
+               {{to_float_f32_scalar, from_float_f32_scalar, dot_f32_scalar},
+                AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
+               {{to_float_f16_scalar, from_float_f16_scalar, dot_f16_scalar},
+                AVX2({to_float_f16_avx2, from_float_f16_avx2, dot_f16_avx2, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
+                {{to_float_bf16_scalar, NULL, dot_bf16_scalar},
+                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
+                {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
+                 AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
+                {{to_float_q4_1_scalar, NULL, dot_q4_1_scalar},
+                 AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+};
+
+/* The kernels that do not depend on a weight type, per kernel set. */
+typedef struct {
+    const char *name;
+    int (*available)(void); /* can this CPU run the set? */
+    QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
+    void (*att_scores)(float *out, const float *q, const float *kt, int hd, int n);
+    void (*att_scores_rows)(float *out, const float *q, const float *k, int hd, int n);
+    float (*att_softmax)(float *sc, int n, float scale, float *m);
+    void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
+    void (*swiglu)(float *g, const float *u, int n);
+} OpKernels;
+
+static int always(void) { return 1; }
+#ifdef HAVE_AVX2
+static int cpu_has_avx2(void)
 {
-    Tile none = {NULL, 1, 1};
-#ifdef HAVE_AVX2
-    if (force_scalar) return none;
-    int vec = cols % 8 == 0;
-    switch (type) {
-    case T_Q8_0: return (Tile){tile_q8_0_avx2, TILE_ROWS, TILE_TOKS};
-    case T_Q4_1: return (Tile){tile_q4_1_avx2, TILE_ROWS, TILE_TOKS};
-    case T_F32: return vec ? (Tile){tile_f32_avx2, FTILE_ROWS, FTILE_TOKS} : none;
-    case T_F16: return vec ? (Tile){tile_f16_avx2, FTILE_ROWS, FTILE_TOKS} : none;
-    case T_BF16: return vec ? (Tile){tile_bf16_avx2, FTILE_ROWS, FTILE_TOKS} : none;
-    }
-#endif
-    (void)type; (void)cols;
-    return none;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+#endif
 
-/* Decode's tile (one token, several rows), or fn NULL: one dot product per row. */
-static Tile gemv_for(int type)
+static const OpKernels OPS[N_KSETS] = {
+    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar}, att_scores_scalar, att_scores_rows_scalar,
+                     att_softmax_scalar, att_accum_scalar, swiglu_scalar},
+#ifdef HAVE_AVX2
+    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2}, att_scores_avx2, att_scores_rows_avx2,
+                   att_softmax_avx2, att_accum_avx2, swiglu_avx2},
+#endif
+};
+
+/* The kernel set in use, resolved: one per program, set once by
+   select_kernels before the first forward pass. */
+static struct {
+    int set;
+    OpKernels op;
+    TypeKernels type[N_TYPES];
+} K;
+
+static int kernel_set_available(int set) { return set >= 0 && set < N_KSETS && OPS[set].name && OPS[set].available(); }
+
+/* Makes `set` the kernel set of every call below; fields it leaves NULL
+   come from the scalar set (a kernel tile never does: no tile means one
+   dot product per row). */
+static void select_kernels(int set)
 {
-    Tile none = {NULL, 1, 1};
-#ifdef HAVE_AVX2
-    if (force_scalar) return none;
-    if (type == T_Q8_0) return (Tile){gemv_q8_0_avx2, GEMV_ROWS, 1};
-    if (type == T_Q4_1) return (Tile){gemv_q4_1_avx2, GEMV_ROWS, 1};
-#endif
-    (void)type;
-    return none;
+    const OpKernels *ref = &OPS[KSET_SCALAR], *o = &OPS[set];
+    K.set = set;
+    K.op = *o;
+#define FILL(field) if (!K.op.field) K.op.field = ref->field
+    for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
+    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu);
+#undef FILL
+    for (int t = 0; t < N_TYPES; t++) {
+        const TypeKernels *r = &TYPES[t].k[KSET_SCALAR];
+        TypeKernels *k = &K.type[t];
+        *k = TYPES[t].k[set];
+        if (!k->to_float) k->to_float = r->to_float;
+        if (!k->from_float) k->from_float = r->from_float;
+        if (!k->dot) k->dot = r->dot;
+    }
 }
 
-/* Each kernel below is its SIMD version when one is compiled in and
-   --scalar is not given, else its scalar reference. */
-#ifdef HAVE_AVX2
-#define KERNEL(name, ...) (force_scalar ? name##_scalar(__VA_ARGS__) : name##_avx2(__VA_ARGS__))
-#else
-#define KERNEL(name, ...) name##_scalar(__VA_ARGS__)
-#endif
+/* The best set this CPU runs: the last available one. */
+static int best_kernel_set(void)
+{
+    int best = KSET_SCALAR;
+    for (int s = 0; s < N_KSETS; s++) if (kernel_set_available(s)) best = s;
+    return best;
+}
 
-static void quantize_act(BlockQ8A *out, const float *x, int n) { KERNEL(quantize_act, out, x, n); }
-static void att_scores(float *out, const float *q, const float *kt, int hd, int n) { KERNEL(att_scores, out, q, kt, hd, n); }
-static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { KERNEL(att_scores_rows, out, q, k, hd, n); }
-static float att_softmax(float *sc, int n, float scale, float *m) { return KERNEL(att_softmax, sc, n, scale, m); }
-static void att_accum(float *o, const float *p, const float *v, int hd, int n) { KERNEL(att_accum, o, p, v, hd, n); }
-static void swiglu(float *g, const float *u, int n) { KERNEL(swiglu, g, u, n); }
+static const char *type_name(int type) { return type >= 0 && type < N_TYPES ? TYPES[type].name : NULL; }
+
+/* Bytes one row of `cols` elements takes, or 0 for an unknown type or a
+   row that is not a whole number of blocks. */
+static size_t row_bytes(int type, size_t cols)
+{
+    if (!type_name(type) || cols % TYPES[type].block) return 0;
+    return cols / TYPES[type].block * TYPES[type].block_bytes;
+}
+
+/* Bytes of n activations in format act (n a multiple of its block). */
+static size_t act_bytes(int act, size_t n) { return n / ACT_FORMATS[act].block * ACT_FORMATS[act].block_bytes; }
+
+static int act_format(int type) { return TYPES[type].act; }
+
+/* One row of n elements of any type as floats (embedding rows, KV rows). */
+static void to_float(float *out, const void *row, int type, int n) { K.type[type].to_float(out, row, n); }
+
+static void quantize_act(int act, void *out, const float *x, int n) { K.op.quantize[act](out, x, n); }
+static void att_scores(float *out, const float *q, const float *kt, int hd, int n) { K.op.att_scores(out, q, kt, hd, n); }
+static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { K.op.att_scores_rows(out, q, k, hd, n); }
+static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
+static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
+static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
 
 /* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
 static int ignore_eos;
 /* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
 static int print_ids;
-
-static DotFn dot_for(int type)
-{
-    DotKernels k = dot_kernels(type);
-    return k.simd && !force_scalar ? k.simd : k.scalar;
-}
-
-static int uses_int8_activations(int type) { return type == T_Q8_0 || type == T_Q4_1; }
-
-/* One row of n elements of any type as floats (embedding rows, KV rows). */
-static void dequantize_row_scalar(float *out, const void *row, int type, int n)
-{
-    switch (type) {
-    case T_F32: memcpy(out, row, n * sizeof(float)); break;
-    case T_F16: for (int i = 0; i < n; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]); break;
-    case T_BF16: for (int i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]); break;
-    case T_Q8_0:
-        for (int i = 0; i < n; i++) {
-            const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-            out[i] = b->qs[i % QK] * fp16_to_f32(b->d);
-        }
-        break;
-    case T_Q4_1:
-        for (int i = 0; i < n; i++) {
-            const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
-            int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
-            out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
-        }
-        break;
-    }
-}
-
-#ifdef HAVE_AVX2
-/* The KV cache's types, 8 elements per step: attention converts every
-   cached row it reads, so at long context this is decode's inner loop. */
-static void dequantize_row_avx2(float *out, const void *row, int type, int n)
-{
-    int i = 0;
-    if (type == T_F16)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
-    if (type == T_Q8_0)
-        for (; i + QK <= n; i += QK) {
-            const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-            __m256 d = _mm256_set1_ps(fp16_to_f32(b->d));
-            for (int j = 0; j < QK; j += 8) {
-                __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
-                _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-            }
-        }
-    if (i < n) dequantize_row_scalar(out + i, (const uint8_t *)row + row_bytes(type, i), type, n - i);
-}
-#endif
-
-static void dequantize_row(float *out, const void *row, int type, int n)
-{
-#ifdef HAVE_AVX2
-    if (!force_scalar && (type == T_F16 || type == T_Q8_0)) { dequantize_row_avx2(out, row, type, n); return; }
-#endif
-    dequantize_row_scalar(out, row, type, n);
-}
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
@@ -1365,10 +1447,10 @@ typedef struct {
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
-    BlockQ8A *xq;   /* [chunk, max_cols/32] the same, as int8 blocks */
+    uint8_t *xq;    /* [chunk, act_bytes(max_cols)] the same in the activation format of the weights it feeds */
     float *qkv;     /* [chunk, q_dim + 2*kv_dim] */
     float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds silu(gate) * up */
-    BlockQ8A *hq;   /* [chunk, hidden_dim/32] silu(gate) * up as int8 blocks, W2's input: apart
+    uint8_t *hq;    /* [chunk, act_bytes(hidden_dim)] silu(gate) * up in W2's activation format: apart
                        from xq because other threads may still be reading xq in W13 */
     float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
     float *inv_freq;            /* [rope_dim/2] */
@@ -1388,6 +1470,17 @@ static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type)
     return 2 * (size_t)c->n_layers * c->n_kv_heads * seq_len * row_bytes(kv_type, c->head_dim);
 }
 
+/* Bytes that hold a row of up to cols activations in any format but floats. */
+static size_t act_room(int cols)
+{
+    size_t most = 0;
+    for (int f = ACT_F32 + 1; f < N_ACTS; f++) {
+        size_t bytes = (cols / ACT_FORMATS[f].block + 1) * ACT_FORMATS[f].block_bytes;
+        most = bytes > most ? bytes : most;
+    }
+    return most;
+}
+
 static void build_state(RunState *s, const Config *c, int seq_len, int n_threads, int kv_type)
 {
     memset(s, 0, sizeof *s);
@@ -1399,10 +1492,10 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->kv_row = row_bytes(kv_type, c->head_dim);
     s->x = xcalloc((size_t)T * c->dim, sizeof(float));
     s->xb = xcalloc((size_t)T * max_cols, sizeof(float));
-    s->xq = xcalloc((size_t)T * (max_cols / QK + 1), sizeof(BlockQ8A));
+    s->xq = xcalloc((size_t)T, act_room(max_cols));
     s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
     s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
-    s->hq = xcalloc((size_t)T * (c->hidden_dim / QK + 1), sizeof(BlockQ8A));
+    s->hq = xcalloc((size_t)T, act_room(c->hidden_dim));
     s->rope_cos = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
     s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
@@ -1435,11 +1528,12 @@ typedef struct {
     size_t stride;
 } Act;
 
-/* W's input from float rows f ([n, f_cols]) or their int8 blocks q
-   ([n, W.cols/32]). */
-static Act act_for(const Tensor *w, const float *f, int f_cols, const BlockQ8A *q)
+/* W's input from float rows f ([n, f_cols]) or, when W reads another
+   activation format, from the same rows converted into q. */
+static Act act_for(const Tensor *w, const float *f, int f_cols, const uint8_t *q)
 {
-    if (uses_int8_activations(w->type)) return (Act){(const uint8_t *)q, w->cols / QK * sizeof(BlockQ8A)};
+    int fmt = act_format(w->type);
+    if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
     return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
 }
 
@@ -1457,13 +1551,20 @@ static void put_block(float *out, int out_stride, int r, int t, const float *v, 
         }
 }
 
+/* W's register tiles in the kernel set in use: prefill's (rows x tokens)
+   and decode's (rows x one token); fn NULL when there is none for W, and
+   then every row and token is one dot product. */
+static Tile usable(Tile t, int cols) { return t.fn && cols % t.cols == 0 ? t : (Tile){NULL, 1, 1, 1}; }
+static Tile prefill_tile(const Tensor *w) { return usable(K.type[w->type].tile, w->cols); }
+static Tile decode_tile(const Tensor *w) { return usable(K.type[w->type].gemv, w->cols); }
+
 /* Rows [a, b) of W times the tile.toks input rows from token t: tile.rows
    at a time, then one dot product per row left over. With one token
    (decode) each weight byte is used once, so rows read by the dot product
    are prefetched here (the GEMV kernels prefetch their own). */
 static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Tile tile, int t, int a, int b, int accumulate)
 {
-    DotFn dot = dot_for(w->type);
+    DotFn dot = K.type[w->type].dot;
     size_t ws = row_bytes(w->type, w->cols);
     const uint8_t *x = in.rows + t * in.stride;
     float v[MAX_TILE];
@@ -1485,7 +1586,7 @@ static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Til
    weight byte from memory once per batch, decode once per token. */
 static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
 {
-    Tile tile = tile_for(w->type, w->cols), gemv = gemv_for(w->type);
+    Tile tile = prefill_tile(w), gemv = decode_tile(w);
     for (int a = r0; a < r1; a += ROW_TILE) {
         int b = min_i(a + ROW_TILE, r1), t = 0;
         for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) matmul_tile(out, out_stride, w, in, tile, t, a, b, accumulate);
@@ -1505,9 +1606,9 @@ static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accu
    activations: done once per matmul, then read by every weight row. */
 static void prepare_act(RunState *s, const Tensor *w, int t0, int t1)
 {
-    if (!uses_int8_activations(w->type)) return;
-    int cols = w->cols;
-    for (int t = t0; t < t1; t++) quantize_act(s->xq + (size_t)t * (cols / QK), s->xb + (size_t)t * cols, cols);
+    int fmt = act_format(w->type), cols = w->cols;
+    if (fmt == ACT_F32) return;
+    for (int t = t0; t < t1; t++) quantize_act(fmt, s->xq + t * act_bytes(fmt, cols), s->xb + (size_t)t * cols, cols);
 }
 
 /* Normalizes rows [t0, t1) of x into s->xb, ready for W. */
@@ -1526,14 +1627,7 @@ static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, in
 }
 
 /* Stores one head_dim row of K or V at the cache's precision. */
-static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n)
-{
-    switch (s->kv_type) {
-    case T_F32: memcpy(dst, x, n * sizeof(float)); break;
-    case T_F16: for (int i = 0; i < n; i++) ((uint16_t *)dst)[i] = f32_to_fp16(x[i]); break;
-    case T_Q8_0: quantize_q8_0((BlockQ8_0 *)dst, x, n); break;
-    }
-}
+static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K.type[s->kv_type].from_float(dst, x, n); }
 
 /* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
    then V heads) for some tokens, RoPE on their Q and K heads, and their K
@@ -1547,7 +1641,7 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
     const Tensor *w = &m->layers[l].wqkv;
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
-    int unit = tile_for(w->type, w->cols).toks;
+    int unit = prefill_tile(w).toks;
     if (n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
@@ -1617,9 +1711,9 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
             float *kr = transpose ? row : kt + (size_t)j * hd;
             prefetch_ahead(kc, s->kv_row);
             prefetch_ahead(vc, s->kv_row);
-            dequantize_row(kr, kc, s->kv_type, hd);
+            to_float(kr, kc, s->kv_type, hd);
             if (transpose) for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
-            dequantize_row(vb + (size_t)j * hd, vc, s->kv_type, hd);
+            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
         }
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
@@ -1638,15 +1732,16 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
 }
 
 /* The outputs of KV head g's query heads for token t, merged from their
-   n_chunks partials into s->xb ([n, q_dim]), and into s->xq when Wo
-   wants int8 blocks and the slice is made of whole ones (quantizing here
-   spares Wo a pass and a barrier). */
-static void attention_out(RunState *s, const Config *c, const float *parts, int n_chunks, int g, int t, int quantize)
+   n_chunks partials into s->xb ([n, q_dim]), and converted into s->xq in
+   activation format fmt unless that is ACT_F32 (the caller checked that
+   the slice is made of whole blocks; converting here spares Wo a pass and
+   a barrier). */
+static void attention_out(RunState *s, const Config *c, const float *parts, int n_chunks, int g, int t, int fmt)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
     float *o = s->xb + (size_t)t * q_dim + g * group * hd;
     merge_chunks(parts, n_chunks, group, hd, o);
-    if (quantize) quantize_act(s->xq + (size_t)t * (q_dim / QK) + g * group * hd / QK, o, group * hd);
+    if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
 }
 
 /* The attention step of a layer for n tokens at positions pos0.., thread
@@ -1656,7 +1751,7 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
    jobs, so that even one KV head's long context is spread over every
    thread, then merges the chunks. Either way the jobs do not depend on the
    thread count, so neither do the results. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int quantize, int me, int nth)
+static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int fmt, int me, int nth)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
     int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
@@ -1666,7 +1761,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
             attend_tile(s, c, l, g, t0, t1, pos0, 0, pos0 + t1, parts, me);
-            for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, quantize);
+            for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
         }
         return;
     }
@@ -1676,7 +1771,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         attend_tile(s, c, l, g, 0, 1, pos0, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
     }
     barrier(&s->bar, nth);
-    for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, quantize);
+    for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, fmt);
 }
 
 /* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
@@ -1687,13 +1782,14 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
    the matmul, the activation and the quantization. */
 static void ffn_up_part(RunState *s, const Layer *L, int hid, int n, int i0, int i1)
 {
+    int fmt = act_format(L->w2.type);
     Act in = act_xb(s, &L->w13);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
         swiglu(gate + i0, up + i0, i1 - i0);
-        if (uses_int8_activations(L->w2.type)) quantize_act(s->hq + (size_t)t * (hid / QK) + i0 / QK, gate + i0, i1 - i0);
+        if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
     }
 }
 
@@ -1703,16 +1799,17 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     const Config *c = &m->c;
     const Layer *L = &m->layers[l];
     int dim = c->dim, hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
-    int att_quantized = uses_int8_activations(L->wo.type) && group * c->head_dim % QK == 0;
+    /* attention converts its output for Wo itself when its slices are whole blocks */
+    int wo_fmt = act_format(L->wo.type), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
     split(n, 1, me, nth, &t0, &t1);
     /* attention block: x += Wo . attn(RoPE(Wq.h), RoPE(Wk.h), Wv.h), h = norm(x) */
     norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
     qkv_part(m, s, l, n, pos0, me, nth);
     barrier(&s->bar, nth);
-    attention_part(s, c, l, n, pos0, att_quantized, me, nth);
+    attention_part(s, c, l, n, pos0, att_fmt, me, nth);
     barrier(&s->bar, nth);
-    if (!att_quantized) {
+    if (att_fmt != wo_fmt) {
         prepare_act(s, &L->wo, t0, t1);
         barrier(&s->bar, nth);
     }
@@ -1721,11 +1818,30 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     /* feed-forward block: x += W2 . (silu(Wgate.h) * (Wup.h)), h = norm(x) */
     norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
-    split(hid, QK, me, nth, &i0, &i1);
+    /* whole blocks of W2's activations per thread, so SwiGLU can convert them */
+    split(hid, max_i(QK, ACT_FORMATS[act_format(L->w2.type)].block), me, nth, &i0, &i1);
     ffn_up_part(s, L, hid, n, i0, i1);
     barrier(&s->bar, nth);
     matmul_part(s->x, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, 1, me, nth);
     barrier(&s->bar, nth);
+}
+
+/* The embedding step for the batch's tokens [t0, t1): each token id
+   selects its row of the embedding table, which starts the residual
+   stream. Positions enter later, through RoPE on the queries and keys:
+   here each position's rotation angles pos * theta^(-2i/rope_dim) are
+   computed once for every layer. */
+static void embed(const Model *m, RunState *s, const int *tokens, int pos0, int t0, int t1)
+{
+    int dim = m->c.dim, half = m->c.rope_dim / 2;
+    for (int t = t0; t < t1; t++) {
+        to_float(s->x + (size_t)t * dim, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
+        for (int i = 0; i < half; i++) {
+            double angle = (double)(pos0 + t) * s->inv_freq[i];
+            s->rope_cos[t * half + i] = (float)cos(angle);
+            s->rope_sin[t * half + i] = (float)sin(angle);
+        }
+    }
 }
 
 /* Runs n (<= CHUNK_TOKENS) tokens at positions pos0.. through every layer,
@@ -1735,19 +1851,12 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
 static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
 {
     const Config *c = &m->c;
-    int dim = c->dim, half = c->rope_dim / 2;
+    int dim = c->dim;
     #pragma omp parallel num_threads(s->n_threads)
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
         split(n, 1, me, nth, &t0, &t1);
-        for (int t = t0; t < t1; t++) {
-            dequantize_row(s->x + (size_t)t * dim, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
-            for (int i = 0; i < half; i++) {
-                double angle = (double)(pos0 + t) * s->inv_freq[i];
-                s->rope_cos[t * half + i] = (float)cos(angle);
-                s->rope_sin[t * half + i] = (float)sin(angle);
-            }
-        }
+        embed(m, s, tokens, pos0, t0, t1);
         barrier(&s->bar, nth);
         for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, pos0, me, nth);
         if (first_logit < n) {
@@ -2053,7 +2162,7 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
     fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
             k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
     if (!mc) return;
-    int int8 = uses_int8_activations(m->layers[0].w2.type);
+    int int8 = act_format(m->layers[0].w2.type) != ACT_F32;
     double peak = int8 ? mc->i8_gops : mc->f32_gflops;
     fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
             "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",
@@ -2380,6 +2489,9 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
    6. COMMAND LINE
    ========================================================================= */
 
+/* Set by --scalar: run the reference kernels (slow; for checking). */
+static int force_scalar;
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -2600,6 +2712,7 @@ int main(int argc, char **argv)
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
+    select_kernels(force_scalar ? KSET_SCALAR : best_kernel_set());
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];

@@ -1,10 +1,15 @@
-/* Kernel tests: every SIMD kernel against its scalar reference (dot
-   products, prefill's register tiles and decode's GEMV tiles, the attention
-   kernels, the softmax step and its vector exp, SwiGLU, KV row
-   conversion), the f16 conversions against the compiler's over every half,
-   and the int8 activation quantizer's error bound. Includes run.c whole so
-   the static kernels are reachable; prints one line per check and exits 1
-   if any failed.  Build: cc -O2 -march=native -I. tests/test_kernels.c tokenizer.c -lm */
+/* Kernel tests: every kernel of every kernel set this CPU can run against
+   the scalar reference set, driven by run.c's own tables, so that a type or
+   a set added there is tested here without a new line: per weight type the
+   row conversions (to_float, from_float), the dot product, decode's GEMV
+   tile and prefill's register tile; per set the activation quantizers,
+   the attention kernels, the softmax step and SwiGLU. Also the f16
+   conversions against the compiler's over every half, the integer part of
+   the int8 dot products exactly, the vector exp, and the activation
+   quantizer's error bound. Includes run.c whole so the static kernels are
+   reachable; prints one line per check (a set the CPU lacks is reported
+   as skipped, with the reason) and exits 1 if any failed.
+   Build: cc -O2 -march=native -I. tests/test_kernels.c tokenizer.c -lm */
 #define main run_main
 #include "../run.c"
 #undef main
@@ -30,48 +35,116 @@ static uint16_t f32_to_f16_bits(float f) /* round-to-nearest via the compiler */
     return b;
 }
 
-/* Random weight rows of every type, one float activation row; compares the
-   dot products of the SIMD kernel to the scalar one. */
-static void test_dots(void)
+/* Byte offsets, inside a block, of the f16 scale fields of each quantized
+   type (ggml-common.h): random bytes there would be inf/NaN, so the test
+   writes small finite scales. The float types are filled as floats. */
+static const struct { int type; int at[2]; } SCALES[] = {
+    {T_Q8_0, {0, -1}},
+    {T_Q4_1, {0, 2}},
+};
+
+/* n random weights of `type` per row, rows rb bytes apart: random bytes with
+   sane scales for the block types, random values in [-1, 1) for floats. */
+static void random_rows(uint8_t *w, int type, int n, int rows)
 {
-    enum { N = 1536, ROWS = 64 };
-    static float x[N];
-    static BlockQ8A xq[N / QK];
-    static uint8_t w[ROWS * N * 4];
-    int types[] = {T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_1};
-    for (int i = 0; i < N; i++) x[i] = frand() * 3;
-    quantize_act(xq, x, N);
-    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
-        int type = types[i];
-        size_t rb = row_bytes(type, N);
-        for (size_t b = 0; b < rb * ROWS; b++) w[b] = random_u32(&rng);
-        for (int r = 0; r < ROWS; r++) { /* sane scales: random bits would be inf/NaN */
-            uint8_t *row = w + r * rb;
-            for (int k = 0; k < N / QK; k++) {
-                if (type == T_Q8_0) { BlockQ8_0 *bl = (BlockQ8_0 *)row + k; bl->d = f32_to_f16_bits(frand() * 0.01f); }
-                if (type == T_Q4_1) { BlockQ4_1 *bl = (BlockQ4_1 *)row + k; bl->d = f32_to_f16_bits(frand() * 0.01f); bl->m = f32_to_f16_bits(frand() * 0.05f); }
-            }
-            if (type == T_F32) for (int j = 0; j < N; j++) ((float *)row)[j] = frand();
-            if (type == T_F16) for (int j = 0; j < N; j++) ((uint16_t *)row)[j] = f32_to_f16_bits(frand());
-            if (type == T_BF16) for (int j = 0; j < N; j++) { float f = frand(); uint32_t u; memcpy(&u, &f, 4); ((uint16_t *)row)[j] = u >> 16; }
+    size_t rb = row_bytes(type, n);
+    for (size_t b = 0; b < rb * rows; b++) w[b] = random_u32(&rng);
+    for (int r = 0; r < rows; r++) {
+        uint8_t *row = w + r * rb;
+        for (int j = 0; j < n && TYPES[type].block == 1; j++) {
+            float f = frand();
+            uint32_t u;
+            memcpy(&u, &f, 4);
+            if (type == T_F32) ((float *)row)[j] = f;
+            if (type == T_F16) ((uint16_t *)row)[j] = f32_to_f16_bits(f);
+            if (type == T_BF16) ((uint16_t *)row)[j] = u >> 16;
         }
-        DotKernels k = dot_kernels(type);
-        const void *act = uses_int8_activations(type) ? (const void *)xq : (const void *)x;
-        double worst = 0;
-        for (int r = 0; r < ROWS && k.simd; r++) {
-            double a = k.scalar(w + r * rb, act, N), b = k.simd(w + r * rb, act, N);
-            double mag = 0; /* sum of |terms| bounds the rounding error of either order */
-            for (int j = 0; j < N; j++) mag += fabs(x[j]);
-            worst = fmax(worst, fabs(a - b) / (mag + 1e-30));
+        for (size_t s = 0; s < sizeof SCALES / sizeof *SCALES; s++) {
+            if (SCALES[s].type != type) continue;
+            for (int k = 0; k < n / TYPES[type].block; k++)
+                for (int f = 0; f < 2 && SCALES[s].at[f] >= 0; f++) {
+                    uint16_t h = f32_to_f16_bits(frand() * (f ? 0.05f : 0.01f));
+                    memcpy(row + k * TYPES[type].block_bytes + SCALES[s].at[f], &h, 2);
+                }
         }
-        char what[128];
-        snprintf(what, sizeof what, "dot %-4s simd vs scalar: worst |diff| / sum|x| = %.2e%s", type_name(type), worst, k.simd ? "" : " (no SIMD compiled)");
-        check(worst < 1e-6, what);
     }
 }
 
-/* Integer part exactly: with d = 1 scales, both kernels must return the
-   exact integer sum. */
+static int scales_known(int type)
+{
+    if (TYPES[type].block == 1) return 1;
+    for (size_t s = 0; s < sizeof SCALES / sizeof *SCALES; s++) if (SCALES[s].type == type) return 1;
+    return 0;
+}
+
+/* Per weight type: the set's kernels against the scalar set's. Row
+   conversions must agree bit for bit (one conversion and at most one
+   multiply-add per element); dot products and tiles within float
+   rounding of the sum of |terms|. */
+static void test_types(void)
+{
+    enum { N = 1536, ROWS = 8, TOKS = 4, CONV_N = 192 };
+    static float x[TOKS][N], f_ref[N], f_got[N];
+    static uint8_t xq[N_ACTS][TOKS][N * 8], w[ROWS * N * 4], r_ref[N * 4], r_got[N * 4];
+    for (int t = 0; t < TOKS; t++) {
+        for (int i = 0; i < N; i++) x[t][i] = frand() * 3;
+        for (int a = ACT_F32 + 1; a < N_ACTS; a++) OPS[KSET_SCALAR].quantize[a](xq[a][t], x[t], N);
+    }
+    for (int type = 0; type < N_TYPES; type++) {
+        const WeightType *wt = &TYPES[type];
+        if (!wt->name) continue;
+        char what[160];
+        if (!scales_known(type)) {
+            snprintf(what, sizeof what, "the test knows where %s keeps its scales (add it to SCALES)", wt->name);
+            check(0, what);
+            continue;
+        }
+        const TypeKernels *ref = &TYPES[type].k[KSET_SCALAR], *k = &K.type[type];
+        random_rows(w, type, N, ROWS);
+        /* to_float and from_float over a row that is not a multiple of 8 where the type allows it */
+        int n = wt->block == 1 ? CONV_N + 3 : CONV_N;
+        ref->to_float(f_ref, w, n);
+        k->to_float(f_got, w, n);
+        snprintf(what, sizeof what, "%s %-4s to_float equals scalar bit for bit", K.op.name, wt->name);
+        check(memcmp(f_ref, f_got, n * sizeof(float)) == 0, what);
+        if (ref->from_float) {
+            for (int i = 0; i < n; i++) f_ref[i] = frand() * 100;
+            ref->from_float(r_ref, f_ref, n);
+            k->from_float(r_got, f_ref, n);
+            snprintf(what, sizeof what, "%s %-4s from_float equals scalar bit for bit", K.op.name, wt->name);
+            check(memcmp(r_ref, r_got, row_bytes(type, n)) == 0, what);
+        }
+        /* the dot product, and each tile against the scalar dot of every (row, token) it covers */
+        size_t rb = row_bytes(type, N), xs = wt->act == ACT_F32 ? sizeof x[0] : sizeof xq[0][0];
+        const uint8_t *act = wt->act == ACT_F32 ? (const uint8_t *)x : xq[wt->act][0];
+        double mag = 0, worst = 0; /* sum of |terms| bounds the rounding error of either order */
+        for (int i = 0; i < N; i++) mag += 3;
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < TOKS; t++)
+                worst = fmax(worst, fabs(ref->dot(w + r * rb, act + t * xs, N) - k->dot(w + r * rb, act + t * xs, N)) / mag);
+        snprintf(what, sizeof what, "%s %-4s dot vs scalar: worst |diff| / sum|x| = %.2e", K.op.name, wt->name, worst);
+        check(worst < 1e-6, what);
+        Tile tiles[2] = {k->gemv, k->tile};
+        for (int which = 0; which < 2; which++) {
+            Tile tile = tiles[which];
+            if (!tile.fn) continue;
+            float out[MAX_TILE];
+            worst = 0;
+            check(tile.rows <= ROWS && tile.toks <= TOKS && tile.rows * tile.toks <= MAX_TILE && N % tile.cols == 0,
+                  "tile fits the test's buffers");
+            tile.fn(w, rb, act, xs, N, out);
+            for (int r = 0; r < tile.rows; r++)
+                for (int t = 0; t < tile.toks; t++)
+                    worst = fmax(worst, fabs(out[r * tile.toks + t] - ref->dot(w + r * rb, act + t * xs, N)) / mag);
+            snprintf(what, sizeof what, "%s %-4s %s (%dx%d) vs scalar dot: worst |diff| / sum|x| = %.2e", K.op.name,
+                     wt->name, which ? "tile" : "gemv", tile.rows, tile.toks, worst);
+            check(worst < 1e-6, what);
+        }
+    }
+}
+
+/* Integer part exactly: with d = 1 scales, every set's int8 dot products
+   must return the exact integer sum. */
 static void test_int_exact(void)
 {
     enum { N = 576 };
@@ -91,58 +164,68 @@ static void test_int_exact(void)
             ref4 += (w4[k].qs[j] & 15) * xq[k].qs[j] + (w4[k].qs[j] >> 4) * xq[k].qs[j + 16];
         }
     }
-    DotKernels k8 = dot_kernels(T_Q8_0), k4 = dot_kernels(T_Q4_1);
-    check(k8.scalar(w8, xq, N) == (float)ref8, "q8_0 scalar integer sum exact");
-    check(k4.scalar(w4, xq, N) == (float)ref4, "q4_1 scalar integer sum exact");
-    if (k8.simd) check(k8.simd(w8, xq, N) == (float)ref8, "q8_0 simd integer sum exact");
-    if (k4.simd) check(k4.simd(w4, xq, N) == (float)ref4, "q4_1 simd integer sum exact");
+    char what[96];
+    snprintf(what, sizeof what, "%s q8_0 integer sum exact", K.op.name);
+    check(K.type[T_Q8_0].dot(w8, xq, N) == (float)ref8, what);
+    snprintf(what, sizeof what, "%s q4_1 integer sum exact", K.op.name);
+    check(K.type[T_Q4_1].dot(w4, xq, N) == (float)ref4, what);
 }
 
-static void test_fp16(void)
+/* The f16 conversions: the scalar ones (the definitions) against the
+   compiler's _Float16 over every half; the set's f16 row writer against
+   them around every half (exact values, midpoints, just off them). */
+static void test_fp16(int set)
 {
     int bad = 0;
-    for (uint32_t h = 0; h < 65536; h++) {
+    for (uint32_t h = 0; h < 65536 && set == KSET_SCALAR; h++) {
         _Float16 ref;
         uint16_t hb = (uint16_t)h;
         memcpy(&ref, &hb, 2);
-        float a = fp16_to_f32_scalar(hb), b = (float)ref;
+        float a = fp16_to_f32(hb), b = (float)ref;
         if (memcmp(&a, &b, 4) != 0 && !(isnan(a) && isnan(b))) bad++;
     }
-    check(bad == 0, "fp16_to_f32_scalar equals the compiler's _Float16 conversion on all 65536 inputs");
-    /* float -> half: every half's neighbourhood (exact values, midpoints, just off them) */
-    bad = 0;
+    if (set == KSET_SCALAR) check(bad == 0, "fp16_to_f32 equals the compiler's _Float16 conversion on all 65536 inputs");
+    static float probes[6 * 0x7c00 + 8];
+    static uint16_t got[6 * 0x7c00 + 8];
+    int n = 0;
     for (uint32_t h = 0; h < 0x7c00; h++) {
-        float lo = fp16_to_f32_scalar((uint16_t)h), hi = fp16_to_f32_scalar((uint16_t)(h + 1)), mid = (lo + hi) / 2;
-        float probes[] = {lo, mid, nextafterf(mid, 0), nextafterf(mid, 1e9f), -lo, -mid};
-        for (int i = 0; i < 6; i++)
-            if (f32_to_fp16_scalar(probes[i]) != f32_to_f16_bits(probes[i]) || f32_to_fp16(probes[i]) != f32_to_f16_bits(probes[i])) bad++;
+        float lo = fp16_to_f32((uint16_t)h), hi = fp16_to_f32((uint16_t)(h + 1)), mid = (lo + hi) / 2;
+        float p[] = {lo, mid, nextafterf(mid, 0), nextafterf(mid, 1e9f), -lo, -mid};
+        for (int i = 0; i < 6; i++) probes[n++] = p[i];
     }
     float specials[] = {INFINITY, -INFINITY, 65520.0f, 1e10f, -1e-10f, 0.0f, -0.0f, NAN};
-    for (int i = 0; i < 8; i++)
-        if (f32_to_fp16_scalar(specials[i]) != f32_to_f16_bits(specials[i]) || f32_to_fp16(specials[i]) != f32_to_f16_bits(specials[i])) bad++;
-    check(bad == 0, "f32_to_fp16 (scalar, and F16C when compiled) rounds like the compiler's _Float16 (nearest even) around every half");
+    for (int i = 0; i < 8; i++) probes[n++] = specials[i];
+    K.type[T_F16].from_float(got, probes, n);
+    bad = 0;
+    for (int i = 0; i < n; i++) bad += got[i] != f32_to_f16_bits(probes[i]);
+    char what[128];
+    snprintf(what, sizeof what, "%s f16 row writer rounds like the compiler's _Float16 (nearest even) around every half", K.op.name);
+    check(bad == 0, what);
 }
 
-/* |x - d*q| <= d/2 per element (plus float slack), and s = d * sum(q). */
-static void test_quantize_act(void)
+/* Activation quantizers: bit for bit the scalar set's (ties away from zero
+   like roundf), and for the scalar one |x - d*q| <= d/2, s = d*sum(q). */
+static void test_quantize_act(int set)
 {
     enum { N = 4096 };
-    static float x[N];
-    static BlockQ8A q[N / QK];
+    static float x[N], ties[N];
+    static BlockQ8A q[N / QK], q2[N / QK];
     for (int i = 0; i < N; i++) x[i] = frand() * (i % 97 == 0 ? 50 : 1);
     for (int i = 0; i < QK; i++) x[i] = 0; /* an all-zero block */
-    quantize_act_scalar(q, x, N);
-#ifdef HAVE_AVX2
-    static BlockQ8A q2[N / QK];
-    static float ties[N];
-    quantize_act_avx2(q2, x, N);
-    check(memcmp(q, q2, sizeof q) == 0, "quantize_act avx2 equals scalar bit for bit");
     for (int i = 0; i < N; i++) ties[i] = (i % QK == 0) ? 127.0f : (float)((i % 255) - 127) * 0.5f; /* exact .5 ties */
-    quantize_act_scalar(q, ties, N);
-    quantize_act_avx2(q2, ties, N);
-    check(memcmp(q, q2, sizeof q) == 0, "quantize_act avx2 rounds ties away from zero like roundf");
+    char what[128];
+    for (int a = ACT_F32 + 1; a < N_ACTS && set != KSET_SCALAR; a++) {
+        OPS[KSET_SCALAR].quantize[a](q, x, N);
+        K.op.quantize[a](q2, x, N);
+        int same = memcmp(q, q2, act_bytes(a, N)) == 0;
+        OPS[KSET_SCALAR].quantize[a](q, ties, N);
+        K.op.quantize[a](q2, ties, N);
+        same &= memcmp(q, q2, act_bytes(a, N)) == 0;
+        snprintf(what, sizeof what, "%s activation format %d quantizer equals scalar bit for bit (ties too)", K.op.name, a);
+        check(same, what);
+    }
+    if (set != KSET_SCALAR) return;
     quantize_act_scalar(q, x, N);
-#endif
     int ok = 1;
     for (int i = 0; i < N; i++) {
         const BlockQ8A *b = &q[i / QK];
@@ -156,109 +239,46 @@ static void test_quantize_act(void)
     check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
 }
 
-/* Register tiles (prefill's, and decode's several rows of one token)
-   against the scalar dot product of every (row, token) pair they cover. */
-static void test_tiles(void)
-{
-    enum { N = 576, ROWS = 4, TOKS = 4 }; /* room for either tile shape */
-    static float x[TOKS][N];
-    static BlockQ8A xq[TOKS][N / QK];
-    static uint8_t w[ROWS][N * 4];
-    int types[] = {T_F32, T_F16, T_BF16, T_Q8_0, T_Q4_1};
-    for (int t = 0; t < TOKS; t++) {
-        for (int i = 0; i < N; i++) x[t][i] = frand();
-        quantize_act_scalar(xq[t], x[t], N);
-    }
-    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
-        int type = types[i];
-        size_t rb = row_bytes(type, N);
-        for (int r = 0; r < ROWS; r++) {
-            for (size_t b = 0; b < rb; b++) w[r][b] = random_u32(&rng);
-            for (int k = 0; k < N / QK; k++) {
-                if (type == T_Q8_0) ((BlockQ8_0 *)w[r])[k].d = f32_to_f16_bits(frand() * 0.01f);
-                if (type == T_Q4_1) { ((BlockQ4_1 *)w[r])[k].d = f32_to_f16_bits(frand() * 0.01f); ((BlockQ4_1 *)w[r])[k].m = f32_to_f16_bits(frand() * 0.05f); }
-            }
-            for (int j = 0; j < N; j++) {
-                float f = frand();
-                uint32_t u;
-                memcpy(&u, &f, 4);
-                if (type == T_F32) ((float *)w[r])[j] = f;
-                if (type == T_F16) ((uint16_t *)w[r])[j] = f32_to_f16_bits(f);
-                if (type == T_BF16) ((uint16_t *)w[r])[j] = u >> 16;
-            }
-        }
-        int int8 = uses_int8_activations(type);
-        const uint8_t *act = int8 ? (const uint8_t *)xq : (const uint8_t *)x;
-        size_t stride = int8 ? sizeof xq[0] : sizeof x[0];
-        /* prefill's tile for every type; decode's several-row tile for the integer types */
-        Tile tiles[2] = {tile_for(type, N), gemv_for(type)};
-        for (int which = 0; which < 1 + int8; which++) {
-            Tile tile = tiles[which];
-            double worst = 0;
-            if (tile.fn) {
-                float out[MAX_TILE];
-                check(tile.rows <= ROWS && tile.toks <= TOKS, "tile fits the test's buffers");
-                tile.fn(w[0], sizeof w[0], act, stride, N, out);
-                for (int r = 0; r < tile.rows; r++)
-                    for (int t = 0; t < tile.toks; t++) {
-                        double ref = dot_kernels(type).scalar(w[r], act + t * stride, N);
-                        worst = fmax(worst, fabs(out[r * tile.toks + t] - ref) / N);
-                    }
-            }
-            char what[128];
-            snprintf(what, sizeof what, "%s %-4s (%dx%d) vs scalar dot: worst |diff| / n = %.2e%s", which ? "gemv" : "tile",
-                     type_name(type), tile.rows, tile.toks, worst, tile.fn ? "" : " (not compiled)");
-            check(worst < 1e-6, what);
-        }
-    }
-}
-
-/* Prefill attention kernels (scores against a transposed K block, weighted
-   sum of V rows) against their scalar references, over head sizes that
+/* Attention kernels (scores against a transposed K block, against K rows,
+   weighted sum of V rows) against the scalar set's, over head sizes that
    take every path of the SIMD code (32s, 8s, a scalar tail). */
 static void test_attention(void)
 {
     static float q[MAX_HD], kt[MAX_HD * ATT_KTILE], v[ATT_KTILE * MAX_HD], p[ATT_KTILE];
     int hds[] = {64, 72, 18, 2}, ns[] = {1, 7, 33, ATT_KTILE};
     double worst_s = 0, worst_a = 0, worst_r = 0;
+    const OpKernels *ref = &OPS[KSET_SCALAR];
     for (int a = 0; a < 4; a++)
         for (int b = 0; b < 4; b++) {
             int hd = hds[a], n = ns[b];
             for (int i = 0; i < hd; i++) q[i] = frand();
             for (int i = 0; i < hd * ATT_KTILE; i++) kt[i] = frand(), v[i] = frand();
             for (int j = 0; j < n; j++) p[j] = (frand() + 1) / 2;
-            float ref[ATT_KTILE], got[ATT_KTILE], oref[MAX_HD], ogot[MAX_HD], rref[ATT_KTILE], rgot[ATT_KTILE];
-            att_scores_scalar(ref, q, kt, hd, n);
-            att_scores_rows_scalar(rref, q, v, hd, n); /* v as row-major keys */
+            float sref[ATT_KTILE], sgot[ATT_KTILE], oref[MAX_HD], ogot[MAX_HD], rref[ATT_KTILE], rgot[ATT_KTILE];
+            ref->att_scores(sref, q, kt, hd, n);
+            K.op.att_scores(sgot, q, kt, hd, n);
+            ref->att_scores_rows(rref, q, v, hd, n); /* v as row-major keys */
+            K.op.att_scores_rows(rgot, q, v, hd, n);
             for (int i = 0; i < hd; i++) oref[i] = ogot[i] = frand();
-            att_accum_scalar(oref, p, v, hd, n);
-#ifdef HAVE_AVX2
-            att_scores_avx2(got, q, kt, hd, n);
-            att_accum_avx2(ogot, p, v, hd, n);
-            att_scores_rows_avx2(rgot, q, v, hd, n);
-#else
-            memcpy(rgot, rref, sizeof rref);
-            memcpy(got, ref, sizeof ref);
-            memcpy(ogot, oref, sizeof oref);
-#endif
-            for (int j = 0; j < n; j++) worst_s = fmax(worst_s, fabs(got[j] - ref[j]) / hd);
+            ref->att_accum(oref, p, v, hd, n);
+            K.op.att_accum(ogot, p, v, hd, n);
+            for (int j = 0; j < n; j++) worst_s = fmax(worst_s, fabs(sgot[j] - sref[j]) / hd);
             for (int i = 0; i < hd; i++) worst_a = fmax(worst_a, fabs(ogot[i] - oref[i]) / n);
             for (int j = 0; j < n; j++) worst_r = fmax(worst_r, fabs(rgot[j] - rref[j]) / hd);
         }
     char what[128];
-    snprintf(what, sizeof what, "attention scores vs scalar: worst |diff| / hd = %.2e", worst_s);
+    snprintf(what, sizeof what, "%s attention scores vs scalar: worst |diff| / hd = %.2e", K.op.name, worst_s);
     check(worst_s < 1e-6, what);
-    snprintf(what, sizeof what, "attention weighted V sum vs scalar: worst |diff| / n = %.2e", worst_a);
+    snprintf(what, sizeof what, "%s attention weighted V sum vs scalar: worst |diff| / n = %.2e", K.op.name, worst_a);
     check(worst_a < 1e-6, what);
-    snprintf(what, sizeof what, "attention scores, keys as rows (decode) vs scalar: worst |diff| / hd = %.2e", worst_r);
+    snprintf(what, sizeof what, "%s attention scores, keys as rows (decode) vs scalar: worst |diff| / hd = %.2e", K.op.name, worst_r);
     check(worst_r < 1e-6, what);
 }
 
-/* The online-softmax step: the SIMD version's maximum must equal the
-   scalar one exactly, its exponentials (a polynomial, not libm's expf)
-   agree within a few ulp, and so does the sum; every score size takes the
-   vector body and the scalar tail. Also the vector exp alone against expf
-   on [-100, 100]: within a few ulp on [-87.3, 88.3], 0 below, inf above. */
+/* The online-softmax step: the set's running maximum must equal the scalar
+   one exactly, its exponentials (a polynomial, not libm's expf) agree
+   within a few ulp, and so does the sum; every score count takes the
+   vector body and the scalar tail. */
 static void test_softmax(void)
 {
     float ref[ATT_KTILE], got[ATT_KTILE];
@@ -269,22 +289,39 @@ static void test_softmax(void)
             int n = ns[c];
             float m0 = rep % 2 ? -INFINITY : frand() * 20, mr = m0, mg = m0;
             for (int j = 0; j < n; j++) ref[j] = got[j] = frand() * 40;
-            double sr = att_softmax_scalar(ref, n, 0.125f, &mr), sg = sr;
-#ifdef HAVE_AVX2
-            sg = att_softmax_avx2(got, n, 0.125f, &mg);
-#else
-            memcpy(got, ref, sizeof ref);
-            mg = mr;
-#endif
+            double sr = OPS[KSET_SCALAR].att_softmax(ref, n, 0.125f, &mr), sg = K.op.att_softmax(got, n, 0.125f, &mg);
             if (mr != mg) max_ok = 0;
             for (int j = 0; j < n; j++) worst_e = fmax(worst_e, fabs(got[j] - ref[j]) / fmax(ref[j], 1e-30));
             worst_s = fmax(worst_s, fabs(sg - sr) / sr);
         }
-    check(max_ok, "softmax step: running maximum equal to the scalar one");
     char what[128];
-    snprintf(what, sizeof what, "softmax step exp(score - max) vs expf: worst relative diff %.2e, sums %.2e", worst_e, worst_s);
+    snprintf(what, sizeof what, "%s softmax step: running maximum equal to the scalar one", K.op.name);
+    check(max_ok, what);
+    snprintf(what, sizeof what, "%s softmax step exp(score - max) vs expf: worst relative diff %.2e, sums %.2e", K.op.name, worst_e, worst_s);
     check(worst_e < 5e-7 && worst_s < 1e-6, what);
+}
+
+/* SwiGLU: the set's against the scalar one over gate values wide enough to
+   reach both ends of the exponential (and the scalar tail). */
+static void test_swiglu(void)
+{
+    enum { N = 1003 };
+    static float g[N], u[N], ref[N];
+    for (int i = 0; i < N; i++) g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
+    OPS[KSET_SCALAR].swiglu(ref, u, N);
+    K.op.swiglu(g, u, N);
+    double worst = 0;
+    for (int i = 0; i < N; i++) worst = fmax(worst, fabs(g[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
+    char what[128];
+    snprintf(what, sizeof what, "%s swiglu vs scalar: worst relative diff %.2e", K.op.name, worst);
+    check(worst < 1e-6, what);
+}
+
 #ifdef HAVE_AVX2
+/* The AVX2 set's exp alone against expf on [-100, 100]: within a few ulp
+   on [-87.3, 88.3], 0 below, inf above. */
+static void test_exp_avx2(void)
+{
     double worst = 0;
     int ends_ok = 1;
     for (float x = -100.0f; x <= 100.0f; x += 0.00137f) {
@@ -294,67 +331,33 @@ static void test_softmax(void)
         else if (x > 88.38f) ends_ok &= isinf(v[0]);
         else if (e >= 1e-37f && x <= 88.37f) worst = fmax(worst, fabs(v[0] - e) / e);
     }
-    snprintf(what, sizeof what, "vector exp on [-87.3, 88.3] vs expf: worst relative diff %.2e; 0 below, inf above", worst);
-    check(worst < 5e-7 && ends_ok, what);
-#endif
-}
-
-/* SwiGLU: SIMD against scalar over gate values wide enough to reach both
-   ends of the exponential (and the scalar tail). */
-static void test_swiglu(void)
-{
-    enum { N = 1003 };
-    static float g[N], u[N], ref[N];
-    for (int i = 0; i < N; i++) g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
-    swiglu_scalar(ref, u, N);
-    swiglu(g, u, N);
-    double worst = 0;
-    for (int i = 0; i < N; i++) worst = fmax(worst, fabs(g[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
     char what[128];
-    snprintf(what, sizeof what, "swiglu simd vs scalar: worst relative diff %.2e", worst);
-    check(worst < 1e-6, what);
+    snprintf(what, sizeof what, "avx2 vector exp on [-87.3, 88.3] vs expf: worst relative diff %.2e; 0 below, inf above", worst);
+    check(worst < 5e-7 && ends_ok, what);
 }
-
-/* Row conversion of the KV cache types: SIMD and scalar must agree exactly
-   (each element is one conversion and at most one multiply). */
-static void test_dequantize_rows(void)
-{
-    enum { N = 200 }; /* not a multiple of 8 or 32: the scalar tail runs too */
-    static uint8_t row[N * 4];
-    float ref[N], got[N];
-    int types[] = {T_F16, T_Q8_0}, ok = 1;
-    for (size_t i = 0; i < sizeof types / sizeof *types; i++) {
-        int type = types[i], n = type == T_Q8_0 ? 192 : N;
-        for (size_t b = 0; b < sizeof row; b++) row[b] = random_u32(&rng);
-        for (int j = 0; j < n; j++) if (type == T_F16) ((uint16_t *)row)[j] = f32_to_f16_bits(frand() * 100);
-        for (int k = 0; type == T_Q8_0 && k < n / QK; k++) ((BlockQ8_0 *)row)[k].d = f32_to_f16_bits(frand() * 0.01f);
-        dequantize_row_scalar(ref, row, type, n);
-#ifdef HAVE_AVX2
-        dequantize_row_avx2(got, row, type, n);
-#else
-        memcpy(got, ref, sizeof ref);
 #endif
-        if (memcmp(ref, got, n * sizeof(float))) ok = 0;
-    }
-    check(ok, "KV row conversion (f16, q8_0): SIMD equals scalar bit for bit");
-}
 
 int main(void)
 {
+    int ran = 0;
+    for (int set = 0; set < N_KSETS; set++) {
+        if (!OPS[set].name) { printf("skip kernel set %d: not compiled in this build\n", set); continue; }
+        if (!kernel_set_available(set)) { printf("skip kernel set %s: this CPU cannot run it\n", OPS[set].name); continue; }
+        printf("kernels: %s\n", OPS[set].name);
+        select_kernels(set);
+        test_fp16(set);
+        test_quantize_act(set);
+        test_int_exact();
+        ran++;
+        if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
+        test_types();
+        test_attention();
+        test_softmax();
+        test_swiglu();
+    }
 #ifdef HAVE_AVX2
-    printf("kernels: AVX2 compiled in\n");
-#else
-    printf("kernels: scalar only\n");
+    if (kernel_set_available(KSET_AVX2)) test_exp_avx2();
 #endif
-    test_fp16();
-    test_quantize_act();
-    test_int_exact();
-    test_dots();
-    test_tiles();
-    test_attention();
-    test_softmax();
-    test_swiglu();
-    test_dequantize_rows();
-    printf("%s\n", failures ? "FAILED" : "all kernel checks passed");
+    printf("%d kernel sets tested\n%s\n", ran, failures ? "FAILED" : "all kernel checks passed");
     return failures != 0;
 }
