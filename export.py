@@ -62,7 +62,9 @@ def align_up(x: int, a: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# ggml types: id -> (name, elements per block, bytes per block)  (FACTS.md 2.1)
+# ggml types: id -> (name, elements per block, bytes per block). The ids are ggml's enum ggml_type
+# (ggml/include/ggml.h, also listed in ggml's docs/gguf.md); the block sizes are those of the
+# block_* structs in ggml/src/ggml-common.h.
 
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
@@ -327,7 +329,7 @@ def map_file(path: Path) -> tuple[mmap.mmap, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF (FACTS.md section 1)
+# GGUF (the specification: ggml's docs/gguf.md)
 
 GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
 GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
@@ -475,7 +477,8 @@ class GGUFFile:
                                   f"of the file ({size} bytes): truncated GGUF")
             self.tensors[name] = SourceTensor(name, ttype, tname, tuple(reversed(ne)), buf, start, nbytes, str(path))
 
-    # Typed metadata access; a robust reader accepts any integer type for integer keys (FACTS 1.4).
+    # Typed metadata access. Integer keys accept any integer type: docs/gguf.md gives e.g.
+    # [llm].context_length as uint64, while llama.cpp's converter (gguf-py) writes uint32.
     def get(self, key: str, kind: type, default: Any = ...) -> Any:
         if key not in self.kv:
             if default is ...:
@@ -506,7 +509,7 @@ class GGUFFile:
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors (FACTS.md 7.1)
+# safetensors (the format: the "Format" section of the huggingface/safetensors README)
 
 SAFETENSORS_DTYPES = {"F32": F32, "F16": F16, "BF16": BF16}
 SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
@@ -635,7 +638,7 @@ class Family:
     arch_id: int
     hf_architectures: tuple[str, ...]
     activation: int                       # 0 SiLU, 1 tanh-GELU
-    gguf_qk_interleaved: bool = False     # llama.cpp's converter permuted Q/K rows (FACTS 4.3)
+    gguf_qk_interleaved: bool = False     # Q/K rows permuted by LlamaModel.permute (llama.cpp's convert_hf_to_gguf.py)
     gguf_names: dict[str, str] = field(default_factory=dict)
     hf_names: dict[str, str] = field(default_factory=dict)
     hf_ignored: tuple[str, ...] = ()      # regexes of HF tensors that carry nothing we need
@@ -918,7 +921,9 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
 
 
 def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
-    """Index array p with hf_rows = gguf_rows[p]: HF row h*hd + s*half + i = GGUF row h*hd + 2i + s (FACTS 4.3)."""
+    """Index array p with hf_rows = gguf_rows[p]: HF row h*hd + s*half + i = GGUF row h*hd + 2i + s.
+
+    This undoes LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py."""
     return np.arange(n_heads * head_dim).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
@@ -942,7 +947,8 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer (FACTS.md section 5)
+# Tokenizer: GGUF's tokenizer.ggml.* keys (docs/gguf.md) or Hugging Face's tokenizer.json, written
+# as README.md's tokenizer section ("The model file" / "Tokenizer section").
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
@@ -959,7 +965,7 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 def gpt2_unicode_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode (FACTS 5.2)."""
+    """Inverse of bytes_to_unicode (openai/gpt-2 src/encoder.py; Hugging Face's tokenization_gpt2.py)."""
     printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
     inv: dict[str, int] = {}
     extra = 0

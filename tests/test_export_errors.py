@@ -72,12 +72,12 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to llama Q/K rows (FACTS.md 4.3)."""
+    """What llama.cpp's converter does to llama Q/K rows (LlamaModel.permute in convert_hf_to_gguf.py)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF writer (FACTS.md section 1)
+# GGUF writer (ggml's docs/gguf.md)
 
 U32, I32, F32V, BOOL, STR, ARR = 4, 5, 6, 7, 8, 9
 SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
@@ -172,7 +172,7 @@ def good_gguf(name: str = "tiny.gguf") -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face directory writer (FACTS.md section 7)
+# Hugging Face directory writer (config.json as LlamaConfig reads it; safetensors per its README "Format")
 
 def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
     header, blobs, pos = {}, [], 0
