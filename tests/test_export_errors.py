@@ -515,11 +515,16 @@ def test_output_replaced_during_export() -> None:
 def _export_stopped_by(sig: int, ignored: bool = False) -> tuple[int, str, Path]:
     """Export the real GGUF in a subprocess and send `sig` while the temp file is being written
     (the child is stopped first, so the export cannot finish before the signal arrives).
-    ignored: the child starts with `sig` ignored (as under nohup). Returns (status, stderr, out)."""
+    The child starts with `sig` at its default, or ignored (as under nohup), whatever this
+    process inherited (a background job's SIGINT is ignored). Returns (status, stderr, out)."""
     require(DEFAULT_GGUF, "the default SmolLM2 GGUF must be in models/")
     out = WORK / f"stopped_{signal.Signals(sig).name}.bin"
     _clean(out)
-    setup = (lambda: signal.signal(sig, signal.SIG_IGN)) if ignored else None
+    disposition = signal.SIG_IGN if ignored else signal.SIG_DFL
+
+    def setup() -> None:
+        signal.signal(sig, disposition)
+
     p = subprocess.Popen([sys.executable, str(EXPORT), str(DEFAULT_GGUF), str(out), "--dtype", "q8_0"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=setup)
     try:
