@@ -812,8 +812,10 @@ def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
         raise ExportError(f"{where}: num_attention_heads = {n_heads} is invalid")
     head_dim = num("head_dim", int, dim // n_heads)
     rope_params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    theta_key = "rope_theta" if "rope_theta" in c or "rope_theta" not in rope_params else "rope_parameters.rope_theta"
-    theta = num("rope_theta", float, num("rope_theta", float, 10000.0, within=rope_params))
+    if c.get("rope_theta") is None and rope_params.get("rope_theta") is not None:   # newer transformers configs
+        theta_key, theta = "rope_parameters.rope_theta", num("rope_theta", float, within=rope_params)
+    else:
+        theta_key, theta = "rope_theta", num("rope_theta", float, 10000.0)
     if strict:
         if c.get("hidden_act", "silu") != "silu":
             raise ExportError(f"{where}: hidden_act '{c.get('hidden_act')}' is not supported (need silu)")
