@@ -26,17 +26,20 @@ family table (llama, qwen2, qwen3, gemma3), e.g. to test Gemma 3's tokenizer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import mmap
 import os
 import re
+import signal
+import stat
 import struct
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 import numpy as np
 
@@ -62,7 +65,9 @@ def align_up(x: int, a: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# ggml types: id -> (name, elements per block, bytes per block)  (FACTS.md 2.1)
+# ggml types: id -> (name, elements per block, bytes per block). The ids are ggml's enum ggml_type
+# (ggml/include/ggml.h, also listed in ggml's docs/gguf.md); the block sizes are those of the
+# block_* structs in ggml/src/ggml-common.h.
 
 GGML_TYPES: dict[int, tuple[str, int, int]] = {
     0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20),
@@ -327,7 +332,7 @@ def map_file(path: Path) -> tuple[mmap.mmap, int]:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF (FACTS.md section 1)
+# GGUF (the specification: ggml's docs/gguf.md)
 
 GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
 GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
@@ -475,7 +480,8 @@ class GGUFFile:
                                   f"of the file ({size} bytes): truncated GGUF")
             self.tensors[name] = SourceTensor(name, ttype, tname, tuple(reversed(ne)), buf, start, nbytes, str(path))
 
-    # Typed metadata access; a robust reader accepts any integer type for integer keys (FACTS 1.4).
+    # Typed metadata access. Integer keys accept any integer type: docs/gguf.md gives e.g.
+    # [llm].context_length as uint64, while llama.cpp's converter (gguf-py) writes uint32.
     def get(self, key: str, kind: type, default: Any = ...) -> Any:
         if key not in self.kv:
             if default is ...:
@@ -506,7 +512,7 @@ class GGUFFile:
 
 
 # ---------------------------------------------------------------------------------------------
-# safetensors (FACTS.md 7.1)
+# safetensors (the format: the "Format" section of the huggingface/safetensors README)
 
 SAFETENSORS_DTYPES = {"F32": F32, "F16": F16, "BF16": BF16}
 SAFETENSORS_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
@@ -635,7 +641,7 @@ class Family:
     arch_id: int
     hf_architectures: tuple[str, ...]
     activation: int                       # 0 SiLU, 1 tanh-GELU
-    gguf_qk_interleaved: bool = False     # llama.cpp's converter permuted Q/K rows (FACTS 4.3)
+    gguf_qk_interleaved: bool = False     # Q/K rows permuted by LlamaModel.permute (llama.cpp's convert_hf_to_gguf.py)
     gguf_names: dict[str, str] = field(default_factory=dict)
     hf_names: dict[str, str] = field(default_factory=dict)
     hf_ignored: tuple[str, ...] = ()      # regexes of HF tensors that carry nothing we need
@@ -677,6 +683,18 @@ def family_for_hf(archs: Any, tokenizer_only: bool) -> Family:
 # ---------------------------------------------------------------------------------------------
 # Hyperparameters
 
+# What the engine's loader accepts (run.c, read_config): each size in [1, limit], plus the rules in
+# Hyper.check. A file outside them would be written and then refused by ./run, so export refuses it.
+ENGINE_LIMITS = dict(dim=1 << 16, hidden_dim=1 << 16, n_layers=1024, n_heads=1024, n_kv_heads=1024, head_dim=1024,
+                     vocab_size=1 << 24, max_seq_len=1 << 20)
+
+
+def as_float32(x: float) -> float:
+    """x as the header's f32 field stores it (too large -> inf, too small -> 0)."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(x))
+
+
 @dataclass
 class Hyper:
     family: Family
@@ -693,19 +711,27 @@ class Hyper:
     rope_dim: int
     tied: bool
 
-    def check(self, where: str) -> None:
-        for k in ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "max_seq_len", "rope_dim"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or not 0 < v < 2**32:
-                raise ExportError(f"{where}: {k} = {v!r} is not a valid size")
+    def check(self, where: str, keys: dict[str, str]) -> None:
+        """Refuse what the engine would refuse in the header; `keys` names each field's source key."""
+        def bad(name: str, why: str) -> ExportError:
+            return ExportError(f"{where}: {keys[name]} = {getattr(self, name)!r} {why}")
+
+        for name, limit in ENGINE_LIMITS.items():
+            if not 1 <= getattr(self, name) <= limit:
+                raise bad(name, f"is outside [1, {limit}], what the engine accepts")
         if self.n_heads % self.n_kv_heads:
-            raise ExportError(f"{where}: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
-        if self.rope_dim > self.head_dim or self.rope_dim % 2:
-            raise ExportError(f"{where}: rope dimension {self.rope_dim} is invalid for head_dim {self.head_dim}")
-        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
-            raise ExportError(f"{where}: rope theta {self.rope_theta} is invalid")
-        if not (math.isfinite(self.norm_eps) and self.norm_eps >= 0):
-            raise ExportError(f"{where}: norm eps {self.norm_eps} is invalid")
+            raise bad("n_kv_heads", f"does not divide {keys['n_heads']} = {self.n_heads}")
+        if self.head_dim % 2:
+            raise bad("head_dim", "is odd (RoPE rotates pairs of dimensions)")
+        if self.n_heads * self.head_dim > ENGINE_LIMITS["dim"]:
+            raise bad("head_dim", f"times {self.n_heads} heads exceeds {ENGINE_LIMITS['dim']}, what the engine accepts")
+        if not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise bad("rope_dim", f"is not an even number in [2, head_dim {self.head_dim}]")
+        theta, eps = as_float32(self.rope_theta), as_float32(self.norm_eps)
+        if not (math.isfinite(theta) and theta > 1):
+            raise bad("rope_theta", "is not a finite number > 1 as float32")
+        if not (math.isfinite(eps) and eps > 0):
+            raise bad("norm_eps", "is not a finite number > 0 as float32")
 
 
 def check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
@@ -723,18 +749,25 @@ def hparams_from_gguf(g: GGUFFile, fam: Family, strict: bool) -> Hyper:
     n_heads = g.get(f"{a}.attention.head_count", int)
     if n_heads <= 0:
         raise ExportError(f"{g.path}: {a}.attention.head_count = {n_heads} is invalid")
+    keys = dict(dim=f"{a}.embedding_length", hidden_dim=f"{a}.feed_forward_length", n_layers=f"{a}.block_count",
+                n_heads=f"{a}.attention.head_count", n_kv_heads=f"{a}.attention.head_count_kv",
+                head_dim=f"{a}.attention.key_length", vocab_size=f"{a}.vocab_size", max_seq_len=f"{a}.context_length",
+                rope_theta=f"{a}.rope.freq_base", norm_eps=f"{a}.attention.layer_norm_rms_epsilon",
+                rope_dim=f"{a}.rope.dimension_count")
     if f"{a}.attention.key_length" in g.kv:
         head_dim = g.get(f"{a}.attention.key_length", int)
     elif dim % n_heads:
         raise ExportError(f"{g.path}: embedding_length {dim} is not a multiple of head_count {n_heads}")
     else:
         head_dim = dim // n_heads
+        keys["head_dim"] = f"head_dim ({a}.embedding_length / {a}.attention.head_count)"
     value_len = g.get(f"{a}.attention.value_length", int, head_dim)
     if strict and value_len != head_dim:
         raise ExportError(f"{g.path}: value_length {value_len} != key_length {head_dim} is not supported")
     tokens = g.kv.get("tokenizer.ggml.tokens")
     if "token_embd.weight" in g.tensors:
         vocab = g.tensors["token_embd.weight"].rows_cols[0]
+        keys["vocab_size"] = "the rows of token_embd.weight"
     else:
         vocab = g.get(f"{a}.vocab_size", int, len(tokens) if isinstance(tokens, list) else 0)
     declared = g.get(f"{a}.vocab_size", int, vocab)
@@ -750,7 +783,7 @@ def hparams_from_gguf(g: GGUFFile, fam: Family, strict: bool) -> Hyper:
                n_kv, head_dim, vocab, g.get(f"{a}.context_length", int),
                g.get(f"{a}.rope.freq_base", float, 10000.0), g.get(f"{a}.attention.layer_norm_rms_epsilon", float),
                g.get(f"{a}.rope.dimension_count", int, head_dim), "output.weight" not in g.tensors)
-    hp.check(str(g.path))
+    hp.check(str(g.path), keys)
     if strict and fam.gguf_qk_interleaved and hp.rope_dim != hp.head_dim:
         raise ExportError(f"{g.path}: rope.dimension_count {hp.rope_dim} != head_dim {hp.head_dim} (llama requires equal)")
     return hp
@@ -760,15 +793,18 @@ def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
     c = ck.config
     where = str(ck.path / "config.json")
 
-    def num(key: str, kind: type, default: Any = ...) -> Any:
-        v = c.get(key)
+    def num(key: str, kind: type, default: Any = ..., within: dict = c) -> Any:
+        v = within.get(key)
         if v is None:
             if default is ...:
                 raise ExportError(f"{where}: required key '{key}' is missing")
             return default
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-            raise ExportError(f"{where}: '{key}' = {v!r} is not a valid {kind.__name__}")
-        return kind(v)
+            raise ExportError(f"{where}: '{key}' = {show(repr(v))} is not a valid {kind.__name__}")
+        try:
+            return kind(v)
+        except OverflowError:   # an integer too large for a float
+            raise ExportError(f"{where}: '{key}' = {show(repr(v))} is out of range") from None
 
     dim = num("hidden_size", int)
     n_heads = num("num_attention_heads", int)
@@ -776,7 +812,10 @@ def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
         raise ExportError(f"{where}: num_attention_heads = {n_heads} is invalid")
     head_dim = num("head_dim", int, dim // n_heads)
     rope_params = c.get("rope_parameters") if isinstance(c.get("rope_parameters"), dict) else {}
-    theta = num("rope_theta", float, float(rope_params.get("rope_theta", 10000.0)))
+    if c.get("rope_theta") is None and rope_params.get("rope_theta") is not None:   # newer transformers configs
+        theta_key, theta = "rope_parameters.rope_theta", num("rope_theta", float, within=rope_params)
+    else:
+        theta_key, theta = "rope_theta", num("rope_theta", float, 10000.0)
     if strict:
         if c.get("hidden_act", "silu") != "silu":
             raise ExportError(f"{where}: hidden_act '{c.get('hidden_act')}' is not supported (need silu)")
@@ -789,11 +828,17 @@ def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
         check_rope_scaling(scaling.get("rope_type", scaling.get("type")), scaling.get("factor"), where)
         check_rope_scaling(rope_params.get("rope_type"), rope_params.get("factor"), where)
     vocab = num("vocab_size", int)
-    tied = bool(c.get("tie_word_embeddings", False))
+    tied = c.get("tie_word_embeddings", False)   # False when absent, as in transformers' LlamaConfig
+    if not isinstance(tied, bool):
+        raise ExportError(f"{where}: tie_word_embeddings = {show(repr(tied))} is not true or false")
     hp = Hyper(fam, dim, num("intermediate_size", int), num("num_hidden_layers", int), n_heads,
                num("num_key_value_heads", int, n_heads), head_dim, vocab, num("max_position_embeddings", int),
                theta, num("rms_norm_eps", float, 1e-6), head_dim, tied)
-    hp.check(where)
+    head_key = "head_dim" if "head_dim" in c else "head_dim (hidden_size / num_attention_heads)"
+    hp.check(where, dict(dim="hidden_size", hidden_dim="intermediate_size", n_layers="num_hidden_layers",
+                         n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim=head_key,
+                         vocab_size="vocab_size", max_seq_len="max_position_embeddings", rope_theta=theta_key,
+                         norm_eps="rms_norm_eps", rope_dim=head_key))
     return hp
 
 
@@ -887,7 +932,8 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
                 raise ExportError(f"tensor '{src_name}' has dtype {t.type_label}, which export.py cannot read "
                                   f"(supported: F32, F16, BF16)")
             r, c = t.rows_cols
-            if (r, c) != (rows, cols) or not t.shape:
+            rank = 1 if base in VECTOR_PARTS else 2   # a vector, or a rows x cols matrix: never 3-D
+            if (r, c) != (rows, cols) or len(t.shape) != rank:
                 want = f"[{cols}]" if base in VECTOR_PARTS else f"{rows}x{cols}"
                 raise ExportError(f"tensor '{src_name}' has shape {'x'.join(map(str, t.shape))}, expected {want} "
                                   f"from the model config (rows x cols)")
@@ -918,7 +964,9 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
 
 
 def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
-    """Index array p with hf_rows = gguf_rows[p]: HF row h*hd + s*half + i = GGUF row h*hd + 2i + s (FACTS 4.3)."""
+    """Index array p with hf_rows = gguf_rows[p]: HF row h*hd + s*half + i = GGUF row h*hd + 2i + s.
+
+    This undoes LlamaModel.permute in llama.cpp's convert_hf_to_gguf.py."""
     return np.arange(n_heads * head_dim).reshape(n_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
@@ -942,7 +990,8 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer (FACTS.md section 5)
+# Tokenizer: GGUF's tokenizer.ggml.* keys (docs/gguf.md) or Hugging Face's tokenizer.json, written
+# as README.md's tokenizer section ("The model file" / "Tokenizer section").
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
@@ -959,7 +1008,7 @@ QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 def gpt2_unicode_to_byte() -> dict[str, int]:
-    """Inverse of GPT-2's bytes_to_unicode (FACTS 5.2)."""
+    """Inverse of bytes_to_unicode (openai/gpt-2 src/encoder.py; Hugging Face's tokenization_gpt2.py)."""
     printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
     inv: dict[str, int] = {}
     extra = 0
@@ -1220,18 +1269,28 @@ def vocab_from_hf(ck: HFCheckpoint) -> Vocab:
         raise ExportError(f"{where}: malformed model.vocab / model.merges / added_tokens")
     id_text: dict[int, tuple[str, int]] = {}
     for text, i in vocab.items():
-        if not isinstance(i, int) or i < 0:
-            raise ExportError(f"{where}: token {text!r} has invalid id {i!r}")
+        if not isinstance(i, int) or isinstance(i, bool) or i < 0:
+            raise ExportError(f"{where}: token {show(repr(text))} has invalid id {show(repr(i))}")
+        if i in id_text:
+            raise ExportError(f"{where}: model.vocab gives id {i} to two tokens, {show(repr(id_text[i][0]))} and "
+                              f"{show(repr(text))}")
         id_text[i] = (text, TOKEN_NORMAL)
+    added_text: dict[int, str] = {}
     for a in added:
         if not isinstance(a, dict) or not isinstance(a.get("id"), int) or not isinstance(a.get("content"), str) or a["id"] < 0:
             raise ExportError(f"{where}: malformed added token {json.dumps(a)[:100]}")
+        if added_text.setdefault(a["id"], a["content"]) != a["content"]:
+            raise ExportError(f"{where}: added_tokens give id {a['id']} to two tokens, "
+                              f"{show(repr(added_text[a['id']]))} and {show(repr(a['content']))}")
+        # An added token may restate a model.vocab entry; with other text it overrides it for decoding,
+        # as in Hugging Face tokenizers and llama.cpp's converter.
         special = a.get("special") or looks_special(a["content"])
         text = a["content"] if special else a["content"].replace(SPM_SPACE, " ")
         id_text[a["id"]] = (text, TOKEN_CONTROL if special else TOKEN_USER)
     n = max(id_text) + 1
-    if n > 2**31 - 1:
-        raise ExportError(f"{where}: token id {n - 1} is too large")
+    if n > ENGINE_LIMITS["vocab_size"]:
+        raise ExportError(f"{where}: token id {n - 1} is too large (the engine holds at most "
+                          f"{ENGINE_LIMITS['vocab_size']} tokens)")
     inv, bad = gpt2_unicode_to_byte(), []
     texts, types = [], []
     for i in range(n):
@@ -1325,6 +1384,65 @@ class Progress:
             print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# The output file: only ever a new temp file of our own, renamed over a regular file or nothing.
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(BaseException):
+    """A stop signal (SIGINT, SIGTERM, SIGHUP) arrived; unwinding removes the temp file."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    for s in STOP_SIGNALS:   # a second signal must not interrupt the cleanup
+        signal.signal(s, signal.SIG_IGN)
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Hold stop signals back for a few statements (they are delivered afterwards)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for is_kind, name in kinds if is_kind(mode)), "not a regular file")
+
+
+def check_output(out: Path) -> None:
+    """Refuse an output path that exists and is not a regular file.
+
+    The rename at the end would replace whatever is there: a device such as /dev/null would
+    become a regular file, a symbolic link would be replaced instead of its target."""
+    try:
+        mode = os.lstat(out).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return   # nothing there (a missing directory is reported when the temp file is created)
+    except OSError as e:
+        raise ExportError(f"cannot check output {out}: {e.strerror or e}") from None
+    if not stat.S_ISREG(mode):
+        hint = " (give the path of the file it points to)" if stat.S_ISLNK(mode) else ""
+        raise ExportError(f"output {out} is {file_kind(mode)}, not a regular file: export.py will not replace it{hint}")
+
+
+def create_temp(path: Path) -> BinaryIO:
+    """A new file at `path`, opened for writing. O_EXCL|O_NOFOLLOW: fails if anything is there,
+    a symbolic link included, so nothing is ever written through a name we did not create."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "wb")
+
+
 def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) -> int:
     if len(vocab.texts) > hp.vocab_size and plan:
         raise ExportError(f"tokenizer has {len(vocab.texts)} tokens but the embedding has only {hp.vocab_size} rows")
@@ -1338,11 +1456,14 @@ def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) 
     file_size = pos
 
     tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
+    created = False
     try:
-        try:
-            f = open(tmp, "xb")
-        except OSError as e:
-            raise ExportError(f"cannot create {tmp}: {e.strerror or e}") from None
+        with stop_signals_blocked():   # so that `created` is true exactly when tmp is ours
+            try:
+                f = create_temp(tmp)
+            except OSError as e:
+                raise ExportError(f"cannot create {tmp}: {e.strerror or e}") from None
+            created = True
         with f:
             f.write(pack_header(hp, len(plan), tok_off, len(tok), table_off, file_size))
             f.write(tok)
@@ -1363,12 +1484,14 @@ def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) 
             progress.finish()
             if f.tell() != file_size:
                 raise ExportError(f"internal error: wrote {f.tell()} bytes, expected {file_size}")
+        check_output(out_path)   # again: something else may have been put there meanwhile
         os.replace(tmp, out_path)
-    except OSError as e:
-        _remove(tmp)
-        raise ExportError(f"writing {out_path}: {e.strerror or e}") from None
-    except BaseException:
-        _remove(tmp)
+    except BaseException as e:
+        if created:
+            with stop_signals_blocked():
+                _remove(tmp)
+        if isinstance(e, OSError):
+            raise ExportError(f"writing {out_path}: {e.strerror or e}") from None
         raise
     return file_size
 
@@ -1395,15 +1518,13 @@ def export(args: argparse.Namespace) -> None:
     src, out = Path(args.input), Path(args.output)
     if not src.exists():
         raise ExportError(f"input {src} does not exist")
-    if out.is_dir():
-        raise ExportError(f"output {out} is a directory")
 
     if src.is_dir():
         ck = HFCheckpoint(src)
         fam = family_for_hf(ck.config.get("architectures"), args.tokenizer_only)
-        sources = [*ck.files]
-        if any(same_file(out, s) for s in sources + [src / "config.json"]):
+        if any(same_file(out, s) for s in [*ck.files, src / "config.json"]):
             raise ExportError(f"output {out} is the same file as an input file")
+        check_output(out)
         hp = hparams_from_hf(ck, fam, strict=not args.tokenizer_only)
         vocab = vocab_from_hf(ck)
         plan: list[OutTensor] = []
@@ -1412,12 +1533,15 @@ def export(args: argparse.Namespace) -> None:
             emb = ck.tensors.get(fam.hf_names["tok_embeddings"])
             if emb is not None and emb.rows_cols[0] != hp.vocab_size:
                 raise ExportError(f"tensor '{emb.name}' has {emb.rows_cols[0]} rows but config vocab_size is {hp.vocab_size}")
-            if fam.hf_names["output"] not in ck.tensors:
-                hp.tied = True
+            if not hp.tied and fam.hf_names["output"] not in ck.tensors:
+                said = "is false" if "tie_word_embeddings" in ck.config else "is absent (false for llama)"
+                raise ExportError(f"{src / 'config.json'}: tie_word_embeddings {said} but there is no tensor "
+                                  f"'{fam.hf_names['output']}'; set it to true if the token embedding is the output head")
             plan = build_plan(hp, ck.tensors, fam.hf_names, False, args.dtype, fam.hf_ignored)
     else:
         if same_file(out, src):
             raise ExportError(f"output {out} is the same file as the input")
+        check_output(out)
         g = GGUFFile(src)
         fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
         hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
@@ -1434,7 +1558,8 @@ def export(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
-    ap.add_argument("output", help="the model file to write (written to OUTPUT.tmp-PID, then renamed)")
+    ap.add_argument("output", help="the model file to write: a new file or a regular file to replace (never a device, "
+                                   "FIFO or symbolic link); written to OUTPUT.tmp-PID, then renamed")
     ap.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="f32",
                     help="type of the weight matrices (default f32); with q4_1 the token embedding / output head "
                          "stay Q8_0; norms are always F32")
@@ -1445,14 +1570,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Stop signals unwind through write_model, which removes the temp file; a signal the caller
+    # ignores (nohup, a background job's SIGINT) stays ignored.
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    for s, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(s, _on_stop_signal)
     try:
         export(args)
     except ExportError as e:
         print(f"{PROG}: error: {show(str(e), 600)}", file=sys.stderr)
         return 1
+    except Stopped as e:
+        print(f"{PROG}: interrupted by {signal.Signals(e.signum).name}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+        return 128 + signal.SIGINT
     except MemoryError:
         print(f"{PROG}: error: out of memory", file=sys.stderr)
         return 1
@@ -1463,6 +1597,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: unexpected {type(e).__name__} while exporting (corrupt input?): {show(str(e), 300)}",
               file=sys.stderr)
         return 1
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     return 0
 
 

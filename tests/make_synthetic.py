@@ -3,7 +3,8 @@
 
 Both forms carry the same weights (Hugging Face row order in memory). The GGUF
 follows llama.cpp's converter: Q and K rows are permuted per head so that
-adjacent-pair RoPE reproduces HF's half-split RoPE (FACTS.md 4.3). The
+adjacent-pair RoPE reproduces HF's half-split RoPE (LlamaModel.permute in llama.cpp's
+convert_hf_to_gguf.py; rotate_half in Hugging Face's modeling_llama.py). The
 tokenizer is a small byte-level BPE (GPT-2 byte alphabet, "smollm"
 pre-tokenizer) trained here on a fixed paragraph, with ChatML control tokens.
 
@@ -89,7 +90,7 @@ We're testing tokenizers; they'll split words like these, and they've got to han
 
 
 def gpt2_byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (FACTS.md 5.2)."""
+    """GPT-2's reversible byte -> printable character map (bytes_to_unicode in openai/gpt-2 src/encoder.py)."""
     printable = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     mapping = {b: chr(b) for b in printable}
     extra = 0
@@ -232,7 +233,8 @@ def make_weights(cfg: SynthConfig) -> dict[str, np.ndarray]:
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns, round to nearest even (FACTS.md 2.2; no NaNs occur here)."""
+    """float32 -> bf16 bit patterns, round to nearest even, as ggml_compute_fp32_to_bf16 in ggml/src/ggml-impl.h
+    does (no NaNs occur here)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
@@ -271,7 +273,8 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row permutation: GGUF row (h*hd + 2i + s) = HF row (h*hd + s*hd/2 + i) (FACTS.md 4.3)."""
+    """llama.cpp's Q/K row permutation: GGUF row (h*hd + 2i + s) = HF row (h*hd + s*hd/2 + i)
+    (LlamaModel.permute in convert_hf_to_gguf.py)."""
     rows = w.shape[0]
     hd = rows // n_heads
     half = hd // 2
@@ -412,7 +415,8 @@ def hf_config(cfg: SynthConfig, torch_dtype: str = "float32") -> dict:
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> int:
-    """Write one safetensors file by hand (FACTS.md 7.1); dtype "F32" or "BF16". Returns the data size."""
+    """Write one safetensors file by hand (the "Format" section of the safetensors README);
+    dtype "F32" or "BF16". Returns the data size."""
     header: dict = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
     # Data in reverse name order, so that a reader relying on header order or on sorted data is caught out.

@@ -30,7 +30,7 @@ def _load_export():
 
 export = _load_export()
 
-# Byte offsets of the f16 scale fields in each block (FACTS.md section 2): random bytes there
+# Byte offsets of the f16 scale fields in each block (the block_* structs of ggml/src/ggml-common.h): random bytes there
 # could be inf/NaN, which makes "equal" meaningless, so they get sane finite values.
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
@@ -133,7 +133,9 @@ def test_dequant_q6_k() -> None:
 
 
 def test_q4_1_worked_example() -> None:
-    """FACTS.md 2.3 worked example (checked against ggml): element 0 = 4.0, element 16 = 0.5, 1 and 17 = -1."""
+    """One block_q4_1 (ggml-common.h) decoded by hand as dequantize_row_q4_1 (ggml-quants.c) does:
+    d = f16 0x3800 = 0.5, m = f16 0xBC00 = -1; byte 0 = 0x3A holds element 0 (low nibble 10 -> 4.0)
+    and element 16 (high nibble 3 -> 0.5); zero nibbles give m = -1."""
     block = bytes([0x00, 0x38, 0x00, 0xBC, 0x3A]) + bytes(15)
     v = export.dequantize(np.frombuffer(block, np.uint8), 3)
     assert (v[0], v[16], v[1], v[17]) == (4.0, 0.5, -1.0, -1.0), v

@@ -12,10 +12,14 @@ import contextlib
 import importlib.util
 import io
 import json
+import os
 import shutil
+import signal
+import stat
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,12 +76,12 @@ def hf_weights(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """What llama.cpp's converter does to llama Q/K rows (FACTS.md 4.3)."""
+    """What llama.cpp's converter does to llama Q/K rows (LlamaModel.permute in convert_hf_to_gguf.py)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF writer (FACTS.md section 1)
+# GGUF writer (ggml's docs/gguf.md)
 
 U32, I32, F32V, BOOL, STR, ARR = 4, 5, 6, 7, 8, 9
 SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
@@ -172,7 +176,7 @@ def good_gguf(name: str = "tiny.gguf") -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
-# Hugging Face directory writer (FACTS.md section 7)
+# Hugging Face directory writer (config.json as LlamaConfig reads it; safetensors per its README "Format")
 
 def safetensors_bytes(tensors: dict[str, np.ndarray]) -> bytes:
     header, blobs, pos = {}, [], 0
@@ -266,17 +270,22 @@ def expect_success(inp: Path, out: Path, *extra: str) -> bytes:
 _export_module = None
 
 
-def run_in_process(args: list[str]) -> tuple[int, list[str]]:
-    """export.main(args) in this process (much faster than a subprocess): exit status, stderr lines."""
+def export_module():
+    """export.py imported into this process (once)."""
     global _export_module
     if _export_module is None:
         spec = importlib.util.spec_from_file_location("export_under_test", EXPORT)
         _export_module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = _export_module   # dataclasses look their module up here
         spec.loader.exec_module(_export_module)
+    return _export_module
+
+
+def run_in_process(args: list[str]) -> tuple[int, list[str]]:
+    """export.main(args) in this process (much faster than a subprocess): exit status, stderr lines."""
     buf = io.StringIO()
     with contextlib.redirect_stderr(buf):
-        rc = _export_module.main(args)
+        rc = export_module().main(args)
     return rc, buf.getvalue().strip().splitlines()
 
 
@@ -386,6 +395,232 @@ def test_write_failure_leaves_nothing() -> None:
     assert r.returncode == 1 and "Traceback" not in err, (r.returncode, err)
     assert len(lines) == 1 and "too large" in lines[0].lower() and str(out) in lines[0], err
     assert not out.exists() and not _leftovers(out), _leftovers(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs that are not regular files, and stop signals (issue 11): export.py replaces only a
+# regular file, creates its temp file itself, and removes it whatever stops the export.
+
+def _identity(path: Path) -> tuple:
+    st = os.lstat(path)
+    return st.st_mode, st.st_ino, st.st_rdev
+
+
+def expect_output_refused(inp: Path, out: Path, *words: str) -> str:
+    """Export onto `out`, which exists and is not a regular file: exit 1, one line naming it and
+    what it is, `out` still the same node afterwards, no temp file left."""
+    before = _identity(out)
+    r = python([EXPORT, inp, out], timeout=120)
+    err = r.stderr.decode("utf-8", "replace")
+    lines = err.strip().splitlines()
+    assert r.returncode == 1 and "Traceback" not in err, f"exit {r.returncode}: {err[-600:]!r}"
+    assert len(lines) == 1 and lines[0].startswith("export.py: error:"), err
+    for w in (str(out), *words):
+        assert w.lower() in lines[0].lower(), f"{w!r} not in the error message {lines[0]!r}"
+    assert _identity(out) == before, f"{out} was replaced"
+    assert not _leftovers(out), f"temp files left behind: {_leftovers(out)}"
+    return lines[0]
+
+
+def test_output_device_node_refused() -> None:
+    """`export.py MODEL /dev/null` (as root) replaced the device with a regular file. Our own
+    nodes with /dev/null's and /dev/full's numbers stand in for them; GGUF and HF inputs."""
+    for name, minor in (("null", 3), ("full", 7)):
+        dev = WORK / f"dev_{name}"
+        dev.unlink(missing_ok=True)
+        os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, minor))
+        try:
+            for inp in (good_gguf(), good_hf()):
+                expect_output_refused(inp, dev, "character device", "not a regular file")
+            st = os.lstat(dev)
+            assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, minor), st
+        finally:
+            dev.unlink(missing_ok=True)
+
+
+def test_output_fifo_refused() -> None:
+    fifo = WORK / "out.fifo"
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    try:
+        expect_output_refused(good_gguf(), fifo, "FIFO")
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    finally:
+        fifo.unlink(missing_ok=True)
+
+
+def test_output_symlink_refused() -> None:
+    """A symbolic link as the output (to a file, or dangling) is refused: it is neither replaced
+    by a regular file nor written through; its target stays as it was (or absent)."""
+    target, dangling_target = WORK / "link_target.bin", WORK / "no_such_target.bin"
+    target.write_bytes(b"must stay unchanged")
+    dangling_target.unlink(missing_ok=True)
+    for name, to in (("out_link.bin", target), ("dangling_link.bin", dangling_target)):
+        link = WORK / name
+        link.unlink(missing_ok=True)
+        link.symlink_to(to)
+        expect_output_refused(good_gguf(), link, "symbolic link")
+        assert link.is_symlink() and os.readlink(link) == str(to)
+        link.unlink()
+    assert target.read_bytes() == b"must stay unchanged"
+    assert not dangling_target.exists() and not dangling_target.is_symlink()
+
+
+def test_temp_name_taken_is_left_alone() -> None:
+    """Something already at OUT.tmp-PID (a symlink to another file, or a file) is not written
+    through, not replaced and not deleted: the export fails with 'cannot create'."""
+    src, out = good_gguf(), WORK / "taken.bin"
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")   # run_in_process: export.py's PID is ours
+    victim = WORK / "taken_victim.bin"
+    for make in (lambda: tmp.symlink_to(victim), lambda: tmp.write_bytes(b"someone else's")):
+        victim.write_bytes(b"must stay unchanged")
+        out.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        make()
+        before = _identity(tmp)
+        rc, lines = run_in_process([str(src), str(out)])
+        assert rc == 1 and len(lines) == 1 and "cannot create" in lines[0] and str(tmp) in lines[0], (rc, lines)
+        assert tmp.is_symlink() or tmp.exists(), f"{tmp}, which export.py did not create, was deleted"
+        assert _identity(tmp) == before, f"{tmp} was replaced"
+        assert victim.read_bytes() == b"must stay unchanged" and not out.exists()
+        tmp.unlink()
+
+
+def test_output_replaced_during_export() -> None:
+    """The output checked at the start may be replaced by a FIFO while the tensors are written;
+    the rename then must not replace it (the check is repeated just before)."""
+    ex = export_module()
+    src, out = good_gguf(), WORK / "raced.bin"
+    _clean(out)
+    original = ex.convert_part
+
+    def convert_and_race(*args, **kwargs):
+        if not out.exists():
+            os.mkfifo(out)
+        return original(*args, **kwargs)
+
+    ex.convert_part = convert_and_race
+    try:
+        rc, lines = run_in_process([str(src), str(out)])
+    finally:
+        ex.convert_part = original
+    try:
+        assert rc == 1 and len(lines) and "FIFO" in lines[-1] and str(out) in lines[-1], (rc, lines)
+        assert stat.S_ISFIFO(os.lstat(out).st_mode), "the FIFO was replaced"
+        assert not _leftovers(out), _leftovers(out)
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def _export_stopped_by(sig: int, ignored: bool = False) -> tuple[int, str, Path]:
+    """Export the real GGUF in a subprocess and send `sig` while the temp file is being written
+    (the child is stopped first, so the export cannot finish before the signal arrives).
+    The child starts with `sig` at its default, or ignored (as under nohup), whatever this
+    process inherited (a background job's SIGINT is ignored). Returns (status, stderr, out)."""
+    require(DEFAULT_GGUF, "the default SmolLM2 GGUF must be in models/")
+    out = WORK / f"stopped_{signal.Signals(sig).name}.bin"
+    _clean(out)
+    disposition = signal.SIG_IGN if ignored else signal.SIG_DFL
+
+    def setup() -> None:
+        signal.signal(sig, disposition)
+
+    p = subprocess.Popen([sys.executable, str(EXPORT), str(DEFAULT_GGUF), str(out), "--dtype", "q8_0"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=setup)
+    try:
+        deadline = time.time() + 120
+        while not _leftovers(out) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.002)
+        assert p.poll() is None and _leftovers(out), f"no temp file appeared while the export ran ({p.poll()})"
+        os.kill(p.pid, signal.SIGSTOP)
+        os.kill(p.pid, sig)
+        os.kill(p.pid, signal.SIGCONT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return p.returncode, err.decode("utf-8", "replace"), out
+
+
+def test_stop_signals_remove_temp_file() -> None:
+    """SIGTERM (`timeout`) and SIGHUP left OUT.tmp-PID behind (up to 242 MB); SIGINT already
+    cleaned up. Each now removes it and exits 128 + the signal number with one line."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        name = signal.Signals(sig).name
+        rc, err, out = _export_stopped_by(sig)
+        assert rc == 128 + sig, f"{name}: exit status {rc}, want {128 + sig}; stderr {err[-300:]!r}"
+        assert not _leftovers(out), f"{name}: temp file left behind: {_leftovers(out)}"
+        assert not out.exists(), f"{name}: {out} exists"
+        last = err.strip().splitlines()[-1]
+        assert "Traceback" not in err and last == f"export.py: interrupted by {name}", f"{name}: {err[-300:]!r}"
+
+
+def test_ignored_stop_signal_stays_ignored() -> None:
+    """Under nohup (SIGHUP ignored) the export does not stop on SIGHUP: it completes."""
+    rc, err, out = _export_stopped_by(signal.SIGHUP, ignored=True)
+    assert rc == 0 and "export.py: wrote" in err, (rc, err[-300:])
+    assert out.exists() and not _leftovers(out)
+    out.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Values the engine would refuse (run.c read_config) are refused at export, naming the key or
+# tensor (issue 11): an exported file must never be refused later.
+
+def test_header_values_the_engine_refuses() -> None:
+    """rms_norm_eps must be a finite float32 > 0, rope_theta > 1, the context at most 2^20,
+    the layer count at most 1024; GGUF and HF keys alike, named in the message."""
+    hf_cases = [(dict(rms_norm_eps=0), "rms_norm_eps", "> 0"), (dict(rms_norm_eps=1e-50), "rms_norm_eps", "float32"),
+                (dict(rms_norm_eps=-1e-5), "rms_norm_eps", "> 0"), (dict(rope_theta=1.0), "rope_theta", "> 1"),
+                (dict(rope_theta=0.5), "rope_theta", "> 1"), (dict(rope_theta=1e39), "rope_theta", "float32"),
+                (dict(max_position_embeddings=(1 << 20) + 1), "max_position_embeddings", "1048576"),
+                (dict(num_hidden_layers=1025), "num_hidden_layers", "1024")]
+    for change, *words in hf_cases:
+        expect_failure(good_hf("hf_header", config=hf_config(**change)), *words)
+    a = "llama"
+    gguf_cases = [((f"{a}.attention.layer_norm_rms_epsilon", F32V, 0.0), "layer_norm_rms_epsilon", "> 0"),
+                  ((f"{a}.rope.freq_base", F32V, 1.0), "freq_base", "> 1"),
+                  ((f"{a}.rope.freq_base", F32V, float("nan")), "freq_base", "finite"),
+                  ((f"{a}.context_length", U32, 1 << 21), "context_length", "1048576")]
+    for (key, vtype, value), *words in gguf_cases:
+        kvs = [kv if kv[0] != key else (key, vtype, value) for kv in gguf_kvs()]
+        expect_failure(write_gguf("header.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), key, *words)
+
+
+def test_three_dimensional_tensor_refused() -> None:
+    """A [vocab, 1, dim] embedding has the right rows x cols but is not a matrix: refused, named."""
+    w = hf_weights()
+    w["model.embed_tokens.weight"] = w["model.embed_tokens.weight"].reshape(VOCAB, 1, DIM)
+    expect_failure(good_hf("hf_3d", weights=w), "model.embed_tokens.weight", f"{VOCAB}x1x{DIM}")
+    expect_failure(write_gguf("emb3d.gguf", gguf_bytes(gguf_kvs(), gguf_tensors(w))), "token_embd.weight",
+                   f"{VOCAB}x1x{DIM}")
+
+
+def test_hf_duplicate_token_ids_refused() -> None:
+    """Two tokens with one id in tokenizer.json (model.vocab, or added_tokens with different
+    text) would silently lose one of them: refused, with the id and both texts."""
+    d = good_hf("hf_dup_ids")
+    tj = hf_tokenizer_json()
+    tj["model"]["vocab"]['"'] = tj["model"]["vocab"]["!"]   # two bytes no merge needs: nothing else fails
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    expect_failure(d, "model.vocab", f"id {tj['model']['vocab']['!']}", "'!'", "'\"'")
+    tj = hf_tokenizer_json()
+    tj["added_tokens"].append({**tj["added_tokens"][0], "content": "<|other|>"})
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    expect_failure(d, "added_tokens", "id 0", "<|endoftext|>", "<|other|>")
+
+
+def test_hf_untied_without_lm_head_refused() -> None:
+    """tie_word_embeddings false (or absent: false for llama) with no lm_head.weight was silently
+    exported as tied; a tie_word_embeddings that is not a bool is refused too."""
+    expect_failure(good_hf("hf_untied_nohead", config=hf_config(tie_word_embeddings=False)),
+                   "tie_word_embeddings", "is false", "lm_head.weight")
+    cfg = hf_config()
+    del cfg["tie_word_embeddings"]
+    expect_failure(good_hf("hf_untied_nohead", config=cfg), "tie_word_embeddings", "absent", "lm_head.weight")
+    expect_failure(good_hf("hf_untied_nohead", config=hf_config(tie_word_embeddings="false")),
+                   "tie_word_embeddings", "'false'")
 
 
 # ---------------------------------------------------------------------------------------------
