@@ -3,7 +3,7 @@
 
 Both forms carry the same weights (Hugging Face row order in memory). The GGUF
 follows llama.cpp's converter: Q and K rows are permuted per head so that
-adjacent-pair RoPE reproduces HF's half-split RoPE (FACTS.md 4.3). The
+adjacent-pair RoPE reproduces HF's half-split RoPE (convert_hf_to_gguf.py, LlamaModel.permute). The
 tokenizer is a small byte-level BPE (GPT-2 byte alphabet, "smollm"
 pre-tokenizer) trained here on a fixed paragraph, with ChatML control tokens.
 
@@ -28,6 +28,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+
+from ref_forward import hf_to_gguf_name
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,7 @@ We're testing tokenizers; they'll split words like these, and they've got to han
 
 
 def gpt2_byte_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (FACTS.md 5.2)."""
+    """GPT-2's reversible byte -> printable character map (bytes_to_unicode in openai/gpt-2 src/encoder.py)."""
     printable = list(range(0x21, 0x7F)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     mapping = {b: chr(b) for b in printable}
     extra = 0
@@ -232,7 +234,8 @@ def make_weights(cfg: SynthConfig) -> dict[str, np.ndarray]:
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 -> bf16 bit patterns, round to nearest even (FACTS.md 2.2; no NaNs occur here)."""
+    """float32 -> bf16 bit patterns, round to nearest even like ggml's ggml_compute_fp32_to_bf16 (ggml-impl.h);
+    no NaNs occur here."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
@@ -256,22 +259,9 @@ def rounded_weights(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.
 # ----------------------------------------------------------------------------------------------------------------
 # GGUF (llama.cpp convention)
 
-def hf_to_gguf_name(name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if name in fixed:
-        return fixed[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-    if not m:
-        raise KeyError(name)
-    part = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[m.group(2)]
-    return f"blk.{m.group(1)}.{part}.weight"
-
-
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's Q/K row permutation: GGUF row (h*hd + 2i + s) = HF row (h*hd + s*hd/2 + i) (FACTS.md 4.3)."""
+    """llama.cpp's Q/K row permutation: GGUF row (h*hd + 2i + s) = HF row (h*hd + s*hd/2 + i)
+    (convert_hf_to_gguf.py, LlamaModel.permute)."""
     rows = w.shape[0]
     hd = rows // n_heads
     half = hd // 2
@@ -412,7 +402,8 @@ def hf_config(cfg: SynthConfig, torch_dtype: str = "float32") -> dict:
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str) -> int:
-    """Write one safetensors file by hand (FACTS.md 7.1); dtype "F32" or "BF16". Returns the data size."""
+    """Write one safetensors file by hand (format: huggingface/safetensors README); dtype "F32" or "BF16".
+    Returns the data size."""
     header: dict = {"__metadata__": {"format": "pt"}}
     blobs, offset = [], 0
     # Data in reverse name order, so that a reader relying on header order or on sorted data is caught out.
