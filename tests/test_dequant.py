@@ -30,8 +30,8 @@ def _load_export():
 
 export = _load_export()
 
-# Byte offsets of the f16 scale fields in each block (FACTS.md section 2): random bytes there
-# could be inf/NaN, which makes "equal" meaningless, so they get sane finite values.
+# Byte offsets of the f16 scale fields in each block (ggml's block_* structs in ggml/src/ggml-common.h):
+# random bytes there could be inf/NaN, which makes "equal" meaningless, so they get sane finite values.
 F16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
@@ -133,7 +133,10 @@ def test_dequant_q6_k() -> None:
 
 
 def test_q4_1_worked_example() -> None:
-    """FACTS.md 2.3 worked example (checked against ggml): element 0 = 4.0, element 16 = 0.5, 1 and 17 = -1."""
+    """A Q4_1 block worked by hand from ggml (block_q4_1 in ggml-common.h: f16 d, f16 m, 16 bytes of nibbles;
+    dequantize_row_q4_1 in ggml-quants.c: x = d*q + m, low nibbles are elements 0..15, high nibbles 16..31):
+    d = 0.5, m = -1, qs[0] = 0x3A gives element 0 = 10*0.5 - 1 = 4.0 and element 16 = 3*0.5 - 1 = 0.5;
+    qs[1] = 0 gives -1 for elements 1 and 17."""
     block = bytes([0x00, 0x38, 0x00, 0xBC, 0x3A]) + bytes(15)
     v = export.dequantize(np.frombuffer(block, np.uint8), 3)
     assert (v[0], v[16], v[1], v[17]) == (4.0, 0.5, -1.0, -1.0), v

@@ -33,7 +33,8 @@ def extra_tokens() -> list[tuple[str, tuple[str, str] | None]]:
 
 
 def gpt2_encode(text: str) -> str:
-    """The GPT-2 byte-to-unicode form of a string's UTF-8 bytes (FACTS 5.2), as GGUF stores it."""
+    """The GPT-2 byte-to-unicode form of a string's UTF-8 bytes (bytes_to_unicode in openai/gpt-2 src/encoder.py),
+    as GGUF stores it."""
     printable = set(range(0x21, 0x7F)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
     mapping, extra = {}, 0
     for b in range(256):
