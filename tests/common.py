@@ -1,8 +1,10 @@
-"""Shared helpers for the tests: paths, running ./run, scratch space."""
+"""Shared helpers for the tests: paths, running ./run and export.py, the default model, scratch space,
+GGUF metadata."""
 from __future__ import annotations
 
 import hashlib
 import os
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -36,6 +38,13 @@ def require(path: Path, how: str) -> Path:
     return path
 
 
+def model() -> str:
+    """The default model file (SmolLM2 Q4_1), as the engine's first argument; fails when it or ./run is missing."""
+    require(RUN, "build the engine with `make`")
+    return str(require(DEFAULT_MODEL, "export it: python3 export.py models/SmolLM2-135M-Instruct.Q4_1.gguf "
+                                      "models/smollm2-135m-instruct.bin --dtype q4_1"))
+
+
 def exported(dtype: str) -> Path:
     """SmolLM2 exported from the default GGUF with --dtype dtype into SCRATCH
     (re-exported when export.py or the GGUF is newer than the file)."""
@@ -46,6 +55,24 @@ def exported(dtype: str) -> Path:
         r = python([ROOT / "export.py", DEFAULT_GGUF, out, "--dtype", dtype])
         assert r.returncode == 0, r.stderr.decode()
     return out
+
+
+def gguf_metadata(path: Path, key: str) -> str | int | float | bool:
+    """One scalar or string value of a GGUF file's metadata. A small reader:
+    the gguf package parses every tensor and token, which takes seconds."""
+    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+    with open(require(path, "the GGUF model"), "rb") as f:
+        head = f.read(16 << 20)  # the metadata sits at the start, before the tensors
+    k = key.encode()
+    at = head.find(struct.pack("<Q", len(k)) + k)
+    assert at > 0, f"{key} not in the first 16 MB of {path}"
+    at += 8 + len(k)
+    vtype = struct.unpack_from("<I", head, at)[0]
+    at += 4
+    if vtype == 8:
+        n = struct.unpack_from("<Q", head, at)[0]
+        return head[at + 8: at + 8 + n].decode("utf-8")
+    return struct.unpack_from(scalar[vtype], head, at)[0]
 
 
 def sha256_file(path: Path) -> str:

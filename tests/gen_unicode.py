@@ -1,6 +1,10 @@
 #!/usr/bin/env python3
 """Generate the Unicode class tables of tokenizer.c (between its BEGIN/END GENERATED markers).
 
+The region sits in the appendix at the end of tokenizer.c, after the logic that uses it.
+The class numbers UC_OTHER..UC_SPACE are written by hand where the pre-tokenizer starts
+(the code needs them before the tables); the region checks them with a _Static_assert.
+
 The byte-level BPE pre-tokenizers split text with regexes over three classes:
   \\p{L}  letters      general category L*  (Lu Ll Lt Lm Lo)
   \\p{N}  numbers      general category N*  (Nd Nl No)
@@ -103,15 +107,11 @@ def generate(db: ModuleType) -> str:
     src = getattr(db, "__name__", "unicodedata")
     return "\n".join([
         f"{BEGIN}: python3 tests/gen_unicode.py (Unicode {db.unidata_version}, from {src}). Do not edit. */",
-        "/* Code point classes seen by the pre-tokenizer regexes: \\p{L} = general category L*,",
-        "   \\p{N} = N*, \\s = Unicode White_Space (Zs Zl Zp, U+0009..U+000D, U+0085). */",
         f'#define UC_VERSION "{db.unidata_version}"',
-        f"#define UC_OTHER  {CLASS_OTHER}",
-        f"#define UC_LETTER {CLASS_LETTER}",
-        f"#define UC_NUMBER {CLASS_NUMBER}",
-        f"#define UC_SPACE  {CLASS_SPACE}",
         f"#define UC_LIMIT  0x{limit:X}u  /* every code point from here on is UC_OTHER */",
         f"#define UC_BLOCK_BITS {BLOCK_BITS}",
+        f"_Static_assert(UC_OTHER == {CLASS_OTHER} && UC_LETTER == {CLASS_LETTER} && UC_NUMBER == {CLASS_NUMBER} "
+        f'&& UC_SPACE == {CLASS_SPACE}, "classes as tests/gen_unicode.py numbers them");',
         "/* class(cp) = (uc_stage2[uc_stage1[cp >> 7] * 32 + (cp & 127) / 4] >> (2 * (cp & 3))) & 3 */",
         c_array("uc_stage1", stage1),
         c_array("uc_stage2", stage2),

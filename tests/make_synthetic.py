@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ref_forward import hf_to_gguf_name
+
 
 @dataclass(frozen=True)
 class SynthConfig:
@@ -257,20 +259,6 @@ def rounded_weights(weights: dict[str, np.ndarray], dtype: str) -> dict[str, np.
 
 # ----------------------------------------------------------------------------------------------------------------
 # GGUF (llama.cpp convention)
-
-def hf_to_gguf_name(name: str) -> str:
-    fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    if name in fixed:
-        return fixed[name]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
-    if not m:
-        raise KeyError(name)
-    part = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}[m.group(2)]
-    return f"blk.{m.group(1)}.{part}.weight"
-
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's Q/K row permutation: GGUF row (h*hd + 2i + s) = HF row (h*hd + s*hd/2 + i)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""Reference forward pass of the llama architecture in float64 numpy, written from the math.
+"""Reference forward pass of the llama architecture in float64 numpy, written from the model definition.
 
-It reads Hugging Face config keys and HF-named, HF-ordered weights (never our
-model file, never export.py) and returns the logits of every position:
+It shares no code with run.c or export.py. Weights are addressed by their Hugging Face
+names; the loaders below read them from a Hugging Face directory (config.json +
+safetensors) or from a llama-architecture GGUF file. Returns the logits of every position:
 
     x      = embed[token]
     per layer:
@@ -16,12 +17,29 @@ model file, never export.py) and returns the logits of every position:
     logits = (rmsnorm(x) * final_norm) . Whead^T    Whead = embed when tied
     rmsnorm(v) = v / sqrt(mean(v^2) + eps)
 
+Sources a reader can open:
+  * Hugging Face transformers, src/transformers/models/llama/modeling_llama.py: LlamaRMSNorm,
+    rotate_half / apply_rotary_pos_emb (the half-split RoPE), repeat_kv + eager_attention_forward
+    (grouped-query attention), LlamaMLP (SwiGLU), and LlamaConfig's defaults (configuration_llama.py).
+  * llama.cpp, convert_hf_to_gguf.py: LlamaModel.permute reorders the Q and K rows of every head
+    so that llama.cpp's adjacent-pair RoPE ("NORMAL" mode) gives the same result; GGUF Q/K rows
+    are therefore run with adjacent_pairs=True. Tensor names: gguf-py/gguf/tensor_mapping.py.
+  * README.md, "The model file": the engine stores Q/K rows in Hugging Face order (half-split).
+
+Two uses: the synthetic-model and perplexity tests (tests/test_synthetic.py, tests/test_quant.py)
+compare the engine with it, and tests/oracle/make_goldens.py uses it as a float64 measuring
+stick for the test tolerances (how far two float32 implementations may be from exact arithmetic).
+
     python3 tests/ref_forward.py HF_DIR --ids "1 2 3" [--out logits.f32]
+    python3 tests/ref_forward.py models/SmolLM2-135M-Instruct.Q4_1.gguf --ids "504 3575 282 4649 314"
+
+Reading a GGUF needs the `gguf` package (quantized blocks are decoded by gguf.quants.dequantize).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -133,7 +151,8 @@ def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjace
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# A minimal safetensors reader (its own code, so the reference does not depend on the exporter's).
+# Loaders. A minimal safetensors reader (its own code, so the reference does not depend on the exporter's)
+# and a GGUF reader on top of the `gguf` package.
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one .safetensors file as float32 arrays (F32, F16, BF16 supported)."""
@@ -170,14 +189,80 @@ def load_hf(model_dir: Path) -> tuple[dict, dict[str, np.ndarray]]:
     return cfg, weights
 
 
+# GGUF names of the Hugging Face llama tensors (llama.cpp gguf-py/gguf/tensor_mapping.py).
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+GGUF_LAYER_PARTS = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """'model.layers.3.self_attn.q_proj.weight' -> 'blk.3.attn_q.weight' (KeyError for names llama has not)."""
+    if name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[name]
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    if not m:
+        raise KeyError(name)
+    return f"blk.{m.group(1)}.{GGUF_LAYER_PARTS[m.group(2)]}.weight"
+
+
+def gguf_to_hf_name(name: str) -> str:
+    """The inverse of hf_to_gguf_name."""
+    hf_global = {g: h for h, g in GGUF_GLOBAL_NAMES.items()}
+    if name in hf_global:
+        return hf_global[name]
+    m = re.fullmatch(r"blk\.(\d+)\.(.+)\.weight", name)
+    hf_part = {g: h for h, g in GGUF_LAYER_PARTS.items()}
+    if not m or m.group(2) not in hf_part:
+        raise KeyError(name)
+    return f"model.layers.{m.group(1)}.{hf_part[m.group(2)]}.weight"
+
+
+def load_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(HF-style config dict, {HF weight name: float64 array}) of a llama-architecture GGUF.
+
+    Quantized tensors are decoded to the values the file stores. Q and K rows stay in the
+    converter's permuted order: run forward(..., adjacent_pairs=True) on these weights.
+    """
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise ValueError(f"{path}: architecture {arch} not modelled")
+
+    def field(key: str, default: float | None = None) -> float:
+        f = reader.fields.get(f"{arch}.{key}")
+        if f is None and default is None:
+            raise ValueError(f"{path}: no {arch}.{key}")
+        return default if f is None else f.contents()
+
+    weights = {gguf_to_hf_name(t.name): dequantize(t.data, t.tensor_type).astype(np.float64) for t in reader.tensors}
+    cfg = {
+        "hidden_size": field("embedding_length"),
+        "num_hidden_layers": field("block_count"),
+        "num_attention_heads": field("attention.head_count"),
+        "num_key_value_heads": field("attention.head_count_kv"),
+        "head_dim": field("attention.key_length", field("embedding_length") // field("attention.head_count")),
+        "rms_norm_eps": field("attention.layer_norm_rms_epsilon"),
+        "rope_theta": field("rope.freq_base", 10000.0),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+    }
+    return cfg, weights
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model_dir", type=Path, help="Hugging Face directory (config.json + safetensors)")
+    ap.add_argument("model", type=Path, help="Hugging Face directory (config.json + safetensors) or a .gguf file")
     ap.add_argument("--ids", required=True, help="space-separated token ids")
     ap.add_argument("--out", type=Path, help="write float32 logits [n_tokens, vocab] here (like run --dump-logits)")
     args = ap.parse_args()
-    cfg, weights = load_hf(args.model_dir)
-    logits = forward(cfg, weights, [int(t) for t in args.ids.split()])
+    is_gguf = args.model.is_file()
+    cfg, weights = load_gguf(args.model) if is_gguf else load_hf(args.model)
+    logits = forward(cfg, weights, [int(t) for t in args.ids.split()], adjacent_pairs=is_gguf)
     if args.out:
         logits.astype("<f4").tofile(args.out)
     for pos, row in enumerate(logits):

@@ -19,19 +19,13 @@ import select
 import signal
 import time
 
-from common import DEFAULT_GGUF, DEFAULT_MODEL, RUN, TESTS, require, run
+from common import DEFAULT_GGUF, RUN, TESTS, gguf_metadata, model, require, run
 
 GOLDEN_PATH = TESTS / "chat" / "golden.json"
 CONTROL_TEXTS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
 TURN_RE = re.compile(r"^turn (\d+): prefill (\d+) new tokens \((\d+) already cached\)$")
 DECODE_RE = re.compile(r"^decode: (\d+) tokens")
 N_ANSWER = 48  # long enough for the greedy answer to USER1 to end at <|im_end|>
-
-
-def model() -> str:
-    require(RUN, "build the engine with `make`")
-    return str(require(DEFAULT_MODEL, "export it: python3 export.py models/SmolLM2-135M-Instruct.Q4_1.gguf "
-                                      "models/smollm2-135m-instruct.bin --dtype q4_1"))
 
 
 @functools.cache
@@ -82,25 +76,6 @@ def expected_second_block(first_answer_tokens: int, limit: int, after: list[int]
 
 
 # ----- the template, one turn --------------------------------------------------
-
-def gguf_metadata(path, key: str):
-    """One scalar or string value of a GGUF file's metadata. A small reader:
-    the gguf package parses every tensor and token, which takes seconds."""
-    import struct
-    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-    with open(require(path, "the GGUF model"), "rb") as f:
-        head = f.read(16 << 20)  # the metadata sits at the start, before the tensors
-    k = key.encode()
-    at = head.find(struct.pack("<Q", len(k)) + k)
-    assert at > 0, f"{key} not in the first 16 MB of {path}"
-    at += 8 + len(k)
-    vtype = struct.unpack_from("<I", head, at)[0]
-    at += 4
-    if vtype == 8:
-        n = struct.unpack_from("<Q", head, at)[0]
-        return head[at + 8: at + 8 + n].decode("utf-8")
-    return struct.unpack_from(scalar[vtype], head, at)[0]
-
 
 def test_golden_matches_the_models_template():
     """golden.json was rendered from the template this GGUF carries (rerun

@@ -14,8 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DEFAULT_GGUF, DEFAULT_MODEL, ROOT, RUN, SCRATCH, require, run
-from test_chat import gguf_metadata
+from common import DEFAULT_GGUF, DEFAULT_MODEL, ROOT, RUN, SCRATCH, gguf_metadata, model, require, run
 
 # Every flag the issue and the project brief define; -h must document each one.
 VALUE_FLAGS = ["-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx", "--kv",
@@ -25,12 +24,6 @@ SWITCHES = ["-c", "-v", "--special", "--tokenize", "--no-batch", "--scalar", "--
 # Flags that have a default; -h must state it.
 DEFAULTS = ["-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx", "--kv"]
 PROMPT = "The capital of France is"
-
-
-def model() -> str:
-    require(RUN, "build the engine with `make`")
-    return str(require(DEFAULT_MODEL, "export it: python3 export.py models/SmolLM2-135M-Instruct.Q4_1.gguf "
-                                      "models/smollm2-135m-instruct.bin --dtype q4_1"))
 
 
 def text(b: bytes) -> str:

@@ -36,13 +36,13 @@ KV = "f32"
 # Derived from meta.measured_noise in the goldens: make_goldens.py scores other *correct*
 # implementations with exactly the statistics used below - llama.cpp itself fed one token per
 # decode call (matrix-vector kernels, another summation order), a float64 numpy forward pass
-# on the same weights (tests/oracle/numpy_ref.py) and, for F32, llama.cpp with an F16 KV cache.
+# on the same weights (tests/ref_forward.py) and, for F32, llama.cpp with an F16 KV cache.
 #
 # F32 (same weights both sides, float32 arithmetic, different summation orders). Over 676
 # positions x 49,152 logits (|logit| up to ~30) the alternatives differ from the goldens by
 # at most 8.3e-5 (mean 5e-6), the top1-top2 gap moves by at most 3.9e-5, and top-1 never
 # disagrees. (Our engine with --kv f32 scored max 5.3e-5, mean 8.9e-6 when this was written.)
-# Subtle bugs, measured with numpy_ref on the "prose" sequence: RMSNorm eps 1e-6 instead of
+# Subtle bugs, measured with ref_forward.py on the "prose" sequence: RMSNorm eps 1e-6 instead of
 # 1e-5 moves logits by up to 0.02 (mean 9e-4); weights rounded to f16: 0.03 (mean 3.4e-3); one
 # norm vector 1% off: 0.2; RoPE theta 1e4: 13. The bounds sit >= 20x above the float noise and
 # ~10x below the smallest of these bugs.

@@ -373,6 +373,23 @@ def test_reference_is_causal_and_matches_gguf_convention():
     assert rel_err(rf.forward(hf_cfg, w, ids, adjacent_pairs=True), full) > 0.1
 
 
+def test_reference_reads_gguf_like_hf():
+    """The reference's GGUF loader (used by tests/oracle/make_goldens.py on the real model) gives the
+    hyper-parameters and logits of the HF route on the same values: names, tying, RoPE base, GQA and
+    the permuted Q/K order (adjacent_pairs) all have to be right."""
+    for kind in ("tied", "untied"):
+        hf_cfg = ms.hf_config(config(kind))
+        ids = token_ids(kind, 40)
+        for variant in ("f32", "q4_1"):
+            cfg, w = rf.load_gguf(source(kind, variant))
+            got_hp, want_hp = rf.config_values(cfg), rf.config_values(hf_cfg)
+            assert np.isclose(got_hp.pop("eps"), want_hp.pop("eps"), rtol=1e-6), f"{kind} {variant}: eps"
+            assert got_hp == want_hp, f"{kind} {variant}: {got_hp} != {want_hp}"
+            got = rf.forward(cfg, w, ids, adjacent_pairs=True)
+            want = rf.forward(hf_cfg, source_values(kind, variant), ids)
+            assert rel_err(got, want) < 1e-9, f"{kind} {variant}: GGUF vs HF reference rel {rel_err(got, want):.3g}"
+
+
 def llama_cpp_agrees_with_reference():
     """llama.cpp on our GGUF == the numpy reference: proves the GGUF writer's permutation and the reference together.
 

@@ -13,7 +13,7 @@ one batch) the top-1 id, top-1/top-2 margin and top-10 ids/logits at every posit
 
 It also scores other valid implementations with the statistics the test uses (meta.
 measured_noise): llama.cpp fed one token per decode call, a float64 numpy forward on the same
-weights (numpy_ref.py), and for the F32 set llama.cpp with an F16 KV cache. The test
+weights (tests/ref_forward.py), and for the F32 set llama.cpp with an F16 KV cache. The test
 tolerances in tests/test_oracle.py are derived from these numbers.
 
     python3 tests/oracle/make_goldens.py                  # writes tests/golden/*
@@ -33,8 +33,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(1, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests"))
 from common import sha256_file  # noqa: E402
 
 N_CTX = 512
@@ -286,10 +285,11 @@ def write_json(path: Path, meta: dict, entries: list[dict]) -> None:
 
 
 def numpy_reference(gguf_path: Path):
-    from numpy_ref import forward, load_weights
+    """ids -> float64 logits of the GGUF's own (decoded) weights, from tests/ref_forward.py."""
+    from ref_forward import forward, load_gguf
 
-    weights, hp = load_weights(str(gguf_path))
-    return lambda ids: forward(weights, hp, ids)
+    cfg, weights = load_gguf(gguf_path)
+    return lambda ids: forward(cfg, weights, ids, adjacent_pairs=True)
 
 
 def main() -> None:
