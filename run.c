@@ -1200,7 +1200,7 @@ static const struct {
 enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
 
 typedef struct {
-    const char *name;    /* as -v prints it and --kv takes it */
+    const char *name;    /* as -v and messages print it */
     const char *kv_name; /* the name --kv takes, or NULL: not a KV cache type */
     int block;           /* elements per block (1 for float types) */
     size_t block_bytes;
