@@ -73,7 +73,11 @@
 #define TENSOR_NAME_BYTES 48
 #define TENSOR_ALIGN 64
 #define ARCH_LLAMA 1
-#define FLAG_TIED_EMBEDDINGS 1u
+#define FLAG_TIED_EMBEDDINGS 1u /* header flags (README, "The model file") */
+#define FLAG_QKV_BIAS 2u
+#define FLAG_QK_NORM 4u
+#define FLAG_POST_NORMS 8u
+#define FLAG_ROPE_FREQS 16u
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
@@ -191,16 +195,43 @@ typedef struct {
     int max_seq_len;  /* context length the model was trained for */
     float rope_theta;
     float norm_eps;
+    /* What sets a model family apart from llama, read from the header's flags
+       and fields (README, "The model file"); zero/one values are llama's.
+       layer_forward takes each optional step when its switch is on. */
     int tied;         /* output head = token embedding */
+    int qkv_bias;     /* Q, K, V projections add a bias (Qwen 2) */
+    int qk_norm;      /* per-head RMSNorm of Q and K before RoPE (Qwen 3, Gemma 3) */
+    int post_norms;   /* RMSNorm of the attention and FFN outputs before the residual adds (Gemma 3) */
+    int rope_freqs;   /* per-pair RoPE frequency factors (Llama 3.x "llama3" scaling) */
+    int gate;         /* the FFN gate's activation: GATE_SILU (SwiGLU) or GATE_GELU (GeGLU, tanh form) */
+    float embed_scale; /* embedding rows are multiplied by it (Gemma 3: sqrt(dim)) */
+    float att_scale;  /* q.k is multiplied by it (usually 1/sqrt(head_dim)) */
+    int window;       /* local layers: a query sees keys less than `window` positions back (0 = none) */
+    int window_pattern; /* layer l is global when (l + 1) % pattern == 0, else local (when window > 0) */
+    float rope_theta_local; /* RoPE base of local layers */
+    float rope_scale;  /* global layers: positions are divided by it (linear RoPE scaling) */
 } Config;
+
+enum { GATE_SILU, GATE_GELU };
+
+/* A local (sliding-window) layer attends to the last c->window positions only. */
+static int is_local(const Config *c, int l)
+{
+    return c->window > 0 && (c->window_pattern == 0 || (l + 1) % c->window_pattern != 0);
+}
 
 typedef struct {
     Tensor attn_norm; /* [1, dim] */
     Tensor wqkv;      /* [q_dim + 2*kv_dim, dim]: Q rows, K rows, V rows */
+    Tensor bqkv;      /* [1, q_dim + 2*kv_dim] their biases (qkv_bias) */
+    Tensor q_norm;    /* [1, head_dim] (qk_norm) */
+    Tensor k_norm;    /* [1, head_dim] (qk_norm) */
     Tensor wo;        /* [dim, q_dim] */
+    Tensor post_attn_norm; /* [1, dim] (post_norms) */
     Tensor ffn_norm;  /* [1, dim] */
     Tensor w13;       /* [2*hidden_dim, dim]: gate rows, then up rows */
     Tensor w2;        /* [dim, hidden_dim] */
+    Tensor post_ffn_norm;  /* [1, dim] (post_norms) */
 } Layer;
 
 typedef struct {
@@ -209,6 +240,7 @@ typedef struct {
     Layer *layers;         /* [n_layers] */
     Tensor norm;           /* [1, dim] */
     Tensor output;         /* [vocab, dim]; the embedding itself when tied */
+    Tensor rope_freqs;     /* [1, rope_dim/2] frequency divisors (rope_freqs) */
     tok_tokenizer *tok;
     const uint8_t *map;    /* the whole file, read-only */
     size_t map_size;
@@ -274,6 +306,38 @@ static int read_config(Model *m, char *err)
         LOAD_FAIL("header: rope_dim %d is not an even number in [2, head_dim %d]", c->rope_dim, c->head_dim);
     if (!isfinite(c->rope_theta) || c->rope_theta <= 1) LOAD_FAIL("header: rope_theta %g is not a finite number > 1", c->rope_theta);
     if (!isfinite(c->norm_eps) || c->norm_eps <= 0) LOAD_FAIL("header: norm_eps %g is not a finite number > 0", c->norm_eps);
+    return 0;
+}
+
+/* Reads the family's switches (README, "The model file": flags and the
+   fields from offset 104; zero means llama's behaviour) into c, after
+   read_config has read and checked the shape. */
+static int read_family(Model *m, char *err)
+{
+    const uint8_t *h = m->map;
+    Config *c = &m->c;
+    uint32_t flags = rd_u32(h + 56), gate = rd_u32(h + 60);
+    float embed_scale = rd_f32(h + 104), att_scale = rd_f32(h + 108), theta_local = rd_f32(h + 120), rope_scale = rd_f32(h + 124);
+    c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
+    c->qk_norm = !!(flags & FLAG_QK_NORM);
+    c->post_norms = !!(flags & FLAG_POST_NORMS);
+    c->rope_freqs = !!(flags & FLAG_ROPE_FREQS);
+    if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
+    c->gate = gate;
+    c->window = rd_u32(h + 112);
+    c->window_pattern = rd_u32(h + 116);
+    if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
+    if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
+    /* scales: 0 means the usual value; anything else must be a finite positive number */
+    const float *f[] = {&embed_scale, &att_scale, &theta_local, &rope_scale};
+    static const char *const fname[] = {"embedding scale", "attention scale", "local rope_theta", "rope scaling factor"};
+    for (int i = 0; i < 4; i++)
+        if (*f[i] != 0 && (!isfinite(*f[i]) || *f[i] <= 0)) LOAD_FAIL("header: %s %g is not a finite number > 0", fname[i], *f[i]);
+    c->embed_scale = embed_scale ? embed_scale : 1;
+    c->att_scale = att_scale ? att_scale : 1 / sqrtf((float)c->head_dim);
+    c->rope_theta_local = theta_local ? theta_local : c->rope_theta;
+    c->rope_scale = rope_scale ? rope_scale : 1;
+    if (c->rope_theta_local <= 1) LOAD_FAIL("header: local rope_theta %g is not > 1", c->rope_theta_local);
     return 0;
 }
 
@@ -393,7 +457,7 @@ static int build_model(Model *m, const char *path, char *err)
     if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
     m->map_size = st.st_size;
-    if (read_config(m, err)) return -1;
+    if (read_config(m, err) || read_family(m, err)) return -1;
     uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
     if (tok_off % 4 || tok_off > m->map_size || m->map_size - tok_off < tok_size)
         LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
@@ -921,6 +985,18 @@ static void swiglu_scalar(float *g, const float *u, int n)
     for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
+   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+static void geglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) {
+        float x = g[i];
+        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
+    }
+}
+
 #ifdef HAVE_AVX2
 /* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
    with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
@@ -946,6 +1022,20 @@ static __m256 exp_avx2(__m256 x)
     __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
     return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+}
+
+/* (1 + tanh(y)) / 2 = 1 / (1 + exp(-2y)): GELU as x times a sigmoid, so
+   it shares SwiGLU's exp; both ends saturate correctly (exp gives inf or 0). */
+static void geglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2 * GELU_C), a = _mm256_set1_ps(GELU_A);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);
+        __m256 e = exp_avx2(_mm256_mul_ps(c, inner));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    geglu_scalar(g + i, u + i, n - i);
 }
 
 static void swiglu_avx2(float *g, const float *u, int n)
@@ -1247,6 +1337,7 @@ typedef struct {
     float (*att_softmax)(float *sc, int n, float scale, float *m);
     void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*swiglu)(float *g, const float *u, int n);
+    void (*geglu)(float *g, const float *u, int n);
 } OpKernels;
 
 static int always(void) { return 1; }
@@ -1260,10 +1351,10 @@ static int cpu_has_avx2(void)
 
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar}, att_scores_scalar, att_scores_rows_scalar,
-                     att_softmax_scalar, att_accum_scalar, swiglu_scalar},
+                     att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
 #ifdef HAVE_AVX2
     [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2}, att_scores_avx2, att_scores_rows_avx2,
-                   att_softmax_avx2, att_accum_avx2, swiglu_avx2},
+                   att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2},
 #endif
 };
 
@@ -1287,7 +1378,7 @@ static void select_kernels(int set)
     K.op = *o;
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
     for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu);
+    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu); FILL(geglu);
 #undef FILL
     for (int t = 0; t < N_TYPES; t++) {
         const TypeKernels *r = &TYPES[t].k[KSET_SCALAR];
@@ -1331,6 +1422,7 @@ static void att_scores_rows(float *out, const float *q, const float *k, int hd, 
 static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
 static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
 static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
+static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 
 /* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
 static int ignore_eos;
@@ -1438,6 +1530,8 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 
 /* ----- the forward pass ----------------------------------------------------- */
 
+enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
+
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
     int n_threads;
@@ -1452,22 +1546,36 @@ typedef struct {
     float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds silu(gate) * up */
     uint8_t *hq;    /* [chunk, act_bytes(hidden_dim)] silu(gate) * up in W2's activation format: apart
                        from xq because other threads may still be reading xq in W13 */
-    float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
-    float *inv_freq;            /* [rope_dim/2] */
+    float *xo;      /* [chunk, dim] an attention or FFN output waiting for its post-norm (post_norms) */
+    float *rope_cos[N_ROPE], *rope_sin[N_ROPE]; /* [chunk, rope_dim/2] each position's angles, per RoPE kind */
+    float *inv_freq[N_ROPE];                    /* [rope_dim/2] */
+    int *kv_cap;    /* [n_layers] positions a layer's cache holds: seq_len, or for a local layer
+                       a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
+    size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
     float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
     float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
                        prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
     float *vrow;    /* [n_threads, head_dim] a K row as floats */
     float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
-    uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
+    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
+    uint8_t *value_cache; /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
     float *logits;  /* [chunk, vocab] */
 } RunState;
 
-static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type)
+/* Positions layer l's cache holds for a context of seq_len. */
+static int kv_positions(const Config *c, int l, int seq_len)
 {
-    return 2 * (size_t)c->n_layers * c->n_kv_heads * seq_len * row_bytes(kv_type, c->head_dim);
+    return is_local(c, l) ? min_i(seq_len, c->window + CHUNK_TOKENS) : seq_len;
+}
+
+/* Bytes of the K and V caches for a context of seq_len; with full = 1 as
+   if every layer were global (what ring buffers save, for -v). */
+static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full)
+{
+    size_t rows = 0;
+    for (int l = 0; l < c->n_layers; l++) rows += (size_t)c->n_kv_heads * (full ? seq_len : kv_positions(c, l, seq_len));
+    return 2 * rows * row_bytes(kv_type, c->head_dim);
 }
 
 /* Bytes that hold a row of up to cols activations in any format but floats. */
@@ -1481,8 +1589,9 @@ static size_t act_room(int cols)
     return most;
 }
 
-static void build_state(RunState *s, const Config *c, int seq_len, int n_threads, int kv_type)
+static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type)
 {
+    const Config *c = &m->c;
     memset(s, 0, sizeof *s);
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
     int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
@@ -1496,10 +1605,19 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
     s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
     s->hq = xcalloc((size_t)T, act_room(c->hidden_dim));
-    s->rope_cos = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-    s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-    s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
-    for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
+    if (c->post_norms) s->xo = xcalloc((size_t)T * c->dim, sizeof(float));
+    /* pair i turns by pos * theta^(-2i/rope_dim), divided by its frequency
+       factor (rope_freqs) and, on global layers, by the linear scaling */
+    for (int k = 0; k < N_ROPE; k++) {
+        double theta = k == ROPE_LOCAL ? c->rope_theta_local : c->rope_theta, scale = k == ROPE_LOCAL ? 1 : c->rope_scale;
+        s->rope_cos[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->rope_sin[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->inv_freq[k] = xcalloc(c->rope_dim / 2, sizeof(float));
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            double factor = c->rope_freqs ? ((const float *)m->rope_freqs.data)[i] : 1;
+            s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
+        }
+    }
     s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
     s->partial = xcalloc((size_t)max_i(c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) * group * (c->head_dim + 2),
                          sizeof(float));
@@ -1508,15 +1626,22 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
-    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
-    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
+    s->kv_cap = xcalloc(c->n_layers, sizeof(int));
+    s->kv_off = xcalloc(c->n_layers, sizeof(size_t));
+    for (int l = 0; l < c->n_layers; l++) {
+        s->kv_cap[l] = kv_positions(c, l, seq_len);
+        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->kv_cap[l];
+    }
+    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
     s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
 }
 
 static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
-    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow);
+    for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
+    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
 }
@@ -1620,18 +1745,21 @@ static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Ten
 
 /* Cached row of layer l, KV head h, position pos. The cache is laid out
    [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
-   attention streams them in order. */
+   attention streams them in order. A local layer keeps the last kv_cap
+   positions only, as a ring: position pos lives in slot pos % kv_cap. */
 static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int l, int h, int pos)
 {
-    return cache + (((size_t)l * c->n_kv_heads + h) * s->seq_len + pos) * s->kv_row;
+    (void)c;
+    return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
 }
 
 /* Stores one head_dim row of K or V at the cache's precision. */
 static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K.type[s->kv_type].from_float(dst, x, n); }
 
 /* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
-   then V heads) for some tokens, RoPE on their Q and K heads, and their K
-   and V rows stored in the cache at positions pos0 + t. A batch is split
+   then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
+   each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
+   rows stored in the cache at positions pos0 + t. A batch is split
    by tokens, in whole register tiles so that no result depends on the
    thread count: the rows split by heads would leave one thread a head
    more than the other (15 heads for SmolLM2). One token is split by heads. */
@@ -1649,11 +1777,16 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
         split(heads, 1, me, nth, &h0, &h1);
     }
     matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
+    const Layer *L = &m->layers[l];
+    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
     for (int t = t0; t < t1; t++)
         for (int h = h0; h < h1; h++) {
             float *x = s->qkv + (size_t)t * w->rows + h * hd;
             int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
-            if (kv < c->n_kv_heads) rope(x, s->rope_cos + t * half, s->rope_sin + t * half, c->rope_dim);
+            if (c->qkv_bias)
+                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
+            if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
+            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
             if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, l, kv, pos0 + t), x, hd);
             if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, l, kv - c->n_kv_heads, pos0 + t), x, hd);
         }
@@ -1694,7 +1827,7 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
     int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
     float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
     float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
-    float scale = 1.0f / sqrtf((float)hd);
+    int window = is_local(c, l) ? c->window : 0;
     for (int k = 0; k < nq; k++) {
         float *p = part + (size_t)k * (hd + 2);
         p[0] = -INFINITY, p[1] = 0;
@@ -1717,11 +1850,14 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
         }
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
-            if (n <= 0) continue; /* the whole block lies in this token's future */
+            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
+            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
+            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
             float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
             if (transpose) att_scores(sc, q, kt, hd, n);
             else att_scores_rows(sc, q, kt, hd, n);
-            float sum = att_softmax(sc, n, scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
+            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
+            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
             if (rescale != 1.0f)
                 for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
             p[1] = p[1] * rescale + sum;
@@ -1754,21 +1890,22 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
 static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int fmt, int me, int nth)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
+    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
     if (n > 1) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
         float *parts = s->partial + (size_t)me * ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
-            attend_tile(s, c, l, g, t0, t1, pos0, 0, pos0 + t1, parts, me);
+            int first = window ? max_i(0, pos0 + t0 - window + 1) : 0; /* the tile's oldest visible key */
+            attend_tile(s, c, l, g, t0, t1, pos0, first, pos0 + t1, parts, me);
             for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
         }
         return;
     }
-    int n_chunks = pos0 / ATT_CHUNK + 1;
+    int k0 = window ? max_i(0, pos0 - window + 1) / ATT_CHUNK : 0, n_chunks = pos0 / ATT_CHUNK + 1 - k0;
     for (int job = me; job < c->n_kv_heads * n_chunks; job += nth) {
-        int g = job / n_chunks, k = job % n_chunks;
-        attend_tile(s, c, l, g, 0, 1, pos0, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
+        int g = job / n_chunks, k = job % n_chunks, j0 = (k0 + k) * ATT_CHUNK;
+        attend_tile(s, c, l, g, 0, 1, pos0, j0, j0 + ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
     }
     barrier(&s->bar, nth);
     for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, fmt);
@@ -1780,20 +1917,41 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
    silu(gate) * up written over the gate half and quantized for W2. A
    thread owns whole int8 blocks of the result, so no barrier separates
    the matmul, the activation and the quantization. */
-static void ffn_up_part(RunState *s, const Layer *L, int hid, int n, int i0, int i1)
+static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
 {
-    int fmt = act_format(L->w2.type);
+    int fmt = act_format(L->w2.type), hid = c->hidden_dim;
     Act in = act_xb(s, &L->w13);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        swiglu(gate + i0, up + i0, i1 - i0);
+        if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
+        else swiglu(gate + i0, up + i0, i1 - i0);
         if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
     }
 }
 
-/* One layer for n tokens, run by every thread of the team. */
+/* The residual add that ends a block, for every thread of the team:
+   x += W . in, or with post_norms x += RMSNorm(W . in) * post. The plain
+   add is fused into the matmul; the post-norm needs whole output rows, so
+   the matmul writes s->xo and each thread then norms and adds its tokens
+   [t0, t1). Ends at a barrier. */
+static void add_output(const Model *m, RunState *s, const Tensor *w, Act in, const Tensor *post, int n, int t0, int t1,
+                       int me, int nth)
+{
+    const Config *c = &m->c;
+    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, me, nth);
+    barrier(&s->bar, nth);
+    if (!c->post_norms) return;
+    for (int t = t0; t < t1; t++) {
+        float *o = s->xo + (size_t)t * c->dim, *x = s->x + (size_t)t * c->dim;
+        rmsnorm(o, o, post->data, c->dim, c->norm_eps);
+        for (int i = 0; i < c->dim; i++) x[i] += o[i];
+    }
+    barrier(&s->bar, nth);
+}
+
+/* One transformer block for n tokens, run by every thread of the team. */
 static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
 {
     const Config *c = &m->c;
@@ -1802,7 +1960,8 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     /* attention converts its output for Wo itself when its slices are whole blocks */
     int wo_fmt = act_format(L->wo.type), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
     split(n, 1, me, nth, &t0, &t1);
-    /* attention block: x += Wo . attn(RoPE(Wq.h), RoPE(Wk.h), Wv.h), h = norm(x) */
+    /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
+       q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
     norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
     qkv_part(m, s, l, n, pos0, me, nth);
@@ -1813,34 +1972,39 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
         prepare_act(s, &L->wo, t0, t1);
         barrier(&s->bar, nth);
     }
-    matmul_part(s->x, &L->wo, act_xb(s, &L->wo), n, 1, me, nth);
-    barrier(&s->bar, nth);
-    /* feed-forward block: x += W2 . (silu(Wgate.h) * (Wup.h)), h = norm(x) */
+    add_output(m, s, &L->wo, act_xb(s, &L->wo), &L->post_attn_norm, n, t0, t1, me, nth);
+    /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = norm(x), act SiLU or
+       GELU; W2's output post-normed (post_norms) */
     norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
-    /* whole blocks of W2's activations per thread, so SwiGLU can convert them */
+    /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
     split(hid, max_i(QK, ACT_FORMATS[act_format(L->w2.type)].block), me, nth, &i0, &i1);
-    ffn_up_part(s, L, hid, n, i0, i1);
+    ffn_up_part(s, c, L, n, i0, i1);
     barrier(&s->bar, nth);
-    matmul_part(s->x, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, 1, me, nth);
-    barrier(&s->bar, nth);
+    add_output(m, s, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), &L->post_ffn_norm, n, t0, t1, me, nth);
 }
 
 /* The embedding step for the batch's tokens [t0, t1): each token id
    selects its row of the embedding table, which starts the residual
-   stream. Positions enter later, through RoPE on the queries and keys:
-   here each position's rotation angles pos * theta^(-2i/rope_dim) are
-   computed once for every layer. */
+   stream (scaled by embed_scale). Positions enter later, through RoPE on
+   the queries and keys: here each position's rotation angles
+   pos * theta^(-2i/rope_dim) are computed once for every layer (for each
+   RoPE base the model's layers use). */
 static void embed(const Model *m, RunState *s, const int *tokens, int pos0, int t0, int t1)
 {
-    int dim = m->c.dim, half = m->c.rope_dim / 2;
+    const Config *c = &m->c;
+    int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
     for (int t = t0; t < t1; t++) {
-        to_float(s->x + (size_t)t * dim, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
-        for (int i = 0; i < half; i++) {
-            double angle = (double)(pos0 + t) * s->inv_freq[i];
-            s->rope_cos[t * half + i] = (float)cos(angle);
-            s->rope_sin[t * half + i] = (float)sin(angle);
-        }
+        float *x = s->x + (size_t)t * dim;
+        to_float(x, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
+        if (c->embed_scale != 1)
+            for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
+        for (int k = 0; k < kinds; k++)
+            for (int i = 0; i < half; i++) {
+                double angle = (double)(pos0 + t) * s->inv_freq[k][i];
+                s->rope_cos[k][t * half + i] = (float)cos(angle);
+                s->rope_sin[k][t * half + i] = (float)sin(angle);
+            }
     }
 }
 
@@ -2751,11 +2915,11 @@ int main(int argc, char **argv)
 #endif
     RunState s;
     if (a.kv_type == T_Q8_0 && m.c.head_dim % QK) die(EXIT_USAGE, "--kv q8 needs a head_dim that is a multiple of %d (this model: %d)", QK, m.c.head_dim);
-    build_state(&s, &m.c, seq_len, threads, a.kv_type);
+    build_state(&s, &m, seq_len, threads, a.kv_type);
     if (a.verbose)
         fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
                 a.model_path, m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
-                kv_cache_bytes(&m.c, seq_len, a.kv_type) / 1e6, type_name(a.kv_type), threads, load_ms);
+                kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, load_ms);
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
     Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
