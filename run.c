@@ -92,6 +92,7 @@
 _Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= MAX_TILE, "tile outputs");
 _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, "batch of whole tiles");
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
+#define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
@@ -1537,7 +1538,8 @@ typedef struct {
     int n_threads;
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
-    int kv_type;    /* T_F32, T_F16 or T_Q8_0 */
+    int kv_type;    /* a type of the table with a kv_name */
+    int exact;      /* this pass computes each token exactly as decode_step would (verify_step) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -1619,8 +1621,8 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
         }
     }
     s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) * group * (c->head_dim + 2),
-                         sizeof(float));
+    s->partial = xcalloc((size_t)max_i(VERIFY_MAX_TOKENS * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
+                             group * (c->head_dim + 2), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
@@ -1708,10 +1710,12 @@ static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Til
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
    n_tok input rows in = x. Weight rows are taken ROW_TILE at a time and
    applied to every token while they sit in cache: prefill reads each
-   weight byte from memory once per batch, decode once per token. */
-static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
+   weight byte from memory once per batch, decode once per token. With
+   exact, every token takes decode's kernels (see verify_step). */
+static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
+                        int exact)
 {
-    Tile tile = prefill_tile(w), gemv = decode_tile(w);
+    Tile tile = exact ? (Tile){NULL, 1, 1, 1} : prefill_tile(w), gemv = decode_tile(w);
     for (int a = r0; a < r1; a += ROW_TILE) {
         int b = min_i(a + ROW_TILE, r1), t = 0;
         for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) matmul_tile(out, out_stride, w, in, tile, t, a, b, accumulate);
@@ -1720,11 +1724,11 @@ static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int
 }
 
 /* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int me, int nth)
+static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int exact, int me, int nth)
 {
     int r0, r1;
     split(w->rows, ROW_TILE, me, nth, &r0, &r1);
-    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate);
+    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate, exact);
 }
 
 /* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
@@ -1770,13 +1774,13 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
     int unit = prefill_tile(w).toks;
-    if (n >= nth * unit) {
+    if (!s->exact && n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
     } else {
         split(heads, 1, me, nth, &h0, &h1);
     }
-    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
+    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0, s->exact);
     const Layer *L = &m->layers[l];
     int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
     for (int t = t0; t < t1; t++)
@@ -1885,13 +1889,14 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
    KV head) jobs round-robin, each over all the positions its tokens see.
    Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
    jobs, so that even one KV head's long context is spread over every
-   thread, then merges the chunks. Either way the jobs do not depend on the
+   thread, then merges the chunks; a verification batch (s->exact) does
+   the same for each of its tokens. Either way the jobs do not depend on the
    thread count, so neither do the results. */
 static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int fmt, int me, int nth)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
     int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
-    if (n > 1) {
+    if (n > 1 && !s->exact) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
         float *parts = s->partial + (size_t)me * ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
@@ -1902,13 +1907,23 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         }
         return;
     }
-    int k0 = window ? max_i(0, pos0 - window + 1) / ATT_CHUNK : 0, n_chunks = pos0 / ATT_CHUNK + 1 - k0;
-    for (int job = me; job < c->n_kv_heads * n_chunks; job += nth) {
-        int g = job / n_chunks, k = job % n_chunks, j0 = (k0 + k) * ATT_CHUNK;
-        attend_tile(s, c, l, g, 0, 1, pos0, j0, j0 + ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
+    /* decode: each token (one, or a verification batch's few) on its own */
+    for (int t = 0, job = 0; t < n; t++) {
+        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        for (int g = 0; g < c->n_kv_heads; g++)
+            for (int k = 0; k < n_chunks; k++, job++) {
+                if (job % nth != me) continue;
+                int j0 = (k0 + k) * ATT_CHUNK;
+                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + k) * part;
+                attend_tile(s, c, l, g, t, t + 1, pos0, j0, j0 + ATT_CHUNK, dst, me);
+            }
     }
     barrier(&s->bar, nth);
-    for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, fmt);
+    for (int job = me; job < n * c->n_kv_heads; job += nth) {
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        attention_out(s, c, s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part, n_chunks, g, t, fmt);
+    }
 }
 
 /* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
@@ -1921,8 +1936,8 @@ static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int
 {
     int fmt = act_format(L->w2.type), hid = c->hidden_dim;
     Act in = act_xb(s, &L->w13);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0, s->exact);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0, s->exact);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
         if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
@@ -1940,7 +1955,7 @@ static void add_output(const Model *m, RunState *s, const Tensor *w, Act in, con
                        int me, int nth)
 {
     const Config *c = &m->c;
-    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, me, nth);
+    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, s->exact, me, nth);
     barrier(&s->bar, nth);
     if (!c->post_norms) return;
     for (int t = t0; t < t1; t++) {
@@ -2030,7 +2045,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
                 rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
             prepare_act(s, &m->output, t0, t1);
             barrier(&s->bar, nth);
-            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
+            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, s->exact, me, nth);
         }
     }
 }
@@ -2052,6 +2067,20 @@ static void prefill(const Model *m, RunState *s, const int *tokens, int n, int p
 static void decode_step(const Model *m, RunState *s, int token, int pos)
 {
     forward_chunk(m, s, &token, 1, pos, 0);
+}
+
+/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
+   positions pos0.. in one pass, with the logits of every one in
+   s->logits. Each token is computed exactly as decode_step would compute
+   it at its position (decode's GEMV kernels and attention, the same work
+   splits), so its logits are bit for bit those of a decode step, however
+   many tokens share the pass; the weights are still read once for all of
+   them, which is what makes checking k drafts cost about one decode step. */
+static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
+{
+    s->exact = 1;
+    forward_chunk(m, s, tokens, n, pos0, 0);
+    s->exact = 0;
 }
 
 /* ============================================================================
