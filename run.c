@@ -162,6 +162,25 @@ static double now_ms(void)
    can be copied from GGUF files bit for bit. */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30 };
 
+/* Byte offsets of the header's fields (README.md, "The model file"). */
+enum {
+    HDR_MAGIC = 0, HDR_VERSION = 4, HDR_SIZE = 8, HDR_ARCH = 12,
+    HDR_DIM = 16,   /* dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, */
+                    /* max_seq_len: HDR_SHAPE_FIELDS consecutive u32s from HDR_DIM */
+    HDR_ROPE_THETA = 48, HDR_NORM_EPS = 52, HDR_FLAGS = 56, HDR_ACTIVATION = 60, HDR_ROPE_DIM = 64,
+    HDR_N_TENSORS = 68, HDR_TOK_OFFSET = 72, HDR_TOK_SIZE = 80, HDR_TABLE_OFFSET = 88, HDR_FILE_SIZE = 96,
+    HDR_RESERVED = 104 /* up to HEADER_BYTES: zero */
+};
+#define HDR_SHAPE_FIELDS 8
+/* ... of a tensor table entry (TENSOR_ENTRY_BYTES long) */
+enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_RESERVED = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
+/* ... of the tokenizer section's header: the counts that size its arrays
+   (tokenizer.c reads the rest), and its reserved bytes */
+enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44, TOKS_RESERVED = 48,
+       TOKS_HEADER_BYTES = 64 };
+#define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
+#define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
+
 typedef struct {
     uint16_t d;      /* scale, fp16 */
     int8_t qs[QK];   /* value = qs[i] * d */
@@ -252,39 +271,51 @@ static const uint8_t *tensor_row(const Tensor *t, int r)
     return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
 }
 
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
+static size_t nonzero_at(const uint8_t *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
 /* Reads and bounds-checks the header into c. The file is untrusted: every
    field is checked before anything is sized by it. */
 static int read_config(Model *m, char *err)
 {
     const uint8_t *h = m->map;
     Config *c = &m->c;
-    if (m->map_size < HEADER_BYTES || memcmp(h, FILE_MAGIC, 4) != 0)
+    if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
         LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
-    if (rd_u32(h + 4) != FILE_VERSION)
-        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + 4), FILE_VERSION);
-    if (rd_u32(h + 8) < HEADER_BYTES || rd_u32(h + 8) > m->map_size)
-        LOAD_FAIL("bad header size %u", rd_u32(h + 8));
-    if (rd_u64(h + 96) != m->map_size)
+    if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
+        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + HDR_VERSION), FILE_VERSION);
+    if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
+        LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
+    if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
         LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
-            m->map_size, (unsigned long long)rd_u64(h + 96));
-    if (rd_u32(h + 12) != ARCH_LLAMA)
-        LOAD_FAIL("unsupported architecture id %u (this build runs llama = %d)", rd_u32(h + 12), ARCH_LLAMA);
-    uint32_t v[9];
-    for (int i = 0; i < 9; i++) v[i] = rd_u32(h + 16 + 4 * i);
+            m->map_size, (unsigned long long)rd_u64(h + HDR_FILE_SIZE));
+    if (rd_u32(h + HDR_ARCH) != ARCH_LLAMA)
+        LOAD_FAIL("unsupported architecture id %u (this build runs llama = %d)", rd_u32(h + HDR_ARCH), ARCH_LLAMA);
+    size_t z = HDR_RESERVED + nonzero_at(h + HDR_RESERVED, HEADER_BYTES - HDR_RESERVED);
+    if (z < HEADER_BYTES) LOAD_FAIL("header: reserved byte %zu is 0x%02x, not zero", z, h[z]);
+    uint32_t v[HDR_SHAPE_FIELDS];
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++) v[i] = rd_u32(h + HDR_DIM + 4 * i);
     c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
     c->n_kv_heads = v[4]; c->head_dim = v[5]; c->vocab_size = v[6]; c->max_seq_len = v[7];
-    c->rope_theta = rd_f32(h + 48);
-    c->norm_eps = rd_f32(h + 52);
-    uint32_t flags = rd_u32(h + 56), act = rd_u32(h + 60);
-    c->rope_dim = rd_u32(h + 64);
+    c->rope_theta = rd_f32(h + HDR_ROPE_THETA);
+    c->norm_eps = rd_f32(h + HDR_NORM_EPS);
+    uint32_t flags = rd_u32(h + HDR_FLAGS), act = rd_u32(h + HDR_ACTIVATION);
+    c->rope_dim = rd_u32(h + HDR_ROPE_DIM);
     c->tied = flags & FLAG_TIED_EMBEDDINGS;
     if (flags & ~FLAG_TIED_EMBEDDINGS) LOAD_FAIL("unsupported feature flags 0x%x", flags);
     if (act != 0) LOAD_FAIL("unsupported activation %u", act);
     /* one check per field, so that the message names the field that is wrong */
-    static const char *const field[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                        "vocab_size", "context length"};
-    const uint32_t max[] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
-    for (size_t i = 0; i < sizeof field / sizeof *field; i++)
+    static const char *const field[HDR_SHAPE_FIELDS] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
+                                                        "head_dim", "vocab_size", "context length"};
+    const uint32_t max[HDR_SHAPE_FIELDS] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++)
         if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
     if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
     if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
@@ -296,87 +327,201 @@ static int read_config(Model *m, char *err)
     return 0;
 }
 
-/* Finds tensor `name` in the table and checks its shape; every entry was
-   validated against the file size when the table was read. */
-static int find_tensor(Tensor *out, const Tensor *table, int n, const char *name, int rows, int cols, char *err)
+/* Where the tokenizer section's last array ends (README.md, "Tokenizer
+   section"): text offsets, types, scores, merges, default system prompt,
+   text blob, each from a 4-byte boundary. Called once tok_create has
+   checked that they fit; it does not check that nothing follows them. */
+static size_t tok_section_end(const uint8_t *sec)
 {
-    for (int i = 0; i < n; i++) {
-        if (strcmp(table[i].name, name) != 0) continue;
-        if (table[i].rows != rows || table[i].cols != cols)
-            LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
-        *out = table[i];
-        return 0;
-    }
-    LOAD_FAIL("model file has no tensor %s", name);
+    size_t n = rd_u32(sec + TOKS_N_VOCAB);
+    size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
+                      rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
+    size_t end = TOKS_HEADER_BYTES;
+    for (size_t i = 0; i < sizeof bytes / sizeof *bytes; i++) end = align_up(end, TOKS_ALIGN) + bytes[i];
+    return end;
 }
 
-/* Reads the tensor table: each entry's name, type, shape, offset and size
-   must describe bytes that lie inside the file. */
-static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err)
+/* The tokenizer section: right after the header, exactly as long as its
+   arrays, its reserved header bytes zero. */
+static int read_tokenizer(Model *m, char *err)
 {
-    const uint8_t *h = m->map;
-    uint32_t n = rd_u32(h + 68);
-    uint64_t off = rd_u64(h + 88);
-    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
-        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
-    Tensor *t = *out = xcalloc(n, sizeof *t);
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
-        for (const uint8_t *c = e; *c; c++)
-            if (*c <= ' ' || *c >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *c);
-        t[i].name = (const char *)e;
-        t[i].type = rd_u32(e + 48);
-        uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);
-        uint64_t data = rd_u64(e + 64), size = rd_u64(e + 72);
-        if (!type_name(t[i].type)) LOAD_FAIL("tensor %s has unsupported type %d", t[i].name, t[i].type);
-        size_t rb = row_bytes(t[i].type, cols);
-        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
-            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", t[i].name, rows, cols, type_name(t[i].type));
-        if (size != (uint64_t)rb * rows)
-            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", t[i].name,
-                      (unsigned long long)size, rows, cols, type_name(t[i].type), (unsigned long long)rb * rows);
-        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
-            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
-                      t[i].name, (unsigned long long)size, (unsigned long long)data);
-        t[i].rows = rows;
-        t[i].cols = cols;
-        t[i].data = m->map + data;
-    }
-    *n_out = (int)n;
+    uint64_t off = rd_u64(m->map + HDR_TOK_OFFSET), size = rd_u64(m->map + HDR_TOK_SIZE);
+    if (off % TOKS_ALIGN || off > m->map_size || m->map_size - off < size)
+        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
+    if (off != HEADER_BYTES) LOAD_FAIL("tokenizer section at offset %llu, not right after the header (%d)", (unsigned long long)off, HEADER_BYTES);
+    const uint8_t *sec = m->map + off;
+    char why[ERR_BYTES];
+    if (tok_create(&m->tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
+    if (tok_section_end(sec) != size)
+        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu",
+                  (unsigned long long)size, tok_section_end(sec));
+    size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
+    if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
+    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
+        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     return 0;
 }
 
-/* Binds the layer structs to the tensors of the table (n entries). */
-static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
+/* The tensors a model of the header's shape has, by slot: the three below
+   (no output when the embeddings are tied), then per layer these six. */
+enum { SLOT_TOK_EMBEDDINGS, SLOT_NORM, SLOT_OUTPUT, SLOT_LAYERS };
+static const char *const global_tensor[SLOT_LAYERS] = {"tok_embeddings", "norm", "output"};
+static const char *const layer_tensor[] = {"attn_norm", "wqkv", "wo", "ffn_norm", "w13", "w2"};
+#define LAYER_TENSORS (int)(sizeof layer_tensor / sizeof *layer_tensor)
+
+static int n_slots(const Config *c) { return SLOT_LAYERS + LAYER_TENSORS * c->n_layers; }
+
+/* The slot of tensor `name` in a model of shape c, or -1 when it has none
+   such ("layers.30.wo" in a 30-layer model, "output" when tied, "layers.01.wo"). */
+static int tensor_slot(const Config *c, const char *name)
+{
+    for (int i = 0; i < SLOT_LAYERS; i++)
+        if (!strcmp(name, global_tensor[i])) return i == SLOT_OUTPUT && c->tied ? -1 : i;
+    const char *p = name + strlen("layers.");
+    if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
+    char *end;
+    unsigned long l = strtoul(p, &end, 10);
+    if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
+    for (int i = 0; i < LAYER_TENSORS; i++)
+        if (!strcmp(end + 1, layer_tensor[i])) return SLOT_LAYERS + LAYER_TENSORS * (int)l + i;
+    return -1;
+}
+
+static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
+{
+    if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot]);
+    else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
+                  layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS]);
+}
+
+/* Which section before the tensor data holds byte `off`. */
+static const char *section_at(uint64_t off, uint64_t tok_end)
+{
+    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
+}
+
+/* Padding bytes [from, to) of the file, before `what`, must be zero. */
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
+{
+    size_t z = nonzero_at(m->map + from, to - from);
+    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
+    return 0;
+}
+
+/* Reads the tensor table into slots (n_slots entries, by tensor_slot; a
+   NULL name marks a slot without a tensor). The table must list exactly
+   the tensors the header's shape implies, and their data must tile the
+   rest of the file in table order: each tensor at the first TENSOR_ALIGN
+   boundary after the previous one (the first after the table), padding
+   zero, the file ending with the last tensor. So no tensor overlaps
+   another or the sections before it, and no byte goes unchecked. */
+static int read_tensor_table(const Model *m, Tensor **out, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    uint32_t n = rd_u32(h + HDR_N_TENSORS);
+    uint64_t off = rd_u64(h + HDR_TABLE_OFFSET), tok_end = HEADER_BYTES + rd_u64(h + HDR_TOK_SIZE);
+    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
+    if (off != align_up(tok_end, TENSOR_ALIGN))
+        LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
+                  (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
+    if (check_padding(m, tok_end, off, "the tensor table", err)) return -1;
+    int want = n_slots(c) - c->tied;
+    if ((int)n != want)
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings has %d tensors",
+                  n, c->n_layers, c->tied ? "tied" : "untied", want);
+    Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
+    const char *stray = NULL, *prev = "the tensor table";
+    uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
+        if (memchr(e + ENT_NAME, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+        for (const uint8_t *p = e + ENT_NAME; *p; p++)
+            if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+        const char *name = (const char *)e + ENT_NAME;
+        if (!*name) LOAD_FAIL("tensor %u has an empty name", i);
+        int type = rd_u32(e + ENT_TYPE);
+        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), reserved = rd_u32(e + ENT_RESERVED);
+        uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
+        if (reserved) LOAD_FAIL("tensor %s: reserved field is %u, not zero", name, reserved);
+        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %d", name, type);
+        size_t rb = row_bytes(type, cols);
+        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
+            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
+        if (size != (uint64_t)rb * rows)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", name,
+                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)rb * rows);
+        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
+                      name, (unsigned long long)size, (unsigned long long)data);
+        if (data < table_end)
+            LOAD_FAIL("tensor %s's data (offset %llu) lies in %s", name, (unsigned long long)data, section_at(data, tok_end));
+        if (data < end)
+            LOAD_FAIL("tensor %s's data (offset %llu) overlaps the tensors before it, up to %s's end at %llu",
+                      name, (unsigned long long)data, prev, (unsigned long long)end);
+        if (data != align_up(end, TENSOR_ALIGN))
+            LOAD_FAIL("tensor %s is at offset %llu, not at the first %d-byte boundary after %s (%llu)", name,
+                      (unsigned long long)data, TENSOR_ALIGN, prev, (unsigned long long)align_up(end, TENSOR_ALIGN));
+        if (check_padding(m, end, data, name, err)) return -1;
+        int slot = tensor_slot(c, name);
+        if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
+        if (slot < 0 && !stray) stray = name;
+        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, m->map + data};
+        prev = name;
+        end = data + size;
+    }
+    if (end != m->map_size)
+        LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
+    for (int s = 0; s < n_slots(c); s++) {
+        if (t[s].name || (s == SLOT_OUTPUT && c->tied)) continue;
+        char name[TENSOR_NAME_BYTES];
+        slot_name(name, s);
+        if (stray) LOAD_FAIL("model file has no tensor %s (but a tensor %s that a %d-layer model %s embeddings has not)",
+                             name, stray, c->n_layers, c->tied ? "with tied" : "with untied");
+        LOAD_FAIL("model file has no tensor %s", name);
+    }
+    return 0;
+}
+
+/* Checks that tensor t (from read_tensor_table) has the shape the header
+   implies, and takes it. */
+static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *err)
+{
+    if (t->rows != rows || t->cols != cols)
+        LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
+    *out = *t;
+    return 0;
+}
+
+/* Binds the layer structs to the tensors of the table (by slot). */
+static int bind_weights(Model *m, const Tensor *tab, char *err)
 {
     Config *c = &m->c;
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
-    char name[TENSOR_NAME_BYTES];
-    if (find_tensor(&m->tok_embeddings, tab, n, "tok_embeddings", c->vocab_size, c->dim, err) ||
-        find_tensor(&m->norm, tab, n, "norm", 1, c->dim, err))
+    if (take_tensor(&m->tok_embeddings, &tab[SLOT_TOK_EMBEDDINGS], c->vocab_size, c->dim, err) ||
+        take_tensor(&m->norm, &tab[SLOT_NORM], 1, c->dim, err))
         return -1;
     if (c->tied) m->output = m->tok_embeddings;
-    else if (find_tensor(&m->output, tab, n, "output", c->vocab_size, c->dim, err)) return -1;
+    else if (take_tensor(&m->output, &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
     if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
     m->layers = xcalloc(c->n_layers, sizeof(Layer));
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
-#define BIND(field, rows, cols) \
-        snprintf(name, sizeof name, "layers.%d." #field, l); \
-        if (find_tensor(&L->field, tab, n, name, rows, cols, err)) return -1;
-        BIND(attn_norm, 1, c->dim);
-        BIND(wqkv, q_dim + 2 * kv_dim, c->dim);
-        BIND(wo, c->dim, q_dim);
-        BIND(ffn_norm, 1, c->dim);
-        BIND(w13, 2 * c->hidden_dim, c->dim);
-        BIND(w2, c->dim, c->hidden_dim);
-#undef BIND
+        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
+        if (take_tensor(&L->attn_norm, &lt[0], 1, c->dim, err) ||
+            take_tensor(&L->wqkv, &lt[1], q_dim + 2 * kv_dim, c->dim, err) ||
+            take_tensor(&L->wo, &lt[2], c->dim, q_dim, err) ||
+            take_tensor(&L->ffn_norm, &lt[3], 1, c->dim, err) ||
+            take_tensor(&L->w13, &lt[4], 2 * c->hidden_dim, c->dim, err) ||
+            take_tensor(&L->w2, &lt[5], c->dim, c->hidden_dim, err))
+            return -1;
         if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32) LOAD_FAIL("layer %d norm weights must be f32", l);
     }
     /* Parameter count and the type holding the most weight bytes, for -v. */
     size_t bytes_by_type[T_BF16 + 1] = {0};
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n_slots(c); i++) {
+        if (!tab[i].name) continue;
         m->n_params += (double)tab[i].rows * tab[i].cols;
         bytes_by_type[tab[i].type] += row_bytes(tab[i].type, tab[i].cols) * tab[i].rows;
     }
@@ -402,7 +547,9 @@ static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
 static int build_model(Model *m, const char *path, char *err)
 {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
+    /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
+       regular file is refused before a byte of it is read */
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) LOAD_FAIL("cannot open: %s", strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); LOAD_FAIL("not a regular file"); }
@@ -412,16 +559,8 @@ static int build_model(Model *m, const char *path, char *err)
     if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
     m->map_size = st.st_size;
-    if (read_config(m, err)) return -1;
-    uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
-    if (tok_off % 4 || tok_off > m->map_size || m->map_size - tok_off < tok_size)
-        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
-    char why[ERR_BYTES];
-    if (tok_create(&m->tok, m->map + tok_off, tok_size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
-    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
-        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     Tensor *tab = NULL;
-    int n = 0, rc = read_tensor_table(m, &tab, &n, err) || bind_weights(m, tab, n, err) ? -1 : 0;
+    int rc = read_config(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) || bind_weights(m, tab, err) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }

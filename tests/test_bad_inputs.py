@@ -24,7 +24,7 @@ from pathlib import Path
 from common import DEFAULT_MODEL, ROOT, RUN, SCRATCH, TESTS, python, require, run
 
 from fuzz import modelfile as mf
-from fuzz.make_seeds import TINY_TIED
+from fuzz.make_seeds import TINY_TIED, TINY_UNTIED
 
 WORK = SCRATCH / "bad_inputs"
 WORK.mkdir(parents=True, exist_ok=True)
@@ -48,9 +48,22 @@ def tiny_model() -> Path:
     return out
 
 
-def variant(name: str, patch) -> Path:
-    """A copy of the tiny model changed by patch(bytearray) -> bytearray|None."""
-    buf = bytearray(tiny_model().read_bytes())
+def two_layer_model() -> Path:
+    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32), rebuilt like tiny_model()."""
+    import make_synthetic as ms
+    out = WORK / "tiny-untied.f32.bin"
+    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
+    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
+        return out
+    src = ms.make_all(WORK / "src-untied", TINY_UNTIED, gguf_types=("f32",), hf=False)["gguf-f32"]
+    r = python([ROOT / "export.py", src, out])
+    assert r.returncode == 0, f"export of the 2-layer model failed:\n{r.stderr.decode()}"
+    return out
+
+
+def variant(name: str, patch, base: Path | None = None) -> Path:
+    """A copy of the tiny model (or of base) changed by patch(bytearray) -> bytearray|None."""
+    buf = bytearray((base or tiny_model()).read_bytes())
     buf = patch(buf) or buf
     path = WORK / f"{name}.bin"
     path.write_bytes(bytes(buf))
@@ -96,9 +109,10 @@ def expect_ok(args: list, stdin: bytes | None = None, timeout: float = 120) -> s
     return r
 
 
-def expect_file_error(patch, *words: str, name: str) -> str:
-    """A damaged copy of the tiny model (file `name`.bin) must be refused: exit 1, one line naming the problem."""
-    path = variant(name, patch)
+def expect_file_error(patch, *words: str, name: str, base: Path | None = None) -> str:
+    """A damaged copy of the tiny model (or of base; file `name`.bin) must be refused: exit 1, one line naming
+    the problem."""
+    path = variant(name, patch, base)
     msg = expect_error([path, "-i", "hi", "-n", "2"], 1, str(path))
     reason = msg.replace(str(path), "")      # the words must be in the reason, not in the file name
     for w in words:
@@ -265,9 +279,82 @@ def test_tensor_wrong_shape():
 
 def test_norm_not_f32():
     def patch(b):
-        mf.entry_put(b, "norm", "type", 1)      # F16, with the size an F16 vector has
-        mf.entry_put(b, "norm", "size", mf.tensor(b, "norm").cols * 2)
+        norm = mf.tensor(b, "norm")
+        assert norm.offset + norm.size == len(b), "the tiny model's norm should be its last tensor"
+        mf.entry_put(b, "norm", "type", 1)      # F16, with the size an F16 vector has; the file ends with it
+        mf.entry_put(b, "norm", "size", norm.cols * 2)
+        del b[norm.offset + norm.cols * 2:]
+        mf.put(b, "file_size", len(b))
     expect_file_error(patch, "norm", "f32", name="norm-f16")
+
+
+# Model files: layout. The sections and tensors tile the file exactly (README.md, "The model file"):
+# the old loader accepted each of these files and generated from the wrong bytes.
+
+def test_tensor_data_inside_header_tokenizer_or_table():
+    """A norm read from offset 0 printed 'ointedointed...': the data must lie after the tensor table."""
+    base = tiny_model().read_bytes()
+    table = mf.get(base, "table_offset")
+    for where, at in (("the header", 0), ("the tokenizer section", mf.HEADER_BYTES), ("the tensor table", table)):
+        expect_file_error(lambda b: mf.entry_put(b, "norm", "offset", at), "norm", f"lies in {where}",
+                          name=f"norm-in-{where.split()[-1]}")
+
+
+def test_tensor_data_overlaps_or_leaves_gaps():
+    first, second = mf.tensors(tiny_model().read_bytes())[:2]
+    expect_file_error(lambda b: mf.entry_put(b, second.name, "offset", first.offset), second.name, "overlaps",
+                      name="tensor-overlap")
+    expect_file_error(lambda b: mf.entry_put(b, first.name, "offset", first.offset + 64), first.name,
+                      "not at the first 64-byte boundary", name="tensor-gap")
+
+    def trailing(b):
+        b += bytes(64)
+        mf.put(b, "file_size", len(b))
+    expect_file_error(trailing, "64 bytes follow", name="trailing-bytes")
+
+
+def test_tensor_set_matches_header():
+    """The table lists exactly the tensors the header's shape implies: n_tensors one too many gave
+    'blank tensor type 570230918'; n_layers one short ran a 1-layer model from a 2-layer file."""
+    n = mf.get(tiny_model().read_bytes(), "n_tensors")
+    expect_file_error(lambda b: mf.put(b, "n_tensors", n + 1), f"tensor table has {n + 1} entries",
+                      f"has {n} tensors", name="ntensors-plus-one")
+    two = two_layer_model()
+    n2 = mf.get(two.read_bytes(), "n_tensors")
+    expect_file_error(lambda b: mf.put(b, "n_layers", 1), f"tensor table has {n2} entries", "1-layer",
+                      name="nlayers-short", base=two)
+
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.1.wo"), "no tensor layers.0.wo",
+                      "layers.1.wo", "1-layer", name="layer-beyond-nlayers")
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wqkv"), "layers.0.wqkv",
+                      "twice", name="tensor-duplicate")
+
+
+def test_sections_placed_exactly():
+    expect_file_error(lambda b: mf.put(b, "header_size", 512), "header size 512", "256", name="header-512")
+    expect_file_error(lambda b: mf.put(b, "tok_size", mf.get(b, "tok_size") + 1), "tokenizer section size",
+                      name="tok-size-plus-one")
+    expect_file_error(lambda b: mf.put(b, "tok_offset", 512), "tokenizer section", "right after the header",
+                      name="tok-moved")
+    expect_file_error(lambda b: mf.put(b, "table_offset", mf.get(b, "table_offset") + 64), "tensor table",
+                      "first 64-byte boundary", name="table-moved")
+
+
+def test_reserved_and_padding_bytes_are_zero():
+    def header_reserved(b):
+        b[200] = 1
+    expect_file_error(header_reserved, "reserved byte 200", name="header-reserved")
+
+    def tok_reserved(b):
+        b[mf.get(b, "tok_offset") + 50] = 7
+    expect_file_error(tok_reserved, "tokenizer section", "reserved byte 50", name="tok-reserved")
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "reserved", 5), "norm", "reserved", name="entry-reserved")
+    emb = mf.tensor(tiny_model().read_bytes(), "tok_embeddings")
+    assert emb.size % 64, "the test needs padding after tok_embeddings"
+
+    def padding(b):
+        b[emb.offset + emb.size] = 1
+    expect_file_error(padding, f"padding byte {emb.offset + emb.size}", name="padding")
 
 
 def test_nan_weights_give_an_error_not_garbage():
