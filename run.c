@@ -103,6 +103,7 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define MAX_SEQ (1 << 20)
 #define MAX_TENSORS (1 << 20)
 #define ERR_BYTES 256
+#define MSG_BYTES 4200 /* an error message: room for a path of PATH_MAX (4096) bytes */
 
 /* ----------------------------------------------------------------------------
    Errors. A failure anywhere in loading or running prints one line to stderr
@@ -112,13 +113,56 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE 2
 
+#define LINE_BYTES (4 * MSG_BYTES + 8) /* a message with every byte escaped */
+
+/* Formats "run: MESSAGE\n" into out (LINE_BYTES) with control characters
+   escaped as Python's repr shows them (\n, \x1b; C1 controls in UTF-8
+   too), so that a message quoting a hostile argument, path or file byte
+   stays one plain line and cannot colour the terminal. */
+static void format_error(char *out, const char *fmt, va_list ap)
+{
+    char msg[MSG_BYTES];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t k = sprintf(out, "run: ");
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        int c1 = p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f; /* U+0080..U+009F */
+        unsigned c = c1 ? *++p : *p;
+        if (c == '\n') k += sprintf(out + k, "\\n");
+        else if (c == '\t') k += sprintf(out + k, "\\t");
+        else if (c == '\r') k += sprintf(out + k, "\\r");
+        else if (c < 0x20 || c == 0x7f || c1) k += sprintf(out + k, "\\x%02x", c);
+        else out[k++] = (char)c;
+    }
+    sprintf(out + k, "\n");
+}
+
+static void print_error(const char *fmt, va_list ap)
+{
+    char line[LINE_BYTES];
+    format_error(line, fmt, ap);
+    fputs(line, stderr);
+}
+
+/* format_error with arguments. */
+static void format_line(char *out, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    format_error(out, fmt, ap);
+    va_end(ap);
+}
+
+/* A file this run is writing under a temporary name (--dump-logits), or
+   "": removed by die() and by the fatal-signal handlers, so that no partial
+   file outlives the run. */
+static char temp_path[MSG_BYTES];
+
 static _Noreturn void die(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fputs("run: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    if (temp_path[0]) unlink(temp_path);
+    print_error(fmt, ap);
     va_end(ap);
     exit(code);
 }
@@ -571,6 +615,47 @@ static void free_model(Model *m)
     free(m->layers);
     if (m->map) munmap((void *)m->map, m->map_size);
     memset(m, 0, sizeof *m);
+}
+
+/* The mapping watched by on_sigbus, and the line it prints. */
+static struct {
+    const uint8_t *lo, *hi;
+    char msg[LINE_BYTES];
+    size_t len;
+} watched;
+
+/* A read of the mapping past the end of a file that shrank (or that was
+   replaced in place) raises SIGBUS: say so in one line instead of dying of
+   the signal. Only write(2) and _exit(2) here: a signal handler may call
+   nothing else that matters; when several threads fault at once, one
+   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+static void on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    (void)uc;
+    const uint8_t *at = si->si_addr;
+    if (at >= watched.lo && at < watched.hi) {
+        static atomic_flag reported = ATOMIC_FLAG_INIT;
+        if (atomic_flag_test_and_set(&reported)) /* another thread of the team: it prints and ends the run */
+            for (;;) pause();
+        if (temp_path[0]) unlink(temp_path);
+        ssize_t w = write(STDERR_FILENO, watched.msg, watched.len);
+        (void)w;
+        _exit(EXIT_RUNTIME);
+    }
+    signal(sig, SIG_DFL); /* the faulting access repeats and ends the run with the signal */
+}
+
+/* Installs on_sigbus for the model m mapped from path. */
+static void watch_model_file(const Model *m, const char *path)
+{
+    format_line(watched.msg, "%s: the model file changed or shrank while in use", path);
+    watched.len = strlen(watched.msg);
+    watched.lo = m->map;
+    watched.hi = m->map + m->map_size;
+    struct sigaction sa = {0};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
 }
 
 /* ============================================================================
@@ -1327,11 +1412,6 @@ static void att_scores_rows(float *out, const float *q, const float *k, int hd, 
 static float att_softmax(float *sc, int n, float scale, float *m) { return KERNEL(att_softmax, sc, n, scale, m); }
 static void att_accum(float *o, const float *p, const float *v, int hd, int n) { KERNEL(att_accum, o, p, v, hd, n); }
 static void swiglu(float *g, const float *u, int n) { KERNEL(swiglu, g, u, n); }
-
-/* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
-static int ignore_eos;
-/* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
-static int print_ids;
 
 static DotFn dot_for(int type)
 {
@@ -2116,6 +2196,16 @@ static double decode_bytes(const Model *m, const RunState *s, int pos)
    5. GENERATION
    ========================================================================= */
 
+/* The command line (section 6 parses it). */
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
+    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
+    int ignore_eos;   /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
+    int print_ids;    /* --print-prompt-ids: each prefilled block's token ids go to stderr */
+    float temperature, top_p;
+    unsigned long long seed;
+} Args;
+
 /* Streams token texts to stdout so that a UTF-8 character split across
    tokens is written whole: bytes of an unfinished character wait for the
    next token (or for the end of the answer). */
@@ -2129,10 +2219,23 @@ static int utf8_len(unsigned char lead)
     return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
 }
 
-/* stdout went away (e.g. `| head`): stop quietly, like other filters. */
+/* stdout must take every byte. A reader that went away (EPIPE, e.g.
+   `| head`) ends the run quietly with status 0, like other filters; any
+   other failure (a full disk, a closed stdout) is an error. */
 static void check_stdout(void)
 {
-    if (fflush(stdout) != 0 || ferror(stdout)) exit(errno == EPIPE ? EXIT_SUCCESS : EXIT_RUNTIME);
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    if (errno == EPIPE) exit(EXIT_SUCCESS);
+    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Before a successful exit: all of stdout written, and closed without
+   error (some file systems report a failed write only at close). */
+static void close_stdout(void)
+{
+    check_stdout();
+    errno = 0;
+    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
 }
 
 static void emit(Utf8Stream *u, const char *p, size_t n)
@@ -2221,15 +2324,16 @@ static void push(Tokens *t, int id)
    streams and decodes until an end token (never printed, never fed back),
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
    model is appended to conv, so conv->n == *pos on return. Returns why it
-   stopped and, in *last, the last token sampled (not fed). */
-static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int *pos, int n_predict,
+   stopped and, in *last, the last token sampled (not fed; -1 when
+   n_predict is 0: then nothing is sampled or printed). */
+static int generate(const Model *m, RunState *s, Sampler *sm, const Args *a, Tokens *conv, int *pos, int n_predict,
                     Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
-    int n = conv->n - *pos, why;
+    int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
-    if (print_ids) {
+    if (a->print_ids) {
         fputs("ids:", stderr);
         for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
         fputc('\n', stderr);
@@ -2237,12 +2341,13 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     double t0 = now_ms();
     prefill(m, s, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = sample(sm, s->logits, m->c.vocab_size, cand);
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
-    while (1) {
+    *last = token;
+    while (n_predict > 0) {
         *last = token;
-        if (tok_is_eog(m->tok, token) && !ignore_eos) { why = STOP_END; break; }
+        if (tok_is_eog(m->tok, token) && !a->ignore_eos) { why = STOP_END; break; }
         size_t len;
         const char *piece = tok_piece(m->tok, token, &len);
         if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
@@ -2263,16 +2368,21 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
 
 /* ----- chat templates ----------------------------------------------------- */
 
-/* Appends text tokenized as plain text: control-token look-alikes inside it
-   stay text, so a message cannot inject template tokens. */
-static void push_text(const Model *m, Tokens *t, const char *text, size_t len)
+/* Appends text, tokenized with tok_encode's flags, to t. Without
+   TOK_PARSE_SPECIAL control-token look-alikes inside it stay text, so a
+   message cannot inject template tokens. Returns the number of ids added. */
+static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t len, int flags)
 {
     int *ids;
     size_t n;
-    if (tok_encode(m->tok, text, len, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+    if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
     for (size_t i = 0; i < n; i++) push(t, ids[i]);
     free(ids);
+    return n;
 }
+
+/* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
+static void push_text(const Model *m, Tokens *t, const char *text, size_t len) { push_encoded(m, t, text, len, 0); }
 
 /* The id of a control token given by its text, or -1. */
 static int special_id(const Model *m, const char *text)
@@ -2290,7 +2400,7 @@ static int special_id(const Model *m, const char *text)
    Gemma:   <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (assistant is "model",
             the system text opens the first user message; BOS first). */
 typedef struct {
-    int kind;            /* 1 ChatML, 2 Gemma */
+    int kind;            /* TOK_CHAT_CHATML or TOK_CHAT_GEMMA */
     int start, end;      /* turn delimiter token ids */
     const char *system;  /* system prompt (-y, else the template's default) */
     size_t system_len;
@@ -2303,13 +2413,13 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
     const tok_info *ti = tok_get_info(m->tok);
     memset(ch, 0, sizeof *ch);
     ch->kind = ti->chat_template;
-    if (ch->kind == 1) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
-    else if (ch->kind == 2) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
+    if (ch->kind == TOK_CHAT_CHATML) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
+    else if (ch->kind == TOK_CHAT_GEMMA) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
     else die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
     if (ch->start < 0 || ch->end < 0) die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
     ch->system = system ? system : ti->default_system;
     ch->system_len = system ? strlen(system) : ti->default_system_len;
-    ch->system_pending = ch->kind == 2 && ch->system_len;
+    ch->system_pending = ch->kind == TOK_CHAT_GEMMA && ch->system_len;
     /* An explicit -y "" is an empty system message: ChatML still renders
        its turn (the template adds its default only without one). */
     ch->system_turn = ch->system_len || system;
@@ -2321,8 +2431,8 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
 static void chat_open(const Chat *ch, const Model *m, Tokens *t)
 {
     const tok_info *ti = tok_get_info(m->tok);
-    if (ch->kind == 2 && ti->bos >= 0) push(t, ti->bos);
-    if (ch->kind == 1 && ch->system_turn) {
+    if (ch->kind == TOK_CHAT_GEMMA && ti->bos >= 0) push(t, ti->bos);
+    if (ch->kind == TOK_CHAT_CHATML && ch->system_turn) {
         push(t, ch->start);
         char *buf = xmalloc(ch->system_len + 8);
         int k = sprintf(buf, "system\n");
@@ -2338,7 +2448,7 @@ static void chat_open(const Chat *ch, const Model *m, Tokens *t)
    <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
 static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
 {
-    size_t sys = ch->kind == 2 && ch->system_pending ? ch->system_len + 2 : 0;
+    size_t sys = ch->kind == TOK_CHAT_GEMMA && ch->system_pending ? ch->system_len + 2 : 0;
     char *buf = xmalloc(len + sys + 8);
     int k = sprintf(buf, "user\n");
     if (sys) { memcpy(buf + k, ch->system, ch->system_len); memcpy(buf + k + ch->system_len, "\n\n", 2); k += sys; }
@@ -2348,7 +2458,8 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
     push(t, ch->end);
     push_text(m, t, "\n", 1);
     push(t, ch->start);
-    push_text(m, t, ch->kind == 2 ? "model\n" : "assistant\n", ch->kind == 2 ? 6 : 10);
+    const char *role = ch->kind == TOK_CHAT_GEMMA ? "model\n" : "assistant\n";
+    push_text(m, t, role, strlen(role));
     ch->system_pending = 0;
     free(buf);
 }
@@ -2357,7 +2468,7 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
    conversation, then the turn is closed (<|im_end|>\n). */
 static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
 {
-    if (why != STOP_END) push(conv, last);
+    if (why != STOP_END && last >= 0) push(conv, last);
     push(conv, ch->end);
     push_text(m, conv, "\n", 1);
 }
@@ -2391,12 +2502,44 @@ static void on_sigint(int sig)
     else _exit(130);
 }
 
-typedef struct {
-    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
-    float temperature, top_p;
-    unsigned long long seed;
-} Args;
+/* ----- input ------------------------------------------------------------------ */
+
+/* Reads f up to its end, or with `line` up to the next newline (dropped),
+   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
+   NULL at the end of input when a line was asked and nothing was read. A
+   read error, running out of memory, or more than max bytes (why_max says
+   where that bound comes from) ends the run with a message naming `what`:
+   /dev/zero must not fill the memory. */
+static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
+{
+    size_t cap = 4096, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    errno = 0;
+    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
+        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
+        buf[n++] = (char)c;
+    }
+    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
+    if (line && c == EOF && n == 0) { free(buf); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The most bytes of text that can fit in ctx tokens: a token stands for
+   at most as many input bytes as its text holds (BOS and EOS for none,
+   bytes without a token for none, but those make no prompt). Reading
+   stops there; why gets the reason, for the error message. */
+static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
+{
+    size_t longest = 1, len;
+    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
+        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
+    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
+    return (size_t)ctx * longest;
+}
 
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
@@ -2410,25 +2553,28 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
     int *exch = NULL;
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t len;
+    char why_max[ERR_BYTES];
+    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     int reserve = a->n_predict < s->seq_len / 4 ? a->n_predict : s->seq_len / 4;
     while (1) {
         if (tty) fputs("> ", stderr);
-        if ((len = getline(&line, &cap, stdin)) < 0) break;
-        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
-        if (!len) continue;
+        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
+        if (!line) break;
+        while (len && line[len - 1] == '\r') line[--len] = 0;
+        if (!len) { free(line); continue; }
         exch = realloc(exch, (n_exch + 1) * sizeof *exch);
         if (!exch) die(EXIT_RUNTIME, "out of memory");
         int before = conv.n, system_pending = ch.system_pending;
         exch[n_exch++] = conv.n;
         chat_user_turn(&ch, m, &conv, line, len);
+        free(line);
         if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
-            fprintf(stderr, "run: message too long: %d tokens, the context holds %d\n", conv.n - before, s->seq_len);
+            int msg = conv.n - before;
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             conv.n = before;
             n_exch--;
             ch.system_pending = system_pending;
@@ -2442,7 +2588,7 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
         int last;
         interrupted = 0;
         answering = 1;
-        int why = generate(m, s, sm, &conv, &pos, a->n_predict, &st, &last);
+        int why = generate(m, s, sm, a, &conv, &pos, a->n_predict, &st, &last);
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
@@ -2451,12 +2597,58 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
-    free(line);
     free(exch);
     free(conv.ids);
 }
 
+/* ----- all logits --------------------------------------------------------------- */
+
+/* Receives the logits of positions off .. off+k-1, rows 0 .. k-1 of s->logits. */
+typedef void (*LogitsFn)(void *ctx, const RunState *s, int off, int k);
+
+/* Runs ids[0, n) through the model from position 0, CHUNK_TOKENS at a time
+   (batched prefill) or, with one_by_one, as decode steps, computing the
+   logits of every position and handing each block to use. */
+static void each_logits(const Model *m, RunState *s, const int *ids, int n, int one_by_one, LogitsFn use, void *ctx)
+{
+    for (int off = 0; off < n;) {
+        int k = one_by_one ? 1 : min_i(n - off, CHUNK_TOKENS);
+        if (one_by_one) decode_step(m, s, ids[off], off);
+        else prefill(m, s, ids + off, k, off, 1);
+        use(ctx, s, off, k);
+        off += k;
+    }
+}
+
 /* ----- perplexity ------------------------------------------------------------ */
+
+#define PPL_MAX_BYTES (64u << 20) /* the text --ppl reads: ~16M tokens, hours of prefill */
+#define PPL_MIN_CTX 3             /* the smallest window whose second half scores a token */
+
+/* One window's score: the negative log-likelihood of each token at
+   positions [first, ctx) given those before it. */
+typedef struct {
+    const int *win;
+    int first, ctx, vocab;
+    double nll;
+    long scored;
+} Score;
+
+static void score_block(void *ctx, const RunState *s, int off, int k)
+{
+    Score *sc = ctx;
+    for (int t = 0; t < k; t++) {
+        int p = off + t;
+        if (p < sc->first || p >= sc->ctx - 1) continue;
+        const float *lg = s->logits + (size_t)t * sc->vocab;
+        float mx = lg[0];
+        for (int i = 1; i < sc->vocab; i++) mx = fmaxf(mx, lg[i]);
+        double sum = 0;
+        for (int i = 0; i < sc->vocab; i++) sum += exp(lg[i] - mx);
+        sc->nll += mx + log(sum) - lg[sc->win[p + 1]];
+        sc->scored++;
+    }
+}
 
 /* Perplexity of a text file. The tokens are cut into windows of ctx tokens
    (no overlap); each window is prefilled from position 0 (batched, logits
@@ -2468,50 +2660,29 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 {
     FILE *f = fopen(path, "rb");
     if (!f) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    size_t n;
+    char *buf = read_stream(f, path, 0, PPL_MAX_BYTES, "--ppl reads at most 64 MiB (score a part of the text)", &n);
+    fclose(f);
     Tokens text = {0};
-    {
-        size_t cap = 1 << 16, n = 0, got;
-        char *buf = xmalloc(cap);
-        while ((got = fread(buf + n, 1, cap - n, f)) > 0)
-            if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", path);
-        fclose(f);
-        int *ids;
-        size_t n_ids; /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
-        if (tok_encode(m->tok, buf, n, TOK_ADD_SPECIAL, &ids, &n_ids) != 0) die(EXIT_RUNTIME, "out of memory tokenizing %s", path);
-        for (size_t i = 0; i < n_ids; i++) push(&text, ids[i]);
-        free(ids);
-        free(buf);
-    }
+    push_encoded(m, &text, buf, n, TOK_ADD_SPECIAL); /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
+    free(buf);
     const tok_info *ti = tok_get_info(m->tok);
-    int n_win = text.n / ctx, vocab = m->c.vocab_size, first = ctx / 2;
+    int n_win = text.n / ctx;
     if (n_win < 1) die(EXIT_RUNTIME, "%s has %d tokens, fewer than one window of %d (lower --ctx)", path, text.n, ctx);
-    double nll = 0, t0 = now_ms();
-    long scored = 0;
+    Score sc = {.first = ctx / 2, .ctx = ctx, .vocab = m->c.vocab_size};
+    double t0 = now_ms();
     for (int w = 0; w < n_win; w++) {
         int *win = text.ids + (size_t)w * ctx, saved = win[0];
         if (ti->add_bos && ti->bos >= 0) win[0] = ti->bos;
-        for (int off = 0; off < ctx; off += CHUNK_TOKENS) {
-            int k = ctx - off < CHUNK_TOKENS ? ctx - off : CHUNK_TOKENS;
-            prefill(m, s, win + off, k, off, 1);
-            for (int t = 0; t < k; t++) {
-                int p = off + t;
-                if (p < first || p >= ctx - 1) continue;
-                const float *lg = s->logits + (size_t)t * vocab;
-                float mx = lg[0];
-                for (int i = 1; i < vocab; i++) mx = fmaxf(mx, lg[i]);
-                double sum = 0;
-                for (int i = 0; i < vocab; i++) sum += exp(lg[i] - mx);
-                nll += mx + log(sum) - lg[win[p + 1]];
-                scored++;
-            }
-        }
+        sc.win = win;
+        each_logits(m, s, win, ctx, 0, score_block, &sc);
         win[0] = saved;
-        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(nll / scored));
+        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(sc.nll / sc.scored));
     }
     double sec = (now_ms() - t0) / 1e3;
     if (isatty(STDERR_FILENO)) fputc('\n', stderr);
     printf("perplexity: %.4f over %ld tokens (%d windows of %d, second half scored), %.0f tok/s\n",
-           exp(nll / scored), scored, n_win, ctx, (double)n_win * ctx / sec);
+           exp(sc.nll / sc.scored), sc.scored, n_win, ctx, (double)n_win * ctx / sec);
     free(text.ids);
 }
 
@@ -2525,10 +2696,13 @@ static void usage(FILE *f)
         "usage: run MODEL [options]\n"
         "Generates text with a model file written by export.py. The prompt comes\n"
         "from -i, or from stdin when stdin is not a terminal (one trailing newline\n"
-        "is dropped). Only generated text goes to stdout; errors and -v go to stderr.\n"
+        "is dropped; reading stops with an error past what the context can hold:\n"
+        "ctx x the longest token's bytes). Only generated text goes to stdout;\n"
+        "errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
-        "  -i PROMPT      prompt text (an empty prompt is an error)\n"
+        "  -i PROMPT      prompt text (an empty prompt, or one whose bytes have no token\n"
+        "                 in the vocabulary, is an error)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
         "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
@@ -2540,18 +2714,22 @@ static void usage(FILE *f)
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
+        "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
-        "followed by a newline. Each turn prefills only its new tokens. When the\n"
-        "conversation plus min(-n, ctx/4) answer tokens would overflow the context,\n"
-        "the oldest exchanges are dropped (the system turn is kept) until it fills at\n"
-        "most half the context, and the rest is prefilled again. A message too long\n"
-        "to fit alone is refused (stderr) and answered with an empty line.\n"
+        "followed by a newline (-n 0: an empty line). Each turn prefills only its new\n"
+        "tokens. When the conversation plus min(-n, ctx/4) answer tokens would\n"
+        "overflow the context, the oldest exchanges are dropped (the system turn is\n"
+        "kept) until it fills at most half the context, and the rest is prefilled\n"
+        "again. A message too long to fit alone is refused (stderr) and answered with\n"
+        "an empty line; a line longer than the context could ever hold, or a read\n"
+        "error, ends the chat with an error.\n"
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
         "  --threads N    worker threads, >= 1 (default: number of cores)\n"
-        "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
+        "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
+        "                 at least 3)\n"
         "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
@@ -2559,12 +2737,16 @@ static void usage(FILE *f)
         "  --probe        measure this machine's DRAM bandwidth and f32/int8 peaks first\n"
         "                 (~0.5 s); with -v each phase is shown against its roofline\n"
         "\n"
-        "Tools\n"
+        "Tools (each a mode of its own: --ppl, --dump-logits, --tokenize and -m chat\n"
+        "do not combine, and --ppl takes no prompt; such a combination is an error)\n"
         "  --tokenize     print the prompt's token ids on one line and exit\n"
-        "  --ppl FILE     perplexity of a text file in windows of --ctx tokens\n"
-        "  --ids \"1 2 3\"  give the prompt as token ids instead of text\n"
+        "  --ppl FILE     perplexity of a text file (at most 64 MiB) in windows of\n"
+        "                 --ctx tokens\n"
+        "  --ids \"1 2 3\"  give the prompt as token ids instead of text (not with -c)\n"
         "  --dump-logits FILE  write float32 logits [prompt tokens, vocab] of every\n"
-        "                 prompt position (batched prefill) to FILE and exit\n"
+        "                 prompt position (batched prefill) to FILE and exit; written\n"
+        "                 under a temporary name and renamed when complete, so FILE\n"
+        "                 is whole or untouched; FILE must be a regular file if it exists\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
         "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
@@ -2574,35 +2756,53 @@ static void usage(FILE *f)
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
         "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
-        "context, ...), 2 usage error, 130 interrupted at the chat prompt.\n");
+        "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
+        "130 interrupted at the chat prompt.\n");
 }
+
+/* Flag values are plain decimal numbers: strtol and strtod would also take
+   leading spaces, and strtod hex floats, inf and nan. */
+static int is_decimal(const char *v, const char *chars) { return *v && !v[strspn(v, chars)]; }
 
 static long parse_long(const char *flag, const char *v, long lo, long hi)
 {
     char *end;
     errno = 0;
     long x = strtol(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi)
+    if (!is_decimal(v, "+-0123456789") || errno || end == v || *end || x < lo || x > hi)
         die(EXIT_USAGE, "%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, v);
     return x;
 }
 
+/* A number in [lo, hi] ((lo, hi] with lo_open). Parsed as a double: a
+   float's subnormals (-t 1e-38) are numbers like any other. */
 static float parse_float(const char *flag, const char *v, float lo, float hi, int lo_open)
 {
     char *end;
     errno = 0;
-    float x = strtof(v, &end);
-    if (errno || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
-        die(EXIT_USAGE, "%s expects a number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
-    return x;
+    double x = strtod(v, &end);
+    if (!is_decimal(v, "+-.0123456789eE") || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
+        die(EXIT_USAGE, "%s expects a decimal number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
+    if (lo_open && (float)x == lo)
+        die(EXIT_USAGE, "%s %s is too small: it is %g as a 32-bit float", flag, v, lo);
+    return (float)x;
 }
 
-static _Noreturn void usage_error(const char *fmt, const char *arg)
+static _Noreturn void usage_error(const char *fmt, ...)
 {
-    fputs("run: ", stderr);
-    fprintf(stderr, fmt, arg);
-    fputs("\nusage: run MODEL [options]   (run -h for every option)\n", stderr);
+    va_list ap;
+    va_start(ap, fmt);
+    print_error(fmt, ap);
+    va_end(ap);
+    fputs("usage: run MODEL [options]   (run -h for every option)\n", stderr);
     exit(EXIT_USAGE);
+}
+
+/* -h and --version: their text must reach stdout too. */
+static _Noreturn void exit_after_stdout(void)
+{
+    close_stdout();
+    exit(EXIT_SUCCESS);
 }
 
 static void parse_args(Args *a, int argc, char **argv)
@@ -2612,8 +2812,8 @@ static void parse_args(Args *a, int argc, char **argv)
                                        "--ids", "--dump-logits", "--ppl", "--kv", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
-        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit(0); }
-        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit(0); }
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
+        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit_after_stdout(); }
         if (f[0] != '-' || !f[1]) {
             if (a->model_path) usage_error("unexpected argument '%s'", f);
             a->model_path = f;
@@ -2649,29 +2849,32 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
-        else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
+        else if (!strcmp(f, "--print-prompt-ids")) a->print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
-        else if (!strcmp(f, "--ignore-eos")) ignore_eos = 1;
+        else if (!strcmp(f, "--ignore-eos")) a->ignore_eos = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
     if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
-    if (a->prompt && a->ids) usage_error("%s", "-i and --ids are exclusive");
-    if (!strcmp(a->mode, "chat") && (a->prompt || a->ids)) usage_error("%s", "-m chat reads its messages from stdin; -i/--ids do not apply");
-}
-
-/* Reads all of stdin (the prompt when no -i is given). */
-static char *read_stdin(size_t *len)
-{
-    size_t cap = 4096, n = 0, got;
-    char *buf = xmalloc(cap);
-    while ((got = fread(buf + n, 1, cap - n, stdin)) > 0)
-        if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading stdin");
-    if (ferror(stdin)) die(EXIT_RUNTIME, "cannot read stdin: %s", strerror(errno));
-    if (n && buf[n - 1] == '\n') n--;
-    if (n && buf[n - 1] == '\r') n--;
-    *len = n;
-    return buf;
+    int chat = !strcmp(a->mode, "chat");
+    /* pairs where one option would be ignored, or contradicts the other */
+    const struct { int both; const char *x, *y; } conflict[] = {
+        {a->prompt && a->ids, "-i", "--ids"},
+        {chat && a->prompt, "-m chat", "-i"},
+        {chat && a->ids, "-m chat", "--ids"},
+        {chat && a->tokenize, "-m chat", "--tokenize"},
+        {chat && a->dump_logits, "-m chat", "--dump-logits"},
+        {a->ppl && chat, "--ppl", "-m chat"},
+        {a->ppl && a->prompt, "--ppl", "-i"},
+        {a->ppl && a->ids, "--ppl", "--ids"},
+        {a->ppl && a->chat_wrap, "--ppl", "-c"},
+        {a->ppl && a->tokenize, "--ppl", "--tokenize"},
+        {a->ppl && a->dump_logits, "--ppl", "--dump-logits"},
+        {a->tokenize && a->dump_logits, "--tokenize", "--dump-logits"},
+        {a->chat_wrap && a->ids, "-c", "--ids"},
+    };
+    for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
+        if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
 }
 
 /* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
@@ -2683,21 +2886,29 @@ static void parse_ids(Tokens *t, const char *text, int vocab)
         errno = 0;
         long v = strtol(p, &end, 10);
         if (end == p) usage_error("--ids: '%s' is not a list of token ids", text);
-        if (errno || v < 0 || v >= vocab) die(EXIT_USAGE, "--ids: token id %ld is outside the vocabulary [0, %d)", v, vocab);
+        if (errno || v < 0 || v >= vocab)
+            die(EXIT_USAGE, "--ids: token id %.*s is outside the vocabulary [0, %d)", (int)(end - p), p, vocab);
         push(t, (int)v);
         p = end;
     }
 }
 
-/* The prompt as tokens, from --ids, -i or stdin; with -c wrapped in the
-   chat template. */
-static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
+/* The prompt as tokens, from --ids, -i or stdin (at most what ctx tokens
+   can hold); with -c wrapped in the chat template. Returns the prompt's
+   length in bytes (0 for --ids). */
+static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
 {
-    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return; }
+    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return 0; }
     size_t len;
     char *text;
     if (a->prompt) text = strdup(a->prompt), len = strlen(a->prompt);
-    else if (!isatty(STDIN_FILENO)) text = read_stdin(&len);
+    else if (!isatty(STDIN_FILENO)) {
+        char why[ERR_BYTES];
+        size_t max = text_limit(m, ctx, why, sizeof why) + 2; /* + the newline dropped below */
+        text = read_stream(stdin, "the prompt on stdin", 0, max, why, &len);
+        if (len && text[len - 1] == '\n') len--;
+        if (len && text[len - 1] == '\r') len--;
+    }
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
@@ -2707,58 +2918,111 @@ static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, len);
     } else {
-        int *ids;
-        size_t n;
-        int flags = TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0);
-        if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing the prompt");
-        for (size_t i = 0; i < n; i++) push(t, ids[i]);
-        free(ids);
+        push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0));
     }
     free(text);
+    return len;
+}
+
+/* --dump-logits: where the logits go, CHUNK_TOKENS rows at a time. */
+typedef struct {
+    FILE *f;
+    const char *path;
+    size_t vocab;
+} Dump;
+
+static void write_logits(void *ctx, const RunState *s, int off, int k)
+{
+    Dump *d = ctx;
+    (void)off;
+    if (fwrite(s->logits, sizeof(float) * d->vocab, k, d->f) != (size_t)k)
+        die(EXIT_RUNTIME, "cannot write %s: %s", d->path, strerror(errno));
+}
+
+/* Ends the run on a fatal signal without leaving the temporary file. */
+static void on_fatal_signal(int sig)
+{
+    if (temp_path[0]) unlink(temp_path);
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
-   --no-batch), written CHUNK_TOKENS rows at a time. */
+   --no-batch), written under a temporary name in FILE's directory and
+   renamed over FILE when complete: a full disk, a file-size limit or a
+   signal leaves FILE as it was. Something other than a regular file at
+   FILE (a device, a FIFO, a symlink) is refused, not replaced. */
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a)
 {
-    size_t vocab = m->c.vocab_size;
-    FILE *f = fopen(a->dump_logits, "wb");
-    if (!f) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-    for (int off = 0; off < p->n;) {
-        int k = a->no_batch ? 1 : min_i(p->n - off, CHUNK_TOKENS);
-        if (a->no_batch) decode_step(m, s, p->ids[off], off);
-        else prefill(m, s, p->ids + off, k, off, 1);
-        if (fwrite(s->logits, sizeof(float) * vocab, k, f) != (size_t)k) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-        off += k;
+    const char *path = a->dump_logits;
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
+    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", path, (long)getpid()) >= (int)sizeof temp_path)
+        temp_path[0] = 0, die(EXIT_RUNTIME, "cannot write %s: File name too long", path);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
+    int fd = open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    if (fd < 0) {
+        int e = errno;
+        temp_path[0] = 0; /* not ours to remove */
+        die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(e));
     }
-    if (fclose(f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+    Dump d = {fdopen(fd, "wb"), path, m->c.vocab_size};
+    if (!d.f) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    each_logits(m, s, p->ids, p->n, a->no_batch, write_logits, &d);
+    if (fclose(d.f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    if (rename(temp_path, path) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    temp_path[0] = 0;
+}
+
+/* Points stdin, stdout or stderr at /dev/null when it is closed, so that
+   no file this run opens takes its number (the text meant for stdout
+   would go into it). Opened for the other direction, it fails every use
+   as the closed descriptor did: a closed stdout is still an error. */
+static void reserve_std_fds(void)
+{
+    for (int fd = STDIN_FILENO; fd <= STDERR_FILENO; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+            int r = open("/dev/null", fd == STDIN_FILENO ? O_WRONLY : O_RDONLY);
+            if (r >= 0 && r != fd) { dup2(r, fd); close(r); }
+        }
 }
 
 int main(int argc, char **argv)
 {
+    reserve_std_fds();
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
+    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    watch_model_file(&m, a.model_path);
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
+    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
+    if (a.ppl && seq_len < PPL_MIN_CTX)
+        die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
 
     Tokens prompt = {0};
-    if (!chat && !a.ppl) prompt_tokens(&m, &a, &prompt);
+    size_t prompt_bytes = 0;
+    if (!chat && !a.ppl) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
     if (a.tokenize) {
         for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
         printf("\n");
-        check_stdout();
+        close_stdout();
         free(prompt.ids);
         free_model(&m);
         return 0;
     }
-    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
-    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
-    if (!chat && !a.ppl && prompt.n == 0) die(EXIT_RUNTIME, "the prompt is empty");
+    if (!chat && !a.ppl && prompt.n == 0) {
+        if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
+        die(EXIT_RUNTIME, "the prompt is empty");
+    }
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
     int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
@@ -2796,10 +3060,11 @@ int main(int argc, char **argv)
             if (a.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &prompt, &pos, n_predict, &st, &last);
+        generate(&m, &s, &sm, &a, &prompt, &pos, n_predict, &st, &last);
         if (a.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
+    close_stdout();
     free(prompt.ids);
     free_state(&s);
     free_model(&m);
