@@ -38,7 +38,7 @@
      Architecture llama (RMSNorm, RoPE, GQA, SwiGLU). One sequence at a time.
      Build without OpenMP for a single-threaded binary with the same results.
 */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -94,7 +94,10 @@ _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, 
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
-#define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
+#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
+#define LONG_WAITS_MAX 2        /* a pass with this many such waits ran on contended cores (each may cost a timeslice) */
+#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
+#define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
@@ -1518,6 +1521,7 @@ static void softmax(float *x, int n)
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
+    atomic_int long_waits; /* waits that outlasted SPINS_BEFORE_YIELD since adapt_team looked */
 } Barrier;
 
 static void cpu_relax(void)
@@ -1539,7 +1543,10 @@ static void barrier(Barrier *b, int nth)
            program is running), and yielding lets the late thread run */
         for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
             if (spins < SPINS_BEFORE_YIELD) cpu_relax();
-            else sched_yield();
+            else {
+                if (spins == SPINS_BEFORE_YIELD) atomic_fetch_add_explicit(&b->long_waits, 1, memory_order_relaxed);
+                sched_yield();
+            }
     }
 }
 
@@ -1577,7 +1584,9 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
-    int n_threads;
+    int n_threads;  /* the full team */
+    int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
+    int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* T_F32, T_F16 or T_Q8_0 */
@@ -1612,7 +1621,8 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     memset(s, 0, sizeof *s);
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
     int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
-    s->n_threads = n_threads;
+    s->n_threads = s->team = n_threads;
+    s->backoff = TEAM_RETRY;
     s->seq_len = seq_len;
     s->kv_type = kv_type;
     s->kv_row = row_bytes(kv_type, c->head_dim);
@@ -1645,6 +1655,29 @@ static void free_state(RunState *s)
     free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
+}
+
+/* Sizes the team of the next forward pass. When other programs take the
+   cores, a thread of the team is descheduled for whole timeslices and every
+   barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
+   than with one thread. A pass with LONG_WAITS_MAX long waits halves the
+   team; the full team is tried again
+   after s->backoff passes, which doubles while the retries find the cores
+   still contended. On cores of its own a decode pass waits long at none
+   of its ~245 barriers. Results do not depend on the team size (see split), so
+   it may change between passes. */
+static void adapt_team(RunState *s)
+{
+    int waits = atomic_exchange_explicit(&s->bar.long_waits, 0, memory_order_relaxed);
+    if (s->team > 1 && waits >= LONG_WAITS_MAX) {
+        s->team /= 2;
+        s->retry_in = s->backoff;
+        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
+    } else if (s->team > 1 && s->team == s->n_threads) {
+        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
+    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
+        s->team = s->n_threads;
+    }
 }
 
 /* A matmul's input rows as its weights read them: floats, or int8 blocks
@@ -1955,7 +1988,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
 {
     const Config *c = &m->c;
     int dim = c->dim, half = c->rope_dim / 2;
-    #pragma omp parallel num_threads(s->n_threads)
+    #pragma omp parallel num_threads(s->team)
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
         split(n, 1, me, nth, &t0, &t1);
@@ -1979,6 +2012,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
             matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
         }
     }
+    adapt_team(s);
 }
 
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
@@ -2727,7 +2761,9 @@ static void usage(FILE *f)
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
-        "  --threads N    worker threads, >= 1 (default: number of cores)\n"
+        "  --threads N    worker threads, >= 1 (default and maximum: the CPUs this\n"
+        "                 process may use, from its affinity mask and cgroup CPU quota;\n"
+        "                 while other programs take those cores, passes run with fewer)\n"
         "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
         "                 at least 3)\n"
         "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
@@ -2989,6 +3025,34 @@ static void reserve_std_fds(void)
         }
 }
 
+/* The CPUs this process may use: the online ones, limited by its affinity
+   mask (taskset, cpusets) and by a cgroup v2 CPU quota (cpu.max "QUOTA
+   PERIOD" grants QUOTA/PERIOD CPUs' worth of time, rounded up). Threads
+   beyond them only wait at the barriers: under `taskset -c 0` two threads
+   decoded 8x slower than one. */
+static int usable_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 && CPU_COUNT(&set) < n) n = CPU_COUNT(&set);
+    /* this process's cgroup is the "0::PATH" line of /proc/self/cgroup; in a
+       container the namespace's root holds the limit */
+    char line[MSG_BYTES], path[MSG_BYTES + 64] = "/sys/fs/cgroup/cpu.max";
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "0::/", 4)) {
+            line[strcspn(line, "\n")] = 0;
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", line + 3);
+        }
+    if (f) fclose(f);
+    long quota, period;
+    if (!(f = fopen(path, "r"))) f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f && fscanf(f, "%ld %ld", &quota, &period) == 2 && quota > 0 && period > 0 && (quota + period - 1) / period < n)
+        n = (quota + period - 1) / period; /* "max PERIOD" (no quota) does not scan */
+    if (f) fclose(f);
+    return n > 0 ? (int)n : 1;
+}
+
 int main(int argc, char **argv)
 {
     reserve_std_fds();
@@ -3025,13 +3089,12 @@ int main(int argc, char **argv)
     }
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
-    int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    cores = cores > 0 ? cores : 1;
+    int cores = usable_cpus();
     int threads = a.threads ? a.threads : cores;
     if (threads > cores) {
         /* the barriers spin: threads beyond the cores only wait for each other
            (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d cores\n", threads, cores);
+        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
         threads = cores;
     }
 #ifdef _OPENMP
