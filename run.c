@@ -38,7 +38,7 @@
      Architecture llama (RMSNorm, RoPE, GQA, SwiGLU). One sequence at a time.
      Build without OpenMP for a single-threaded binary with the same results.
 */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -72,12 +72,15 @@
 #define TENSOR_ENTRY_BYTES 80
 #define TENSOR_NAME_BYTES 48
 #define TENSOR_ALIGN 64
-#define ARCH_LLAMA 1
+#define ARCH_LLAMA 1  /* architecture ids; 2 qwen2, 3 qwen3 between them */
+#define ARCH_GEMMA3 4
 #define FLAG_TIED_EMBEDDINGS 1u /* header flags (README, "The model file") */
 #define FLAG_QKV_BIAS 2u
 #define FLAG_QK_NORM 4u
 #define FLAG_POST_NORMS 8u
 #define FLAG_ROPE_FREQS 16u
+#define N_FLAGS 5
+#define FLAG_NAMES "tied, qkv_bias, qk_norm, post_norms, rope_freqs"
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
@@ -99,7 +102,10 @@ _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, 
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
-#define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
+#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
+#define LONG_WAITS_MAX 2        /* a pass with this many such waits ran on contended cores (each may cost a timeslice) */
+#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
+#define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
@@ -108,6 +114,7 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define MAX_SEQ (1 << 20)
 #define MAX_TENSORS (1 << 20)
 #define ERR_BYTES 256
+#define MSG_BYTES 4200 /* an error message: room for a path of PATH_MAX (4096) bytes */
 
 /* ----------------------------------------------------------------------------
    Errors. A failure anywhere in loading or running prints one line to stderr
@@ -117,13 +124,56 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE 2
 
+#define LINE_BYTES (4 * MSG_BYTES + 8) /* a message with every byte escaped */
+
+/* Formats "run: MESSAGE\n" into out (LINE_BYTES) with control characters
+   escaped as Python's repr shows them (\n, \x1b; C1 controls in UTF-8
+   too), so that a message quoting a hostile argument, path or file byte
+   stays one plain line and cannot colour the terminal. */
+static void format_error(char *out, const char *fmt, va_list ap)
+{
+    char msg[MSG_BYTES];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t k = sprintf(out, "run: ");
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        int c1 = p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f; /* U+0080..U+009F */
+        unsigned c = c1 ? *++p : *p;
+        if (c == '\n') k += sprintf(out + k, "\\n");
+        else if (c == '\t') k += sprintf(out + k, "\\t");
+        else if (c == '\r') k += sprintf(out + k, "\\r");
+        else if (c < 0x20 || c == 0x7f || c1) k += sprintf(out + k, "\\x%02x", c);
+        else out[k++] = (char)c;
+    }
+    sprintf(out + k, "\n");
+}
+
+static void print_error(const char *fmt, va_list ap)
+{
+    char line[LINE_BYTES];
+    format_error(line, fmt, ap);
+    fputs(line, stderr);
+}
+
+/* format_error with arguments. */
+static void format_line(char *out, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    format_error(out, fmt, ap);
+    va_end(ap);
+}
+
+/* A file this run is writing under a temporary name (--dump-logits), or
+   "": removed by die() and by the fatal-signal handlers, so that no partial
+   file outlives the run. */
+static char temp_path[MSG_BYTES];
+
 static _Noreturn void die(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fputs("run: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    if (temp_path[0]) unlink(temp_path);
+    print_error(fmt, ap);
     va_end(ap);
     exit(code);
 }
@@ -167,6 +217,27 @@ static double now_ms(void)
    can be copied from GGUF files bit for bit. */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
 
+/* Byte offsets of the header's fields (README.md, "The model file"). */
+enum {
+    HDR_MAGIC = 0, HDR_VERSION = 4, HDR_SIZE = 8, HDR_ARCH = 12,
+    HDR_DIM = 16,   /* dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, */
+                    /* max_seq_len: HDR_SHAPE_FIELDS consecutive u32s from HDR_DIM */
+    HDR_ROPE_THETA = 48, HDR_NORM_EPS = 52, HDR_FLAGS = 56, HDR_ACTIVATION = 60, HDR_ROPE_DIM = 64,
+    HDR_N_TENSORS = 68, HDR_TOK_OFFSET = 72, HDR_TOK_SIZE = 80, HDR_TABLE_OFFSET = 88, HDR_FILE_SIZE = 96,
+    HDR_EMBED_SCALE = 104, HDR_ATT_SCALE = 108, HDR_WINDOW = 112, HDR_WINDOW_PATTERN = 116,
+    HDR_ROPE_THETA_LOCAL = 120, HDR_ROPE_SCALE = 124, /* the family's fields (read_family) */
+    HDR_RESERVED = 128 /* up to HEADER_BYTES: zero */
+};
+#define HDR_SHAPE_FIELDS 8
+/* ... of a tensor table entry (TENSOR_ENTRY_BYTES long) */
+enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_RESERVED = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
+/* ... of the tokenizer section's header: the counts that size its arrays
+   (tokenizer.c reads the rest), and its reserved bytes */
+enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44, TOKS_RESERVED = 48,
+       TOKS_HEADER_BYTES = 64 };
+#define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
+#define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
+
 typedef struct {
     uint16_t d;      /* scale, fp16 */
     int8_t qs[QK];   /* value = qs[i] * d */
@@ -199,6 +270,8 @@ typedef struct {
     /* What sets a model family apart from llama, read from the header's flags
        and fields (README, "The model file"); zero/one values are llama's.
        layer_forward takes each optional step when its switch is on. */
+    int arch;         /* 1 llama, 2 qwen2, 3 qwen3, 4 gemma3: for -v; the switches below say what runs */
+    uint32_t flags;   /* FLAG_* bits, as the header has them */
     int tied;         /* output head = token embedding */
     int qkv_bias;     /* Q, K, V projections add a bias (Qwen 2) */
     int qk_norm;      /* per-head RMSNorm of Q and K before RoPE (Qwen 3, Gemma 3) */
@@ -266,39 +339,48 @@ static const uint8_t *tensor_row(const Tensor *t, int r)
     return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
 }
 
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
+static size_t nonzero_at(const uint8_t *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
 /* Reads and bounds-checks the header into c. The file is untrusted: every
    field is checked before anything is sized by it. */
 static int read_config(Model *m, char *err)
 {
     const uint8_t *h = m->map;
     Config *c = &m->c;
-    if (m->map_size < HEADER_BYTES || memcmp(h, FILE_MAGIC, 4) != 0)
+    if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
         LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
-    if (rd_u32(h + 4) != FILE_VERSION)
-        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + 4), FILE_VERSION);
-    if (rd_u32(h + 8) < HEADER_BYTES || rd_u32(h + 8) > m->map_size)
-        LOAD_FAIL("bad header size %u", rd_u32(h + 8));
-    if (rd_u64(h + 96) != m->map_size)
+    if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
+        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + HDR_VERSION), FILE_VERSION);
+    if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
+        LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
+    if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
         LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
-            m->map_size, (unsigned long long)rd_u64(h + 96));
-    if (rd_u32(h + 12) != ARCH_LLAMA)
-        LOAD_FAIL("unsupported architecture id %u (this build runs llama = %d)", rd_u32(h + 12), ARCH_LLAMA);
-    uint32_t v[9];
-    for (int i = 0; i < 9; i++) v[i] = rd_u32(h + 16 + 4 * i);
+            m->map_size, (unsigned long long)rd_u64(h + HDR_FILE_SIZE));
+    if (rd_u32(h + HDR_ARCH) < ARCH_LLAMA || rd_u32(h + HDR_ARCH) > ARCH_GEMMA3)
+        LOAD_FAIL("unsupported architecture id %u (this build knows 1 llama, 2 qwen2, 3 qwen3, 4 gemma3)", rd_u32(h + HDR_ARCH));
+    c->arch = rd_u32(h + HDR_ARCH);
+    size_t z = HDR_RESERVED + nonzero_at(h + HDR_RESERVED, HEADER_BYTES - HDR_RESERVED);
+    if (z < HEADER_BYTES) LOAD_FAIL("header: reserved byte %zu is 0x%02x, not zero", z, h[z]);
+    uint32_t v[HDR_SHAPE_FIELDS];
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++) v[i] = rd_u32(h + HDR_DIM + 4 * i);
     c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
     c->n_kv_heads = v[4]; c->head_dim = v[5]; c->vocab_size = v[6]; c->max_seq_len = v[7];
-    c->rope_theta = rd_f32(h + 48);
-    c->norm_eps = rd_f32(h + 52);
-    uint32_t flags = rd_u32(h + 56), act = rd_u32(h + 60);
-    c->rope_dim = rd_u32(h + 64);
-    c->tied = flags & FLAG_TIED_EMBEDDINGS;
-    if (flags & ~FLAG_TIED_EMBEDDINGS) LOAD_FAIL("unsupported feature flags 0x%x", flags);
-    if (act != 0) LOAD_FAIL("unsupported activation %u", act);
+    c->rope_theta = rd_f32(h + HDR_ROPE_THETA);
+    c->norm_eps = rd_f32(h + HDR_NORM_EPS);
+    c->rope_dim = rd_u32(h + HDR_ROPE_DIM);
     /* one check per field, so that the message names the field that is wrong */
-    static const char *const field[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                        "vocab_size", "context length"};
-    const uint32_t max[] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
-    for (size_t i = 0; i < sizeof field / sizeof *field; i++)
+    static const char *const field[HDR_SHAPE_FIELDS] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
+                                                        "head_dim", "vocab_size", "context length"};
+    const uint32_t max[HDR_SHAPE_FIELDS] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++)
         if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
     if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
     if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
@@ -317,16 +399,22 @@ static int read_family(Model *m, char *err)
 {
     const uint8_t *h = m->map;
     Config *c = &m->c;
-    uint32_t flags = rd_u32(h + 56), gate = rd_u32(h + 60);
-    float embed_scale = rd_f32(h + 104), att_scale = rd_f32(h + 108), theta_local = rd_f32(h + 120), rope_scale = rd_f32(h + 124);
+    uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
+    float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
+    float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
+    for (int bit = 0; bit < 32; bit++)
+        if (flags >> bit & 1 && bit >= N_FLAGS)
+            LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, FLAG_NAMES);
+    c->flags = flags;
+    c->tied = !!(flags & FLAG_TIED_EMBEDDINGS);
     c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
     c->qk_norm = !!(flags & FLAG_QK_NORM);
     c->post_norms = !!(flags & FLAG_POST_NORMS);
     c->rope_freqs = !!(flags & FLAG_ROPE_FREQS);
     if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
     c->gate = gate;
-    c->window = rd_u32(h + 112);
-    c->window_pattern = rd_u32(h + 116);
+    c->window = rd_u32(h + HDR_WINDOW);
+    c->window_pattern = rd_u32(h + HDR_WINDOW_PATTERN);
     if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
     if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
     /* scales: 0 means the usual value; anything else must be a finite positive number */
@@ -342,87 +430,237 @@ static int read_family(Model *m, char *err)
     return 0;
 }
 
-/* Finds tensor `name` in the table and checks its shape; every entry was
-   validated against the file size when the table was read. */
-static int find_tensor(Tensor *out, const Tensor *table, int n, const char *name, int rows, int cols, char *err)
+/* Where the tokenizer section's last array ends (README.md, "Tokenizer
+   section"): text offsets, types, scores, merges, default system prompt,
+   text blob, each from a 4-byte boundary. Called once tok_create has
+   checked that they fit; it does not check that nothing follows them. */
+static size_t tok_section_end(const uint8_t *sec)
 {
-    for (int i = 0; i < n; i++) {
-        if (strcmp(table[i].name, name) != 0) continue;
-        if (table[i].rows != rows || table[i].cols != cols)
-            LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
-        *out = table[i];
-        return 0;
-    }
-    LOAD_FAIL("model file has no tensor %s", name);
+    size_t n = rd_u32(sec + TOKS_N_VOCAB);
+    size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
+                      rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
+    size_t end = TOKS_HEADER_BYTES;
+    for (size_t i = 0; i < sizeof bytes / sizeof *bytes; i++) end = align_up(end, TOKS_ALIGN) + bytes[i];
+    return end;
 }
 
-/* Reads the tensor table: each entry's name, type, shape, offset and size
-   must describe bytes that lie inside the file. */
-static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err)
+/* The tokenizer section: right after the header, exactly as long as its
+   arrays, its reserved header bytes zero. */
+static int read_tokenizer(Model *m, char *err)
 {
-    const uint8_t *h = m->map;
-    uint32_t n = rd_u32(h + 68);
-    uint64_t off = rd_u64(h + 88);
-    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
-        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
-    Tensor *t = *out = xcalloc(n, sizeof *t);
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
-        for (const uint8_t *c = e; *c; c++)
-            if (*c <= ' ' || *c >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *c);
-        t[i].name = (const char *)e;
-        t[i].type = rd_u32(e + 48);
-        uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);
-        uint64_t data = rd_u64(e + 64), size = rd_u64(e + 72);
-        if (!type_name(t[i].type)) LOAD_FAIL("tensor %s has unsupported type %d", t[i].name, t[i].type);
-        size_t rb = row_bytes(t[i].type, cols);
-        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
-            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", t[i].name, rows, cols, type_name(t[i].type));
-        if (size != (uint64_t)rb * rows)
-            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", t[i].name,
-                      (unsigned long long)size, rows, cols, type_name(t[i].type), (unsigned long long)rb * rows);
-        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
-            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
-                      t[i].name, (unsigned long long)size, (unsigned long long)data);
-        t[i].rows = rows;
-        t[i].cols = cols;
-        t[i].data = m->map + data;
-    }
-    *n_out = (int)n;
+    uint64_t off = rd_u64(m->map + HDR_TOK_OFFSET), size = rd_u64(m->map + HDR_TOK_SIZE);
+    if (off % TOKS_ALIGN || off > m->map_size || m->map_size - off < size)
+        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
+    if (off != HEADER_BYTES) LOAD_FAIL("tokenizer section at offset %llu, not right after the header (%d)", (unsigned long long)off, HEADER_BYTES);
+    const uint8_t *sec = m->map + off;
+    char why[ERR_BYTES];
+    if (tok_create(&m->tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
+    if (tok_section_end(sec) != size)
+        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu",
+                  (unsigned long long)size, tok_section_end(sec));
+    size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
+    if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
+    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
+        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     return 0;
 }
 
-/* Binds the layer structs to the tensors of the table (n entries). */
-static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
+/* The tensors a model of the header's shape has, by slot: the three below
+   (no output when the embeddings are tied), then per layer these six. */
+enum { SLOT_TOK_EMBEDDINGS, SLOT_NORM, SLOT_OUTPUT, SLOT_ROPE_FREQS, SLOT_LAYERS };
+/* Every tensor a model file can hold, and the header flag that makes it
+   present (0: always; the output head is there unless tied). */
+static const struct {
+    const char *name;
+    uint32_t flag;
+} global_tensor[SLOT_LAYERS] = {{"tok_embeddings", 0}, {"norm", 0}, {"output", 0}, {"rope_freqs", FLAG_ROPE_FREQS}};
+enum { LT_ATTN_NORM, LT_WQKV, LT_BQKV, LT_Q_NORM, LT_K_NORM, LT_WO, LT_POST_ATTN_NORM, LT_FFN_NORM, LT_W13, LT_W2,
+       LT_POST_FFN_NORM, LAYER_TENSORS };
+static const struct {
+    const char *name;
+    uint32_t flag;
+} layer_tensor[LAYER_TENSORS] = {
+    {"attn_norm", 0}, {"wqkv", 0}, {"bqkv", FLAG_QKV_BIAS}, {"q_norm", FLAG_QK_NORM}, {"k_norm", FLAG_QK_NORM},
+    {"wo", 0}, {"post_attn_norm", FLAG_POST_NORMS}, {"ffn_norm", 0}, {"w13", 0}, {"w2", 0}, {"post_ffn_norm", FLAG_POST_NORMS},
+};
+
+/* Does a model with the header's flags hold the tensor of this slot? */
+static int slot_present(const Config *c, int slot)
+{
+    if (slot == SLOT_OUTPUT) return !c->tied;
+    uint32_t flag = slot < SLOT_LAYERS ? global_tensor[slot].flag : layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].flag;
+    return (c->flags & flag) == flag;
+}
+
+static int n_slots(const Config *c) { return SLOT_LAYERS + LAYER_TENSORS * c->n_layers; }
+
+/* The slot of tensor `name` in a model of shape c, or -1 when it has none
+   such ("layers.30.wo" in a 30-layer model, "output" when tied, "layers.01.wo"). */
+static int tensor_slot(const Config *c, const char *name)
+{
+    for (int i = 0; i < SLOT_LAYERS; i++)
+        if (!strcmp(name, global_tensor[i].name)) return slot_present(c, i) ? i : -1;
+    const char *p = name + strlen("layers.");
+    if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
+    char *end;
+    unsigned long l = strtoul(p, &end, 10);
+    if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
+    for (int i = 0; i < LAYER_TENSORS; i++)
+        if (!strcmp(end + 1, layer_tensor[i].name))
+            return slot_present(c, SLOT_LAYERS + i) ? SLOT_LAYERS + LAYER_TENSORS * (int)l + i : -1;
+    return -1;
+}
+
+static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
+{
+    if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
+    else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
+                  layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
+}
+
+/* Which section before the tensor data holds byte `off`. */
+static const char *section_at(uint64_t off, uint64_t tok_end)
+{
+    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
+}
+
+/* Padding bytes [from, to) of the file, before `what`, must be zero. */
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
+{
+    size_t z = nonzero_at(m->map + from, to - from);
+    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
+    return 0;
+}
+
+/* Reads the tensor table into slots (n_slots entries, by tensor_slot; a
+   NULL name marks a slot without a tensor). The table must list exactly
+   the tensors the header's shape implies, and their data must tile the
+   rest of the file in table order: each tensor at the first TENSOR_ALIGN
+   boundary after the previous one (the first after the table), padding
+   zero, the file ending with the last tensor. So no tensor overlaps
+   another or the sections before it, and no byte goes unchecked. */
+static int read_tensor_table(const Model *m, Tensor **out, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    uint32_t n = rd_u32(h + HDR_N_TENSORS);
+    uint64_t off = rd_u64(h + HDR_TABLE_OFFSET), tok_end = HEADER_BYTES + rd_u64(h + HDR_TOK_SIZE);
+    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
+    if (off != align_up(tok_end, TENSOR_ALIGN))
+        LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
+                  (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
+    if (check_padding(m, tok_end, off, "the tensor table", err)) return -1;
+    int want = 0;
+    for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
+    if ((int)n != want)
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors", n, c->n_layers,
+                  c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "", want);
+    Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
+    const char *stray = NULL, *prev = "the tensor table";
+    uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
+        if (memchr(e + ENT_NAME, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+        for (const uint8_t *p = e + ENT_NAME; *p; p++)
+            if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+        const char *name = (const char *)e + ENT_NAME;
+        if (!*name) LOAD_FAIL("tensor %u has an empty name", i);
+        int type = rd_u32(e + ENT_TYPE);
+        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), reserved = rd_u32(e + ENT_RESERVED);
+        uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
+        if (reserved) LOAD_FAIL("tensor %s: reserved field is %u, not zero", name, reserved);
+        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %d", name, type);
+        size_t rb = row_bytes(type, cols);
+        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
+            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
+        if (size != (uint64_t)rb * rows)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", name,
+                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)rb * rows);
+        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
+                      name, (unsigned long long)size, (unsigned long long)data);
+        if (data < table_end)
+            LOAD_FAIL("tensor %s's data (offset %llu) lies in %s", name, (unsigned long long)data, section_at(data, tok_end));
+        if (data < end)
+            LOAD_FAIL("tensor %s's data (offset %llu) overlaps the tensors before it, up to %s's end at %llu",
+                      name, (unsigned long long)data, prev, (unsigned long long)end);
+        if (data != align_up(end, TENSOR_ALIGN))
+            LOAD_FAIL("tensor %s is at offset %llu, not at the first %d-byte boundary after %s (%llu)", name,
+                      (unsigned long long)data, TENSOR_ALIGN, prev, (unsigned long long)align_up(end, TENSOR_ALIGN));
+        if (check_padding(m, end, data, name, err)) return -1;
+        int slot = tensor_slot(c, name);
+        if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
+        if (slot < 0 && !stray) stray = name;
+        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, m->map + data};
+        prev = name;
+        end = data + size;
+    }
+    if (end != m->map_size)
+        LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
+    for (int s = 0; s < n_slots(c); s++) {
+        if (t[s].name || !slot_present(c, s)) continue;
+        char name[TENSOR_NAME_BYTES];
+        slot_name(name, s);
+        if (stray) LOAD_FAIL("model file has no tensor %s (but a tensor %s that a %d-layer model %s embeddings has not)",
+                             name, stray, c->n_layers, c->tied ? "with tied" : "with untied");
+        LOAD_FAIL("model file has no tensor %s", name);
+    }
+    return 0;
+}
+
+/* Checks that tensor t (from read_tensor_table) has the shape the header
+   implies, and takes it. */
+static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *err)
+{
+    if (t->rows != rows || t->cols != cols)
+        LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
+    *out = *t;
+    return 0;
+}
+
+/* Binds the layer structs to the tensors of the table (by slot). */
+static int bind_weights(Model *m, const Tensor *tab, char *err)
 {
     Config *c = &m->c;
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
-    char name[TENSOR_NAME_BYTES];
-    if (find_tensor(&m->tok_embeddings, tab, n, "tok_embeddings", c->vocab_size, c->dim, err) ||
-        find_tensor(&m->norm, tab, n, "norm", 1, c->dim, err))
+    if (take_tensor(&m->tok_embeddings, &tab[SLOT_TOK_EMBEDDINGS], c->vocab_size, c->dim, err) ||
+        take_tensor(&m->norm, &tab[SLOT_NORM], 1, c->dim, err))
         return -1;
     if (c->tied) m->output = m->tok_embeddings;
-    else if (find_tensor(&m->output, tab, n, "output", c->vocab_size, c->dim, err)) return -1;
+    else if (take_tensor(&m->output, &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
     if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
+    if (c->rope_freqs) {
+        if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err)) return -1;
+        if (m->rope_freqs.type != T_F32) LOAD_FAIL("rope_freqs must be f32");
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            float f = ((const float *)m->rope_freqs.data)[i];
+            if (!isfinite(f) || f <= 0) LOAD_FAIL("rope_freqs[%d] = %g is not a finite number > 0", i, f);
+        }
+    }
     m->layers = xcalloc(c->n_layers, sizeof(Layer));
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
-#define BIND(field, rows, cols) \
-        snprintf(name, sizeof name, "layers.%d." #field, l); \
-        if (find_tensor(&L->field, tab, n, name, rows, cols, err)) return -1;
-        BIND(attn_norm, 1, c->dim);
-        BIND(wqkv, q_dim + 2 * kv_dim, c->dim);
-        BIND(wo, c->dim, q_dim);
-        BIND(ffn_norm, 1, c->dim);
-        BIND(w13, 2 * c->hidden_dim, c->dim);
-        BIND(w2, c->dim, c->hidden_dim);
-#undef BIND
-        if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32) LOAD_FAIL("layer %d norm weights must be f32", l);
+        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
+        /* each tensor's field and shape; vectors (norms, biases) are f32 */
+        struct { Tensor *field; int rows, cols; } want[LAYER_TENSORS] = {
+            [LT_ATTN_NORM] = {&L->attn_norm, 1, c->dim}, [LT_WQKV] = {&L->wqkv, q_dim + 2 * kv_dim, c->dim},
+            [LT_BQKV] = {&L->bqkv, 1, q_dim + 2 * kv_dim}, [LT_Q_NORM] = {&L->q_norm, 1, c->head_dim},
+            [LT_K_NORM] = {&L->k_norm, 1, c->head_dim}, [LT_WO] = {&L->wo, c->dim, q_dim},
+            [LT_POST_ATTN_NORM] = {&L->post_attn_norm, 1, c->dim}, [LT_FFN_NORM] = {&L->ffn_norm, 1, c->dim},
+            [LT_W13] = {&L->w13, 2 * c->hidden_dim, c->dim}, [LT_W2] = {&L->w2, c->dim, c->hidden_dim},
+            [LT_POST_FFN_NORM] = {&L->post_ffn_norm, 1, c->dim},
+        };
+        for (int i = 0; i < LAYER_TENSORS; i++) {
+            if (!slot_present(c, SLOT_LAYERS + i)) continue;
+            if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err)) return -1;
+            if (want[i].rows == 1 && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
+        }
     }
     /* Parameter count and the type holding the most weight bytes, for -v. */
     size_t bytes_by_type[T_BF16 + 1] = {0};
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n_slots(c); i++) {
+        if (!tab[i].name) continue;
         m->n_params += (double)tab[i].rows * tab[i].cols;
         bytes_by_type[tab[i].type] += row_bytes(tab[i].type, tab[i].cols) * tab[i].rows;
     }
@@ -448,7 +686,9 @@ static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
 static int build_model(Model *m, const char *path, char *err)
 {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
+    /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
+       regular file is refused before a byte of it is read */
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) LOAD_FAIL("cannot open: %s", strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); LOAD_FAIL("not a regular file"); }
@@ -458,16 +698,9 @@ static int build_model(Model *m, const char *path, char *err)
     if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
     m->map_size = st.st_size;
-    if (read_config(m, err) || read_family(m, err)) return -1;
-    uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
-    if (tok_off % 4 || tok_off > m->map_size || m->map_size - tok_off < tok_size)
-        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
-    char why[ERR_BYTES];
-    if (tok_create(&m->tok, m->map + tok_off, tok_size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
-    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
-        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     Tensor *tab = NULL;
-    int n = 0, rc = read_tensor_table(m, &tab, &n, err) || bind_weights(m, tab, n, err) ? -1 : 0;
+    int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
+             bind_weights(m, tab, err) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }
@@ -478,6 +711,47 @@ static void free_model(Model *m)
     free(m->layers);
     if (m->map) munmap((void *)m->map, m->map_size);
     memset(m, 0, sizeof *m);
+}
+
+/* The mapping watched by on_sigbus, and the line it prints. */
+static struct {
+    const uint8_t *lo, *hi;
+    char msg[LINE_BYTES];
+    size_t len;
+} watched;
+
+/* A read of the mapping past the end of a file that shrank (or that was
+   replaced in place) raises SIGBUS: say so in one line instead of dying of
+   the signal. Only write(2) and _exit(2) here: a signal handler may call
+   nothing else that matters; when several threads fault at once, one
+   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+static void on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    (void)uc;
+    const uint8_t *at = si->si_addr;
+    if (at >= watched.lo && at < watched.hi) {
+        static atomic_flag reported = ATOMIC_FLAG_INIT;
+        if (atomic_flag_test_and_set(&reported)) /* another thread of the team: it prints and ends the run */
+            for (;;) pause();
+        if (temp_path[0]) unlink(temp_path);
+        ssize_t w = write(STDERR_FILENO, watched.msg, watched.len);
+        (void)w;
+        _exit(EXIT_RUNTIME);
+    }
+    signal(sig, SIG_DFL); /* the faulting access repeats and ends the run with the signal */
+}
+
+/* Installs on_sigbus for the model m mapped from path. */
+static void watch_model_file(const Model *m, const char *path)
+{
+    format_line(watched.msg, "%s: the model file changed or shrank while in use", path);
+    watched.len = strlen(watched.msg);
+    watched.lo = m->map;
+    watched.hi = m->map + m->map_size;
+    struct sigaction sa = {0};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
 }
 
 /* ============================================================================
@@ -1425,10 +1699,6 @@ static void att_accum(float *o, const float *p, const float *v, int hd, int n) {
 static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
 static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 
-/* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
-static int ignore_eos;
-/* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
-static int print_ids;
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
@@ -1474,6 +1744,7 @@ static void softmax(float *x, int n)
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
+    atomic_int long_waits; /* waits that outlasted SPINS_BEFORE_YIELD since adapt_team looked */
 } Barrier;
 
 static void cpu_relax(void)
@@ -1495,7 +1766,10 @@ static void barrier(Barrier *b, int nth)
            program is running), and yielding lets the late thread run */
         for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
             if (spins < SPINS_BEFORE_YIELD) cpu_relax();
-            else sched_yield();
+            else {
+                if (spins == SPINS_BEFORE_YIELD) atomic_fetch_add_explicit(&b->long_waits, 1, memory_order_relaxed);
+                sched_yield();
+            }
     }
 }
 
@@ -1535,7 +1809,9 @@ enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local 
 
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
-    int n_threads;
+    int n_threads;  /* the full team */
+    int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
+    int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* a type of the table with a kv_name */
@@ -1597,7 +1873,8 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
     memset(s, 0, sizeof *s);
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
     int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
-    s->n_threads = n_threads;
+    s->n_threads = s->team = n_threads;
+    s->backoff = TEAM_RETRY;
     s->seq_len = seq_len;
     s->kv_type = kv_type;
     s->kv_row = row_bytes(kv_type, c->head_dim);
@@ -1646,6 +1923,29 @@ static void free_state(RunState *s)
     free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
+}
+
+/* Sizes the team of the next forward pass. When other programs take the
+   cores, a thread of the team is descheduled for whole timeslices and every
+   barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
+   than with one thread. A pass with LONG_WAITS_MAX long waits halves the
+   team; the full team is tried again
+   after s->backoff passes, which doubles while the retries find the cores
+   still contended. On cores of its own a decode pass waits long at none
+   of its ~245 barriers. Results do not depend on the team size (see split), so
+   it may change between passes. */
+static void adapt_team(RunState *s)
+{
+    int waits = atomic_exchange_explicit(&s->bar.long_waits, 0, memory_order_relaxed);
+    if (s->team > 1 && waits >= LONG_WAITS_MAX) {
+        s->team /= 2;
+        s->retry_in = s->backoff;
+        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
+    } else if (s->team > 1 && s->team == s->n_threads) {
+        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
+    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
+        s->team = s->n_threads;
+    }
 }
 
 /* A matmul's input rows as its weights read them: floats, or int8 blocks
@@ -2031,7 +2331,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
 {
     const Config *c = &m->c;
     int dim = c->dim;
-    #pragma omp parallel num_threads(s->n_threads)
+    #pragma omp parallel num_threads(s->team)
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
         split(n, 1, me, nth, &t0, &t1);
@@ -2048,6 +2348,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
             matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, s->exact, me, nth);
         }
     }
+    adapt_team(s);
 }
 
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
@@ -2279,6 +2580,16 @@ static double decode_bytes(const Model *m, const RunState *s, int pos)
    5. GENERATION
    ========================================================================= */
 
+/* The command line (section 6 parses it). */
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
+    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
+    int ignore_eos;   /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
+    int print_ids;    /* --print-prompt-ids: each prefilled block's token ids go to stderr */
+    float temperature, top_p;
+    unsigned long long seed;
+} Args;
+
 /* Streams token texts to stdout so that a UTF-8 character split across
    tokens is written whole: bytes of an unfinished character wait for the
    next token (or for the end of the answer). */
@@ -2292,10 +2603,23 @@ static int utf8_len(unsigned char lead)
     return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
 }
 
-/* stdout went away (e.g. `| head`): stop quietly, like other filters. */
+/* stdout must take every byte. A reader that went away (EPIPE, e.g.
+   `| head`) ends the run quietly with status 0, like other filters; any
+   other failure (a full disk, a closed stdout) is an error. */
 static void check_stdout(void)
 {
-    if (fflush(stdout) != 0 || ferror(stdout)) exit(errno == EPIPE ? EXIT_SUCCESS : EXIT_RUNTIME);
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    if (errno == EPIPE) exit(EXIT_SUCCESS);
+    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Before a successful exit: all of stdout written, and closed without
+   error (some file systems report a failed write only at close). */
+static void close_stdout(void)
+{
+    check_stdout();
+    errno = 0;
+    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
 }
 
 static void emit(Utf8Stream *u, const char *p, size_t n)
@@ -2384,15 +2708,16 @@ static void push(Tokens *t, int id)
    streams and decodes until an end token (never printed, never fed back),
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
    model is appended to conv, so conv->n == *pos on return. Returns why it
-   stopped and, in *last, the last token sampled (not fed). */
-static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int *pos, int n_predict,
+   stopped and, in *last, the last token sampled (not fed; -1 when
+   n_predict is 0: then nothing is sampled or printed). */
+static int generate(const Model *m, RunState *s, Sampler *sm, const Args *a, Tokens *conv, int *pos, int n_predict,
                     Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
-    int n = conv->n - *pos, why;
+    int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
-    if (print_ids) {
+    if (a->print_ids) {
         fputs("ids:", stderr);
         for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
         fputc('\n', stderr);
@@ -2400,12 +2725,13 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     double t0 = now_ms();
     prefill(m, s, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = sample(sm, s->logits, m->c.vocab_size, cand);
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
-    while (1) {
+    *last = token;
+    while (n_predict > 0) {
         *last = token;
-        if (tok_is_eog(m->tok, token) && !ignore_eos) { why = STOP_END; break; }
+        if (tok_is_eog(m->tok, token) && !a->ignore_eos) { why = STOP_END; break; }
         size_t len;
         const char *piece = tok_piece(m->tok, token, &len);
         if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
@@ -2426,16 +2752,21 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
 
 /* ----- chat templates ----------------------------------------------------- */
 
-/* Appends text tokenized as plain text: control-token look-alikes inside it
-   stay text, so a message cannot inject template tokens. */
-static void push_text(const Model *m, Tokens *t, const char *text, size_t len)
+/* Appends text, tokenized with tok_encode's flags, to t. Without
+   TOK_PARSE_SPECIAL control-token look-alikes inside it stay text, so a
+   message cannot inject template tokens. Returns the number of ids added. */
+static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t len, int flags)
 {
     int *ids;
     size_t n;
-    if (tok_encode(m->tok, text, len, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+    if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
     for (size_t i = 0; i < n; i++) push(t, ids[i]);
     free(ids);
+    return n;
 }
+
+/* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
+static void push_text(const Model *m, Tokens *t, const char *text, size_t len) { push_encoded(m, t, text, len, 0); }
 
 /* The id of a control token given by its text, or -1. */
 static int special_id(const Model *m, const char *text)
@@ -2453,7 +2784,7 @@ static int special_id(const Model *m, const char *text)
    Gemma:   <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (assistant is "model",
             the system text opens the first user message; BOS first). */
 typedef struct {
-    int kind;            /* 1 ChatML, 2 Gemma */
+    int kind;            /* TOK_CHAT_CHATML or TOK_CHAT_GEMMA */
     int start, end;      /* turn delimiter token ids */
     const char *system;  /* system prompt (-y, else the template's default) */
     size_t system_len;
@@ -2466,13 +2797,13 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
     const tok_info *ti = tok_get_info(m->tok);
     memset(ch, 0, sizeof *ch);
     ch->kind = ti->chat_template;
-    if (ch->kind == 1) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
-    else if (ch->kind == 2) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
+    if (ch->kind == TOK_CHAT_CHATML) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
+    else if (ch->kind == TOK_CHAT_GEMMA) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
     else die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
     if (ch->start < 0 || ch->end < 0) die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
     ch->system = system ? system : ti->default_system;
     ch->system_len = system ? strlen(system) : ti->default_system_len;
-    ch->system_pending = ch->kind == 2 && ch->system_len;
+    ch->system_pending = ch->kind == TOK_CHAT_GEMMA && ch->system_len;
     /* An explicit -y "" is an empty system message: ChatML still renders
        its turn (the template adds its default only without one). */
     ch->system_turn = ch->system_len || system;
@@ -2484,8 +2815,8 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
 static void chat_open(const Chat *ch, const Model *m, Tokens *t)
 {
     const tok_info *ti = tok_get_info(m->tok);
-    if (ch->kind == 2 && ti->bos >= 0) push(t, ti->bos);
-    if (ch->kind == 1 && ch->system_turn) {
+    if (ch->kind == TOK_CHAT_GEMMA && ti->bos >= 0) push(t, ti->bos);
+    if (ch->kind == TOK_CHAT_CHATML && ch->system_turn) {
         push(t, ch->start);
         char *buf = xmalloc(ch->system_len + 8);
         int k = sprintf(buf, "system\n");
@@ -2501,7 +2832,7 @@ static void chat_open(const Chat *ch, const Model *m, Tokens *t)
    <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
 static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
 {
-    size_t sys = ch->kind == 2 && ch->system_pending ? ch->system_len + 2 : 0;
+    size_t sys = ch->kind == TOK_CHAT_GEMMA && ch->system_pending ? ch->system_len + 2 : 0;
     char *buf = xmalloc(len + sys + 8);
     int k = sprintf(buf, "user\n");
     if (sys) { memcpy(buf + k, ch->system, ch->system_len); memcpy(buf + k + ch->system_len, "\n\n", 2); k += sys; }
@@ -2511,7 +2842,8 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
     push(t, ch->end);
     push_text(m, t, "\n", 1);
     push(t, ch->start);
-    push_text(m, t, ch->kind == 2 ? "model\n" : "assistant\n", ch->kind == 2 ? 6 : 10);
+    const char *role = ch->kind == TOK_CHAT_GEMMA ? "model\n" : "assistant\n";
+    push_text(m, t, role, strlen(role));
     ch->system_pending = 0;
     free(buf);
 }
@@ -2520,7 +2852,7 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
    conversation, then the turn is closed (<|im_end|>\n). */
 static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
 {
-    if (why != STOP_END) push(conv, last);
+    if (why != STOP_END && last >= 0) push(conv, last);
     push(conv, ch->end);
     push_text(m, conv, "\n", 1);
 }
@@ -2554,12 +2886,44 @@ static void on_sigint(int sig)
     else _exit(130);
 }
 
-typedef struct {
-    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
-    float temperature, top_p;
-    unsigned long long seed;
-} Args;
+/* ----- input ------------------------------------------------------------------ */
+
+/* Reads f up to its end, or with `line` up to the next newline (dropped),
+   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
+   NULL at the end of input when a line was asked and nothing was read. A
+   read error, running out of memory, or more than max bytes (why_max says
+   where that bound comes from) ends the run with a message naming `what`:
+   /dev/zero must not fill the memory. */
+static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
+{
+    size_t cap = 4096, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    errno = 0;
+    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
+        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
+        buf[n++] = (char)c;
+    }
+    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
+    if (line && c == EOF && n == 0) { free(buf); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The most bytes of text that can fit in ctx tokens: a token stands for
+   at most as many input bytes as its text holds (BOS and EOS for none,
+   bytes without a token for none, but those make no prompt). Reading
+   stops there; why gets the reason, for the error message. */
+static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
+{
+    size_t longest = 1, len;
+    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
+        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
+    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
+    return (size_t)ctx * longest;
+}
 
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
@@ -2573,25 +2937,28 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
     int *exch = NULL;
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t len;
+    char why_max[ERR_BYTES];
+    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     int reserve = a->n_predict < s->seq_len / 4 ? a->n_predict : s->seq_len / 4;
     while (1) {
         if (tty) fputs("> ", stderr);
-        if ((len = getline(&line, &cap, stdin)) < 0) break;
-        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
-        if (!len) continue;
+        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
+        if (!line) break;
+        while (len && line[len - 1] == '\r') line[--len] = 0;
+        if (!len) { free(line); continue; }
         exch = realloc(exch, (n_exch + 1) * sizeof *exch);
         if (!exch) die(EXIT_RUNTIME, "out of memory");
         int before = conv.n, system_pending = ch.system_pending;
         exch[n_exch++] = conv.n;
         chat_user_turn(&ch, m, &conv, line, len);
+        free(line);
         if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
-            fprintf(stderr, "run: message too long: %d tokens, the context holds %d\n", conv.n - before, s->seq_len);
+            int msg = conv.n - before;
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             conv.n = before;
             n_exch--;
             ch.system_pending = system_pending;
@@ -2605,7 +2972,7 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
         int last;
         interrupted = 0;
         answering = 1;
-        int why = generate(m, s, sm, &conv, &pos, a->n_predict, &st, &last);
+        int why = generate(m, s, sm, a, &conv, &pos, a->n_predict, &st, &last);
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
@@ -2614,12 +2981,58 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
-    free(line);
     free(exch);
     free(conv.ids);
 }
 
+/* ----- all logits --------------------------------------------------------------- */
+
+/* Receives the logits of positions off .. off+k-1, rows 0 .. k-1 of s->logits. */
+typedef void (*LogitsFn)(void *ctx, const RunState *s, int off, int k);
+
+/* Runs ids[0, n) through the model from position 0, CHUNK_TOKENS at a time
+   (batched prefill) or, with one_by_one, as decode steps, computing the
+   logits of every position and handing each block to use. */
+static void each_logits(const Model *m, RunState *s, const int *ids, int n, int one_by_one, LogitsFn use, void *ctx)
+{
+    for (int off = 0; off < n;) {
+        int k = one_by_one ? 1 : min_i(n - off, CHUNK_TOKENS);
+        if (one_by_one) decode_step(m, s, ids[off], off);
+        else prefill(m, s, ids + off, k, off, 1);
+        use(ctx, s, off, k);
+        off += k;
+    }
+}
+
 /* ----- perplexity ------------------------------------------------------------ */
+
+#define PPL_MAX_BYTES (64u << 20) /* the text --ppl reads: ~16M tokens, hours of prefill */
+#define PPL_MIN_CTX 3             /* the smallest window whose second half scores a token */
+
+/* One window's score: the negative log-likelihood of each token at
+   positions [first, ctx) given those before it. */
+typedef struct {
+    const int *win;
+    int first, ctx, vocab;
+    double nll;
+    long scored;
+} Score;
+
+static void score_block(void *ctx, const RunState *s, int off, int k)
+{
+    Score *sc = ctx;
+    for (int t = 0; t < k; t++) {
+        int p = off + t;
+        if (p < sc->first || p >= sc->ctx - 1) continue;
+        const float *lg = s->logits + (size_t)t * sc->vocab;
+        float mx = lg[0];
+        for (int i = 1; i < sc->vocab; i++) mx = fmaxf(mx, lg[i]);
+        double sum = 0;
+        for (int i = 0; i < sc->vocab; i++) sum += exp(lg[i] - mx);
+        sc->nll += mx + log(sum) - lg[sc->win[p + 1]];
+        sc->scored++;
+    }
+}
 
 /* Perplexity of a text file. The tokens are cut into windows of ctx tokens
    (no overlap); each window is prefilled from position 0 (batched, logits
@@ -2631,50 +3044,29 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 {
     FILE *f = fopen(path, "rb");
     if (!f) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    size_t n;
+    char *buf = read_stream(f, path, 0, PPL_MAX_BYTES, "--ppl reads at most 64 MiB (score a part of the text)", &n);
+    fclose(f);
     Tokens text = {0};
-    {
-        size_t cap = 1 << 16, n = 0, got;
-        char *buf = xmalloc(cap);
-        while ((got = fread(buf + n, 1, cap - n, f)) > 0)
-            if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", path);
-        fclose(f);
-        int *ids;
-        size_t n_ids; /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
-        if (tok_encode(m->tok, buf, n, TOK_ADD_SPECIAL, &ids, &n_ids) != 0) die(EXIT_RUNTIME, "out of memory tokenizing %s", path);
-        for (size_t i = 0; i < n_ids; i++) push(&text, ids[i]);
-        free(ids);
-        free(buf);
-    }
+    push_encoded(m, &text, buf, n, TOK_ADD_SPECIAL); /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
+    free(buf);
     const tok_info *ti = tok_get_info(m->tok);
-    int n_win = text.n / ctx, vocab = m->c.vocab_size, first = ctx / 2;
+    int n_win = text.n / ctx;
     if (n_win < 1) die(EXIT_RUNTIME, "%s has %d tokens, fewer than one window of %d (lower --ctx)", path, text.n, ctx);
-    double nll = 0, t0 = now_ms();
-    long scored = 0;
+    Score sc = {.first = ctx / 2, .ctx = ctx, .vocab = m->c.vocab_size};
+    double t0 = now_ms();
     for (int w = 0; w < n_win; w++) {
         int *win = text.ids + (size_t)w * ctx, saved = win[0];
         if (ti->add_bos && ti->bos >= 0) win[0] = ti->bos;
-        for (int off = 0; off < ctx; off += CHUNK_TOKENS) {
-            int k = ctx - off < CHUNK_TOKENS ? ctx - off : CHUNK_TOKENS;
-            prefill(m, s, win + off, k, off, 1);
-            for (int t = 0; t < k; t++) {
-                int p = off + t;
-                if (p < first || p >= ctx - 1) continue;
-                const float *lg = s->logits + (size_t)t * vocab;
-                float mx = lg[0];
-                for (int i = 1; i < vocab; i++) mx = fmaxf(mx, lg[i]);
-                double sum = 0;
-                for (int i = 0; i < vocab; i++) sum += exp(lg[i] - mx);
-                nll += mx + log(sum) - lg[win[p + 1]];
-                scored++;
-            }
-        }
+        sc.win = win;
+        each_logits(m, s, win, ctx, 0, score_block, &sc);
         win[0] = saved;
-        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(nll / scored));
+        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(sc.nll / sc.scored));
     }
     double sec = (now_ms() - t0) / 1e3;
     if (isatty(STDERR_FILENO)) fputc('\n', stderr);
     printf("perplexity: %.4f over %ld tokens (%d windows of %d, second half scored), %.0f tok/s\n",
-           exp(nll / scored), scored, n_win, ctx, (double)n_win * ctx / sec);
+           exp(sc.nll / sc.scored), sc.scored, n_win, ctx, (double)n_win * ctx / sec);
     free(text.ids);
 }
 
@@ -2691,10 +3083,13 @@ static void usage(FILE *f)
         "usage: run MODEL [options]\n"
         "Generates text with a model file written by export.py. The prompt comes\n"
         "from -i, or from stdin when stdin is not a terminal (one trailing newline\n"
-        "is dropped). Only generated text goes to stdout; errors and -v go to stderr.\n"
+        "is dropped; reading stops with an error past what the context can hold:\n"
+        "ctx x the longest token's bytes). Only generated text goes to stdout;\n"
+        "errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
-        "  -i PROMPT      prompt text (an empty prompt is an error)\n"
+        "  -i PROMPT      prompt text (an empty prompt, or one whose bytes have no token\n"
+        "                 in the vocabulary, is an error)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
         "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
@@ -2706,18 +3101,24 @@ static void usage(FILE *f)
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
+        "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
-        "followed by a newline. Each turn prefills only its new tokens. When the\n"
-        "conversation plus min(-n, ctx/4) answer tokens would overflow the context,\n"
-        "the oldest exchanges are dropped (the system turn is kept) until it fills at\n"
-        "most half the context, and the rest is prefilled again. A message too long\n"
-        "to fit alone is refused (stderr) and answered with an empty line.\n"
+        "followed by a newline (-n 0: an empty line). Each turn prefills only its new\n"
+        "tokens. When the conversation plus min(-n, ctx/4) answer tokens would\n"
+        "overflow the context, the oldest exchanges are dropped (the system turn is\n"
+        "kept) until it fills at most half the context, and the rest is prefilled\n"
+        "again. A message too long to fit alone is refused (stderr) and answered with\n"
+        "an empty line; a line longer than the context could ever hold, or a read\n"
+        "error, ends the chat with an error.\n"
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
-        "  --threads N    worker threads, >= 1 (default: number of cores)\n"
-        "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
+        "  --threads N    worker threads, >= 1 (default and maximum: the CPUs this\n"
+        "                 process may use, from its affinity mask and cgroup CPU quota;\n"
+        "                 while other programs take those cores, passes run with fewer)\n"
+        "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
+        "                 at least 3)\n"
         "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
@@ -2725,12 +3126,16 @@ static void usage(FILE *f)
         "  --probe        measure this machine's DRAM bandwidth and f32/int8 peaks first\n"
         "                 (~0.5 s); with -v each phase is shown against its roofline\n"
         "\n"
-        "Tools\n"
+        "Tools (each a mode of its own: --ppl, --dump-logits, --tokenize and -m chat\n"
+        "do not combine, and --ppl takes no prompt; such a combination is an error)\n"
         "  --tokenize     print the prompt's token ids on one line and exit\n"
-        "  --ppl FILE     perplexity of a text file in windows of --ctx tokens\n"
-        "  --ids \"1 2 3\"  give the prompt as token ids instead of text\n"
+        "  --ppl FILE     perplexity of a text file (at most 64 MiB) in windows of\n"
+        "                 --ctx tokens\n"
+        "  --ids \"1 2 3\"  give the prompt as token ids instead of text (not with -c)\n"
         "  --dump-logits FILE  write float32 logits [prompt tokens, vocab] of every\n"
-        "                 prompt position (batched prefill) to FILE and exit\n"
+        "                 prompt position (batched prefill) to FILE and exit; written\n"
+        "                 under a temporary name and renamed when complete, so FILE\n"
+        "                 is whole or untouched; FILE must be a regular file if it exists\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
         "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
@@ -2740,35 +3145,53 @@ static void usage(FILE *f)
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
         "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
-        "context, ...), 2 usage error, 130 interrupted at the chat prompt.\n");
+        "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
+        "130 interrupted at the chat prompt.\n");
 }
+
+/* Flag values are plain decimal numbers: strtol and strtod would also take
+   leading spaces, and strtod hex floats, inf and nan. */
+static int is_decimal(const char *v, const char *chars) { return *v && !v[strspn(v, chars)]; }
 
 static long parse_long(const char *flag, const char *v, long lo, long hi)
 {
     char *end;
     errno = 0;
     long x = strtol(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi)
+    if (!is_decimal(v, "+-0123456789") || errno || end == v || *end || x < lo || x > hi)
         die(EXIT_USAGE, "%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, v);
     return x;
 }
 
+/* A number in [lo, hi] ((lo, hi] with lo_open). Parsed as a double: a
+   float's subnormals (-t 1e-38) are numbers like any other. */
 static float parse_float(const char *flag, const char *v, float lo, float hi, int lo_open)
 {
     char *end;
     errno = 0;
-    float x = strtof(v, &end);
-    if (errno || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
-        die(EXIT_USAGE, "%s expects a number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
-    return x;
+    double x = strtod(v, &end);
+    if (!is_decimal(v, "+-.0123456789eE") || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
+        die(EXIT_USAGE, "%s expects a decimal number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
+    if (lo_open && (float)x == lo)
+        die(EXIT_USAGE, "%s %s is too small: it is %g as a 32-bit float", flag, v, lo);
+    return (float)x;
 }
 
-static _Noreturn void usage_error(const char *fmt, const char *arg)
+static _Noreturn void usage_error(const char *fmt, ...)
 {
-    fputs("run: ", stderr);
-    fprintf(stderr, fmt, arg);
-    fputs("\nusage: run MODEL [options]   (run -h for every option)\n", stderr);
+    va_list ap;
+    va_start(ap, fmt);
+    print_error(fmt, ap);
+    va_end(ap);
+    fputs("usage: run MODEL [options]   (run -h for every option)\n", stderr);
     exit(EXIT_USAGE);
+}
+
+/* -h and --version: their text must reach stdout too. */
+static _Noreturn void exit_after_stdout(void)
+{
+    close_stdout();
+    exit(EXIT_SUCCESS);
 }
 
 static void parse_args(Args *a, int argc, char **argv)
@@ -2778,8 +3201,8 @@ static void parse_args(Args *a, int argc, char **argv)
                                        "--ids", "--dump-logits", "--ppl", "--kv", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
-        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit(0); }
-        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit(0); }
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
+        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit_after_stdout(); }
         if (f[0] != '-' || !f[1]) {
             if (a->model_path) usage_error("unexpected argument '%s'", f);
             a->model_path = f;
@@ -2815,29 +3238,32 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
-        else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
+        else if (!strcmp(f, "--print-prompt-ids")) a->print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
-        else if (!strcmp(f, "--ignore-eos")) ignore_eos = 1;
+        else if (!strcmp(f, "--ignore-eos")) a->ignore_eos = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
     if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
-    if (a->prompt && a->ids) usage_error("%s", "-i and --ids are exclusive");
-    if (!strcmp(a->mode, "chat") && (a->prompt || a->ids)) usage_error("%s", "-m chat reads its messages from stdin; -i/--ids do not apply");
-}
-
-/* Reads all of stdin (the prompt when no -i is given). */
-static char *read_stdin(size_t *len)
-{
-    size_t cap = 4096, n = 0, got;
-    char *buf = xmalloc(cap);
-    while ((got = fread(buf + n, 1, cap - n, stdin)) > 0)
-        if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading stdin");
-    if (ferror(stdin)) die(EXIT_RUNTIME, "cannot read stdin: %s", strerror(errno));
-    if (n && buf[n - 1] == '\n') n--;
-    if (n && buf[n - 1] == '\r') n--;
-    *len = n;
-    return buf;
+    int chat = !strcmp(a->mode, "chat");
+    /* pairs where one option would be ignored, or contradicts the other */
+    const struct { int both; const char *x, *y; } conflict[] = {
+        {a->prompt && a->ids, "-i", "--ids"},
+        {chat && a->prompt, "-m chat", "-i"},
+        {chat && a->ids, "-m chat", "--ids"},
+        {chat && a->tokenize, "-m chat", "--tokenize"},
+        {chat && a->dump_logits, "-m chat", "--dump-logits"},
+        {a->ppl && chat, "--ppl", "-m chat"},
+        {a->ppl && a->prompt, "--ppl", "-i"},
+        {a->ppl && a->ids, "--ppl", "--ids"},
+        {a->ppl && a->chat_wrap, "--ppl", "-c"},
+        {a->ppl && a->tokenize, "--ppl", "--tokenize"},
+        {a->ppl && a->dump_logits, "--ppl", "--dump-logits"},
+        {a->tokenize && a->dump_logits, "--tokenize", "--dump-logits"},
+        {a->chat_wrap && a->ids, "-c", "--ids"},
+    };
+    for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
+        if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
 }
 
 /* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
@@ -2849,21 +3275,29 @@ static void parse_ids(Tokens *t, const char *text, int vocab)
         errno = 0;
         long v = strtol(p, &end, 10);
         if (end == p) usage_error("--ids: '%s' is not a list of token ids", text);
-        if (errno || v < 0 || v >= vocab) die(EXIT_USAGE, "--ids: token id %ld is outside the vocabulary [0, %d)", v, vocab);
+        if (errno || v < 0 || v >= vocab)
+            die(EXIT_USAGE, "--ids: token id %.*s is outside the vocabulary [0, %d)", (int)(end - p), p, vocab);
         push(t, (int)v);
         p = end;
     }
 }
 
-/* The prompt as tokens, from --ids, -i or stdin; with -c wrapped in the
-   chat template. */
-static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
+/* The prompt as tokens, from --ids, -i or stdin (at most what ctx tokens
+   can hold); with -c wrapped in the chat template. Returns the prompt's
+   length in bytes (0 for --ids). */
+static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
 {
-    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return; }
+    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return 0; }
     size_t len;
     char *text;
     if (a->prompt) text = strdup(a->prompt), len = strlen(a->prompt);
-    else if (!isatty(STDIN_FILENO)) text = read_stdin(&len);
+    else if (!isatty(STDIN_FILENO)) {
+        char why[ERR_BYTES];
+        size_t max = text_limit(m, ctx, why, sizeof why) + 2; /* + the newline dropped below */
+        text = read_stream(stdin, "the prompt on stdin", 0, max, why, &len);
+        if (len && text[len - 1] == '\n') len--;
+        if (len && text[len - 1] == '\r') len--;
+    }
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
@@ -2873,68 +3307,148 @@ static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, len);
     } else {
-        int *ids;
-        size_t n;
-        int flags = TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0);
-        if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing the prompt");
-        for (size_t i = 0; i < n; i++) push(t, ids[i]);
-        free(ids);
+        push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0));
     }
     free(text);
+    return len;
+}
+
+/* --dump-logits: where the logits go, CHUNK_TOKENS rows at a time. */
+typedef struct {
+    FILE *f;
+    const char *path;
+    size_t vocab;
+} Dump;
+
+static void write_logits(void *ctx, const RunState *s, int off, int k)
+{
+    Dump *d = ctx;
+    (void)off;
+    if (fwrite(s->logits, sizeof(float) * d->vocab, k, d->f) != (size_t)k)
+        die(EXIT_RUNTIME, "cannot write %s: %s", d->path, strerror(errno));
+}
+
+/* Ends the run on a fatal signal without leaving the temporary file. */
+static void on_fatal_signal(int sig)
+{
+    if (temp_path[0]) unlink(temp_path);
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
-   --no-batch), written CHUNK_TOKENS rows at a time. */
+   --no-batch), written under a temporary name in FILE's directory and
+   renamed over FILE when complete: a full disk, a file-size limit or a
+   signal leaves FILE as it was. Something other than a regular file at
+   FILE (a device, a FIFO, a symlink) is refused, not replaced. */
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a)
 {
-    size_t vocab = m->c.vocab_size;
-    FILE *f = fopen(a->dump_logits, "wb");
-    if (!f) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-    for (int off = 0; off < p->n;) {
-        int k = a->no_batch ? 1 : min_i(p->n - off, CHUNK_TOKENS);
-        if (a->no_batch) decode_step(m, s, p->ids[off], off);
-        else prefill(m, s, p->ids + off, k, off, 1);
-        if (fwrite(s->logits, sizeof(float) * vocab, k, f) != (size_t)k) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-        off += k;
+    const char *path = a->dump_logits;
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
+    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", path, (long)getpid()) >= (int)sizeof temp_path)
+        temp_path[0] = 0, die(EXIT_RUNTIME, "cannot write %s: File name too long", path);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
+    int fd = open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    if (fd < 0) {
+        int e = errno;
+        temp_path[0] = 0; /* not ours to remove */
+        die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(e));
     }
-    if (fclose(f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+    Dump d = {fdopen(fd, "wb"), path, m->c.vocab_size};
+    if (!d.f) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    each_logits(m, s, p->ids, p->n, a->no_batch, write_logits, &d);
+    if (fclose(d.f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    if (rename(temp_path, path) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    temp_path[0] = 0;
+}
+
+/* Points stdin, stdout or stderr at /dev/null when it is closed, so that
+   no file this run opens takes its number (the text meant for stdout
+   would go into it). Opened for the other direction, it fails every use
+   as the closed descriptor did: a closed stdout is still an error. */
+static void reserve_std_fds(void)
+{
+    for (int fd = STDIN_FILENO; fd <= STDERR_FILENO; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+            int r = open("/dev/null", fd == STDIN_FILENO ? O_WRONLY : O_RDONLY);
+            if (r >= 0 && r != fd) { dup2(r, fd); close(r); }
+        }
+}
+
+/* The CPUs this process may use: the online ones, limited by its affinity
+   mask (taskset, cpusets) and by a cgroup v2 CPU quota (cpu.max "QUOTA
+   PERIOD" grants QUOTA/PERIOD CPUs' worth of time, rounded up). Threads
+   beyond them only wait at the barriers: under `taskset -c 0` two threads
+   decoded 8x slower than one. */
+static int usable_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 && CPU_COUNT(&set) < n) n = CPU_COUNT(&set);
+    /* this process's cgroup is the "0::PATH" line of /proc/self/cgroup; in a
+       container the namespace's root holds the limit */
+    char line[MSG_BYTES], path[MSG_BYTES + 64] = "/sys/fs/cgroup/cpu.max";
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "0::/", 4)) {
+            line[strcspn(line, "\n")] = 0;
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", line + 3);
+        }
+    if (f) fclose(f);
+    long quota, period;
+    if (!(f = fopen(path, "r"))) f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f && fscanf(f, "%ld %ld", &quota, &period) == 2 && quota > 0 && period > 0 && (quota + period - 1) / period < n)
+        n = (quota + period - 1) / period; /* "max PERIOD" (no quota) does not scan */
+    if (f) fclose(f);
+    return n > 0 ? (int)n : 1;
 }
 
 int main(int argc, char **argv)
 {
+    reserve_std_fds();
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
     select_kernels(force_scalar ? KSET_SCALAR : best_kernel_set());
+    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    watch_model_file(&m, a.model_path);
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
+    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
+    if (a.ppl && seq_len < PPL_MIN_CTX)
+        die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
 
     Tokens prompt = {0};
-    if (!chat && !a.ppl) prompt_tokens(&m, &a, &prompt);
+    size_t prompt_bytes = 0;
+    if (!chat && !a.ppl) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
     if (a.tokenize) {
         for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
         printf("\n");
-        check_stdout();
+        close_stdout();
         free(prompt.ids);
         free_model(&m);
         return 0;
     }
-    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
-    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
-    if (!chat && !a.ppl && prompt.n == 0) die(EXIT_RUNTIME, "the prompt is empty");
+    if (!chat && !a.ppl && prompt.n == 0) {
+        if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
+        die(EXIT_RUNTIME, "the prompt is empty");
+    }
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
-    int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    cores = cores > 0 ? cores : 1;
+    int cores = usable_cpus();
     int threads = a.threads ? a.threads : cores;
     if (threads > cores) {
         /* the barriers spin: threads beyond the cores only wait for each other
            (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d cores\n", threads, cores);
+        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
         threads = cores;
     }
 #ifdef _OPENMP
@@ -2963,10 +3477,11 @@ int main(int argc, char **argv)
             if (a.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &prompt, &pos, n_predict, &st, &last);
+        generate(&m, &s, &sm, &a, &prompt, &pos, n_predict, &st, &last);
         if (a.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
+    close_stdout();
     free(prompt.ids);
     free_state(&s);
     free_model(&m);
