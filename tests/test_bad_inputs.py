@@ -165,7 +165,7 @@ def test_model_bad_version():
 
 
 def test_model_unsupported_architecture():
-    expect_file_error(lambda b: mf.put(b, "arch", 4), "architecture", "4", name="arch4")
+    expect_file_error(lambda b: mf.put(b, "arch", 5), "architecture", "5", name="arch5")
 
 
 def test_model_zero_dim():
@@ -188,11 +188,11 @@ def test_model_nan_rope_theta():
 
 
 def test_model_unknown_feature_flags():
-    expect_file_error(lambda b: mf.put(b, "flags", 0x3), "feature flags", name="flags3")
+    expect_file_error(lambda b: mf.put(b, "flags", 0x21), "feature flag bit 5", name="flags21")
 
 
 def test_model_unknown_activation():
-    expect_file_error(lambda b: mf.put(b, "activation", 1), "activation", name="act1")
+    expect_file_error(lambda b: mf.put(b, "activation", 2), "activation 2", name="act2")
 
 
 # Model files: tokenizer section

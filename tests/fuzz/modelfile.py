@@ -20,7 +20,10 @@ HEADER = {
     "rope_theta": (48, "<f"), "norm_eps": (52, "<f"), "flags": (56, "<I"), "activation": (60, "<I"),
     "rope_dim": (64, "<I"), "n_tensors": (68, "<I"), "tok_offset": (72, "<Q"), "tok_size": (80, "<Q"),
     "table_offset": (88, "<Q"), "file_size": (96, "<Q"),
+    "embed_scale": (104, "<f"), "att_scale": (108, "<f"), "window": (112, "<I"), "window_pattern": (116, "<I"),
+    "rope_theta_local": (120, "<f"), "rope_scale": (124, "<f"),
 }
+HEADER_RESERVED = 128  # header bytes from here to HEADER_BYTES are zero
 # tokenizer section header field -> (offset within the section, format)
 TOKENIZER = {
     "kind": (0, "<I"), "pre": (4, "<I"), "n_vocab": (8, "<I"), "n_merges": (12, "<I"), "bos": (16, "<i"),
@@ -117,7 +120,7 @@ def problems(buf: bytes) -> list[str]:
         out.append("bad version or header size")
     if get(buf, "file_size") != len(buf):
         out.append(f"header file_size {get(buf, 'file_size')} != actual {len(buf)}")
-    if any(buf[104:HEADER_BYTES]):
+    if any(buf[HEADER_RESERVED:HEADER_BYTES]):
         out.append("nonzero reserved header bytes")
     tok_off, tok_size = get(buf, "tok_offset"), get(buf, "tok_size")
     if tok_off != HEADER_BYTES or tok_off + tok_size > len(buf):
