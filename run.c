@@ -3194,6 +3194,18 @@ static _Noreturn void exit_after_stdout(void)
     exit(EXIT_SUCCESS);
 }
 
+/* The KV cache type --kv names: a row of the type table with a kv_name. */
+static int kv_type_named(const char *v)
+{
+    char names[MSG_BYTES] = "";
+    for (int t = 0; t < N_TYPES; t++) {
+        if (!TYPES[t].kv_name) continue;
+        if (!strcmp(v, TYPES[t].kv_name)) return t;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", TYPES[t].kv_name);
+    }
+    usage_error("--kv expects one of %s, got '%s'", names, v);
+}
+
 static void parse_args(Args *a, int argc, char **argv)
 {
     *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16};
@@ -3226,12 +3238,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--ids")) a->ids = v;
         else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
         else if (!strcmp(f, "--ppl")) a->ppl = v;
-        else if (!strcmp(f, "--kv")) {
-            if (!strcmp(v, "f32")) a->kv_type = T_F32;
-            else if (!strcmp(v, "f16")) a->kv_type = T_F16;
-            else if (!strcmp(v, "q8")) a->kv_type = T_Q8_0;
-            else usage_error("--kv expects f32, f16 or q8, got '%s'", v);
-        }
+        else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
         else if (!strcmp(f, "-v")) a->verbose = 1;
         else if (!strcmp(f, "--special")) a->special = 1;
@@ -3457,12 +3464,19 @@ int main(int argc, char **argv)
     threads = 1;
 #endif
     RunState s;
-    if (a.kv_type == T_Q8_0 && m.c.head_dim % QK) die(EXIT_USAGE, "--kv q8 needs a head_dim that is a multiple of %d (this model: %d)", QK, m.c.head_dim);
+    if (m.c.head_dim % TYPES[a.kv_type].block)
+        die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
+            TYPES[a.kv_type].block, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
-    if (a.verbose)
-        fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
-                a.model_path, m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
+    if (a.verbose) {
+        static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
+        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
+                a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
                 kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, load_ms);
+        if (m.c.window)
+            fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
+                    m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
+    }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
     Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
