@@ -2779,17 +2779,32 @@ static int special_id(const Model *m, const char *text)
     return id;
 }
 
-/* The model's chat template, reduced to what the generation loop needs:
+/* The chat templates, reduced to what the generation loop needs. A turn is
+   START ROLE [HEADER_END] SEP TEXT END AFTER; START, HEADER_END and END are
+   control tokens, the rest text:
    ChatML:  <|im_start|>ROLE\nTEXT<|im_end|>\n
-   Gemma:   <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (assistant is "model",
-            the system text opens the first user message; BOS first). */
+   Gemma:   <bos> <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (the assistant is
+            "model"; the system text opens the first user message)
+   Llama 3: <|begin_of_text|> <|start_header_id|>ROLE<|end_header_id|>\n\nTEXT<|eot_id|> */
+static const struct {
+    const char *start, *header_end, *end; /* control tokens (header_end NULL: none) */
+    const char *sep, *after;              /* text after the role, after the turn */
+    const char *assistant;                /* the answering role */
+    int bos;                              /* the conversation opens with BOS */
+    int system_in_user;                   /* no system turn: the system text opens the first user message */
+} TEMPLATES[] = {
+    [TOK_CHAT_CHATML] = {"<|im_start|>", NULL, "<|im_end|>", "\n", "\n", "assistant", 0, 0},
+    [TOK_CHAT_GEMMA] = {"<start_of_turn>", NULL, "<end_of_turn>", "\n", "\n", "model", 1, 1},
+    [TOK_CHAT_LLAMA3] = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "\n\n", "", "assistant", 1, 0},
+};
+
 typedef struct {
-    int kind;            /* TOK_CHAT_CHATML or TOK_CHAT_GEMMA */
-    int start, end;      /* turn delimiter token ids */
+    int kind;            /* TOK_CHAT_*: the row of TEMPLATES */
+    int start, header_end, end; /* their token ids (header_end -1: none) */
     const char *system;  /* system prompt (-y, else the template's default) */
     size_t system_len;
-    int system_pending;  /* Gemma: not yet folded into a user message */
-    int system_turn;     /* ChatML: open with a system turn */
+    int system_pending;  /* system_in_user: not yet folded into a user message */
+    int system_turn;     /* otherwise: open with a system turn */
 } Chat;
 
 static void build_chat(Chat *ch, const Model *m, const char *system)
@@ -2797,34 +2812,48 @@ static void build_chat(Chat *ch, const Model *m, const char *system)
     const tok_info *ti = tok_get_info(m->tok);
     memset(ch, 0, sizeof *ch);
     ch->kind = ti->chat_template;
-    if (ch->kind == TOK_CHAT_CHATML) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
-    else if (ch->kind == TOK_CHAT_GEMMA) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
-    else die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
-    if (ch->start < 0 || ch->end < 0) die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
+    if (ch->kind <= TOK_CHAT_NONE || ch->kind >= (int)(sizeof TEMPLATES / sizeof *TEMPLATES))
+        die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
+    ch->start = special_id(m, TEMPLATES[ch->kind].start);
+    ch->end = special_id(m, TEMPLATES[ch->kind].end);
+    ch->header_end = TEMPLATES[ch->kind].header_end ? special_id(m, TEMPLATES[ch->kind].header_end) : -2;
+    if (ch->start < 0 || ch->end < 0 || ch->header_end == -1)
+        die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
     ch->system = system ? system : ti->default_system;
     ch->system_len = system ? strlen(system) : ti->default_system_len;
-    ch->system_pending = ch->kind == TOK_CHAT_GEMMA && ch->system_len;
-    /* An explicit -y "" is an empty system message: ChatML still renders
-       its turn (the template adds its default only without one). */
-    ch->system_turn = ch->system_len || system;
+    ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
+    /* An explicit -y "" is an empty system message: the turn is still
+       rendered (templates add their default only without one). */
+    ch->system_turn = !TEMPLATES[ch->kind].system_in_user && (ch->system_len || system);
+}
+
+/* START ROLE [HEADER_END] SEP: a turn's opening. */
+static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char *role)
+{
+    push(t, ch->start);
+    push_text(m, t, role, strlen(role));
+    if (ch->header_end >= 0) push(t, ch->header_end);
+    push_text(m, t, TEMPLATES[ch->kind].sep, strlen(TEMPLATES[ch->kind].sep));
+}
+
+/* END AFTER: a turn's close. */
+static void chat_turn_close(const Chat *ch, const Model *m, Tokens *t)
+{
+    push(t, ch->end);
+    push_text(m, t, TEMPLATES[ch->kind].after, strlen(TEMPLATES[ch->kind].after));
 }
 
 /* The tokens that open a conversation: BOS if the template has one, and
-   the system turn (ChatML) — Gemma folds the system text into the first
-   user message instead. */
+   the system turn, unless the template folds the system text into the
+   first user message. */
 static void chat_open(const Chat *ch, const Model *m, Tokens *t)
 {
     const tok_info *ti = tok_get_info(m->tok);
-    if (ch->kind == TOK_CHAT_GEMMA && ti->bos >= 0) push(t, ti->bos);
-    if (ch->kind == TOK_CHAT_CHATML && ch->system_turn) {
-        push(t, ch->start);
-        char *buf = xmalloc(ch->system_len + 8);
-        int k = sprintf(buf, "system\n");
-        memcpy(buf + k, ch->system, ch->system_len);
-        push_text(m, t, buf, k + ch->system_len);
-        free(buf);
-        push(t, ch->end);
-        push_text(m, t, "\n", 1);
+    if (TEMPLATES[ch->kind].bos && ti->bos >= 0) push(t, ti->bos);
+    if (ch->system_turn) {
+        chat_turn_open(ch, m, t, "system");
+        push_text(m, t, ch->system, ch->system_len);
+        chat_turn_close(ch, m, t);
     }
 }
 
@@ -2832,18 +2861,14 @@ static void chat_open(const Chat *ch, const Model *m, Tokens *t)
    <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
 static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
 {
-    size_t sys = ch->kind == TOK_CHAT_GEMMA && ch->system_pending ? ch->system_len + 2 : 0;
-    char *buf = xmalloc(len + sys + 8);
-    int k = sprintf(buf, "user\n");
-    if (sys) { memcpy(buf + k, ch->system, ch->system_len); memcpy(buf + k + ch->system_len, "\n\n", 2); k += sys; }
-    memcpy(buf + k, text, len);
-    push(t, ch->start);
-    push_text(m, t, buf, k + len);
-    push(t, ch->end);
-    push_text(m, t, "\n", 1);
-    push(t, ch->start);
-    const char *role = ch->kind == TOK_CHAT_GEMMA ? "model\n" : "assistant\n";
-    push_text(m, t, role, strlen(role));
+    size_t sys = ch->system_pending ? ch->system_len + 2 : 0;
+    char *buf = xmalloc(len + sys + 1);
+    if (sys) { memcpy(buf, ch->system, ch->system_len); memcpy(buf + ch->system_len, "\n\n", 2); }
+    memcpy(buf + sys, text, len);
+    chat_turn_open(ch, m, t, "user");
+    push_text(m, t, buf, sys + len);
+    chat_turn_close(ch, m, t);
+    chat_turn_open(ch, m, t, TEMPLATES[ch->kind].assistant);
     ch->system_pending = 0;
     free(buf);
 }
@@ -2853,8 +2878,7 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
 static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
 {
     if (why != STOP_END && last >= 0) push(conv, last);
-    push(conv, ch->end);
-    push_text(m, conv, "\n", 1);
+    chat_turn_close(ch, m, conv);
 }
 
 /* When the conversation plus room for an answer no longer fits, drops the
