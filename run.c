@@ -2423,9 +2423,11 @@ static int by_prob_desc(const void *a, const void *b)
     return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
-/* Samples from softmax(logits / T) restricted to the top-k, then to the
-   top-p nucleus. cand is scratch for n candidates. */
-static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
+/* The distribution the sampler draws from: softmax(logits / T) restricted
+   to the top-k, then to the top-p nucleus, as cand[0..keep) by falling
+   probability (keep is returned; the kept probabilities sum to *total,
+   the normalizer). cand is scratch for n candidates. */
+static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *cand, float *total)
 {
     /* (l - max) / T: the largest logit becomes exactly 0, so no temperature,
        however small, can overflow it to inf (inf - inf = NaN in softmax) */
@@ -2438,26 +2440,63 @@ static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
     for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
     qsort(cand, nc, sizeof *cand, by_prob_desc);
     if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
-    float total = 0;
     int keep = nc;
+    *total = 0;
     for (int i = 0; i < nc; i++) {
-        total += cand[i].p;
-        if (total >= sm->top_p) { keep = i + 1; break; }
+        *total += cand[i].p;
+        if (*total >= sm->top_p) { keep = i + 1; break; }
     }
-    float r = random_f32(&sm->rng) * total, acc = 0;
-    for (int i = 0; i < keep; i++) {
-        acc += cand[i].p;
-        if (r < acc) return cand[i].id;
-    }
-    return cand[keep - 1].id;
+    return keep;
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+/* One draw from cand[0..keep) weighted by p, leaving out token `skip` (-1:
+   none); total is the sum of the probabilities drawn from. */
+static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int skip)
+{
+    float r = random_f32(&sm->rng) * total, acc = 0;
+    int last = -1;
+    for (int i = 0; i < keep; i++) {
+        if (cand[i].id == skip) continue;
+        acc += cand[i].p;
+        last = cand[i].id;
+        if (r < acc) return last;
+    }
+    return last;
+}
+
+static void check_logits(const float *logits, int n)
 {
     for (int i = 0; i < n; i++)
         if (!isfinite(logits[i]))
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
-    return sm->temperature == 0 ? sample_argmax(logits, n) : sample_topp(sm, logits, n, cand);
+}
+
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+{
+    check_logits(logits, n);
+    if (sm->temperature == 0) return sample_argmax(logits, n);
+    float total;
+    int keep = sampling_dist(sm, logits, n, cand, &total);
+    return draw(sm, cand, keep, total, -1);
+}
+
+/* Samples the token that follows, given a drafted guess d (lookup
+   decoding): d stands with probability p(d), the probability sample()
+   would give it; otherwise the token is drawn from p with d left out,
+   renormalized. The result is distributed exactly as sample()'s (for any
+   x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
+   changes what is generated, only how many forward passes it takes. With
+   -t 0 it is the argmax, which stands for d exactly when it equals it. */
+static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d)
+{
+    check_logits(logits, n);
+    if (sm->temperature == 0) return sample_argmax(logits, n);
+    float total;
+    int keep = sampling_dist(sm, logits, n, cand, &total), at = -1;
+    for (int i = 0; i < keep; i++) if (cand[i].id == d) at = i;
+    if (at < 0) return draw(sm, cand, keep, total, -1); /* p(d) = 0: d never stands */
+    if (random_f32(&sm->rng) * total < cand[at].p) return d;
+    return draw(sm, cand, keep, total - cand[at].p, d);
 }
 
 /* ----- roofline ---------------------------------------------------------------
@@ -2583,7 +2622,9 @@ static double decode_bytes(const Model *m, const RunState *s, int pos)
 /* The command line (section 6 parses it). */
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
+    int n_predict, top_k, threads, ctx, verbose, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
+    int lookup;       /* --lookup N: longest draft of lookup decoding (0 = off) */
     int ignore_eos;   /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;    /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     float temperature, top_p;
@@ -2648,7 +2689,9 @@ typedef struct {
     int pos0;       /* tokens already cached before this request */
     int n_prompt, n_gen;
     double prefill_ms;
-    double *itl; /* [n_gen - 1] gaps between streamed tokens, ms */
+    double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
+    int n_itl;
+    int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
 } Stats;
 
 enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
@@ -2668,16 +2711,21 @@ static int by_double(const void *a, const void *b)
 static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
 {
     double pre = st->prefill_ms, itl_sum = 0;
-    int k = st->n_gen > 1 ? st->n_gen - 1 : 0;
+    int k = min_i(st->n_itl, st->n_gen > 1 ? st->n_gen - 1 : 0);
     for (int i = 0; i < k; i++) itl_sum += st->itl[i];
     qsort(st->itl, k, sizeof(double), by_double);
     double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
     double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
-    double gbps = k ? bytes / (itl / 1e3) / 1e9 : 0;
+    /* each forward pass reads the weights once, whatever number of tokens it yields (lookup decoding) */
+    int passes = st->passes ? min_i(st->passes, k) : k;
+    double gbps = k ? bytes * passes / (itl_sum / 1e3) / 1e9 : 0;
     fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
             st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
     fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
             k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (st->drafted)
+        fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
+                100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
     if (!mc) return;
     int int8 = act_format(m->layers[0].w2.type) != ACT_F32;
     double peak = int8 ? mc->i8_gops : mc->f32_gflops;
@@ -2704,6 +2752,104 @@ static void push(Tokens *t, int id)
     t->ids[t->n++] = id;
 }
 
+/* ----- lookup decoding --------------------------------------------------------
+   Decode reads every weight once per token, but checking k guessed tokens
+   costs about the same weight reads as producing one (verify_step). Text
+   that copies from its input (summaries, extractions, edits, code) often
+   continues with tokens the context already holds, so the guesses come
+   from the context itself: the latest earlier occurrence of the longest
+   suffix n-gram proposes the tokens that followed it. Greedy output stays
+   byte for byte what plain decoding gives, because the verification pass
+   computes each position exactly as a decode step; sampled output keeps
+   its distribution (sample_with_draft). */
+
+#define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
+#define LOOKUP_COOLDOWN 16 /* plain decode steps before drafting again after drafts kept failing */
+#define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
+
+typedef struct {
+    int max;  /* --lookup: longest draft (0 = off) */
+    int len;  /* current draft length, adapted to how many drafts stand */
+    int idle; /* plain steps since drafting stopped (len 0) */
+} Lookup;
+
+/* Up to k tokens that followed the latest earlier occurrence of the longest
+   suffix n-gram (n = LOOKUP_NGRAM down to 1) of ids[0..n) into draft;
+   returns how many (0: no n-gram of the suffix occurred before). */
+static int lookup_draft(const int *ids, int n, int k, int *draft)
+{
+    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= 1; g--)
+        for (int i = n - g - 1; i >= 0; i--)
+            if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
+                int c = min_i(k, n - (i + g));
+                memcpy(draft, ids + i + g, c * sizeof *ids);
+                return c;
+            }
+    return 0;
+}
+
+/* After a verification that kept `kept` of k drafts: all stood, so guess
+   further next time; none, so halve the guess, down to not drafting at all
+   (open-ended text then pays nothing but a probe every LOOKUP_COOLDOWN
+   tokens); some, so guess one more than stood. */
+static void lookup_adapt(Lookup *lk, int kept, int k)
+{
+    if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
+    else if (kept == 0) lk->len /= 2;
+    else lk->len = min_i(lk->max, kept + 1);
+    lk->idle = 0;
+}
+
+/* Takes the sampled token: an end token stops (never printed, never fed
+   back); otherwise it is streamed and counted, and the limits are checked
+   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
+static int take_token(const Model *m, const Args *a, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
+{
+    if (tok_is_eog(m->tok, token) && !a->ignore_eos) return STOP_END;
+    size_t len;
+    const char *piece = tok_piece(m->tok, token, &len);
+    if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
+    if (++st->n_gen >= n_predict) return STOP_LIMIT;
+    if (pos >= seq_len) return STOP_CONTEXT;
+    if (interrupted) return STOP_INTERRUPT;
+    return -1;
+}
+
+/* One step of the decode loop: feeds `token` (taken, at position *pos) and
+   returns the next sampled token. With lookup, drafts follow it in one
+   verification pass; each draft that stands is taken on the spot (and may
+   stop generation: then *why is set). conv receives every token fed, so
+   conv->n == *pos after the step. */
+static int decode_next(const Model *m, RunState *s, Sampler *sm, const Args *a, Lookup *lk, Candidate *cand, Tokens *conv,
+                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
+{
+    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
+    push(conv, token);
+    if (lk->max && !lk->len && ++lk->idle >= LOOKUP_COOLDOWN) lk->len = 1;
+    int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
+    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, batch + 1);
+    st->passes++;
+    if (k == 0) {
+        decode_step(m, s, token, (*pos)++);
+        return sample(sm, s->logits, vocab, cand);
+    }
+    batch[0] = token;
+    verify_step(m, s, batch, k + 1, *pos);
+    st->drafted += k;
+    int i = 0, kept = 0, next;
+    for (;; i++) { /* row i holds the logits after batch[0..i] */
+        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
+        if (i == k || next != batch[i + 1]) break;
+        kept++;
+        if ((*why = take_token(m, a, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
+        push(conv, next);
+    }
+    st->accepted += kept;
+    lookup_adapt(lk, kept, k);
+    *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
+    return next;
+}
+
 /* Prefills the tokens of conv not yet cached (from *pos), then samples,
    streams and decodes until an end token (never printed, never fed back),
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
@@ -2715,6 +2861,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const Args *a, Tok
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
+    Lookup lk = {a->lookup, a->lookup ? min_i(a->lookup, 2) : 0, 0};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
     if (a->print_ids) {
@@ -2730,20 +2877,16 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const Args *a, Tok
     st->prefill_ms = t_prev - t0;
     *last = token;
     while (n_predict > 0) {
+        if ((why = take_token(m, a, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
+        int before = st->n_gen, stop = -1;
+        token = decode_next(m, s, sm, a, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
         *last = token;
-        if (tok_is_eog(m->tok, token) && !a->ignore_eos) { why = STOP_END; break; }
-        size_t len;
-        const char *piece = tok_piece(m->tok, token, &len);
-        if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
-        if (++st->n_gen >= n_predict) { why = STOP_LIMIT; break; }
-        if (*pos >= s->seq_len) { why = STOP_CONTEXT; break; }
-        if (interrupted) { why = STOP_INTERRUPT; break; }
-        push(conv, token);
-        decode_step(m, s, token, (*pos)++);
-        token = sample(sm, s->logits, m->c.vocab_size, cand);
+        /* the pass yielded the drafts taken and the new token: they share its time */
         double t = now_ms();
-        st->itl[st->n_gen - 1] = t - t_prev;
+        int yielded = st->n_gen - before + 1;
+        for (int i = 0; i < yielded && st->n_itl <= n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
         t_prev = t;
+        if (stop >= 0) { why = stop; break; }
     }
     emit_flush(&u);
     free(cand);
@@ -3015,13 +3158,16 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
 typedef void (*LogitsFn)(void *ctx, const RunState *s, int off, int k);
 
 /* Runs ids[0, n) through the model from position 0, CHUNK_TOKENS at a time
-   (batched prefill) or, with one_by_one, as decode steps, computing the
-   logits of every position and handing each block to use. */
-static void each_logits(const Model *m, RunState *s, const int *ids, int n, int one_by_one, LogitsFn use, void *ctx)
+   (batched prefill, exact = 0), or exact tokens at a time computed as
+   decode steps would compute them (1: decode steps; more: lookup
+   decoding's verification passes), computing the logits of every position
+   and handing each block to use. */
+static void each_logits(const Model *m, RunState *s, const int *ids, int n, int exact, LogitsFn use, void *ctx)
 {
     for (int off = 0; off < n;) {
-        int k = one_by_one ? 1 : min_i(n - off, CHUNK_TOKENS);
-        if (one_by_one) decode_step(m, s, ids[off], off);
+        int k = min_i(n - off, exact ? exact : CHUNK_TOKENS);
+        if (exact == 1) decode_step(m, s, ids[off], off);
+        else if (exact) verify_step(m, s, ids + off, k, off);
         else prefill(m, s, ids + off, k, off, 1);
         use(ctx, s, off, k);
         off += k;
@@ -3144,6 +3290,10 @@ static void usage(FILE *f)
         "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
         "                 at least 3)\n"
         "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
+        "  --lookup N     lookup decoding: guess up to N (0-15) next tokens from the\n"
+        "                 context and check them in one pass; 0 turns it off (default\n"
+        "                 8). The output is the same as without it: greedy text byte\n"
+        "                 for byte, sampled text in distribution\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
@@ -3161,6 +3311,8 @@ static void usage(FILE *f)
         "                 under a temporary name and renamed when complete, so FILE\n"
         "                 is whole or untouched; FILE must be a regular file if it exists\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
+        "  --exact-batch N  with --dump-logits: N tokens per pass, each computed exactly\n"
+        "                 as a decode step (lookup decoding's verification pass)\n"
         "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
@@ -3232,9 +3384,10 @@ static int kv_type_named(const char *v)
 
 static void parse_args(Args *a, int argc, char **argv)
 {
-    *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16};
+    *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
+                .lookup = LOOKUP_DEFAULT};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", NULL};
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -3258,6 +3411,8 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-m")) a->mode = v;
         else if (!strcmp(f, "-y")) a->system = v;
         else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--lookup")) a->lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
+        else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
         else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
         else if (!strcmp(f, "--ids")) a->ids = v;
         else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
@@ -3267,7 +3422,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-v")) a->verbose = 1;
         else if (!strcmp(f, "--special")) a->special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
-        else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
+        else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
         else if (!strcmp(f, "--scalar")) force_scalar = 1;
         else if (!strcmp(f, "--print-prompt-ids")) a->print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
@@ -3390,7 +3545,7 @@ static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args
     }
     Dump d = {fdopen(fd, "wb"), path, m->c.vocab_size};
     if (!d.f) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
-    each_logits(m, s, p->ids, p->n, a->no_batch, write_logits, &d);
+    each_logits(m, s, p->ids, p->n, a->exact_batch, write_logits, &d);
     if (fclose(d.f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
     if (rename(temp_path, path) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
     temp_path[0] = 0;
