@@ -1,0 +1,200 @@
+"""Lookup decoding (./run --lookup N, on by default): the output must be what plain decoding gives.
+
+1. The verification pass computes each position exactly as a decode step: `--dump-logits
+   --exact-batch K` (K tokens per pass, the verification kernel) must give logits bit for bit
+   equal to `--no-batch` (one decode step per token), for every weight type, kernel set and KV
+   cache type. Expected values: the engine's own decode steps, the path lookup must not change.
+2. Greedy text with lookup equals greedy text without it, byte for byte, on the real model in
+   plain generation, `-c` and chat mode, on prompts that copy from their input (where drafts
+   stand) and open-ended ones; the copy prompts must actually draft and accept (else the test
+   checks nothing).
+3. Sampling keeps its distribution: a tiny model, a prompt built so that the first drafted token
+   is one of the sampler's top-3 candidates (so drafts both stand and fall), many seeds with and
+   without lookup, and a chi-square test of homogeneity on the generated text. The same test
+   must detect a small real change (temperature 1.0 vs 1.25), which shows it has the power to
+   fail.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_MODEL, SCRATCH, model, require, run  # noqa: E402
+import test_synthetic as ts  # noqa: E402
+
+WORK = SCRATCH / "lookup"
+WORK.mkdir(parents=True, exist_ok=True)
+
+
+def dump(path: Path, ids: list[int], extra: list[str]) -> bytes:
+    out = WORK / "logits.bin"
+    p = run([path, "--ids", " ".join(map(str, ids)), "--dump-logits", out, *extra], timeout=300)
+    assert p.returncode == 0, f"./run {' '.join(extra)}: exit {p.returncode}\n{p.stderr.decode(errors='replace')}"
+    return out.read_bytes()
+
+
+def test_verify_pass_logits_equal_decode_steps():
+    ids = ts.token_ids("tied", 40, seed=5)
+    checked = 0
+    for dtype in ("f32", "f16", "q8_0", "q4_1"):
+        path = ts.exported("tied", "f32", dtype)
+        for kernels in ([], ["--scalar"]):
+            for kv in ("f32", "f16", "q8"):
+                ref = dump(path, ids, ["--no-batch", "--kv", kv, *kernels])
+                for k in (2, 5, 16):
+                    got = dump(path, ids, ["--exact-batch", str(k), "--kv", kv, *kernels])
+                    assert got == ref, (f"{dtype} {' '.join(kernels) or 'default kernels'} --kv {kv}: verification "
+                                        f"passes of {k} tokens differ from decode steps")
+                    checked += 1
+    # the real model's q4_1 / q8_0 blocks and its shapes
+    real = require(DEFAULT_MODEL, "run `make model`")
+    ids = [int(t) for t in run([real, "--tokenize", "-i", "In the beginning God created the heaven and the earth."]).stdout.split()]
+    assert dump(real, ids, ["--exact-batch", "7"]) == dump(real, ids, ["--no-batch"]), "SmolLM2: verification != decode"
+    print(f"{checked + 1} configurations bit-identical")
+
+
+COPY = "Repeat the following sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the old river bank."
+SUMMARY = ("Summarize in one sentence: The city council met on Tuesday to discuss the new park. Residents asked for "
+           "more trees, a playground and longer opening hours. The council agreed to plant fifty trees this spring.")
+CODE = ("Rename the function add to sum in this code and print the whole code:\n"
+        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n")
+STORY = "Once upon a time"
+
+
+def lookup_stats(stderr: bytes) -> tuple[int, int]:
+    m = re.search(rb"lookup: (\d+) drafted, (\d+) accepted", stderr)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def test_greedy_text_identical_with_and_without_lookup():
+    m = model()
+    accepted_total = 0
+    for prompt, args in ((COPY, ["-c"]), (SUMMARY, ["-c"]), (CODE, ["-c"]), (STORY, []), (COPY, [])):
+        for kv in ("f16", "q8"):
+            base = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", "0", "-i", prompt, *args])
+            assert base.returncode == 0, base.stderr.decode(errors="replace")
+            for n in ("8", "15", "1"):
+                p = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", n, "-v", "-i", prompt, *args])
+                assert p.returncode == 0, p.stderr.decode(errors="replace")
+                assert p.stdout == base.stdout, (f"--lookup {n} --kv {kv} {args} changed the greedy text:\n"
+                                                 f"without: {base.stdout!r}\nwith:    {p.stdout!r}")
+                accepted_total += lookup_stats(p.stderr)[1]
+    assert accepted_total > 100, f"only {accepted_total} drafts stood over the copy prompts: lookup hardly ran"
+    # chat mode: the whole conversation is the lookup source
+    msgs = f"{COPY}\nNow repeat it once more.\n".encode()
+    base = run([m, "-m", "chat", "-t", "0", "-n", "48", "--lookup", "0"], stdin=msgs)
+    p = run([m, "-m", "chat", "-t", "0", "-n", "48", "-v"], stdin=msgs)
+    assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
+    assert p.stdout == base.stdout, f"chat with lookup differs:\n{base.stdout!r}\n{p.stdout!r}"
+    assert lookup_stats(p.stderr)[1] > 0, "chat: no draft stood"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
+
+TOP_K = "3"
+
+
+@functools.cache
+def tiny() -> Path:
+    return ts.exported("tied", "f32", "f32")
+
+
+def next_logits(ids: list[int]) -> np.ndarray:
+    data = np.frombuffer(dump(tiny(), ids, ["--kv", "f32"]), dtype="<f4")
+    return data.reshape(len(ids), -1)[-1]
+
+
+@functools.cache
+def draft_prompt() -> tuple[int, ...]:
+    """A prompt [z, y, r..., z] whose last token z occurred before followed by y, so lookup drafts y
+    (then the tokens after it), with y the second most likely next token: the draft then stands
+    about as often as it falls."""
+    rng = np.random.default_rng(3)
+    vocab = ts.config("tied").vocab_size
+    for _ in range(200):
+        z, *rest = rng.integers(3, vocab, 7).tolist()
+        probe = [z, 0, *rest, z]
+        top = np.argsort(next_logits(probe))[::-1]
+        y = int(top[1])
+        prompt = [z, y, *rest, z]
+        if y in np.argsort(next_logits(prompt))[::-1][:2].tolist():
+            return tuple(prompt)
+    raise AssertionError("no prompt found whose drafted token is among the two most likely")
+
+
+def sample_counts(temperature: str, lookup: str, runs: int) -> tuple[dict[bytes, int], int, int]:
+    counts: dict[bytes, int] = {}
+    drafted = accepted = 0
+    ids = " ".join(map(str, draft_prompt()))
+    for seed in range(runs):
+        p = run([tiny(), "--ids", ids, "-n", "3", "-t", temperature, "-k", TOP_K, "-p", "1", "-s", str(seed),
+                 "--lookup", lookup, "-v", "--threads", "1"])
+        assert p.returncode == 0, p.stderr.decode(errors="replace")
+        counts[p.stdout] = counts.get(p.stdout, 0) + 1
+        d, a = lookup_stats(p.stderr)
+        drafted, accepted = drafted + d, accepted + a
+    return counts, drafted, accepted
+
+
+def chi_square_p(a: dict[bytes, int], b: dict[bytes, int]) -> tuple[float, int]:
+    """p-value of Pearson's chi-square test that two samples come from one distribution (categories with
+    an expected count below 5 pooled), and the degrees of freedom."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    na, nb = sum(a.values()), sum(b.values())
+    rows, pool = [], [0, 0]
+    for k in keys:
+        ca, cb = a.get(k, 0), b.get(k, 0)
+        if (ca + cb) * min(na, nb) / (na + nb) < 5:
+            pool[0] += ca
+            pool[1] += cb
+        else:
+            rows.append((ca, cb))
+    if sum(pool):
+        rows.append(tuple(pool))
+    stat = 0.0
+    for ca, cb in rows:
+        tot = ca + cb
+        for c, n in ((ca, na), (cb, nb)):
+            e = tot * n / (na + nb)
+            stat += (c - e) ** 2 / e
+    dof = len(rows) - 1
+    return chi2_sf(stat, dof), dof
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square distribution (regularized upper incomplete gamma Q(k/2, x/2)),
+    by its series for the lower part; exact enough for a test threshold."""
+    if k <= 0:
+        return 1.0
+    s, xh = k / 2.0, x / 2.0
+    term = total = 1.0 / s
+    n = 1
+    while term > 1e-15 * total and n < 10000:
+        term *= xh / (s + n)
+        total += term
+        n += 1
+    lower = math.exp(s * math.log(xh) - xh - math.lgamma(s)) * total if xh > 0 else 0.0
+    return max(0.0, 1.0 - lower)
+
+
+def test_sampled_distribution_unchanged_by_lookup():
+    runs = 700
+    plain, _, _ = sample_counts("1", "0", runs)
+    looked, drafted, accepted = sample_counts("1", "8", runs)
+    assert 0 < accepted < drafted, f"drafts must both stand and fall to test both paths (drafted {drafted}, stood {accepted})"
+    p, dof = chi_square_p(plain, looked)
+    print(f"{runs} seeds each, {len(set(plain) | set(looked))} distinct texts, chi-square p = {p:.3f} ({dof} dof), "
+          f"drafts {drafted}, stood {accepted}")
+    assert p > 1e-3, f"lookup changed the sampled distribution (chi-square p = {p:.2e}, {dof} dof)"
+    # power: the same test on a real but small change of the distribution
+    warmer, _, _ = sample_counts("1.25", "0", runs)
+    p2, _ = chi_square_p(plain, warmer)
+    print(f"temperature 1.0 vs 1.25: p = {p2:.2e}")
+    assert p2 < 1e-3, f"the test cannot tell temperature 1.0 from 1.25 (p = {p2:.3f}): it has no power"
