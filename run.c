@@ -103,7 +103,7 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
-#define LONG_WAITS_MAX 2        /* a pass with this many such waits ran on contended cores (each may cost a timeslice) */
+#define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
 #define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
 #define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 #define MAX_DIM (1 << 16)
@@ -1744,7 +1744,7 @@ static void softmax(float *x, int n)
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
-    atomic_int long_waits; /* waits that outlasted SPINS_BEFORE_YIELD since adapt_team looked */
+    atomic_long long_wait_us; /* time spent in waits that outlasted SPINS_BEFORE_YIELD, since adapt_team looked */
 } Barrier;
 
 static void cpu_relax(void)
@@ -1764,12 +1764,15 @@ static void barrier(Barrier *b, int nth)
     } else {
         /* spin; if the wait is long the cores are oversubscribed (another
            program is running), and yielding lets the late thread run */
-        for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
-            if (spins < SPINS_BEFORE_YIELD) cpu_relax();
+        long spins = 0;
+        double long_since = 0;
+        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
+            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
             else {
-                if (spins == SPINS_BEFORE_YIELD) atomic_fetch_add_explicit(&b->long_waits, 1, memory_order_relaxed);
+                if (!long_since) long_since = now_ms();
                 sched_yield();
             }
+        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
     }
 }
 
@@ -1928,16 +1931,16 @@ static void free_state(RunState *s)
 /* Sizes the team of the next forward pass. When other programs take the
    cores, a thread of the team is descheduled for whole timeslices and every
    barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
-   than with one thread. A pass with LONG_WAITS_MAX long waits halves the
-   team; the full team is tried again
+   than with one thread. A pass (pass_ms long) whose threads spent more than
+   1/CONTENDED_SHARE of their time in long waits halves the team; the full team is tried again
    after s->backoff passes, which doubles while the retries find the cores
-   still contended. On cores of its own a decode pass waits long at none
-   of its ~245 barriers. Results do not depend on the team size (see split), so
-   it may change between passes. */
-static void adapt_team(RunState *s)
+   still contended. On cores of its own a pass waits long rarely, and
+   briefly (a prefill step's uneven split). Results do not depend on the
+   team size (see split), so it may change between passes. */
+static void adapt_team(RunState *s, double pass_ms)
 {
-    int waits = atomic_exchange_explicit(&s->bar.long_waits, 0, memory_order_relaxed);
-    if (s->team > 1 && waits >= LONG_WAITS_MAX) {
+    double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
+    if (s->team > 1 && waited_ms * CONTENDED_SHARE > pass_ms * s->team) {
         s->team /= 2;
         s->retry_in = s->backoff;
         s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
@@ -2331,6 +2334,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
 {
     const Config *c = &m->c;
     int dim = c->dim;
+    double t0 = now_ms();
     #pragma omp parallel num_threads(s->team)
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
@@ -2348,7 +2352,7 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
             matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, s->exact, me, nth);
         }
     }
-    adapt_team(s);
+    adapt_team(s, now_ms() - t0);
 }
 
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
