@@ -55,6 +55,7 @@
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -1586,19 +1587,19 @@ typedef struct {
    blocks are copied from GGUF files bit for bit. */
 static const WeightType TYPES[N_TYPES] = {
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
-               {{to_float_f32_scalar, from_float_f32_scalar, dot_f32_scalar},
+               {{.to_float = to_float_f32_scalar, .from_float = from_float_f32_scalar, .dot = dot_f32_scalar},
                 AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
-               {{to_float_f16_scalar, from_float_f16_scalar, dot_f16_scalar},
+               {{.to_float = to_float_f16_scalar, .from_float = from_float_f16_scalar, .dot = dot_f16_scalar},
                 AVX2({to_float_f16_avx2, from_float_f16_avx2, dot_f16_avx2, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
-                {{to_float_bf16_scalar, NULL, dot_bf16_scalar},
+                {{.to_float = to_float_bf16_scalar, .from_float = NULL, .dot = dot_bf16_scalar},
                  AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
-                {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
+                {{.to_float = to_float_q8_0_scalar, .from_float = from_float_q8_0_scalar, .dot = dot_q8_0_scalar},
                  AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
-                {{to_float_q4_1_scalar, NULL, dot_q4_1_scalar},
+                {{.to_float = to_float_q4_1_scalar, .from_float = NULL, .dot = dot_q4_1_scalar},
                  AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
 };
 
@@ -1617,10 +1618,17 @@ typedef struct {
 
 static int always(void) { return 1; }
 #ifdef HAVE_AVX2
+/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
+   1 and 7, xgetbv): what the AVX2 set's instructions need. */
 static int cpu_has_avx2(void)
 {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+    if (!(fma && osxsave && avx && f16c)) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return b >> 5 & 1;
 }
 #endif
 
