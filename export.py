@@ -281,6 +281,228 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8), packed], axis=1)
 
 
+def _amax_signed(blocks: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude in each row, the first one on ties (ggml's `if (amax < fabsf(v))`); (n, 1)."""
+    idx = np.abs(blocks).argmax(axis=1)
+    return blocks[np.arange(blocks.shape[0]), idx][:, None]
+
+
+def _pack_high_bits(q: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: bit 4 of element j goes to bit j of the u32 qh; (n, 32) -> (n, 4) bytes."""
+    qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return qh.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Legacy layout: element j in the low nibble of byte j, element j+16 in its high nibble."""
+    return (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, dtype=np.float32).astype("<f2").reshape(-1, 1).view(np.uint8)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 32) -> Q4_0 blocks (n, 18): d = max / -8 (max: the value of largest
+    magnitude), q = min(15, (int8)(x * (1/d) + 8.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-8)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(8.5)), 15).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_0 blocks (n, 22): d = max / -16, q = min(31, (int8)(x * (1/d) + 16.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-16)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_1 blocks (n, 24): d = (max - min) / 31, m = min, q = (uint8)((x - min) * (1/d) + 0.5)."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    lo = blocks.min(axis=1, keepdims=True)
+    d = ((blocks.max(axis=1, keepdims=True) - lo) / np.float32(31)).astype(np.float32)
+    q = np.trunc((blocks - lo) * _inverse_scale(d) + np.float32(0.5)).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+# K-quants (ggml-quants.c: quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref, with make_qkx2_quants and
+# make_qx_quants). Every sub-block is searched at once; sums run left to right in float32 like the C
+# loops (np.add.accumulate is sequential), so the float results match a build of ggml that does not
+# contract a*b+c into FMA.
+
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over the last axis, left to right in float32, as `for (i...) s += a[i]` does."""
+    return np.add.accumulate(a, axis=-1, dtype=np.float32)[..., -1]
+
+
+def _nearest_int(a: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (the 1.5 * 2^23 trick): round half to even, as np.rint."""
+    with np.errstate(invalid="ignore"):
+        return np.rint(a)
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-blocks x (n, 32) with weights w -> (scale (n,), min (n,) >= 0, levels L (n, 32) in 0..nmax).
+
+    x ~ scale * L - min. The search tries nstep + 1 inverse scales and keeps the least weighted squared
+    error of a least-squares (scale, min) fit; as in ggml, an accepted fit's min is the one the later
+    trials quantize against."""
+    f = np.float32
+    lo = np.minimum(x.min(axis=1), f(0))
+    hi = x.max(axis=1)
+    flat = hi == lo
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = f(nmax) / (hi - lo)
+        scale = f(1) / iscale
+        levels = np.clip(_nearest_int(iscale[:, None] * (x - lo[:, None])), 0, nmax).astype(np.float32)
+        diff = scale[:, None] * levels + lo[:, None] - x
+        best = _seq_sum(w * (diff * diff))
+        mn = lo
+        for step in range(nstep + 1):
+            iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (hi - mn)
+            trial = np.clip(_nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(np.float32)
+            wl = w * trial
+            sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * trial), _seq_sum(wl * x)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            pos = this_min > 0
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            this_min = np.where(pos, f(0), this_min)
+            diff = this_scale[:, None] * trial + this_min[:, None] - x
+            better = (det > 0) & (_seq_sum(w * (diff * diff)) < best) & ~flat
+            levels = np.where(better[:, None], trial, levels)
+            best = np.where(better, _seq_sum(w * (diff * diff)), best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    levels = np.where(flat[:, None], f(0), levels)
+    return np.where(flat, f(0), scale).astype(np.float32), (-mn).astype(np.float32), levels
+
+
+def _quantize_k_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """Q4_K/Q5_K common part: super-blocks x (n, 256) -> (d f16 (n,), dmin f16 (n,), 12 scale bytes (n, 12),
+    levels (n, 256) in 0..nmax)."""
+    f = np.float32
+    n = x.shape[0]
+    sub = x.reshape(n * 8, 32)
+    av_x = np.sqrt(_seq_sum(sub * sub) / f(32))
+    w = av_x[:, None] + np.abs(sub)
+    scales, mins, levels = _make_qkx2_quants(sub, w, nmax, rmin, rdelta, nstep)
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale = np.maximum(scales.max(axis=1), f(0))
+    max_min = np.maximum(mins.max(axis=1), f(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0)).astype(np.float32)
+        inv_min = np.where(max_min > 0, f(63) / max_min, f(0)).astype(np.float32)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+                             (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)], axis=1)
+    d16 = (max_scale / f(63)).astype(np.float16)
+    dmin16 = (max_min / f(63)).astype(np.float16)
+    d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)
+    dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
+    sub = sub.reshape(n, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requant = np.clip(_nearest_int((sub + dm[:, :, None]) / d[:, :, None]), 0, nmax)
+    levels = np.where((d != 0)[:, :, None], requant, levels.reshape(n, 8, 32)).astype(np.uint8)
+    return d16, dmin16, packed, levels.reshape(n, QK_K)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q4_K blocks (n, 144): d, dmin, 12 scale bytes, 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 15, -1.0, 0.1, 20)
+    pairs = levels.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q5_K blocks (n, 176): d, dmin, 12 scale bytes, 32 high-bit bytes
+    (bit k of qh[j]: element 32k + j), 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 31, -0.5, 0.1, 15)
+    high = ((levels.reshape(-1, 8, 32) >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+    pairs = (levels & 0x0F).reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, high, qs], axis=1)
+
+
+def _make_qx_quants_q6(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants(16, 32, x, L, rmse_type 1, no weights) for sub-blocks x (n, 16) -> (scale (n,), L in 0..63).
+
+    Starts from -32 / max, then tries 18 nearby inverse scales and keeps the best weighted (x^2) fit."""
+    f, nmax = np.float32, 32
+    mx = _amax_signed(x)[:, 0]
+    zero = np.abs(mx) < f(1e-15)
+    wx = x * x * x   # (w * x) with w = x * x, as `w*x[i]*l` groups it
+    w = x * x
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lv = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(np.float32)
+        return lv, _seq_sum(wx * lv), _seq_sum(w * lv * lv)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lv, sumlx, suml2 = fit(f(-nmax) / mx)
+        scale = np.where(suml2 != 0, sumlx / suml2, f(0)).astype(np.float32)
+        best = scale * sumlx
+        levels = lv
+        for step in (*range(-9, 0), *range(1, 10)):
+            lv, sumlx, suml2 = fit(-(f(nmax) + f(0.1) * f(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2) & ~zero
+            levels = np.where(better[:, None], lv, levels)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    levels = np.where(zero[:, None], f(-nmax), levels)
+    return np.where(zero, f(0), scale).astype(np.float32), (levels + nmax).astype(np.uint8)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q6_K blocks (n, 210): 128 low-nibble bytes, 64 high-2-bit bytes,
+    16 int8 scales, d."""
+    f = np.float32
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    n = blocks.shape[0]
+    sub = blocks.reshape(n * 16, 16)
+    scales, levels = _make_qx_quants_q6(sub)
+    scales, levels = scales.reshape(n, 16), levels.reshape(n, 16, 16)
+    max_scale = _amax_signed(scales)[:, 0]
+    empty = np.abs(max_scale) < f(1e-15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = f(-128) / max_scale
+        d16 = np.where(empty, f(0), f(1) / iscale).astype(np.float16)
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127)
+        sc = np.where(empty[:, None], 0, sc).astype(np.int8)
+        d = d16.astype(np.float32)[:, None] * sc.astype(np.float32)
+        requant = np.clip(_nearest_int(sub.reshape(n, 16, 16) / d[:, :, None]), -32, 31) + 32
+    levels = np.where((d != 0)[:, :, None], requant, levels).astype(np.uint8)
+    levels = np.where(empty[:, None, None], 0, levels).reshape(n, 2, 4, 32)
+    ql = np.concatenate([levels[:, :, 0] & 0x0F | ((levels[:, :, 2] & 0x0F) << 4),
+                         levels[:, :, 1] & 0x0F | ((levels[:, :, 3] & 0x0F) << 4)], axis=2).reshape(n, 128)
+    qh = ((levels >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), d16.astype("<f2").reshape(-1, 1).view(np.uint8)],
+                          axis=1)
+
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (ggml's GGML_FP32_TO_BF16: round to nearest even, NaN kept quiet)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 64).astype(np.uint16), rounded).astype("<u2")
+
+
+ENCODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q5_0: quantize_q5_0, Q5_1: quantize_q5_1, Q8_0: quantize_q8_0,
+    Q4_K: quantize_q4_k, Q5_K: quantize_q5_k, Q6_K: quantize_q6_k,
+}
+
+
 def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     """float32 rows (rows, cols) -> bytes (rows, row_bytes) of out_type."""
     rows, cols = x.shape
@@ -289,10 +511,10 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     if out_type == F16:
         with np.errstate(over="ignore"):
             return x.astype("<f2").view(np.uint8).reshape(rows, cols * 2)
-    if out_type == Q8_0:
-        return quantize_q8_0(x).reshape(rows, -1)
-    if out_type == Q4_1:
-        return quantize_q4_1(x).reshape(rows, -1)
+    if out_type == BF16:
+        return encode_bf16(x).view(np.uint8).reshape(rows, cols * 2)
+    if out_type in ENCODERS:
+        return ENCODERS[out_type](x).reshape(rows, -1)
     raise ExportError(f"cannot encode ggml type {type_name(out_type)}")
 
 
