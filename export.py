@@ -6,18 +6,35 @@ library and numpy are used: GGUF and safetensors are parsed here, and every
 ggml block type found in real model files is dequantized here.
 
 Output types (--dtype):
-  f32   every matrix as F32 (default)
-  f16   every matrix as F16
-  q8_0  every matrix as ggml Q8_0
-  q4_1  every matrix as ggml Q4_1, EXCEPT the token embedding and the output
-        head (the tied output head is the token embedding): those stay Q8_0,
-        because they are the most quantization-sensitive tensors (llama.cpp
-        keeps them at higher precision too). They are copied when the source
-        already holds Q8_0 blocks, else quantized to Q8_0.
-Norm vectors are always F32. When the source tensor already has the requested
-block type (e.g. Q4_1 -> q4_1, Q8_0 -> q8_0) its blocks are copied bit for bit,
-never dequantized and requantized. A matrix whose row length is not a multiple
-of 32 cannot be block-quantized and is written as F32 (with a warning).
+  keep    every tensor keeps the source's type and its blocks are copied bit for
+          bit (default for a GGUF input). Types the engine does not run (Q2_K,
+          Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
+          another --dtype to convert them. Our file stores Q|K|V (wqkv) and
+          gate|up (w13) as one tensor of one type: when the GGUF gives the parts
+          different types, the fused tensor takes the one with the most bits per
+          weight and the other parts are re-quantized to it (with a warning).
+  f32     every matrix as F32 (default for a Hugging Face directory)
+  f16     every matrix as F16
+  q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
+          every matrix in that ggml type
+  q4_0, q4_1
+          every matrix in that type EXCEPT the token embedding and the output
+          head (the tied output head is the token embedding): those stay Q8_0,
+          the most quantization-sensitive tensors
+  q4_k_m, q5_k_m
+          llama.cpp's mixes (src/llama-quant.cpp, llama_tensor_get_type, no
+          importance matrix): Q4_K (Q5_K) everywhere, except Q6_K for the output
+          head (or the tied token embedding) and for wqkv and w2 on the layers
+          where use_more_bits holds (first and last eighth, every third between).
+          llama.cpp applies that rule to attn_v and to a fused attn_qkv; for us
+          the whole fused wqkv gets it, so Q and K rows are Q6_K on those layers
+          too, where a llama.cpp file with separate Q/K/V keeps them Q4_K.
+A K type on a row length that is not a multiple of 256 falls back as in
+llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0. A matrix whose row length
+is not a multiple of 32 is written as F32 (with a warning). Norm vectors are
+always F32. When the source tensor already has the chosen type its blocks are
+copied bit for bit, never dequantized and re-quantized. The quantizers are
+numpy ports of ggml's reference ones (ggml-quants.c, quantize_row_*_ref).
 
 --tokenizer-only writes a valid file holding the header and the tokenizer
 section but no tensors (n_tensors = 0); it works for any architecture in the
@@ -85,7 +102,18 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
 QK = 32        # elements per legacy block
 QK_K = 256     # elements per K-quant super-block
 
-OUTPUT_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_1": Q4_1}
+# --dtype: "keep" (every tensor keeps the source's type), a plain type (every matrix of that type) or a
+# llama.cpp-style mix (per-tensor types, see mix_type).
+PLAIN_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1,
+                "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+MIX_DTYPES = {"q4_k_m": Q4_K, "q5_k_m": Q5_K}
+DTYPE_CHOICES = ["keep", *PLAIN_DTYPES, *MIX_DTYPES]
+EMBEDDING_AT_Q8_0 = ("q4_0", "q4_1")    # plain 4-bit types whose token embedding / output head stay Q8_0
+# The weight types the engine runs as they are (README.md, "The model file").
+NATIVE_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a K type on a row length that is not a
+# multiple of 256 becomes the 32-element type of about the same size.
+K_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 
 def type_name(t: int) -> str:
@@ -1124,23 +1152,86 @@ FAMILIES = {
 }
 
 
-def choose_out_type(out_name: str, cols: int, is_vector: bool, dtype: str, unblockable: list[str]) -> int:
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama_tensor_get_type): the first and last eighth of the layers, and every
+    third layer in between, get the larger type in the _M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def mix_type(out_name: str, n_layers: int, tied: bool, base: int) -> int:
+    """Q4_K_M / Q5_K_M as llama.cpp's llama_tensor_get_type picks them without an importance matrix
+    (no experts, not Falcon): the output head, or the token embedding when it is also the head, Q6_K;
+    attn_v and ffn_down Q6_K on use_more_bits layers; everything else the base type. Our wqkv is
+    llama.cpp's fused attn_qkv, which that function treats as attn_v, so the whole fused tensor gets
+    attn_v's type; w13 (gate|up) keeps the base type as gate and up do."""
+    if out_name == "output" or (tied and out_name == "tok_embeddings"):
+        return Q6_K
+    if out_name.endswith((".wqkv", ".w2")) and use_more_bits(int(out_name.split(".")[1]), n_layers):
+        return Q6_K
+    return base
+
+
+def bits_per_weight(t: int) -> float:
+    _, block, size = GGML_TYPES[t]
+    return 8 * size / block
+
+
+@dataclass
+class TypeNotes:
+    """What choose_out_type did that the user should hear about, one warning line each."""
+    unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F32
+    fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
+    promoted: list[str] = field(default_factory=list)      # keep: fused parts of different types
+
+
+def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
+    """--dtype keep: the source type, refused when the engine cannot run it. Our file fuses Q|K|V and
+    gate|up into one tensor of one type; when the parts differ (a Q4_K_M file's attn_v is often Q6_K
+    while attn_q is Q4_K), the fused tensor takes the part type with the most bits per weight, so the
+    other parts are dequantized and rounded onto that finer grid."""
+    for p in parts:
+        t = p.tensor
+        if t.ggml_type not in NATIVE_TYPES:
+            raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
+                              f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
+    types = sorted({p.tensor.ggml_type for p in parts}, key=bits_per_weight)
+    if len(types) > 1:
+        notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in types)} -> {type_name(types[-1])})")
+    return types[-1]
+
+
+def choose_out_type(out_name: str, parts: list[Part], is_vector: bool, dtype: str, hp: Hyper, notes: TypeNotes) -> int:
+    """The type of one output tensor for --dtype `dtype` (see the module docstring)."""
     if is_vector:
         return F32
-    want = OUTPUT_DTYPES[dtype]
-    if dtype == "q4_1" and out_name in ("tok_embeddings", "output"):
-        want = Q8_0
+    cols = parts[0].cols
+    if dtype == "keep":
+        return keep_type(out_name, parts, notes)
+    if dtype in MIX_DTYPES:
+        want = mix_type(out_name, hp.n_layers, hp.tied, MIX_DTYPES[dtype])
+    else:
+        want = PLAIN_DTYPES[dtype]
+        if dtype in EMBEDDING_AT_Q8_0 and out_name in ("tok_embeddings", "output"):
+            want = Q8_0
+    if want in K_FALLBACK and cols % QK_K:
+        notes.fallback.append(f"{out_name} ({cols}: {type_name(want)} -> {type_name(K_FALLBACK[want])})")
+        want = K_FALLBACK[want]
     if GGML_TYPES[want][1] > 1 and cols % GGML_TYPES[want][1]:
-        unblockable.append(f"{out_name} ({cols})")
+        notes.unblockable.append(f"{out_name} ({cols})")
         want = F32
     return want
+
+
+def warn_list(items: list[str], what: str) -> None:
+    if items:
+        warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
                dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
     used: set[str] = set()
     plan = []
-    unblockable: list[str] = []
+    notes = TypeNotes()
     for out_name, parts in hp.family.layout(hp):
         srcs = []
         for key, rows, cols in parts:
@@ -1167,7 +1258,7 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
             srcs.append(Part(t, rows, cols, perm))
         rows = sum(p.rows for p in srcs)
         cols = srcs[0].cols
-        out_type = choose_out_type(out_name, cols, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, unblockable)
+        out_type = choose_out_type(out_name, srcs, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, hp, notes)
         for p in srcs:
             if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
                 raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
@@ -1179,9 +1270,11 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         if not from_gguf and hp.tied and name == names["output"]:
             continue   # tied checkpoints may still carry a copy of the embedding as lm_head
         raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
-    if unblockable:
-        warn(f"{len(unblockable)} matrices have a row length that is not a multiple of 32 and are written as F32: "
-             f"{', '.join(unblockable[:3])}{' ...' if len(unblockable) > 3 else ''}")
+    warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F32")
+    warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
+                              "fallback for the K type")
+    warn_list(notes.promoted, "fused tensors have parts of different types (one type per tensor in our file): "
+                              "parts of the finest type are copied, the others re-quantized to it")
     return plan
 
 
@@ -1740,6 +1833,7 @@ def export(args: argparse.Namespace) -> None:
     src, out = Path(args.input), Path(args.output)
     if not src.exists():
         raise ExportError(f"input {src} does not exist")
+    dtype = args.dtype or ("f32" if src.is_dir() else "keep")
 
     if src.is_dir():
         ck = HFCheckpoint(src)
@@ -1759,7 +1853,7 @@ def export(args: argparse.Namespace) -> None:
                 said = "is false" if "tie_word_embeddings" in ck.config else "is absent (false for llama)"
                 raise ExportError(f"{src / 'config.json'}: tie_word_embeddings {said} but there is no tensor "
                                   f"'{fam.hf_names['output']}'; set it to true if the token embedding is the output head")
-            plan = build_plan(hp, ck.tensors, fam.hf_names, False, args.dtype, fam.hf_ignored)
+            plan = build_plan(hp, ck.tensors, fam.hf_names, False, dtype, fam.hf_ignored)
     else:
         if same_file(out, src):
             raise ExportError(f"output {out} is the same file as the input")
@@ -1768,11 +1862,11 @@ def export(args: argparse.Namespace) -> None:
         fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
         hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
         vocab = vocab_from_gguf(g)
-        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, args.dtype, ())
+        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, dtype, ())
 
     size = write_model(out, hp, vocab, plan)
     params = sum(ot.rows * ot.cols for ot in plan)
-    what = "tokenizer only" if args.tokenizer_only else args.dtype
+    what = "tokenizer only" if args.tokenizer_only else f"--dtype {dtype}"
     print(f"{PROG}: wrote {out}: {len(plan)} tensors, {params:,} parameters, {size:,} bytes ({what}), "
           f"{len(vocab.texts)} tokens, {len(vocab.merges)} merges in {time.time() - t0:.2f} s", file=sys.stderr)
 
@@ -1782,9 +1876,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
     ap.add_argument("output", help="the model file to write: a new file or a regular file to replace (never a device, "
                                    "FIFO or symbolic link); written to OUTPUT.tmp-PID, then renamed")
-    ap.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="f32",
-                    help="type of the weight matrices (default f32); with q4_1 the token embedding / output head "
-                         "stay Q8_0; norms are always F32")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                    help="type of the weight matrices (default: keep for a GGUF input, f32 for a Hugging Face "
+                         "directory); see 'Output types' above")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write the header and tokenizer section only (no tensors); any architecture in the table")
     return ap.parse_args(argv)
