@@ -208,7 +208,8 @@ def test_legacy_quantizers_match_gguf_package():
 
 def test_k_quantizers_match_scalar_transcription():
     rng = np.random.default_rng(14)
-    x = _test_data(rng)[:14]
+    gauss = rng.standard_normal((16, 256)) * np.exp2(rng.uniform(-12, 2, (16, 1)))
+    x = np.concatenate([_test_data(rng)[:12], gauss.astype(np.float32)])
     for name, fn, ref in [("Q4_K", export.quantize_q4_k, kquant_ref.q4k), ("Q5_K", export.quantize_q5_k, kquant_ref.q5k),
                           ("Q6_K", export.quantize_q6_k, kquant_ref.q6k)]:
         ours = fn(x)
