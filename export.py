@@ -542,7 +542,8 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     if out_type == BF16:
         return encode_bf16(x).view(np.uint8).reshape(rows, cols * 2)
     if out_type in ENCODERS:
-        return ENCODERS[out_type](x).reshape(rows, -1)
+        with np.errstate(all="ignore"):   # inf/NaN weights give inf/NaN scales, as in ggml: no warning noise
+            return ENCODERS[out_type](x).reshape(rows, -1)
     raise ExportError(f"cannot encode ggml type {type_name(out_type)}")
 
 
