@@ -357,13 +357,16 @@ def quantize_q5_1(x: np.ndarray) -> np.ndarray:
 
 
 # K-quants (ggml-quants.c: quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref, with make_qkx2_quants and
-# make_qx_quants). Every sub-block is searched at once; sums run left to right in float32 like the C
-# loops (np.add.accumulate is sequential), so the float results match a build of ggml that does not
-# contract a*b+c into FMA.
+# make_qx_quants). Every sub-block is searched at once, held as a column: arrays are (elements, sub-blocks),
+# so the sums over a sub-block run left to right in float32 like the C loops, one vector add per element.
+# The float results match a build of ggml that does not contract a*b+c into FMA.
 
 def _seq_sum(a: np.ndarray) -> np.ndarray:
-    """Sum over the last axis, left to right in float32, as `for (i...) s += a[i]` does."""
-    return np.add.accumulate(a, axis=-1, dtype=np.float32)[..., -1]
+    """Sum over axis 0, left to right in float32, as `for (i...) s += a[i]` does."""
+    s = a[0].astype(np.float32, copy=True)
+    for row in a[1:]:
+        s += row
+    return s
 
 
 def _nearest_int(a: np.ndarray) -> np.ndarray:
@@ -374,26 +377,26 @@ def _nearest_int(a: np.ndarray) -> np.ndarray:
 
 def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
                       nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Sub-blocks x (n, 32) with weights w -> (scale (n,), min (n,) >= 0, levels L (n, 32) in 0..nmax).
+    """Sub-blocks as columns x (32, n) with weights w -> (scale (n,), min (n,) >= 0, levels L (32, n) in 0..nmax).
 
     x ~ scale * L - min. The search tries nstep + 1 inverse scales and keeps the least weighted squared
     error of a least-squares (scale, min) fit; as in ggml, an accepted fit's min is the one the later
     trials quantize against."""
     f = np.float32
-    lo = np.minimum(x.min(axis=1), f(0))
-    hi = x.max(axis=1)
+    lo = np.minimum(x.min(axis=0), f(0))
+    hi = x.max(axis=0)
     flat = hi == lo
     sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         iscale = f(nmax) / (hi - lo)
         scale = f(1) / iscale
-        levels = np.clip(_nearest_int(iscale[:, None] * (x - lo[:, None])), 0, nmax).astype(np.float32)
-        diff = scale[:, None] * levels + lo[:, None] - x
+        levels = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
+        diff = scale * levels + lo - x
         best = _seq_sum(w * (diff * diff))
         mn = lo
         for step in range(nstep + 1):
             iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (hi - mn)
-            trial = np.clip(_nearest_int(iscale[:, None] * (x - mn[:, None])), 0, nmax).astype(np.float32)
+            trial = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
             wl = w * trial
             sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * trial), _seq_sum(wl * x)
             det = sum_w * sum_l2 - sum_l * sum_l
@@ -402,13 +405,14 @@ def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdel
             pos = this_min > 0
             this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
             this_min = np.where(pos, f(0), this_min)
-            diff = this_scale[:, None] * trial + this_min[:, None] - x
-            better = (det > 0) & (_seq_sum(w * (diff * diff)) < best) & ~flat
-            levels = np.where(better[:, None], trial, levels)
-            best = np.where(better, _seq_sum(w * (diff * diff)), best)
+            diff = this_scale * trial + this_min - x
+            error = _seq_sum(w * (diff * diff))
+            better = (det > 0) & (error < best) & ~flat
+            levels = np.where(better, trial, levels)
+            best = np.where(better, error, best)
             scale = np.where(better, this_scale, scale)
             mn = np.where(better, this_min, mn)
-    levels = np.where(flat[:, None], f(0), levels)
+    levels = np.where(flat, f(0), levels)
     return np.where(flat, f(0), scale).astype(np.float32), (-mn).astype(np.float32), levels
 
 
@@ -418,9 +422,11 @@ def _quantize_k_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, 
     f = np.float32
     n = x.shape[0]
     sub = x.reshape(n * 8, 32)
-    av_x = np.sqrt(_seq_sum(sub * sub) / f(32))
-    w = av_x[:, None] + np.abs(sub)
-    scales, mins, levels = _make_qkx2_quants(sub, w, nmax, rmin, rdelta, nstep)
+    cols = np.ascontiguousarray(sub.T)
+    av_x = np.sqrt(_seq_sum(cols * cols) / f(32))
+    w = av_x + np.abs(cols)
+    scales, mins, levels = _make_qkx2_quants(cols, w, nmax, rmin, rdelta, nstep)
+    levels = levels.T
     scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
     max_scale = np.maximum(scales.max(axis=1), f(0))
     max_min = np.maximum(mins.max(axis=1), f(0))
@@ -469,11 +475,12 @@ def _make_qx_quants_q6(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     f, nmax = np.float32, 32
     mx = _amax_signed(x)[:, 0]
     zero = np.abs(mx) < f(1e-15)
-    wx = x * x * x   # (w * x) with w = x * x, as `w*x[i]*l` groups it
-    w = x * x
+    cols = np.ascontiguousarray(x.T)   # (16, n): one column per sub-block
+    w = cols * cols
+    wx = w * cols   # `w*x[i]*l` groups as (w * x) * l
 
     def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        lv = np.clip(_nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(np.float32)
+        lv = np.clip(_nearest_int(iscale * cols), -nmax, nmax - 1).astype(np.float32)
         return lv, _seq_sum(wx * lv), _seq_sum(w * lv * lv)
 
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
@@ -484,11 +491,11 @@ def _make_qx_quants_q6(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for step in (*range(-9, 0), *range(1, 10)):
             lv, sumlx, suml2 = fit(-(f(nmax) + f(0.1) * f(step)) / mx)
             better = (suml2 > 0) & (sumlx * sumlx > best * suml2) & ~zero
-            levels = np.where(better[:, None], lv, levels)
+            levels = np.where(better, lv, levels)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
-    levels = np.where(zero[:, None], f(-nmax), levels)
-    return np.where(zero, f(0), scale).astype(np.float32), (levels + nmax).astype(np.uint8)
+    levels = np.where(zero, f(-nmax), levels)
+    return np.where(zero, f(0), scale).astype(np.float32), (levels.T + nmax).astype(np.uint8)
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
