@@ -9,7 +9,8 @@
 * A type the engine does not run (Q3_K) is refused under keep: exit 1, one line naming the tensor, its
   type and --dtype q8_0, no output file.
 * Per-tensor types of q4_k_m / q5_k_m: expected sets written out by hand from llama.cpp's rules
-  (src/llama-quant.cpp: llama_tensor_get_type, use_more_bits, tensor_type_fallback).
+  (src/llama-quant.cpp: llama_tensor_get_type, use_more_bits, tensor_type_fallback), and the types
+  llama.cpp's quantizer itself chose in models/gemma3-270m-q4_k_m.gguf.
 * The 32-element quantizers give the `gguf` package's bytes (its numpy ports of ggml's
   quantize_row_*_ref), in unit tests and whole exported files. The K quantizers (not in the `gguf`
   package) give the bytes of tests/kquant_ref.py, a scalar line-by-line transcription of ggml's C, and
@@ -395,3 +396,31 @@ def test_plain_k_types_match_the_transcription():
         for name, row in first_rows.items():
             want = b"".join(ref([np.float32(v) for v in row[c:c + 256]]) for c in range(0, row.size, 256))
             assert ours[name][1][:len(want)] == want, f"{dtype} {name}: first row differs from the transcription"
+
+
+def test_mix_rules_reproduce_llama_cpp_gemma3_q4_k_m():
+    """models/gemma3-270m-q4_k_m.gguf was written by llama.cpp's quantizer: its per-tensor types are the
+    oracle for q4_k_m's rules (18 layers, row lengths 640 and 1024 and 2048, so both the Q6_K layers and the
+    fallbacks show). attn_v and ffn_down map to our wqkv and w2, attn_output to wo, gate/up to w13; attn_q and
+    attn_k are left out: in our fused wqkv they follow attn_v's rule (the stated difference)."""
+    gguf = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make models)")
+    src = {t.name: (QT(t.tensor_type).name, int(t.shape[0])) for t in GGUFReader(str(gguf)).tensors}  # shape[0]: row length
+    n_layers = 1 + max(int(name.split(".")[1]) for name in src if name.startswith("blk."))
+    ours = {"attn_v": "wqkv", "ffn_down": "w2", "attn_output": "wo", "ffn_gate": "w13", "ffn_up": "w13"}
+    checked, bad = 0, []
+    for name, (gtype, cols) in src.items():
+        parts = name.split(".")
+        if name == "token_embd.weight":
+            our_name = "tok_embeddings"
+        elif len(parts) == 4 and parts[2] in ours:
+            our_name = f"layers.{parts[1]}.{ours[parts[2]]}"
+        else:
+            continue
+        want = export.mix_type(our_name, n_layers, True, int(QT.Q4_K))
+        if cols % 256:
+            want = export.K_FALLBACK[want]
+        checked += 1
+        if QT(want).name != gtype:
+            bad.append(f"{name}: ours {QT(want).name}, llama.cpp {gtype}")
+    assert checked == 1 + 5 * n_layers, checked
+    assert not bad, f"{len(bad)} tensors differ: {bad[:4]}"
