@@ -6,18 +6,35 @@ library and numpy are used: GGUF and safetensors are parsed here, and every
 ggml block type found in real model files is dequantized here.
 
 Output types (--dtype):
-  f32   every matrix as F32 (default)
-  f16   every matrix as F16
-  q8_0  every matrix as ggml Q8_0
-  q4_1  every matrix as ggml Q4_1, EXCEPT the token embedding and the output
-        head (the tied output head is the token embedding): those stay Q8_0,
-        because they are the most quantization-sensitive tensors (llama.cpp
-        keeps them at higher precision too). They are copied when the source
-        already holds Q8_0 blocks, else quantized to Q8_0.
-Norm vectors are always F32. When the source tensor already has the requested
-block type (e.g. Q4_1 -> q4_1, Q8_0 -> q8_0) its blocks are copied bit for bit,
-never dequantized and requantized. A matrix whose row length is not a multiple
-of 32 cannot be block-quantized and is written as F32 (with a warning).
+  keep    every tensor keeps the source's type and its blocks are copied bit for
+          bit (default for a GGUF input). Types the engine does not run (Q2_K,
+          Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
+          another --dtype to convert them. Our file stores Q|K|V (wqkv) and
+          gate|up (w13) as one tensor of one type: when the GGUF gives the parts
+          different types, the fused tensor takes the one with the most bits per
+          weight and the other parts are re-quantized to it (with a warning).
+  f32     every matrix as F32 (default for a Hugging Face directory)
+  f16     every matrix as F16
+  q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
+          every matrix in that ggml type
+  q4_0, q4_1
+          every matrix in that type EXCEPT the token embedding and the output
+          head (the tied output head is the token embedding): those stay Q8_0,
+          the most quantization-sensitive tensors
+  q4_k_m, q5_k_m
+          llama.cpp's mixes (src/llama-quant.cpp, llama_tensor_get_type, no
+          importance matrix): Q4_K (Q5_K) everywhere, except Q6_K for the output
+          head (or the tied token embedding) and for wqkv and w2 on the layers
+          where use_more_bits holds (first and last eighth, every third between).
+          llama.cpp applies that rule to attn_v and to a fused attn_qkv; for us
+          the whole fused wqkv gets it, so Q and K rows are Q6_K on those layers
+          too, where a llama.cpp file with separate Q/K/V keeps them Q4_K.
+A K type on a row length that is not a multiple of 256 falls back as in
+llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0. A matrix whose row length
+is not a multiple of 32 is written as F32 (with a warning). Norm vectors are
+always F32. When the source tensor already has the chosen type its blocks are
+copied bit for bit, never dequantized and re-quantized. The quantizers are
+numpy ports of ggml's reference ones (ggml-quants.c, quantize_row_*_ref).
 
 --tokenizer-only writes a valid file holding the header and the tokenizer
 section but no tensors (n_tensors = 0); it works for any architecture in the
@@ -85,7 +102,18 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
 QK = 32        # elements per legacy block
 QK_K = 256     # elements per K-quant super-block
 
-OUTPUT_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_1": Q4_1}
+# --dtype: "keep" (every tensor keeps the source's type), a plain type (every matrix of that type) or a
+# llama.cpp-style mix (per-tensor types, see mix_type).
+PLAIN_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1,
+                "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+MIX_DTYPES = {"q4_k_m": Q4_K, "q5_k_m": Q5_K}
+DTYPE_CHOICES = ["keep", *PLAIN_DTYPES, *MIX_DTYPES]
+EMBEDDING_AT_Q8_0 = ("q4_0", "q4_1")    # plain 4-bit types whose token embedding / output head stay Q8_0
+# The weight types the engine runs as they are (README.md, "The model file").
+NATIVE_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a K type on a row length that is not a
+# multiple of 256 becomes the 32-element type of about the same size.
+K_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 
 def type_name(t: int) -> str:
@@ -281,6 +309,235 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8), packed], axis=1)
 
 
+def _amax_signed(blocks: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude in each row, the first one on ties (ggml's `if (amax < fabsf(v))`); (n, 1)."""
+    idx = np.abs(blocks).argmax(axis=1)
+    return blocks[np.arange(blocks.shape[0]), idx][:, None]
+
+
+def _pack_high_bits(q: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: bit 4 of element j goes to bit j of the u32 qh; (n, 32) -> (n, 4) bytes."""
+    qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return qh.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Legacy layout: element j in the low nibble of byte j, element j+16 in its high nibble."""
+    return (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, dtype=np.float32).astype("<f2").reshape(-1, 1).view(np.uint8)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 32) -> Q4_0 blocks (n, 18): d = max / -8 (max: the value of largest
+    magnitude), q = min(15, (int8)(x * (1/d) + 8.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-8)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(8.5)), 15).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_0 blocks (n, 22): d = max / -16, q = min(31, (int8)(x * (1/d) + 16.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-16)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_1 blocks (n, 24): d = (max - min) / 31, m = min, q = (uint8)((x - min) * (1/d) + 0.5)."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    lo = blocks.min(axis=1, keepdims=True)
+    d = ((blocks.max(axis=1, keepdims=True) - lo) / np.float32(31)).astype(np.float32)
+    q = np.trunc((blocks - lo) * _inverse_scale(d) + np.float32(0.5)).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+# K-quants (ggml-quants.c: quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref, with make_qkx2_quants and
+# make_qx_quants). Every sub-block is searched at once, held as a column: arrays are (elements, sub-blocks),
+# so the sums over a sub-block run left to right in float32 like the C loops, one vector add per element.
+# The float results match a build of ggml that does not contract a*b+c into FMA.
+
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over axis 0, left to right in float32, as `for (i...) s += a[i]` does."""
+    s = a[0].astype(np.float32, copy=True)
+    for row in a[1:]:
+        s += row
+    return s
+
+
+def _nearest_int(a: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (the 1.5 * 2^23 trick): round half to even, as np.rint."""
+    with np.errstate(invalid="ignore"):
+        return np.rint(a)
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-blocks as columns x (32, n) with weights w -> (scale (n,), min (n,) >= 0, levels L (32, n) in 0..nmax).
+
+    x ~ scale * L - min. The search tries nstep + 1 inverse scales and keeps the least weighted squared
+    error of a least-squares (scale, min) fit; as in ggml, an accepted fit's min is the one the later
+    trials quantize against."""
+    f = np.float32
+    lo = np.minimum(x.min(axis=0), f(0))
+    hi = x.max(axis=0)
+    flat = hi == lo
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = f(nmax) / (hi - lo)
+        scale = f(1) / iscale
+        levels = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
+        diff = scale * levels + lo - x
+        best = _seq_sum(w * (diff * diff))
+        mn = lo
+        for step in range(nstep + 1):
+            iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (hi - mn)
+            trial = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
+            wl = w * trial
+            sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * trial), _seq_sum(wl * x)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            pos = this_min > 0
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            this_min = np.where(pos, f(0), this_min)
+            diff = this_scale * trial + this_min - x
+            error = _seq_sum(w * (diff * diff))
+            better = (det > 0) & (error < best) & ~flat
+            levels = np.where(better, trial, levels)
+            best = np.where(better, error, best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    levels = np.where(flat, f(0), levels)
+    return np.where(flat, f(0), scale).astype(np.float32), (-mn).astype(np.float32), levels
+
+
+def _quantize_k_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """Q4_K/Q5_K common part: super-blocks x (n, 256) -> (d f16 (n,), dmin f16 (n,), 12 scale bytes (n, 12),
+    levels (n, 256) in 0..nmax)."""
+    f = np.float32
+    n = x.shape[0]
+    sub = x.reshape(n * 8, 32)
+    cols = np.ascontiguousarray(sub.T)
+    av_x = np.sqrt(_seq_sum(cols * cols) / f(32))
+    w = av_x + np.abs(cols)
+    scales, mins, levels = _make_qkx2_quants(cols, w, nmax, rmin, rdelta, nstep)
+    levels = levels.T
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale = np.maximum(scales.max(axis=1), f(0))
+    max_min = np.maximum(mins.max(axis=1), f(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0)).astype(np.float32)
+        inv_min = np.where(max_min > 0, f(63) / max_min, f(0)).astype(np.float32)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+                             (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)], axis=1)
+    d16 = (max_scale / f(63)).astype(np.float16)
+    dmin16 = (max_min / f(63)).astype(np.float16)
+    d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)
+    dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
+    sub = sub.reshape(n, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requant = np.clip(_nearest_int((sub + dm[:, :, None]) / d[:, :, None]), 0, nmax)
+    levels = np.where((d != 0)[:, :, None], requant, levels.reshape(n, 8, 32)).astype(np.uint8)
+    return d16, dmin16, packed, levels.reshape(n, QK_K)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q4_K blocks (n, 144): d, dmin, 12 scale bytes, 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 15, -1.0, 0.1, 20)
+    pairs = levels.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q5_K blocks (n, 176): d, dmin, 12 scale bytes, 32 high-bit bytes
+    (bit k of qh[j]: element 32k + j), 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 31, -0.5, 0.1, 15)
+    high = ((levels.reshape(-1, 8, 32) >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+    pairs = (levels & 0x0F).reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, high, qs], axis=1)
+
+
+def _make_qx_quants_q6(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants(16, 32, x, L, rmse_type 1, no weights) for sub-blocks x (n, 16) -> (scale (n,), L in 0..63).
+
+    Starts from -32 / max, then tries 18 nearby inverse scales and keeps the best weighted (x^2) fit."""
+    f, nmax = np.float32, 32
+    mx = _amax_signed(x)[:, 0]
+    zero = np.abs(mx) < f(1e-15)
+    cols = np.ascontiguousarray(x.T)   # (16, n): one column per sub-block
+    w = cols * cols
+    wx = w * cols   # `w*x[i]*l` groups as (w * x) * l
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lv = np.clip(_nearest_int(iscale * cols), -nmax, nmax - 1).astype(np.float32)
+        return lv, _seq_sum(wx * lv), _seq_sum(w * lv * lv)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lv, sumlx, suml2 = fit(f(-nmax) / mx)
+        scale = np.where(suml2 != 0, sumlx / suml2, f(0)).astype(np.float32)
+        best = scale * sumlx
+        levels = lv
+        for step in (*range(-9, 0), *range(1, 10)):
+            lv, sumlx, suml2 = fit(-(f(nmax) + f(0.1) * f(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2) & ~zero
+            levels = np.where(better, lv, levels)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    levels = np.where(zero, f(-nmax), levels)
+    return np.where(zero, f(0), scale).astype(np.float32), (levels.T + nmax).astype(np.uint8)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q6_K blocks (n, 210): 128 low-nibble bytes, 64 high-2-bit bytes,
+    16 int8 scales, d."""
+    f = np.float32
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    n = blocks.shape[0]
+    sub = blocks.reshape(n * 16, 16)
+    scales, levels = _make_qx_quants_q6(sub)
+    scales, levels = scales.reshape(n, 16), levels.reshape(n, 16, 16)
+    max_scale = _amax_signed(scales)[:, 0]
+    empty = np.abs(max_scale) < f(1e-15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = f(-128) / max_scale
+        d16 = np.where(empty, f(0), f(1) / iscale).astype(np.float16)
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127)
+        sc = np.where(empty[:, None], 0, sc).astype(np.int8)
+        d = d16.astype(np.float32)[:, None] * sc.astype(np.float32)
+        requant = np.clip(_nearest_int(sub.reshape(n, 16, 16) / d[:, :, None]), -32, 31) + 32
+    levels = np.where((d != 0)[:, :, None], requant, levels).astype(np.uint8)
+    levels = np.where(empty[:, None, None], 0, levels).reshape(n, 2, 4, 32)
+    ql = np.concatenate([levels[:, :, 0] & 0x0F | ((levels[:, :, 2] & 0x0F) << 4),
+                         levels[:, :, 1] & 0x0F | ((levels[:, :, 3] & 0x0F) << 4)], axis=2).reshape(n, 128)
+    qh = ((levels >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), d16.astype("<f2").reshape(-1, 1).view(np.uint8)],
+                          axis=1)
+
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (ggml's GGML_FP32_TO_BF16: round to nearest even, NaN kept quiet)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 64).astype(np.uint16), rounded).astype("<u2")
+
+
+ENCODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q5_0: quantize_q5_0, Q5_1: quantize_q5_1, Q8_0: quantize_q8_0,
+    Q4_K: quantize_q4_k, Q5_K: quantize_q5_k, Q6_K: quantize_q6_k,
+}
+
+
 def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     """float32 rows (rows, cols) -> bytes (rows, row_bytes) of out_type."""
     rows, cols = x.shape
@@ -289,10 +546,11 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     if out_type == F16:
         with np.errstate(over="ignore"):
             return x.astype("<f2").view(np.uint8).reshape(rows, cols * 2)
-    if out_type == Q8_0:
-        return quantize_q8_0(x).reshape(rows, -1)
-    if out_type == Q4_1:
-        return quantize_q4_1(x).reshape(rows, -1)
+    if out_type == BF16:
+        return encode_bf16(x).view(np.uint8).reshape(rows, cols * 2)
+    if out_type in ENCODERS:
+        with np.errstate(all="ignore"):   # inf/NaN weights give inf/NaN scales, as in ggml: no warning noise
+            return ENCODERS[out_type](x).reshape(rows, -1)
     raise ExportError(f"cannot encode ggml type {type_name(out_type)}")
 
 
@@ -902,23 +1160,86 @@ FAMILIES = {
 }
 
 
-def choose_out_type(out_name: str, cols: int, is_vector: bool, dtype: str, unblockable: list[str]) -> int:
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama_tensor_get_type): the first and last eighth of the layers, and every
+    third layer in between, get the larger type in the _M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def mix_type(out_name: str, n_layers: int, tied: bool, base: int) -> int:
+    """Q4_K_M / Q5_K_M as llama.cpp's llama_tensor_get_type picks them without an importance matrix
+    (no experts, not Falcon): the output head, or the token embedding when it is also the head, Q6_K;
+    attn_v and ffn_down Q6_K on use_more_bits layers; everything else the base type. Our wqkv is
+    llama.cpp's fused attn_qkv, which that function treats as attn_v, so the whole fused tensor gets
+    attn_v's type; w13 (gate|up) keeps the base type as gate and up do."""
+    if out_name == "output" or (tied and out_name == "tok_embeddings"):
+        return Q6_K
+    if out_name.endswith((".wqkv", ".w2")) and use_more_bits(int(out_name.split(".")[1]), n_layers):
+        return Q6_K
+    return base
+
+
+def bits_per_weight(t: int) -> float:
+    _, block, size = GGML_TYPES[t]
+    return 8 * size / block
+
+
+@dataclass
+class TypeNotes:
+    """What choose_out_type did that the user should hear about, one warning line each."""
+    unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F32
+    fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
+    promoted: list[str] = field(default_factory=list)      # keep: fused parts of different types
+
+
+def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
+    """--dtype keep: the source type, refused when the engine cannot run it. Our file fuses Q|K|V and
+    gate|up into one tensor of one type; when the parts differ (a Q4_K_M file's attn_v is often Q6_K
+    while attn_q is Q4_K), the fused tensor takes the part type with the most bits per weight, so the
+    other parts are dequantized and rounded onto that finer grid."""
+    for p in parts:
+        t = p.tensor
+        if t.ggml_type not in NATIVE_TYPES:
+            raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
+                              f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
+    types = sorted({p.tensor.ggml_type for p in parts}, key=bits_per_weight)
+    if len(types) > 1:
+        notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in types)} -> {type_name(types[-1])})")
+    return types[-1]
+
+
+def choose_out_type(out_name: str, parts: list[Part], is_vector: bool, dtype: str, hp: Hyper, notes: TypeNotes) -> int:
+    """The type of one output tensor for --dtype `dtype` (see the module docstring)."""
     if is_vector:
         return F32
-    want = OUTPUT_DTYPES[dtype]
-    if dtype == "q4_1" and out_name in ("tok_embeddings", "output"):
-        want = Q8_0
+    cols = parts[0].cols
+    if dtype == "keep":
+        return keep_type(out_name, parts, notes)
+    if dtype in MIX_DTYPES:
+        want = mix_type(out_name, hp.n_layers, hp.tied, MIX_DTYPES[dtype])
+    else:
+        want = PLAIN_DTYPES[dtype]
+        if dtype in EMBEDDING_AT_Q8_0 and out_name in ("tok_embeddings", "output"):
+            want = Q8_0
+    if want in K_FALLBACK and cols % QK_K:
+        notes.fallback.append(f"{out_name} ({cols}: {type_name(want)} -> {type_name(K_FALLBACK[want])})")
+        want = K_FALLBACK[want]
     if GGML_TYPES[want][1] > 1 and cols % GGML_TYPES[want][1]:
-        unblockable.append(f"{out_name} ({cols})")
+        notes.unblockable.append(f"{out_name} ({cols})")
         want = F32
     return want
+
+
+def warn_list(items: list[str], what: str) -> None:
+    if items:
+        warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
                dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
     used: set[str] = set()
     plan = []
-    unblockable: list[str] = []
+    notes = TypeNotes()
     for out_name, parts in hp.family.layout(hp):
         srcs = []
         for key, rows, cols in parts:
@@ -945,7 +1266,7 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
             srcs.append(Part(t, rows, cols, perm))
         rows = sum(p.rows for p in srcs)
         cols = srcs[0].cols
-        out_type = choose_out_type(out_name, cols, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, unblockable)
+        out_type = choose_out_type(out_name, srcs, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, hp, notes)
         for p in srcs:
             if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
                 raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
@@ -957,9 +1278,11 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         if not from_gguf and hp.tied and name == names["output"]:
             continue   # tied checkpoints may still carry a copy of the embedding as lm_head
         raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
-    if unblockable:
-        warn(f"{len(unblockable)} matrices have a row length that is not a multiple of 32 and are written as F32: "
-             f"{', '.join(unblockable[:3])}{' ...' if len(unblockable) > 3 else ''}")
+    warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F32")
+    warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
+                              "fallback for the K type")
+    warn_list(notes.promoted, "fused tensors have parts of different types (one type per tensor in our file): "
+                              "parts of the finest type are copied, the others re-quantized to it")
     return plan
 
 
@@ -1518,6 +1841,7 @@ def export(args: argparse.Namespace) -> None:
     src, out = Path(args.input), Path(args.output)
     if not src.exists():
         raise ExportError(f"input {src} does not exist")
+    dtype = args.dtype or ("f32" if src.is_dir() else "keep")
 
     if src.is_dir():
         ck = HFCheckpoint(src)
@@ -1537,7 +1861,7 @@ def export(args: argparse.Namespace) -> None:
                 said = "is false" if "tie_word_embeddings" in ck.config else "is absent (false for llama)"
                 raise ExportError(f"{src / 'config.json'}: tie_word_embeddings {said} but there is no tensor "
                                   f"'{fam.hf_names['output']}'; set it to true if the token embedding is the output head")
-            plan = build_plan(hp, ck.tensors, fam.hf_names, False, args.dtype, fam.hf_ignored)
+            plan = build_plan(hp, ck.tensors, fam.hf_names, False, dtype, fam.hf_ignored)
     else:
         if same_file(out, src):
             raise ExportError(f"output {out} is the same file as the input")
@@ -1546,11 +1870,11 @@ def export(args: argparse.Namespace) -> None:
         fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
         hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
         vocab = vocab_from_gguf(g)
-        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, args.dtype, ())
+        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, dtype, ())
 
     size = write_model(out, hp, vocab, plan)
     params = sum(ot.rows * ot.cols for ot in plan)
-    what = "tokenizer only" if args.tokenizer_only else args.dtype
+    what = "tokenizer only" if args.tokenizer_only else f"--dtype {dtype}"
     print(f"{PROG}: wrote {out}: {len(plan)} tensors, {params:,} parameters, {size:,} bytes ({what}), "
           f"{len(vocab.texts)} tokens, {len(vocab.merges)} merges in {time.time() - t0:.2f} s", file=sys.stderr)
 
@@ -1560,9 +1884,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
     ap.add_argument("output", help="the model file to write: a new file or a regular file to replace (never a device, "
                                    "FIFO or symbolic link); written to OUTPUT.tmp-PID, then renamed")
-    ap.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="f32",
-                    help="type of the weight matrices (default f32); with q4_1 the token embedding / output head "
-                         "stay Q8_0; norms are always F32")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                    help="type of the weight matrices (default: keep for a GGUF input, f32 for a Hugging Face "
+                         "directory); see 'Output types' above")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write the header and tokenizer section only (no tensors); any architecture in the table")
     return ap.parse_args(argv)

@@ -27,6 +27,7 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -308,8 +309,12 @@ def dequantized_weights(weights: dict[str, np.ndarray], qtype: str) -> dict[str,
 
 
 def write_gguf(path: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok: Tokenizer,
-               qtype: str = "f32") -> Path:
-    """Write a llama.cpp-style GGUF; qtype in f32, f16, q8_0, q4_1 (norms always F32)."""
+               qtype: str = "f32", override: Callable[[str, np.ndarray], tuple[np.ndarray, str] | None] | None = None
+               ) -> Path:
+    """Write a llama.cpp-style GGUF; qtype in f32, f16, q8_0, q4_1 (norms always F32).
+
+    override(gguf_name, weight in GGUF row order) may return (raw block bytes, ggml type name) to store a
+    tensor in any other type (e.g. K-quant blocks made by the caller)."""
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
@@ -353,7 +358,10 @@ def write_gguf(path: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok
             arr = llama_cpp_permute(arr, cfg.n_kv_heads)
         t = gguf_tensor_type(name, qtype, arr.ndim)
         gname = hf_to_gguf_name(name)
-        if t == "F32":
+        custom = override(gname, arr) if override else None
+        if custom is not None:
+            w.add_tensor(gname, custom[0], raw_dtype=GGMLQuantizationType[custom[1]])
+        elif t == "F32":
             w.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
         elif t == "F16":
             w.add_tensor(gname, arr.astype(np.float16))
