@@ -852,8 +852,11 @@ def test_hf_unsupported_architecture() -> None:
 
 
 def test_hf_rope_scaling_refused() -> None:
+    cfg = hf_config(rope_scaling={"rope_type": "yarn", "factor": 8.0})
+    expect_failure(good_hf("hf_rope", config=cfg), "rope_scaling", "yarn")
+    # llama3 scaling is computed, but needs all four of its keys
     cfg = hf_config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    expect_failure(good_hf("hf_rope", config=cfg), "rope scaling", "llama3")
+    expect_failure(good_hf("hf_rope3", config=cfg), "rope_scaling.low_freq_factor")
 
 
 # ---------------------------------------------------------------------------------------------
