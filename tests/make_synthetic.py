@@ -319,6 +319,12 @@ def make_weights(cfg: SynthConfig) -> dict[str, np.ndarray]:
     return w
 
 
+def weight_order(cfg: SynthConfig, weights: dict[str, np.ndarray]) -> list[str]:
+    """The names of `weights` in checkpoint order; a test may have removed or added some."""
+    names = hf_weight_names(cfg)
+    return [n for n in names if n in weights] + sorted(set(weights) - set(names))
+
+
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns, round to nearest even, as ggml_compute_fp32_to_bf16 in ggml/src/ggml-impl.h
     does (no NaNs occur here)."""
@@ -489,7 +495,7 @@ def write_gguf(path: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok
     if cfg.family == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg))
     permuted = cfg.family in ("llama", "llama3")   # qwen2/qwen3/gemma3 use NEOX RoPE: rows stay in HF order
-    for name in (n for n in hf_weight_names(cfg) if n in weights):   # a test may have removed one
+    for name in weight_order(cfg, weights):
         arr = weights[name]
         if permuted and name.endswith("q_proj.weight"):
             arr = llama_cpp_permute(arr, cfg.n_heads)
@@ -644,7 +650,7 @@ def write_hf(outdir: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok
     (outdir / "config.json").write_text(json.dumps(hf_config(cfg, torch_dtype), indent=2) + "\n")
     (outdir / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok, merges_as_lists), ensure_ascii=False))
     (outdir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_json(cfg), indent=2) + "\n")
-    names = [n for n in hf_weight_names(cfg) if n in weights]   # a test may have removed one
+    names = weight_order(cfg, weights)
     if shards == 1:
         write_safetensors(outdir / "model.safetensors", {n: weights[n] for n in names}, dtype)
         return outdir
