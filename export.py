@@ -890,10 +890,12 @@ def gguf_family_fields(g: GGUFFile, a: str, hp: Hyper, keys: dict[str, str]) -> 
     """The family fields and flags of a GGUF (llama.cpp's metadata keys and tensor names)."""
     fam, where = hp.family, str(g.path)
     scale_type = g.kv.get(f"{a}.rope.scaling.type")
-    factor = g.kv.get(f"{a}.rope.scaling.factor", g.kv.get(f"{a}.rope.scale_linear"))
-    if fam.name == "gemma3" and scale_type == "linear" and isinstance(factor, (int, float)) and factor not in (0, 1):
+    factor_key = f"{a}.rope.scaling.factor" if f"{a}.rope.scaling.factor" in g.kv else f"{a}.rope.scale_linear"
+    factor = g.kv.get(factor_key)
+    linear = scale_type == "linear" or (scale_type is None and factor_key.endswith("scale_linear"))
+    if fam.name == "gemma3" and linear and isinstance(factor, (int, float)) and factor not in (0, 1):
         hp.rope_scale_global = float(factor)   # llama.cpp: freq_scale applies to the non-SWA layers only
-        keys["rope_scale_global"] = f"{a}.rope.scaling.factor"
+        keys["rope_scale_global"] = factor_key
     else:
         check_rope_scaling(scale_type, factor, where)
     if "rope_freqs.weight" in g.tensors:
