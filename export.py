@@ -1540,16 +1540,164 @@ def _template_adds(post: Any, which: str) -> bool | None:
     return None
 
 
+# SentencePiece's tokenizer.model: a ModelProto message (sentencepiece_model.proto) in protobuf's
+# wire format (protobuf.dev, "Encoding"). Only these fields are read:
+SP_MODEL_PIECES, SP_MODEL_NORMALIZER = 1, 3             # ModelProto: repeated SentencePiece, NormalizerSpec
+SP_PIECE_TEXT, SP_PIECE_SCORE, SP_PIECE_TYPE = 1, 2, 3  # SentencePiece: string, float, enum (1 NORMAL .. 6 BYTE)
+SP_NORM_ADD_DUMMY_PREFIX = 3                            # NormalizerSpec: bool
+
+
+def proto_fields(buf: bytes, where: str) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of each field of one protobuf message: a varint as int,
+    fixed32 / fixed64 / length-delimited as bytes."""
+    pos, end = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal pos
+        value = shift = 0
+        while True:
+            if pos >= end or shift > 63:
+                raise ExportError(f"{where}: truncated or corrupt protobuf (varint at byte {pos})")
+            byte = buf[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    widths = {1: 8, 5: 4}
+    while pos < end:
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            yield number, wire, varint()
+            continue
+        if wire == 2:
+            size = varint()
+        elif wire in widths:
+            size = widths[wire]
+        else:
+            raise ExportError(f"{where}: protobuf wire type {wire} at byte {pos} is not supported (corrupt file?)")
+        if pos + size > end:
+            raise ExportError(f"{where}: protobuf field {number} runs past the end of its message: truncated or corrupt")
+        yield number, wire, buf[pos:pos + size]
+        pos += size
+
+
+def read_sentencepiece(path: Path) -> tuple[list[tuple[str, float, int]], bool]:
+    """([(piece, score, type)], normalizer add_dummy_prefix) of a tokenizer.model."""
+    where = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ExportError(f"cannot read {path}: {e.strerror or e}") from None
+    pieces, dummy_prefix = [], True
+    for number, wire, value in proto_fields(data, where):
+        if number == SP_MODEL_PIECES and wire == 2:
+            text, score, ptype = "", 0.0, TOKEN_NORMAL
+            for n2, w2, v2 in proto_fields(value, where):
+                if n2 == SP_PIECE_TEXT and w2 == 2:
+                    text = bytes(v2).decode("utf-8", "surrogateescape")
+                elif n2 == SP_PIECE_SCORE and w2 == 5:
+                    score = struct.unpack("<f", v2)[0]
+                elif n2 == SP_PIECE_TYPE and w2 == 0:
+                    ptype = v2
+            if not TOKEN_NORMAL <= ptype <= TOKEN_BYTE:
+                raise ExportError(f"{where}: piece {len(pieces)} has invalid type {ptype}")
+            pieces.append((text, score, ptype))
+        elif number == SP_MODEL_NORMALIZER and wire == 2:
+            for n2, w2, v2 in proto_fields(value, where):
+                if n2 == SP_NORM_ADD_DUMMY_PREFIX and w2 == 0:
+                    dummy_prefix = bool(v2)
+    if not pieces:
+        raise ExportError(f"{where}: no vocabulary pieces (not a SentencePiece model?)")
+    if len(pieces) > ENGINE_LIMITS["vocab_size"]:
+        raise ExportError(f"{where}: {len(pieces)} pieces is more than the engine holds ({ENGINE_LIMITS['vocab_size']})")
+    return pieces, dummy_prefix
+
+
+def vocab_from_sentencepiece(ck: HFCheckpoint, fam: Family, sp_path: Path) -> Vocab:
+    """A SentencePiece vocabulary, read as llama.cpp's converter reads it (_create_vocab_sentencepiece in
+    convert_hf_to_gguf.py), so that the HF directory and its GGUF export to the same section: unknown,
+    control, unused and byte pieces keep their type and every other piece is normal; then each token of
+    tokenizer_config.json's added_tokens_decoder becomes control (when special, or when it looks special)
+    or user-defined (its U+2581 replaced by spaces), with score -1000."""
+    where = str(sp_path)
+    pieces, dummy_prefix = read_sentencepiece(sp_path)
+    keep = (TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_BYTE)
+    tokens = [p[0] for p in pieces]
+    scores = [p[1] for p in pieces]
+    types = [p[2] if p[2] in keep else TOKEN_NORMAL for p in pieces]
+    cfg_path = ck.path / "tokenizer_config.json"
+    tc = read_json(cfg_path, "tokenizer config") if cfg_path.is_file() else {}
+    if not isinstance(tc, dict):
+        raise ExportError(f"{cfg_path}: not a JSON object")
+    added = tc.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise ExportError(f"{cfg_path}: added_tokens_decoder is not an object")
+    for key, data in added.items():
+        text = data.get("content") if isinstance(data, dict) else None
+        if not key.isdigit() or not isinstance(text, str):
+            raise ExportError(f"{cfg_path}: added token {show(key)} is malformed")
+        i = int(key)
+        if i >= len(tokens):
+            warn(f"{cfg_path}: added token {i} is beyond the {len(tokens)} pieces: ignored (as llama.cpp's converter does)")
+            continue
+        special = bool(data.get("special")) or looks_special(text)
+        tokens[i] = text if special else text.replace(SPM_SPACE, " ")
+        types[i] = TOKEN_CONTROL if special else TOKEN_USER
+        scores[i] = -1000.0
+    n_config = ck.config.get("vocab_size")
+    if isinstance(n_config, int) and len(tokens) < n_config <= ENGINE_LIMITS["vocab_size"]:   # the converter's padding
+        pads = range(1, n_config - len(tokens) + 1)
+        tokens, scores = tokens + [f"[PAD{k}]" for k in pads], scores + [-1000.0] * len(pads)
+        types = types + [TOKEN_UNUSED] * len(pads)
+    texts = [decode_spm_text(t, ty, where, i) for i, (t, ty) in enumerate(zip(tokens, types))]
+    ids = {t: i for i, t in enumerate(tokens)}
+
+    def special_id(name: str, config_key: str, default: int) -> int:
+        tid = _token_id(ids, _special_text(tc.get(name)))
+        v = ck.config.get(config_key)
+        v = v[0] if isinstance(v, list) and v else v
+        if tid < 0 and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens):
+            tid = v
+        return tid if tid >= 0 else default
+
+    unk = next((i for i, ty in enumerate(types) if ty == TOKEN_UNKNOWN), -1)
+    chat, eot, system = choose_chat(hf_chat_template(ck, tc), fam, ids)
+    add_bos, add_eos = tc.get("add_bos_token", True), tc.get("add_eos_token", False)
+    # llama.cpp's Gemma 3 converter writes add_space_prefix false whatever the normalizer says
+    space = False if fam.name == "gemma3" else dummy_prefix
+    return Vocab(KIND_SPM, PRE_NONE, texts, types, np.asarray(scores, np.float32), np.zeros((0, 3), np.int32),
+                 special_id("bos_token", "bos_token_id", -1), special_id("eos_token", "eos_token_id", -1), eot,
+                 special_id("unk_token", "unk_token_id", unk), add_bos if isinstance(add_bos, bool) else True,
+                 add_eos if isinstance(add_eos, bool) else False, space, chat, system.encode("utf-8", "surrogateescape"))
+
+
+def hf_chat_template(ck: HFCheckpoint, tc: dict) -> str | None:
+    """The chat template text of a HF directory: tokenizer_config.json's chat_template (a string, or a
+    list of named templates: "default"), else chat_template.jinja."""
+    template = tc.get("chat_template")
+    if isinstance(template, list):   # named templates: take "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str) and (ck.path / "chat_template.jinja").is_file():
+        template = (ck.path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+    return template if isinstance(template, str) else None
+
+
 def vocab_from_hf(ck: HFCheckpoint, fam: Family) -> Vocab:
-    tj_path = ck.path / "tokenizer.json"
-    if not tj_path.is_file():
-        raise ExportError(f"{ck.path}: no tokenizer.json (needed for the tokenizer section)")
-    tj = read_json(tj_path, "tokenizer")
-    where = str(tj_path)
+    tj_path, sp_path = ck.path / "tokenizer.json", ck.path / "tokenizer.model"
+    tj = read_json(tj_path, "tokenizer") if tj_path.is_file() else None
     model = tj.get("model") if isinstance(tj, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
+    byte_level = isinstance(model, dict) and model.get("type") == "BPE" and not model.get("byte_fallback")
+    if not byte_level and sp_path.is_file():   # a SentencePiece vocabulary (Gemma, Llama 2): its own file
+        return vocab_from_sentencepiece(ck, fam, sp_path)
+    if tj is None:
+        raise ExportError(f"{ck.path}: no tokenizer.json or tokenizer.model (needed for the tokenizer section)")
+    where = str(tj_path)
+    if not byte_level:
         kind = model.get("type") if isinstance(model, dict) else None
-        raise ExportError(f"{where}: unsupported tokenizer model {kind!r} (only byte-level BPE is supported for HF dirs)")
+        raise ExportError(f"{where}: unsupported tokenizer model {kind!r} (a HF directory needs a byte-level BPE tokenizer.json or a SentencePiece tokenizer.model)")
     pre = hf_pre_kind(tj.get("pre_tokenizer"), where)
     vocab = model.get("vocab")
     merges = model.get("merges", [])
@@ -1607,13 +1755,7 @@ def vocab_from_hf(ck: HFCheckpoint, fam: Family) -> Vocab:
     unk = _token_id(ids, _special_text(tc.get("unk_token")))
     if unk < 0 and isinstance(model.get("unk_token"), str):
         unk = ids.get(model["unk_token"], -1)
-    template = tc.get("chat_template")
-    if isinstance(template, list):   # named templates: take "default"
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(template, str) and (ck.path / "chat_template.jinja").is_file():
-        template = (ck.path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
-    template = template if isinstance(template, str) else None
-    chat, eot, system = choose_chat(template, fam, ids)
+    chat, eot, system = choose_chat(hf_chat_template(ck, tc), fam, ids)
     add_bos = tc.get("add_bos_token")
     if not isinstance(add_bos, bool):
         add_bos = bool(_template_adds(tj.get("post_processor"), "bos"))

@@ -5,7 +5,8 @@ The llama models (tied and untied) are the main ones; family_config() gives one 
 family of FORMAT-FAMILIES / README "The model file" (qwen2, qwen3, gemma3, llama3 = llama with
 rope_scaling "llama3"), written the way llama.cpp's convert_hf_to_gguf.py writes that family
 (--family NAME). Their tokenizer is the same byte-level BPE with the family's own control and turn
-tokens (a real Gemma GGUF has a SentencePiece vocabulary; the weights are what these models test).
+tokens, except Gemma 3's: a SentencePiece vocabulary, a tokenizer.model in the HF directory and
+what llama.cpp's converter makes of it in the GGUF.
 
 Both forms carry the same weights (Hugging Face row order in memory). The GGUF
 follows llama.cpp's converter: Q and K rows are permuted per head so that
@@ -109,7 +110,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID, UNK_ID, PAD_ID = 1, 2, 0, 2
 # Other families' control tokens take the same three ids (bos 1, eos 2); their turn tokens follow.
 FAMILY_SPECIALS = {
-    "gemma3": ["<pad>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+    "gemma3": ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"],   # Gemma's own ids 0..3
     "llama3": ["<|reserved_special_token_0|>", "<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
                "<|end_header_id|>", "<|eot_id|>"],
 }
@@ -133,6 +134,82 @@ LLAMA3_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<|start_head
 
 def specials(family: str) -> list[str]:
     return FAMILY_SPECIALS.get(family, SPECIAL_TOKENS)
+
+
+def special_ids(family: str) -> tuple[int, int, int, int]:
+    """(bos, eos, unk, pad) ids: Gemma's (2, 1, 3, 0), else SmolLM2-like."""
+    return (2, 1, 3, 0) if family == "gemma3" else (BOS_ID, EOS_ID, UNK_ID, PAD_ID)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma's SentencePiece vocabulary: a tokenizer.model (HF) and what llama.cpp's converter makes of it (GGUF)
+
+SP_NORMAL, SP_UNKNOWN, SP_CONTROL, SP_USER_DEFINED, SP_UNUSED, SP_BYTE = 1, 2, 3, 4, 5, 6   # sentencepiece_model.proto
+
+
+def spm_pieces(vocab_size: int) -> list[tuple[str, float, int]]:
+    """(piece, score, sentencepiece type) like Gemma's tokenizer.model: control/unknown pieces, turn tokens and
+    "\n" as user-defined pieces, a user-defined piece that tokenizer_config.json does not list ("▁▁"), the 256
+    byte pieces, then normal pieces (words of CORPUS with "▁", and their pieces) scored by decreasing frequency."""
+    head = [("<pad>", 0.0, SP_CONTROL), ("<eos>", 0.0, SP_CONTROL), ("<bos>", 0.0, SP_CONTROL),
+            ("<unk>", 0.0, SP_UNKNOWN), ("<start_of_turn>", 0.0, SP_USER_DEFINED),
+            ("<end_of_turn>", 0.0, SP_USER_DEFINED), ("\n", 0.0, SP_USER_DEFINED), ("▁▁", 0.0, SP_USER_DEFINED)]
+    pieces = head + [(f"<0x{b:02X}>", 0.0, SP_BYTE) for b in range(256)]
+    counts: Counter = Counter()
+    for word in CORPUS.split():
+        w = "▁" + word
+        for i in range(len(w)):
+            for j in range(i + 2, min(len(w), i + 6) + 1):
+                counts[w[i:j]] += 1
+    known = {p[0] for p in pieces}
+    ranked = [t for t in sorted(counts, key=lambda t: (-counts[t], t)) if t not in known]
+    n_new = vocab_size - len(pieces)
+    return pieces + [(t, -float(k), SP_NORMAL) for k, t in enumerate(ranked[:n_new])]
+
+
+# tokenizer_config.json's added_tokens_decoder of the Gemma model: id -> special
+GEMMA_ADDED = {0: True, 1: True, 2: True, 3: True, 4: True, 5: True, 6: False}
+
+
+def spm_gguf_vocab(pieces: list[tuple[str, float, int]]) -> tuple[list[str], list[float], list[int]]:
+    """The tokens, scores and GGUF types llama.cpp's converter writes for these pieces
+    (_create_vocab_sentencepiece in convert_hf_to_gguf.py): unknown/control/unused/byte pieces keep their
+    type, others are normal; each added_tokens_decoder token becomes control (special) or user-defined,
+    score -1000."""
+    tokens = [p[0] for p in pieces]
+    scores = [p[1] for p in pieces]
+    types = [t if t in (SP_UNKNOWN, SP_CONTROL, SP_UNUSED, SP_BYTE) else SP_NORMAL for _, _, t in pieces]
+    for i, special in GEMMA_ADDED.items():
+        types[i] = SP_CONTROL if special else SP_USER_DEFINED
+        scores[i] = -1000.0
+    return tokens, scores, types
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((v & 0x7F) | (0x80 if v > 0x7F else 0))
+        v >>= 7
+        if not v:
+            return bytes(out)
+
+
+def _proto(number: int, wire: int, payload: bytes) -> bytes:
+    """One protobuf field (protobuf.dev "Encoding"); a length-delimited payload gets its length prefix."""
+    return _varint(number << 3 | wire) + (_varint(len(payload)) if wire == 2 else b"") + payload
+
+
+def spm_model_bytes(pieces: list[tuple[str, float, int]]) -> bytes:
+    """A tokenizer.model: ModelProto {pieces = 1 {piece = 1, score = 2, type = 3 (omitted when NORMAL, the
+    default)}, trainer_spec = 2 {model_type = 3: BPE, byte_fallback = 35: true}, normalizer_spec = 3 {add_dummy_prefix = 3: false}}."""
+    out = b""
+    for text, score, ptype in pieces:
+        msg = _proto(1, 2, text.encode()) + _proto(2, 5, struct.pack("<f", score))
+        if ptype != SP_NORMAL:
+            msg += _proto(3, 0, _varint(ptype))
+        out += _proto(1, 2, msg)
+    trainer = _proto(3, 0, _varint(2)) + _proto(35, 0, _varint(1))
+    return out + _proto(2, 2, trainer) + _proto(3, 2, _proto(3, 0, _varint(0)))
 
 
 def chat_template(family: str) -> str:
@@ -478,16 +555,26 @@ def write_gguf(path: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok
             w.add_rope_scaling_factor(cfg.rope_linear)
     if qtype in ("q8_0", "q4_1"):
         w.add_quantization_version(2)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tok.tokens)
-    w.add_token_types([TokenType(t) for t in tok.types])
-    w.add_token_merges([f"{a} {b}" for a, b in tok.merges])
-    w.add_bos_token_id(BOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_unk_token_id(UNK_ID)
-    w.add_pad_token_id(PAD_ID)
-    w.add_add_bos_token(False)
+    bos, eos, unk, pad = special_ids(cfg.family)
+    if cfg.family == "gemma3":   # SentencePiece, as in the real Gemma 3 GGUFs
+        tokens, scores, types = spm_gguf_vocab(spm_pieces(cfg.vocab_size))
+        w.add_tokenizer_model("llama")
+        w.add_tokenizer_pre("default")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types([TokenType(t) for t in types])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tok.tokens)
+        w.add_token_types([TokenType(t) for t in tok.types])
+        w.add_token_merges([f"{a} {b}" for a, b in tok.merges])
+    w.add_bos_token_id(bos)
+    w.add_eos_token_id(eos)
+    w.add_unk_token_id(unk)
+    w.add_pad_token_id(pad)
+    w.add_add_bos_token(cfg.family == "gemma3")
+    w.add_add_eos_token(False)
     w.add_add_space_prefix(False)
     if cfg.family != "gemma3":   # the real Gemma 3 270M GGUF has no template either
         w.add_chat_template(chat_template(cfg.family))
@@ -542,7 +629,8 @@ def hf_config(cfg: SynthConfig, torch_dtype: str = "float32") -> dict:
                  layer_types=["full_attention" if (l + 1) % cfg.pattern == 0 else "sliding_attention"
                               for l in range(cfg.n_layers)],
                  rope_scaling={"rope_type": "linear", "factor": cfg.rope_linear} if cfg.rope_linear != 1 else None,
-                 final_logit_softcapping=None, attn_logit_softcapping=None)
+                 final_logit_softcapping=None, attn_logit_softcapping=None,
+                 eos_token_id=[1, 5], pad_token_id=0)   # Gemma 3 lists <eos> and <end_of_turn>
     return c
 
 
@@ -552,8 +640,8 @@ def llama_hf_config(cfg: SynthConfig, torch_dtype: str) -> dict:
         "model_type": "llama",
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": EOS_ID,
+        "bos_token_id": special_ids(cfg.family)[0],
+        "eos_token_id": special_ids(cfg.family)[1],
         "pad_token_id": PAD_ID,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
@@ -624,6 +712,14 @@ def tokenizer_json(tok: Tokenizer, merges_as_lists: bool = False) -> dict:
 
 def tokenizer_config_json(cfg: SynthConfig) -> dict:
     special = specials(cfg.family)
+    if cfg.family == "gemma3":
+        pieces = spm_pieces(cfg.vocab_size)
+        return {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>", "eos_token": "<eos>",
+                "unk_token": "<unk>", "pad_token": "<pad>", "chat_template": GEMMA_TEMPLATE,
+                "tokenizer_class": "GemmaTokenizer", "model_max_length": cfg.max_seq_len,
+                "added_tokens_decoder": {str(i): {"content": pieces[i][0], "lstrip": False, "normalized": False,
+                                                  "rstrip": False, "single_word": False, "special": sp}
+                                         for i, sp in GEMMA_ADDED.items()}}
     return {
         "add_prefix_space": False,
         "added_tokens_decoder": {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
@@ -648,7 +744,10 @@ def write_hf(outdir: Path, cfg: SynthConfig, weights: dict[str, np.ndarray], tok
     outdir.mkdir(parents=True, exist_ok=True)
     torch_dtype = {"F32": "float32", "BF16": "bfloat16"}[dtype]
     (outdir / "config.json").write_text(json.dumps(hf_config(cfg, torch_dtype), indent=2) + "\n")
-    (outdir / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok, merges_as_lists), ensure_ascii=False))
+    if cfg.family == "gemma3":   # Gemma's SentencePiece tokenizer.model (no byte-level tokenizer.json)
+        (outdir / "tokenizer.model").write_bytes(spm_model_bytes(spm_pieces(cfg.vocab_size)))
+    else:
+        (outdir / "tokenizer.json").write_text(json.dumps(tokenizer_json(tok, merges_as_lists), ensure_ascii=False))
     (outdir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config_json(cfg), indent=2) + "\n")
     names = weight_order(cfg, weights)
     if shards == 1:

@@ -1017,6 +1017,17 @@ def test_family_config_keys_refused() -> None:
     expect_failure(hf, "rope_scaling.original_max_position_embeddings")
 
 
+def test_damaged_tokenizer_model_refused() -> None:
+    # Gemma's SentencePiece tokenizer.model (a protobuf message): cut short, a bad wire type, no pieces
+    _, hf = family_model("gemma3", "fam_spm_damaged")
+    model = (hf / "tokenizer.model").read_bytes()
+    for data, words in ((model[:len(model) // 2], ("tokenizer.model", "truncated or corrupt")),
+                        (b"\x0f" + model, ("tokenizer.model", "wire type 7")),
+                        (b"", ("tokenizer.model", "no vocabulary pieces"))):
+        (hf / "tokenizer.model").write_bytes(data)
+        expect_failure(hf, *words)
+
+
 def test_rope_freqs_factors_checked() -> None:
     # factor -1: the low-frequency pairs' divisor is -1 in the GGUF's rope_freqs tensor and in the config
     gguf, hf = family_model("llama3", "fam_bad_factor", llama3_scaling=(-1.0, 1.0, 8.0, 128))

@@ -1,6 +1,9 @@
 """Model families (README "The model file": header fields at 104..127, flags, bqkv / q_norm / k_norm /
 post_attn_norm / post_ffn_norm / rope_freqs): export.py on each family's tiny random model
 (tests/make_synthetic.py family_config: qwen2, qwen3, gemma3, llama3) and on the real Gemma 3 270M GGUF.
+Gemma's vocabulary is SentencePiece: a tokenizer.model in the HF directory (the sentencepiece library
+reads it as intended; checked by hand, it is not a test dependency) and what llama.cpp's converter
+makes of it in the GGUF, so the byte-identical exports check export.py's reading of tokenizer.model.
 
 The expected values come from the format spec and from the models' own configs and weights, never from
 export.py: the header fields are derived here from the SynthConfig, the tensors are rebuilt here from the
@@ -128,6 +131,12 @@ def check_header(buf: bytes, family: str, what: str) -> None:
     got = {k: mf.get(buf, k) for k in want}
     diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     assert not diff, f"{what}: header (got, want): {diff}"
+    bos, eos, unk, _ = ms.special_ids(family)
+    tok = {k: mf.tok_get(buf, k) for k in ("kind", "bos", "eos", "unk", "flags")}
+    # Gemma: SentencePiece (kind 2) with BOS added; the others byte-level BPE (kind 1) without
+    want_tok = dict(kind=2, bos=bos, eos=eos, unk=unk, flags=1) if family == "gemma3" else \
+        dict(kind=1, bos=bos, eos=eos, unk=unk, flags=0)
+    assert tok == want_tok, f"{what}: tokenizer section {tok}, want {want_tok}"
     kind, eot_text = CHAT[family]
     eot = ms.specials(family).index(eot_text)
     assert (mf.tok_get(buf, "chat_template"), mf.tok_get(buf, "eot")) == (kind, eot), \
