@@ -876,7 +876,8 @@ def family_fields(read: Callable[[], None], hp: Hyper, strict: bool) -> None:
     except ExportError:
         if strict:
             raise
-        hp.flags = 0
+        hp.flags, hp.embed_scale, hp.attn_scale, hp.rope_freqs = 0, 0.0, 0.0, None
+        hp.window, hp.window_pattern, hp.rope_theta_local, hp.rope_scale_global = 0, 0, 0.0, 0.0
 
 
 # The local RoPE base and sliding-window pattern llama.cpp uses for gemma3 when the GGUF does not say
