@@ -1831,9 +1831,22 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+class _Held:
+    """Stop signals held back by stop_signals_blocked: how deep, and the one that arrived meanwhile.
+
+    Blocking the signals in the main thread is not enough: the kernel then delivers them to another
+    thread (numpy's BLAS workers), and Python runs the handler in the main thread all the same. So the
+    handler itself defers while a held section runs."""
+    depth = 0
+    signum: int | None = None
+
+
 def _on_stop_signal(signum: int, frame: Any) -> None:
     for s in STOP_SIGNALS:   # a second signal must not interrupt the cleanup
         signal.signal(s, signal.SIG_IGN)
+    if _Held.depth:
+        _Held.signum = signum
+        return
     raise Stopped(signum)
 
 
@@ -1841,10 +1854,15 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 def stop_signals_blocked() -> Iterator[None]:
     """Hold stop signals back for a few statements (they are delivered afterwards)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    _Held.depth += 1
     try:
         yield
     finally:
+        _Held.depth -= 1
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if not _Held.depth and _Held.signum is not None:
+            signum, _Held.signum = _Held.signum, None
+            raise Stopped(signum)
 
 
 def file_kind(mode: int) -> str:
