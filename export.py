@@ -842,7 +842,7 @@ def check_rope_factors(factors: np.ndarray, what: str) -> None:
     """RoPE frequency factors divide a frequency: each must be a finite number > 0 (as the engine checks)."""
     bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
     if bad.size:
-        raise ExportError(f"{what}: factor {bad[0]} = {factors[bad[0]]!r} is not a finite number > 0")
+        raise ExportError(f"{what}: factor {bad[0]} = {float(factors[bad[0]])!r} is not a finite number > 0")
 
 
 def swa_pattern(is_local: list[bool], what: str) -> int:
