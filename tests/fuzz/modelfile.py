@@ -20,8 +20,9 @@ HEADER = {
     "rope_theta": (48, "<f"), "norm_eps": (52, "<f"), "flags": (56, "<I"), "activation": (60, "<I"),
     "rope_dim": (64, "<I"), "n_tensors": (68, "<I"), "tok_offset": (72, "<Q"), "tok_size": (80, "<Q"),
     "table_offset": (88, "<Q"), "file_size": (96, "<Q"),
-    "embed_scale": (104, "<f"), "att_scale": (108, "<f"), "window": (112, "<I"), "window_pattern": (116, "<I"),
-    "rope_theta_local": (120, "<f"), "rope_scale": (124, "<f"),
+    # the model-family fields (README "The model file"; 0 = not used)
+    "embed_scale": (104, "<f"), "attn_scale": (108, "<f"), "window": (112, "<I"), "window_pattern": (116, "<I"),
+    "rope_theta_local": (120, "<f"), "rope_scale_global": (124, "<f"),
 }
 HEADER_RESERVED = 128  # header bytes from here to HEADER_BYTES are zero
 # tokenizer section header field -> (offset within the section, format)
