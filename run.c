@@ -735,10 +735,11 @@ static float dot_q8_0_avx2(const void *w, const void *x, int n)
     return hsum256(_mm256_add_ps(acc0, acc1));
 }
 
-/* A q4_1 block's 32 nibbles as bytes, in element order. */
-static __m256i q4_1_nibbles(const BlockQ4_1 *b)
+/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
+   (byte j holds element j low, j+16 high). */
+static __m256i nibbles_32(const uint8_t *qs)
 {
-    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
 }
 
@@ -746,7 +747,7 @@ static __m256i q4_1_nibbles(const BlockQ4_1 *b)
    directly; the minimum m enters through the activation sum s. */
 static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
 {
-    __m256i nib = q4_1_nibbles(a);
+    __m256i nib = nibbles_32(a->qs);
     __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
     __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
     return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
@@ -837,7 +838,7 @@ static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
         float d[TILE_ROWS], m[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) {
             const BlockQ4_1 *wr = (const BlockQ4_1 *)(w + r * ws) + k;
-            nib[r] = q4_1_nibbles(wr);
+            nib[r] = nibbles_32(wr->qs);
             d[r] = _cvtsh_ss(wr->d);
             m[r] = _cvtsh_ss(wr->m);
         }
