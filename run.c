@@ -702,74 +702,48 @@ static float dot_bf16_avx2(const void *w, const void *x, int n)
     return sum;
 }
 
-/* Sum of the 32 int8 products of a and b, as 8 int32 lanes. maddubs needs
-   an unsigned left operand, so take |a| and move a's sign onto b. */
-static __m256i dot_i8x32(__m256i a, __m256i b)
+/* --- the 32-element integer types ------------------------------------------
+   Per block, every 32-element type is 32 small integers q, a scale d and,
+   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
+   kernels are written once, over a type's unpacker, which returns q as 32
+   bytes in element order with d and m; a type adds its unpacker and one
+   INT32_KERNELS line. The integers of a type with a minimum are unsigned
+   and feed maddubs's unsigned operand directly, signed ones take the sign
+   trick of isum32; the minimum's term m * sum(x) is one multiply per block
+   through the activation block's s. */
+#define INLINE static inline __attribute__((always_inline))
+typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
+
+/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
+   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
+INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
 {
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* One block's contribution added to acc. The SIMD dot products below keep
-   two accumulators so that consecutive blocks do not wait on each other's
-   FMA latency. */
-static __m256 q8_0_block(const BlockQ8_0 *a, const BlockQ8A *b, __m256 acc)
+/* One weight block times one activation block, added to acc (and the
+   minimum's term to *mins). */
+INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
 {
-    __m256i wa = _mm256_loadu_si256((const __m256i *)a->qs);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), p, acc);
+    float d, m;
+    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
+    if (has_min) *mins += m * b->s;
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
 }
 
-static float dot_q8_0_avx2(const void *w, const void *x, int n)
+/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
+   wait on each other's FMA latency. */
+INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
 {
-    const BlockQ8_0 *a = w;
-    const BlockQ8A *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = q8_0_block(a + k, b + k, acc0);
-        acc1 = q8_0_block(a + k + 1, b + k + 1, acc1);
-    }
-    if (k < nb) acc0 = q8_0_block(a + k, b + k, acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
-/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
-   (byte j holds element j low, j+16 high). */
-static __m256i nibbles_32(const uint8_t *qs)
-{
-    __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
-}
-
-/* Nibbles are unsigned 0..15, so they feed maddubs's unsigned operand
-   directly; the minimum m enters through the activation sum s. */
-static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
-{
-    __m256i nib = nibbles_32(a->qs);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
-}
-
-static float dot_q4_1_avx2(const void *w, const void *x, int n)
-{
-    const BlockQ4_1 *a = w;
-    const BlockQ8A *b = x;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float mins0 = 0, mins1 = 0;
     int k = 0, nb = n / QK;
     for (; k + 1 < nb; k += 2) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        acc1 = q4_1_block(a + k + 1, b + k + 1, acc1);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-        mins1 += _cvtsh_ss(a[k + 1].m) * b[k + 1].s;
+        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
     }
-    if (k < nb) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-    }
+    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
     return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
 }
 
@@ -780,30 +754,32 @@ static float dot_q4_1_avx2(const void *w, const void *x, int n)
    no FMA waits on another. out is [rows][tokens] row-major; the results
    equal the dot products above up to summation order. */
 
-static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                   Unpack32Fn unpack, int has_min)
 {
     __m256 acc[TILE_ROWS][TILE_TOKS];
+    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < n / QK; k++) {
-        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's quants and their magnitudes */
-        float d[TILE_ROWS];
+        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
+        float d[TILE_ROWS], m[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ8_0 *wr = (const BlockQ8_0 *)(w + r * ws) + k;
-            q[r] = _mm256_loadu_si256((const __m256i *)wr->qs);
-            mag[r] = _mm256_sign_epi8(q[r], q[r]);
-            d[r] = _cvtsh_ss(wr->d);
+            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
+            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
         }
         for (int t = 0; t < TILE_TOKS; t++) {
             const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
             __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
             for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xb, q[r])), ones);
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+                if (has_min) mins[r][t] += m[r] * b->s;
             }
         }
     }
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
 }
 
 /* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
@@ -815,64 +791,59 @@ static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
    hardware prefetcher follows poorly, so each block prefetches its share
    of the stretch in address order (one burst per call instead would fill
    the miss buffers and stall the loads: 40 % slower). */
-static void gemv_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
 {
-    (void)xs;
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ8_0), GEMV_ROWS * sizeof(BlockQ8_0));
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = q8_0_block((const BlockQ8_0 *)(w + r * ws) + k, (const BlockQ8A *)x + k, acc[r]);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i nib[TILE_ROWS];
-        float d[TILE_ROWS], m[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ4_1 *wr = (const BlockQ4_1 *)(w + r * ws) + k;
-            nib[r] = nibbles_32(wr->qs);
-            d[r] = _cvtsh_ss(wr->d);
-            m[r] = _cvtsh_ss(wr->m);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib[r], xb), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-                mins[r][t] += m[r] * b->s;
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
-}
-
-static void gemv_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    (void)xs;
     __m256 acc[GEMV_ROWS];
     float mins[GEMV_ROWS] = {0};
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
-        const BlockQ8A *b = (const BlockQ8A *)x + k;
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ4_1), GEMV_ROWS * sizeof(BlockQ4_1));
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            const BlockQ4_1 *a = (const BlockQ4_1 *)(w + r * ws) + k;
-            acc[r] = q4_1_block(a, b, acc[r]);
-            mins[r] += _cvtsh_ss(a->m) * b->s;
-        }
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++)
+            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
     }
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
 }
+
+/* A 32-element type's AVX2 dot product, decode GEMV and prefill tile, from
+   its unpacker unpack_<name>. */
+#define INT32_KERNELS(name, Block, has_min)                                                                     \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
+    }
+
+/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
+   (byte j holds element j low, j+16 high). */
+static __m256i nibbles_32(const uint8_t *qs)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
+static __m256i unpack_q8_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_loadu_si256((const __m256i *)b->qs);
+}
+INT32_KERNELS(q8_0, BlockQ8_0, 0)
+
+static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return nibbles_32(b->qs);
+}
+INT32_KERNELS(q4_1, BlockQ4_1, 1)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
