@@ -160,12 +160,17 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
 
 typedef struct {
     uint16_t d;      /* scale, fp16 */
     int8_t qs[QK];   /* value = qs[i] * d */
 } BlockQ8_0;         /* 34 bytes */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_0;            /* 18 bytes: value = (nibble - 8) * d */
 
 typedef struct {
     uint16_t d, m;      /* scale and minimum, fp16 */
@@ -583,6 +588,15 @@ static void to_float_q4_1_scalar(float *out, const void *row, int n)
     }
 }
 
+static void to_float_q4_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_0 *b = (const BlockQ4_0 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = (q - 8) * fp16_to_f32(b->d);
+    }
+}
+
 /* --- scalar references: w is one weight row, x one activation row -------- */
 
 static float dot_f32_scalar(const void *w, const void *x, int n)
@@ -634,6 +648,20 @@ static float dot_q4_1_scalar(const void *w, const void *x, int n)
         for (int j = 0; j < QK / 2; j++)
             isum += (a[k].qs[j] & 0xf) * b[k].qs[j] + (a[k].qs[j] >> 4) * b[k].qs[j + QK / 2];
         sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+static float dot_q4_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ4_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK / 2; j++)
+            isum += ((a[k].qs[j] & 0xf) - 8) * b[k].qs[j] + ((a[k].qs[j] >> 4) - 8) * b[k].qs[j + QK / 2];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
     }
     return sum;
 }
@@ -844,6 +872,15 @@ static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
     return nibbles_32(b->qs);
 }
 INT32_KERNELS(q4_1, BlockQ4_1, 1)
+
+/* nibbles 0..15 become the signed values -8..7 */
+static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
+}
+INT32_KERNELS(q4_0, BlockQ4_0, 0)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
@@ -1204,6 +1241,9 @@ static const WeightType TYPES[N_TYPES] = {
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
                  AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q4_0] = {"q4_0", NULL, QK, sizeof(BlockQ4_0), ACT_Q8,
+                {{to_float_q4_0_scalar, NULL, dot_q4_0_scalar},
+                 AVX2({.dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE}, .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {{to_float_q4_1_scalar, NULL, dot_q4_1_scalar},
                  AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},

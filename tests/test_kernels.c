@@ -40,6 +40,7 @@ static uint16_t f32_to_f16_bits(float f) /* round-to-nearest via the compiler */
    writes small finite scales. The float types are filled as floats. */
 static const struct { int type; int at[2]; } SCALES[] = {
     {T_Q8_0, {0, -1}},
+    {T_Q4_0, {0, -1}},
     {T_Q4_1, {0, 2}},
 };
 
