@@ -160,7 +160,7 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
 
 typedef struct {
     uint16_t d;      /* scale, fp16 */
@@ -176,6 +176,18 @@ typedef struct {
     uint16_t d, m;      /* scale and minimum, fp16 */
     uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
 } BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qh[4];      /* bit j (little-endian): bit 4 of element j */
+    uint8_t qs[QK / 2]; /* the low 4 bits, laid out as q4_0's nibbles */
+} BlockQ5_0;            /* 22 bytes: value = (q - 16) * d, q = 0..31 */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2]; /* as q5_0 */
+} BlockQ5_1;            /* 24 bytes: value = q * d + m */
 
 typedef struct {
     const char *name;
@@ -597,6 +609,30 @@ static void to_float_q4_0_scalar(float *out, const void *row, int n)
     }
 }
 
+/* Element j (0..31) of a 5-bit block: its nibble, and bit j of qh as bit 4. */
+static int q5_int(const uint8_t *qs, const uint8_t *qh, int j)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return (j < QK / 2 ? qs[j] & 0xf : qs[j - QK / 2] >> 4) | ((h >> j) & 1) << 4;
+}
+
+static void to_float_q5_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_0 *b = (const BlockQ5_0 *)row + i / QK;
+        out[i] = (q5_int(b->qs, b->qh, i % QK) - 16) * fp16_to_f32(b->d);
+    }
+}
+
+static void to_float_q5_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_1 *b = (const BlockQ5_1 *)row + i / QK;
+        out[i] = q5_int(b->qs, b->qh, i % QK) * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
 /* --- scalar references: w is one weight row, x one activation row -------- */
 
 static float dot_f32_scalar(const void *w, const void *x, int n)
@@ -662,6 +698,33 @@ static float dot_q4_0_scalar(const void *w, const void *x, int n)
         for (int j = 0; j < QK / 2; j++)
             isum += ((a[k].qs[j] & 0xf) - 8) * b[k].qs[j] + ((a[k].qs[j] >> 4) - 8) * b[k].qs[j + QK / 2];
         sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+static float dot_q5_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += (q5_int(a[k].qs, a[k].qh, j) - 16) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+/* The minimum enters through the activation block's s = d * sum(qs). */
+static float dot_q5_1_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_1 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += q5_int(a[k].qs, a[k].qh, j) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
     }
     return sum;
 }
@@ -881,6 +944,35 @@ static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
     return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
 }
 INT32_KERNELS(q4_0, BlockQ4_0, 0)
+
+/* The 5-bit types' bit 4 of each element: byte i = 0x10 where bit i of
+   qh is set. Byte i first takes byte i/8 of qh, then keeps its bit i%8. */
+static __m256i high_bits_32(const uint8_t *qh)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* q = 0..31 becomes the signed value q - 16 */
+static __m256i unpack_q5_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh)), _mm256_set1_epi8(16));
+}
+INT32_KERNELS(q5_0, BlockQ5_0, 0)
+
+static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
+}
+INT32_KERNELS(q5_1, BlockQ5_1, 1)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
@@ -1238,6 +1330,12 @@ static const WeightType TYPES[N_TYPES] = {
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
                 {{to_float_bf16_scalar, NULL, dot_bf16_scalar},
                  AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
+                {{to_float_q5_0_scalar, NULL, dot_q5_0_scalar},
+                 AVX2({.dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE}, .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
+                {{to_float_q5_1_scalar, NULL, dot_q5_1_scalar},
+                 AVX2({.dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE}, .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
                  AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},

@@ -42,6 +42,8 @@ static const struct { int type; int at[2]; } SCALES[] = {
     {T_Q8_0, {0, -1}},
     {T_Q4_0, {0, -1}},
     {T_Q4_1, {0, 2}},
+    {T_Q5_0, {0, -1}},
+    {T_Q5_1, {0, 2}},
 };
 
 /* n random weights of `type` per row, rows rb bytes apart: random bytes with
@@ -312,7 +314,10 @@ static void test_swiglu(void)
     OPS[KSET_SCALAR].swiglu(ref, u, N);
     K.op.swiglu(g, u, N);
     double worst = 0;
-    for (int i = 0; i < N; i++) worst = fmax(worst, fabs(g[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
+    /* exp_avx2 reaches inf a little before expf (see it), so a gate near -88.5
+       gives 0 against expf's ~1e-36: a difference that small is no error */
+    for (int i = 0; i < N; i++)
+        if (fabs(g[i] - ref[i]) > 1e-30) worst = fmax(worst, fabs(g[i] - ref[i]) / fabs(ref[i]));
     char what[128];
     snprintf(what, sizeof what, "%s swiglu vs scalar: worst relative diff %.2e", K.op.name, worst);
     check(worst < 1e-6, what);
