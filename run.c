@@ -75,6 +75,7 @@
 #define ARCH_LLAMA 1
 #define FLAG_TIED_EMBEDDINGS 1u
 #define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
+#define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
                           one-token path (measured: +5-7% float prefill against 64) */
@@ -484,12 +485,22 @@ static uint16_t f32_to_fp16(float f)
 }
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
-   with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
-   one multiply per block. Quantized once per matmul, reused by every row. */
+   with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
+   (q4_1, q5_1) add it with one multiply per block. Quantized once per
+   matmul, reused by every row. */
 typedef struct {
     float d, s;
     int8_t qs[QK];
 } BlockQ8A;
+
+/* The K types' activations: int8 per 256 with one scale, and the sum of
+   each 16 (the K types' minimums and q6_k's offset of 32 are multiples of
+   them: one multiply-add per 16 or 32 elements, not one per element). */
+typedef struct {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} BlockQ8K;
 
 /* round(x) to int8 for |x| <= 127. NaN or inf activations (weights that
    overflow) give a defined 0 or +-127 instead of undefined behaviour. */
@@ -498,52 +509,102 @@ static int8_t round_i8(float x)
     return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
 }
 
+/* n floats to int8 q with one scale d = max|x| / 127, returned. */
+static float quantize_i8(int8_t *q, const float *x, int n)
+{
+    float amax = 0;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float d = amax / 127, id = d ? 1 / d : 0;
+    for (int i = 0; i < n; i++) q[i] = round_i8(x[i] * id);
+    return d;
+}
+
 static void quantize_act_scalar(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
+        out[b].d = quantize_i8(out[b].qs, x, QK);
         int sum = 0;
-        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = round_i8(x[i] * id);
-        out[b].d = d;
-        out[b].s = d * sum;
+        for (int i = 0; i < QK; i++) sum += out[b].qs[i];
+        out[b].s = out[b].d * sum;
+    }
+}
+
+static void q8k_bsums(BlockQ8K *b)
+{
+    for (int g = 0; g < QK_K / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += b->qs[16 * g + i];
+        b->bsums[g] = (int16_t)sum;
+    }
+}
+
+static void quantize_act_k_scalar(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        out[b].d = quantize_i8(out[b].qs, x, QK_K);
+        q8k_bsums(&out[b]);
     }
 }
 
 #ifdef HAVE_AVX2
-/* Same results as the scalar version, bit for bit: roundf's half-away-from-
-   zero is rebuilt from truncation, and the scale is computed in scalar. */
+/* max |x| over n (a multiple of 8) floats. */
+static float amax_avx2(const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* 32 floats times id rounded to int8 into q exactly as round_i8 does:
+   roundf's half-away-from-zero is rebuilt from truncation. Returns the
+   sum of the 32 integers. */
+static int round_i8x32_avx2(int8_t *q, const float *x, float id)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i v[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
+        __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+        t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
+        v[j] = _mm256_cvtps_epi32(t);
+    }
+    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    /* the packs interleave 128-bit lanes: restore element order */
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Same results as the scalar versions, bit for bit: the scale is computed
+   in scalar from the same maximum. */
 static void quantize_act_avx2(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     for (int b = 0; b < n / QK; b++, x += QK) {
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j] = _mm256_loadu_ps(x + 8 * j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(id));
-            __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
-            t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
-            q[j] = _mm256_cvtps_epi32(t);
-        }
-        __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        /* the packs interleave 128-bit lanes: restore element order */
-        q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)out[b].qs, q8);
-        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
-        out[b].s = d * _mm_cvtsi128_si32(s4);
+        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
+    }
+}
+
+static void quantize_act_k_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
+        q8k_bsums(&out[b]);
     }
 }
 #endif
@@ -582,13 +643,7 @@ static void to_float_q8_0_scalar(float *out, const void *row, int n)
 static void from_float_q8_0_scalar(void *row, const float *x, int n)
 {
     BlockQ8_0 *out = row;
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        for (int i = 0; i < QK; i++) out[b].qs[i] = round_i8(x[i] * id);
-        out[b].d = f32_to_fp16(d);
-    }
+    for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
 }
 
 static void to_float_q4_1_scalar(float *out, const void *row, int n)
@@ -1289,13 +1344,14 @@ typedef struct {
 } TypeKernels;
 
 /* Activation formats: what a matrix product reads as its input rows. */
-enum { ACT_F32, ACT_Q8, N_ACTS };
+enum { ACT_F32, ACT_Q8, ACT_Q8K, N_ACTS };
 static const struct {
     int block;          /* elements per block */
     size_t block_bytes; /* bytes per block */
 } ACT_FORMATS[N_ACTS] = {
     [ACT_F32] = {1, sizeof(float)},
     [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d and d*sum */
+    [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
 enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
@@ -1369,10 +1425,10 @@ static int cpu_has_avx2(void)
 #endif
 
 static const OpKernels OPS[N_KSETS] = {
-    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar}, att_scores_scalar, att_scores_rows_scalar,
+    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_scores_scalar, att_scores_rows_scalar,
                      att_softmax_scalar, att_accum_scalar, swiglu_scalar},
 #ifdef HAVE_AVX2
-    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2}, att_scores_avx2, att_scores_rows_avx2,
+    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_scores_avx2, att_scores_rows_avx2,
                    att_softmax_avx2, att_accum_avx2, swiglu_avx2},
 #endif
 };

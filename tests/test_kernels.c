@@ -240,6 +240,19 @@ static void test_quantize_act(int set)
         if (fabsf(q[k].s - q[k].d * sum) > 1e-6f * fabsf(q[k].d * sum) + 1e-30f) ok = 0;
     }
     check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
+    static BlockQ8K qk[N / QK_K];
+    quantize_act_k_scalar(qk, x, N);
+    ok = 1;
+    for (int i = 0; i < N; i++) {
+        const BlockQ8K *b = &qk[i / QK_K];
+        if (fabsf(x[i] - b->d * b->qs[i % QK_K]) > b->d * 0.5f * 1.0001f + 1e-30f) ok = 0;
+    }
+    for (int g = 0; g < N / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += qk[g / (QK_K / 16)].qs[g % (QK_K / 16) * 16 + i];
+        if (sum != qk[g / (QK_K / 16)].bsums[g % (QK_K / 16)]) ok = 0;
+    }
+    check(ok, "int8 activation quantization per 256 (K types): error <= d/2 per element, bsums = sums of each 16");
 }
 
 /* Attention kernels (scores against a transposed K block, against K rows,
