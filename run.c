@@ -161,7 +161,7 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, N_TYPES };
 
 typedef struct {
     uint16_t d;      /* scale, fp16 */
@@ -189,6 +189,31 @@ typedef struct {
     uint8_t qh[4];
     uint8_t qs[QK / 2]; /* as q5_0 */
 } BlockQ5_1;            /* 24 bytes: value = q * d + m */
+
+/* The K types: super-blocks of QK_K = 256 elements in sub-blocks, each
+   sub-block with its own small integer scale (and minimum) under the
+   super-block's fp16 ones. */
+typedef struct {
+    uint16_t d, dmin;       /* fp16 scales of the sub-block scales and of the minimums */
+    uint8_t scales[12];     /* 8 six-bit scales and 8 six-bit minimums, packed (k4_scale_min) */
+    uint8_t qs[QK_K / 2];   /* 64 elements per 32 bytes: the low nibbles, then the high ones */
+} BlockQ4K;                 /* 144 bytes: value = d * sc_j * q - dmin * m_j in sub-block j of 32 */
+
+typedef struct {
+    uint16_t d, dmin;       /* as q4_k */
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];   /* bit j of qh[l]: bit 4 of element l of sub-block j */
+    uint8_t qs[QK_K / 2];   /* the low 4 bits, as q4_k */
+} BlockQ5K;                 /* 176 bytes: value = d * sc_j * q - dmin * m_j, q = 0..31 */
+
+typedef struct {
+    uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
+                                 bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
+    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
+    int8_t scales[QK_K / 16]; /* one per 16 elements */
+    uint16_t d;               /* fp16 */
+} BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
+_Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml's K block sizes");
 
 typedef struct {
     const char *name;
@@ -688,6 +713,63 @@ static void to_float_q5_1_scalar(float *out, const void *row, int n)
     }
 }
 
+/* --- the K types' integers (ggml-quants.c, dequantize_row_q4_K and kin) --- */
+
+/* Sub-block j's 6-bit scale and minimum in a q4_k/q5_k block's 12 bytes:
+   j < 4 in the low 6 bits of bytes j and j+4; j >= 4 in the nibbles of
+   byte j+4 with their top 2 bits in the spare bits of bytes j-4 and j. */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
+/* Element i (0..255) of a q4_k block, of a q5_k block: 0..15, 0..31. */
+static int q4_k_int(const uint8_t *block, int i)
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    return b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf;
+}
+
+static int q5_k_int(const uint8_t *block, int i)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    return (b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf) | (b->qh[i % 32] >> (i / 32) & 1) << 4;
+}
+
+/* Element i (0..255) of a q6_k block, 0..63 (the offset 32 not taken). */
+static int q6_k_int(const BlockQ6K *b, int i)
+{
+    int h = i / 128, g = i % 128 / 32, l = i % 32;
+    int low = b->ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0xf;
+    return low | (b->qh[32 * h + l] >> (2 * g) & 3) << 4;
+}
+
+/* q4_k and q5_k share their header (d, dmin, scales): bb bytes a block. */
+static void to_float_k4(float *out, const uint8_t *row, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    for (int i = 0; i < n; i++) {
+        const uint8_t *blk = row + i / QK_K * bb;
+        const BlockQ4K *b = (const BlockQ4K *)blk;
+        int sc, m;
+        k4_scale_min(b->scales, i % QK_K / 32, &sc, &m);
+        float d = fp16_to_f32(b->d) * sc, dm = fp16_to_f32(b->dmin) * m;
+        out[i] = d * q(blk, i % QK_K) - dm;
+    }
+}
+
+static void to_float_q4_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ4K), q4_k_int); }
+static void to_float_q5_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ5K), q5_k_int); }
+
+static void to_float_q6_k_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ6K *b = (const BlockQ6K *)row + i / QK_K;
+        float d = fp16_to_f32(b->d) * b->scales[i % QK_K / 16];
+        out[i] = d * (q6_k_int(b, i % QK_K) - 32);
+    }
+}
+
 /* --- scalar references: w is one weight row, x one activation row -------- */
 
 static float dot_f32_scalar(const void *w, const void *x, int n)
@@ -780,6 +862,48 @@ static float dot_q5_1_scalar(const void *w, const void *x, int n)
         int isum = 0;
         for (int j = 0; j < QK; j++) isum += q5_int(a[k].qs, a[k].qh, j) * b[k].qs[j];
         sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+/* The K types against int8 activations per 256: integer sums per
+   sub-block times its integer scale, one float multiply per super-block;
+   the minimums (q4_k, q5_k) and q6_k's offset come from the activation's
+   sums of 16. */
+static float dot_k4(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++, w += bb, x++) {
+        const BlockQ4K *b = (const BlockQ4K *)w;
+        int isum = 0, msum = 0;
+        for (int j = 0; j < QK_K / 32; j++) {
+            int sc, m, s = 0;
+            k4_scale_min(b->scales, j, &sc, &m);
+            for (int l = 0; l < 32; l++) s += q(w, 32 * j + l) * x->qs[32 * j + l];
+            isum += sc * s;
+            msum += m * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+        }
+        sum += fp16_to_f32(b->d) * x->d * isum - fp16_to_f32(b->dmin) * x->d * msum;
+    }
+    return sum;
+}
+
+static float dot_q4_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ4K), q4_k_int); }
+static float dot_q5_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ5K), q5_k_int); }
+
+static float dot_q6_k_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ6K *a = w;
+    const BlockQ8K *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++) {
+        int isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += q6_k_int(&a[k], 16 * g + l) * b[k].qs[16 * g + l];
+            isum += a[k].scales[g] * (s - 32 * b[k].bsums[g]);
+        }
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
     }
     return sum;
 }
@@ -1028,6 +1152,131 @@ static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
     return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
 }
 INT32_KERNELS(q5_1, BlockQ5_1, 1)
+
+/* --- the K types ------------------------------------------------------------
+   A super-block of 256 against an activation block of 256 (BlockQ8K): the
+   integers unpacked 32 at a time (unsigned, so maddubs takes them as they
+   are), each 16 products' sums times their sub-block scale (madd), all in
+   int32 lanes until one float multiply per super-block. The minimums and
+   q6_k's offset of 32 are one madd of the activation's sums of 16. The
+   kernels are written once over a type's super-block function. */
+typedef __m256 (*KBlockFn)(const uint8_t *w, const BlockQ8K *x, __m256 acc);
+
+/* q . x of 32 unsigned integers and 32 activations, each pair of int16
+   products' sum times scale: the int16 lanes are 16 elements' worth (16
+   lanes low 128 bits = elements 0-15, with scale lo; high = 16-31, hi). */
+static __m256i k_isum32(__m256i q, const int8_t *x, int lo, int hi)
+{
+    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x));
+    return _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo)));
+}
+
+/* q4_k (five = 0) or q5_k (five = 1): bit 4 of sub-block j's elements is
+   bit j of the qh bytes. */
+INLINE __m256 k4_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, int five)
+{
+    const BlockQ4K *b = (const BlockQ4K *)w; /* the header q5_k shares */
+    const uint8_t *qs = five ? ((const BlockQ5K *)w)->qs : b->qs;
+    const __m256i low4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
+    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)((const BlockQ5K *)w)->qh) : _mm256_setzero_si256();
+    __m256i isum = _mm256_setzero_si256();
+    short mins[QK_K / 16];
+    for (int j = 0; j < QK_K / 32; j++) {
+        int sc, m;
+        k4_scale_min(b->scales, j, &sc, &m);
+        mins[2 * j] = mins[2 * j + 1] = (short)m;
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32)), j % 2 * 4), low4);
+        if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
+        isum = _mm256_add_epi32(isum, k_isum32(q, x->qs + 32 * j, sc, sc));
+    }
+    __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)mins));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->d) * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->dmin) * x->d), _mm256_cvtepi32_ps(msum), acc);
+}
+
+static __m256 q4_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc) { return k4_block(w, x, acc, 0); }
+static __m256 q5_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc) { return k4_block(w, x, acc, 1); }
+
+/* The offset: sum of scale * (q - 32) * x = sum of scale * q * x minus 32
+   times sum over 16s of scale * bsum. */
+static __m256 q6_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc)
+{
+    const BlockQ6K *b = (const BlockQ6K *)w;
+    const __m256i low4 = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(3);
+    __m256i isum = _mm256_setzero_si256();
+    for (int i = 0; i < QK_K; i += 32) {
+        int h = i / 128, g = i % 128 / 32;
+        __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
+        __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+        __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), low4);
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), two), 4));
+        isum = _mm256_add_epi32(isum, k_isum32(q, x->qs + i, b->scales[i / 16], b->scales[i / 16 + 1]));
+    }
+    __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales)));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
+    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->d) * x->d), _mm256_cvtepi32_ps(isum), acc);
+}
+
+/* Two accumulators, as dot32. */
+INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KBlockFn block)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int k = 0, nb = n / QK_K;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = block(w + k * bb, x + k, acc0);
+        acc1 = block(w + (k + 1) * bb, x + k + 1, acc1);
+    }
+    if (k < nb) acc0 = block(w + k * bb, x + k, acc0);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
+INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KBlockFn block)
+{
+    __m256 acc[GEMV_ROWS];
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r]);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
+}
+
+/* Prefill: TILE_ROWS x TILE_TOKS super-block products per step, so a
+   weight super-block is read from memory once for the tile's tokens and
+   the accumulators are independent (the unpacking is redone per token:
+   eight unpacked vectors per row would not stay in registers). */
+INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KBlockFn block)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++)
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int t = 0; t < TILE_TOKS; t++)
+                acc[r][t] = block(w + r * ws + k * bb, (const BlockQ8K *)(x + t * xs) + k, acc[r][t]);
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+}
+
+/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
+   super-block function <name>_block. */
+#define K_KERNELS(name, Block)                                                                                  \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot_k(w, x, n, sizeof(Block), name##_block);                                                     \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv_k(w, ws, x, n, out, sizeof(Block), name##_block);                                                  \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile_k(w, ws, x, xs, n, out, sizeof(Block), name##_block);                                              \
+    }
+K_KERNELS(q4_k, BlockQ4K)
+K_KERNELS(q5_k, BlockQ5K)
+K_KERNELS(q6_k, BlockQ6K)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
@@ -1373,6 +1622,8 @@ typedef struct {
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
 #define GEMV_SHAPE GEMV_ROWS, 1, QK
+#define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
+#define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
@@ -1383,6 +1634,15 @@ static const WeightType TYPES[N_TYPES] = {
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
                {{to_float_f16_scalar, from_float_f16_scalar, dot_f16_scalar},
                 AVX2({to_float_f16_avx2, from_float_f16_avx2, dot_f16_avx2, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
+                {{to_float_q4_k_scalar, NULL, dot_q4_k_scalar},
+                 AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K,
+                {{to_float_q5_k_scalar, NULL, dot_q5_k_scalar},
+                 AVX2({.dot = dot_q5_k_avx2, .gemv = {gemv_q5_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q5_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K,
+                {{to_float_q6_k_scalar, NULL, dot_q6_k_scalar},
+                 AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}})}},
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
                 {{to_float_bf16_scalar, NULL, dot_bf16_scalar},
                  AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},

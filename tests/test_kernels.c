@@ -44,6 +44,9 @@ static const struct { int type; int at[2]; } SCALES[] = {
     {T_Q4_1, {0, 2}},
     {T_Q5_0, {0, -1}},
     {T_Q5_1, {0, 2}},
+    {T_Q4_K, {0, 2}},
+    {T_Q5_K, {0, 2}},
+    {T_Q6_K, {208, -1}},
 };
 
 /* n random weights of `type` per row, rows rb bytes apart: random bytes with
@@ -105,7 +108,7 @@ static void test_types(void)
         const TypeKernels *ref = &TYPES[type].k[KSET_SCALAR], *k = &K.type[type];
         random_rows(w, type, N, ROWS);
         /* to_float and from_float over a row that is not a multiple of 8 where the type allows it */
-        int n = wt->block == 1 ? CONV_N + 3 : CONV_N;
+        int n = wt->block == 1 ? CONV_N + 3 : wt->block * max_i(1, CONV_N / wt->block);
         ref->to_float(f_ref, w, n);
         k->to_float(f_got, w, n);
         snprintf(what, sizeof what, "%s %-4s to_float equals scalar bit for bit", K.op.name, wt->name);
