@@ -671,6 +671,27 @@ static void from_float_q8_0_scalar(void *row, const float *x, int n)
     for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
 }
 
+/* The int4 KV cache: q4_0 blocks as ggml's quantize_row_q4_0_ref makes
+   them: d = -x_m / 8 for the element x_m of largest magnitude, so x_m
+   itself lands exactly on -8; q = x/d + 8.5 truncated, at most 15 (NaN
+   and inf give 0, where a cast would be undefined). */
+static void from_float_q4_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ4_0 *out = row;
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0, xm = 0;
+        for (int i = 0; i < QK; i++)
+            if (amax < fabsf(x[i])) amax = fabsf(x[i]), xm = x[i];
+        float d = xm / -8, id = d ? 1 / d : 0;
+        out[b].d = f32_to_fp16(d);
+        for (int j = 0; j < QK / 2; j++) {
+            int lo = (int)fminf(15.0f, fmaxf(0.0f, x[j] * id + 8.5f));
+            int hi = (int)fminf(15.0f, fmaxf(0.0f, x[j + QK / 2] * id + 8.5f));
+            out[b].qs[j] = (uint8_t)(lo | hi << 4);
+        }
+    }
+}
+
 static void to_float_q4_1_scalar(float *out, const void *row, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -1074,9 +1095,28 @@ INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
 }
 
-/* A 32-element type's AVX2 dot product, decode GEMV and prefill tile, from
-   its unpacker unpack_<name>. */
+/* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
+   it. For the KV cache's types, attention's inner loop at long context. */
+INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    for (int i = 0; i < n; i += QK) {
+        float d, m;
+        __m256i q = unpack(row + i / QK * bb, &d, &m);
+        for (int j = 0; j < QK; j += 8) {
+            __m256i q8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)&q + j)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q8), _mm256_set1_ps(d));
+            _mm256_storeu_ps(out + i + j, has_min ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v); /* no -0 + 0 */
+        }
+    }
+}
+
+/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
+   prefill tile, from its unpacker unpack_<name>. */
 #define INT32_KERNELS(name, Block, has_min)                                                                     \
+    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
+    {                                                                                                           \
+        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
+    }                                                                                                           \
     static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
     {                                                                                                           \
         return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
@@ -1542,18 +1582,6 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
         _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
 }
-
-static void to_float_q8_0_avx2(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i += QK) {
-        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-        __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < QK; j += 8) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
-            _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-        }
-    }
-}
 #endif
 
 /* ============================================================================
@@ -1648,19 +1676,19 @@ static const WeightType TYPES[N_TYPES] = {
                  AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
     [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
                 {{to_float_q5_0_scalar, NULL, dot_q5_0_scalar},
-                 AVX2({.dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE}, .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
+                 AVX2({to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE}, .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
                 {{to_float_q5_1_scalar, NULL, dot_q5_1_scalar},
-                 AVX2({.dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE}, .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
+                 AVX2({to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE}, .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
                  AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
-    [T_Q4_0] = {"q4_0", NULL, QK, sizeof(BlockQ4_0), ACT_Q8,
-                {{to_float_q4_0_scalar, NULL, dot_q4_0_scalar},
-                 AVX2({.dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE}, .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
+                {{to_float_q4_0_scalar, from_float_q4_0_scalar, dot_q4_0_scalar},
+                 AVX2({to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE}, .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {{to_float_q4_1_scalar, NULL, dot_q4_1_scalar},
-                 AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+                 AVX2({to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
 };
 
 /* The kernels that do not depend on a weight type, per kernel set. */
@@ -2951,7 +2979,7 @@ static void usage(FILE *f)
         "Engine\n"
         "  --threads N    worker threads, >= 1 (default: number of cores)\n"
         "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
-        "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
+        "  --kv TYPE      KV cache precision: f32, f16, q8 or q4 (default f16)\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
@@ -3037,10 +3065,10 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
         else if (!strcmp(f, "--ppl")) a->ppl = v;
         else if (!strcmp(f, "--kv")) {
-            if (!strcmp(v, "f32")) a->kv_type = T_F32;
-            else if (!strcmp(v, "f16")) a->kv_type = T_F16;
-            else if (!strcmp(v, "q8")) a->kv_type = T_Q8_0;
-            else usage_error("--kv expects f32, f16 or q8, got '%s'", v);
+            a->kv_type = -1;
+            for (int t = 0; t < N_TYPES; t++)
+                if (TYPES[t].kv_name && !strcmp(v, TYPES[t].kv_name)) a->kv_type = t;
+            if (a->kv_type < 0) usage_error("--kv expects f32, f16, q8 or q4, got '%s'", v);
         }
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
         else if (!strcmp(f, "-v")) a->verbose = 1;
@@ -3176,7 +3204,9 @@ int main(int argc, char **argv)
     threads = 1;
 #endif
     RunState s;
-    if (a.kv_type == T_Q8_0 && m.c.head_dim % QK) die(EXIT_USAGE, "--kv q8 needs a head_dim that is a multiple of %d (this model: %d)", QK, m.c.head_dim);
+    if (m.c.head_dim % TYPES[a.kv_type].block)
+        die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
+            TYPES[a.kv_type].block, m.c.head_dim);
     build_state(&s, &m.c, seq_len, threads, a.kv_type);
     if (a.verbose)
         fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",

@@ -3,7 +3,9 @@
    tests/test_run_dequant.py to compare with the gguf package's decoder.
    Usage: dequant_driver TYPE_ID IN OUT; IN holds whole blocks, OUT gets
    the floats; stdout gets the type's row of the table: name, elements
-   and bytes per block. Includes run.c whole so the static kernels are
+   and bytes per block. With a fourth argument "from", the other way: IN
+   holds floats, OUT gets them quantized by the scalar from_float (the KV
+   cache's types). Includes run.c whole so the static kernels are
    reachable. */
 #define main run_main
 #include "../run.c"
@@ -11,7 +13,7 @@
 
 int main(int argc, char **argv)
 {
-    if (argc != 4) die(EXIT_USAGE, "usage: dequant_driver TYPE_ID IN OUT");
+    if (argc != 4 && argc != 5) die(EXIT_USAGE, "usage: dequant_driver TYPE_ID IN OUT [from]");
     int type = atoi(argv[1]);
     if (!type_name(type)) die(EXIT_USAGE, "type %d is not in the table", type);
     const WeightType *t = &TYPES[type];
@@ -22,12 +24,17 @@ int main(int argc, char **argv)
     while ((r = fread(in + got, 1, cap - got, f)) > 0)
         if ((got += r) == cap) in = realloc(in, cap *= 2);
     fclose(f);
-    if (!in || got % t->block_bytes) die(EXIT_RUNTIME, "%zu bytes is not a whole number of %s blocks", got, t->name);
-    int n = (int)(got / t->block_bytes * t->block);
-    float *out = xmalloc(n * sizeof(float));
-    t->k[KSET_SCALAR].to_float(out, in, n);
+    int from = argc == 5;
+    size_t unit = from ? t->block * sizeof(float) : t->block_bytes;
+    if (!in || got % unit) die(EXIT_RUNTIME, "%zu bytes is not a whole number of %s blocks", got, t->name);
+    if (from && !t->k[KSET_SCALAR].from_float) die(EXIT_USAGE, "%s has no from_float", t->name);
+    int n = (int)(got / unit * t->block);
+    size_t out_bytes = from ? row_bytes(type, n) : n * sizeof(float);
+    void *out = xmalloc(out_bytes);
+    if (from) t->k[KSET_SCALAR].from_float(out, (const float *)in, n);
+    else t->k[KSET_SCALAR].to_float(out, in, n);
     FILE *o = fopen(argv[3], "wb");
-    if (!o || fwrite(out, sizeof(float), n, o) != (size_t)n || fclose(o)) die(EXIT_RUNTIME, "cannot write %s", argv[3]);
+    if (!o || fwrite(out, 1, out_bytes, o) != out_bytes || fclose(o)) die(EXIT_RUNTIME, "cannot write %s", argv[3]);
     printf("%s %d %zu\n", t->name, t->block, t->block_bytes);
     free(in);
     free(out);
