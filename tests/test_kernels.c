@@ -177,6 +177,44 @@ static void test_int_exact(void)
     check(K.type[T_Q4_1].dot(w4, xq, N) == (float)ref4, what);
 }
 
+/* The K types' integer part exactly: with unit super-block scales (d = dmin
+   = 1) and small activations every term is an integer and every partial
+   sum stays below 2^24, so every set's dot product must equal the sum of
+   the scalar to_float values (checked against gguf by test_run_dequant.py)
+   times the activations, computed here in double. The activation blocks'
+   sums of 16 are computed here too. */
+static void test_int_exact_k(void)
+{
+    enum { N = 2 * QK_K };
+    static uint8_t w[N * 2];
+    static BlockQ8K xq[N / QK_K];
+    static float wf[N];
+    for (int k = 0; k < N / QK_K; k++) {
+        xq[k].d = 1;
+        for (int i = 0; i < QK_K; i++) xq[k].qs[i] = (int8_t)(random_u32(&rng) % 15) - 7;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += xq[k].qs[16 * g + i];
+            xq[k].bsums[g] = (int16_t)sum;
+        }
+    }
+    const int types[] = {T_Q4_K, T_Q5_K, T_Q6_K}, one = f32_to_f16_bits(1);
+    const size_t d_at[][2] = {{0, 2}, {0, 2}, {offsetof(BlockQ6K, d), offsetof(BlockQ6K, d)}};
+    for (int ti = 0; ti < 3; ti++) {
+        int type = types[ti];
+        size_t bb = TYPES[type].block_bytes;
+        for (size_t b = 0; b < N / QK_K * bb; b++) w[b] = random_u32(&rng);
+        for (int k = 0; k < N / QK_K; k++)
+            for (int f = 0; f < 2; f++) memcpy(w + k * bb + d_at[ti][f], &one, 2);
+        TYPES[type].k[KSET_SCALAR].to_float(wf, w, N);
+        double ref = 0;
+        for (int i = 0; i < N; i++) ref += (double)wf[i] * xq[i / QK_K].qs[i % QK_K];
+        char what[96];
+        snprintf(what, sizeof what, "%s %s integer sum exact", K.op.name, TYPES[type].name);
+        check(K.type[type].dot(w, xq, N) == (float)ref && fabs(ref) < (1 << 24), what);
+    }
+}
+
 /* The f16 conversions: the scalar ones (the definitions) against the
    compiler's _Float16 over every half; the set's f16 row writer against
    them around every half (exact values, midpoints, just off them). */
@@ -370,6 +408,7 @@ int main(void)
         test_fp16(set);
         test_quantize_act(set);
         test_int_exact();
+        test_int_exact_k();
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
