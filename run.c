@@ -1194,129 +1194,171 @@ static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
 INT32_KERNELS(q5_1, BlockQ5_1, 1)
 
 /* --- the K types ------------------------------------------------------------
-   A super-block of 256 against an activation block of 256 (BlockQ8K): the
-   integers unpacked 32 at a time (unsigned, so maddubs takes them as they
-   are), each 16 products' sums times their sub-block scale (madd), all in
-   int32 lanes until one float multiply per super-block. The minimums and
-   q6_k's offset of 32 are one madd of the activation's sums of 16. The
-   kernels are written once over a type's super-block function. */
-typedef __m256 (*KBlockFn)(const uint8_t *w, const BlockQ8K *x, __m256 acc);
+   A super-block of 256 against an activation block of 256 (BlockQ8K). A
+   type gives two functions: prep, the block's scales, and chunk, its
+   integers 32 at a time (unsigned, so maddubs takes them as they are).
+   Every block is then, in int32 lanes until one float multiply each,
+     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
+   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
+   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
+   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
+   The kernels are written once over prep and chunk. */
+typedef struct {
+    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
+    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
+    float d, c;
+} KPrep;
+typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
+typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
 
-/* q . x of 32 unsigned integers and 32 activations, each pair of int16
-   products' sum times scale: the int16 lanes are 16 elements' worth (16
-   lanes low 128 bits = elements 0-15, with scale lo; high = 16-31, hi). */
-static __m256i k_isum32(__m256i q, const int8_t *x, int lo, int hi)
+static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
 {
-    __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x));
-    return _mm256_madd_epi16(p, _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo)));
-}
-
-/* q4_k (five = 0) or q5_k (five = 1): bit 4 of sub-block j's elements is
-   bit j of the qh bytes. */
-INLINE __m256 k4_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, int five)
-{
-    const BlockQ4K *b = (const BlockQ4K *)w; /* the header q5_k shares */
-    const uint8_t *qs = five ? ((const BlockQ5K *)w)->qs : b->qs;
-    const __m256i low4 = _mm256_set1_epi8(0xf), one = _mm256_set1_epi8(1);
-    __m256i qh = five ? _mm256_loadu_si256((const __m256i *)((const BlockQ5K *)w)->qh) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
-    short mins[QK_K / 16];
+    const BlockQ4K *b = (const BlockQ4K *)block;
     for (int j = 0; j < QK_K / 32; j++) {
         int sc, m;
         k4_scale_min(b->scales, j, &sc, &m);
-        mins[2 * j] = mins[2 * j + 1] = (short)m;
-        __m256i q = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32)), j % 2 * 4), low4);
-        if (five) q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4));
-        isum = _mm256_add_epi32(isum, k_isum32(q, x->qs + 32 * j, sc, sc));
+        p->sc[2 * j] = p->sc[2 * j + 1] = (int16_t)sc;
+        p->corr[2 * j] = p->corr[2 * j + 1] = (int16_t)m;
     }
-    __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)mins));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->d) * x->d), _mm256_cvtepi32_ps(isum), acc);
-    return _mm256_fnmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->dmin) * x->d), _mm256_cvtepi32_ps(msum), acc);
+    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
 }
 
-static __m256 q4_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc) { return k4_block(w, x, acc, 0); }
-static __m256 q5_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc) { return k4_block(w, x, acc, 1); }
-
-/* The offset: sum of scale * (q - 32) * x = sum of scale * q * x minus 32
-   times sum over 16s of scale * bsum. */
-static __m256 q6_k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc)
+/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
+   nibbles of bytes 32 (j / 2).. */
+static __m256i k4_nibbles(const uint8_t *qs, int j)
 {
-    const BlockQ6K *b = (const BlockQ6K *)w;
-    const __m256i low4 = _mm256_set1_epi8(0xf), two = _mm256_set1_epi8(3);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
+    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
+}
+
+static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
+
+/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
+   keeps each byte's bit j at bit 0 for j < 8) */
+static __m256i chunk_q5_k(const uint8_t *block, int j)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
+}
+
+static void prep_q6_k(const uint8_t *block, KPrep *p)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    for (int g = 0; g < QK_K / 16; g++) p->sc[g] = b->scales[g], p->corr[g] = (int16_t)(32 * b->scales[g]);
+    p->d = p->c = _cvtsh_ss(b->d);
+}
+
+/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
+   high 2 bits at 2g' of the half's qh bytes */
+static __m256i chunk_q6_k(const uint8_t *block, int j)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    int h = j / 4, g = j % 4;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
+    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
+}
+
+/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
+   lanes, the low 128 bits elements 0-15, the high 16-31. */
+static __m256i chunk_scales(const KPrep *p, int j)
+{
+    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
+}
+
+/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
+static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
+{
+    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
+}
+
+INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
+{
+    KPrep p;
+    prep(w, &p);
     __m256i isum = _mm256_setzero_si256();
-    for (int i = 0; i < QK_K; i += 32) {
-        int h = i / 128, g = i % 128 / 32;
-        __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
-        __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-        __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), low4);
-        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), two), 4));
-        isum = _mm256_add_epi32(isum, k_isum32(q, x->qs + i, b->scales[i / 16], b->scales[i / 16 + 1]));
+    for (int j = 0; j < QK_K / 32; j++) {
+        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
     }
-    __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums),
-                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales)));
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(off, 5));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(b->d) * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return k_finish(&p, x, isum, acc);
 }
 
 /* Two accumulators, as dot32. */
-INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KBlockFn block)
+INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
 {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int k = 0, nb = n / QK_K;
     for (; k + 1 < nb; k += 2) {
-        acc0 = block(w + k * bb, x + k, acc0);
-        acc1 = block(w + (k + 1) * bb, x + k + 1, acc1);
+        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
     }
-    if (k < nb) acc0 = block(w + k * bb, x + k, acc0);
+    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
     return hsum256(_mm256_add_ps(acc0, acc1));
 }
 
 /* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
-INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KBlockFn block)
+INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
 {
     __m256 acc[GEMV_ROWS];
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK_K; k++) {
         prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r]);
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
     }
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
 }
 
-/* Prefill: TILE_ROWS x TILE_TOKS super-block products per step, so a
-   weight super-block is read from memory once for the tile's tokens and
-   the accumulators are independent (the unpacking is redone per token:
-   eight unpacked vectors per row would not stay in registers). */
-INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KBlockFn block)
+/* Prefill: each row's block is prepared once and each 32 of its integers
+   unpacked once for the tile's tokens; integer sums per (row, token). */
+INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
+                   KChunkFn chunk)
 {
     __m256 acc[TILE_ROWS][TILE_TOKS];
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++)
+    for (int k = 0; k < n / QK_K; k++) {
+        KPrep p[TILE_ROWS];
+        __m256i isum[TILE_ROWS][TILE_TOKS];
+        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 32; j++) {
+            __m256i q[TILE_ROWS], sc[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
+            for (int t = 0; t < TILE_TOKS; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
+                for (int r = 0; r < TILE_ROWS; r++)
+                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
+            }
+        }
         for (int r = 0; r < TILE_ROWS; r++)
-            for (int t = 0; t < TILE_TOKS; t++)
-                acc[r][t] = block(w + r * ws + k * bb, (const BlockQ8K *)(x + t * xs) + k, acc[r][t]);
+            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
+    }
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
 }
 
 /* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
-   super-block function <name>_block. */
-#define K_KERNELS(name, Block)                                                                                  \
+   prep and chunk functions. */
+#define K_KERNELS(name, Block, prep)                                                                            \
     static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
     {                                                                                                           \
-        return dot_k(w, x, n, sizeof(Block), name##_block);                                                     \
+        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
     }                                                                                                           \
     static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
     {                                                                                                           \
         (void)xs;                                                                                               \
-        gemv_k(w, ws, x, n, out, sizeof(Block), name##_block);                                                  \
+        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
     }                                                                                                           \
     static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
     {                                                                                                           \
-        tile_k(w, ws, x, xs, n, out, sizeof(Block), name##_block);                                              \
+        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
     }
-K_KERNELS(q4_k, BlockQ4K)
-K_KERNELS(q5_k, BlockQ5K)
-K_KERNELS(q6_k, BlockQ6K)
+K_KERNELS(q4_k, BlockQ4K, prep_k4)
+K_KERNELS(q5_k, BlockQ5K, prep_k4)
+K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
