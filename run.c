@@ -1211,15 +1211,26 @@ typedef struct {
 typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
 typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
 
+/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
+static __m256i each_twice(uint64_t bytes)
+{
+    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
+   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
+   stores read back as a vector would stall store forwarding. */
 static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
 {
     const BlockQ4K *b = (const BlockQ4K *)block;
-    for (int j = 0; j < QK_K / 32; j++) {
-        int sc, m;
-        k4_scale_min(b->scales, j, &sc, &m);
-        p->sc[2 * j] = p->sc[2 * j + 1] = (int16_t)sc;
-        p->corr[2 * j] = p->corr[2 * j + 1] = (int16_t)m;
-    }
+    uint32_t s[3];
+    memcpy(s, b->scales, sizeof s);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
+    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
+    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
+    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
     p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
 }
 
@@ -1245,7 +1256,9 @@ static __m256i chunk_q5_k(const uint8_t *block, int j)
 static void prep_q6_k(const uint8_t *block, KPrep *p)
 {
     const BlockQ6K *b = (const BlockQ6K *)block;
-    for (int g = 0; g < QK_K / 16; g++) p->sc[g] = b->scales[g], p->corr[g] = (int16_t)(32 * b->scales[g]);
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    _mm256_storeu_si256((__m256i *)p->sc, sc);
+    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
     p->d = p->c = _cvtsh_ss(b->d);
 }
 
