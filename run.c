@@ -13,7 +13,8 @@
      1. model file   mmap the file, validate every size and offset, point the
                      weight structs straight into the mapping (no copy).
      2. kernels      RMSNorm, RoPE, softmax, and the matrix products: one dot
-                     product per weight type (f32, f16, bf16, q8_0, q4_1), each
+                     product per weight type (f32, f16, bf16, and ggml's blocks
+                     q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k), each
                      with a plain scalar reference and an AVX2 version beside it.
      3. forward      prefill pushes the whole prompt through each layer as one
                      batch (matrix x matrix); decode_step pushes one token
@@ -74,7 +75,7 @@
 #define TENSOR_ALIGN 64
 #define ARCH_LLAMA 1
 #define FLAG_TIED_EMBEDDINGS 1u
-#define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
+#define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
 #define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
@@ -1952,7 +1953,7 @@ typedef struct {
     int n_threads;
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
-    int kv_type;    /* T_F32, T_F16 or T_Q8_0 */
+    int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -2284,7 +2285,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
 }
 
 /* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
-   of 32: the gate and up rows of those units (one matrix W13, the two
+   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
    halves stacked), then, as the epilogue of the same step, SwiGLU
    silu(gate) * up written over the gate half and quantized for W2. A
    thread owns whole int8 blocks of the result, so no barrier separates
