@@ -13,7 +13,8 @@
      1. model file   mmap the file, validate every size and offset, point the
                      weight structs straight into the mapping (no copy).
      2. kernels      RMSNorm, RoPE, softmax, and the matrix products: one dot
-                     product per weight type (f32, f16, bf16, q8_0, q4_1), each
+                     product per weight type (f32, f16, bf16, and ggml's blocks
+                     q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k), each
                      with a plain scalar reference and an AVX2 version beside it.
      3. forward      prefill pushes the whole prompt through each layer as one
                      batch (matrix x matrix); decode_step pushes one token
@@ -82,7 +83,8 @@
 #define FLAG_ROPE_FREQS 16u
 #define N_FLAGS 5
 #define FLAG_NAMES "tied, qkv_bias, qk_norm, post_norms, rope_freqs"
-#define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
+#define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
+#define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
                           one-token path (measured: +5-7% float prefill against 64) */
@@ -216,7 +218,7 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, N_TYPES };
 
 /* Byte offsets of the header's fields (README.md, "The model file"). */
 enum {
@@ -245,9 +247,51 @@ typedef struct {
 } BlockQ8_0;         /* 34 bytes */
 
 typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_0;            /* 18 bytes: value = (nibble - 8) * d */
+
+typedef struct {
     uint16_t d, m;      /* scale and minimum, fp16 */
     uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
 } BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qh[4];      /* bit j (little-endian): bit 4 of element j */
+    uint8_t qs[QK / 2]; /* the low 4 bits, laid out as q4_0's nibbles */
+} BlockQ5_0;            /* 22 bytes: value = (q - 16) * d, q = 0..31 */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2]; /* as q5_0 */
+} BlockQ5_1;            /* 24 bytes: value = q * d + m */
+
+/* The K types: super-blocks of QK_K = 256 elements in sub-blocks, each
+   sub-block with its own small integer scale (and minimum) under the
+   super-block's fp16 ones. */
+typedef struct {
+    uint16_t d, dmin;       /* fp16 scales of the sub-block scales and of the minimums */
+    uint8_t scales[12];     /* 8 six-bit scales and 8 six-bit minimums, packed (k4_scale_min) */
+    uint8_t qs[QK_K / 2];   /* 64 elements per 32 bytes: the low nibbles, then the high ones */
+} BlockQ4K;                 /* 144 bytes: value = d * sc_j * q - dmin * m_j in sub-block j of 32 */
+
+typedef struct {
+    uint16_t d, dmin;       /* as q4_k */
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];   /* bit j of qh[l]: bit 4 of element l of sub-block j */
+    uint8_t qs[QK_K / 2];   /* the low 4 bits, as q4_k */
+} BlockQ5K;                 /* 176 bytes: value = d * sc_j * q - dmin * m_j, q = 0..31 */
+
+typedef struct {
+    uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
+                                 bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
+    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
+    int8_t scales[QK_K / 16]; /* one per 16 elements */
+    uint16_t d;               /* fp16 */
+} BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
+_Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml's K block sizes");
 
 typedef struct {
     const char *name;
@@ -807,12 +851,22 @@ static uint16_t f32_to_fp16(float f)
 }
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
-   with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
-   one multiply per block. Quantized once per matmul, reused by every row. */
+   with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
+   (q4_1, q5_1) add it with one multiply per block. Quantized once per
+   matmul, reused by every row. */
 typedef struct {
     float d, s;
     int8_t qs[QK];
 } BlockQ8A;
+
+/* The K types' activations: int8 per 256 with one scale, and the sum of
+   each 16 (the K types' minimums and q6_k's offset of 32 are multiples of
+   them: one multiply-add per 16 or 32 elements, not one per element). */
+typedef struct {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} BlockQ8K;
 
 /* round(x) to int8 for |x| <= 127. NaN or inf activations (weights that
    overflow) give a defined 0 or +-127 instead of undefined behaviour. */
@@ -821,52 +875,102 @@ static int8_t round_i8(float x)
     return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
 }
 
+/* n floats to int8 q with one scale d = max|x| / 127, returned. */
+static float quantize_i8(int8_t *q, const float *x, int n)
+{
+    float amax = 0;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float d = amax / 127, id = d ? 1 / d : 0;
+    for (int i = 0; i < n; i++) q[i] = round_i8(x[i] * id);
+    return d;
+}
+
 static void quantize_act_scalar(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
+        out[b].d = quantize_i8(out[b].qs, x, QK);
         int sum = 0;
-        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = round_i8(x[i] * id);
-        out[b].d = d;
-        out[b].s = d * sum;
+        for (int i = 0; i < QK; i++) sum += out[b].qs[i];
+        out[b].s = out[b].d * sum;
+    }
+}
+
+static void q8k_bsums(BlockQ8K *b)
+{
+    for (int g = 0; g < QK_K / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += b->qs[16 * g + i];
+        b->bsums[g] = (int16_t)sum;
+    }
+}
+
+static void quantize_act_k_scalar(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        out[b].d = quantize_i8(out[b].qs, x, QK_K);
+        q8k_bsums(&out[b]);
     }
 }
 
 #ifdef HAVE_AVX2
-/* Same results as the scalar version, bit for bit: roundf's half-away-from-
-   zero is rebuilt from truncation, and the scale is computed in scalar. */
+/* max |x| over n (a multiple of 8) floats. */
+static float amax_avx2(const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* 32 floats times id rounded to int8 into q exactly as round_i8 does:
+   roundf's half-away-from-zero is rebuilt from truncation. Returns the
+   sum of the 32 integers. */
+static int round_i8x32_avx2(int8_t *q, const float *x, float id)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i v[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
+        __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+        t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
+        v[j] = _mm256_cvtps_epi32(t);
+    }
+    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    /* the packs interleave 128-bit lanes: restore element order */
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Same results as the scalar versions, bit for bit: the scale is computed
+   in scalar from the same maximum. */
 static void quantize_act_avx2(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     for (int b = 0; b < n / QK; b++, x += QK) {
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j] = _mm256_loadu_ps(x + 8 * j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(id));
-            __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
-            t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
-            q[j] = _mm256_cvtps_epi32(t);
-        }
-        __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        /* the packs interleave 128-bit lanes: restore element order */
-        q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)out[b].qs, q8);
-        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
-        out[b].s = d * _mm_cvtsi128_si32(s4);
+        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
+    }
+}
+
+static void quantize_act_k_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
+        q8k_bsums(&out[b]);
     }
 }
 #endif
@@ -905,12 +1009,27 @@ static void to_float_q8_0_scalar(float *out, const void *row, int n)
 static void from_float_q8_0_scalar(void *row, const float *x, int n)
 {
     BlockQ8_0 *out = row;
+    for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
+}
+
+/* The int4 KV cache: q4_0 blocks as ggml's quantize_row_q4_0_ref makes
+   them: d = -x_m / 8 for the element x_m of largest magnitude, so x_m
+   itself lands exactly on -8; q = x/d + 8.5 truncated, at most 15 (NaN
+   and inf give 0, where a cast would be undefined). */
+static void from_float_q4_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ4_0 *out = row;
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        for (int i = 0; i < QK; i++) out[b].qs[i] = round_i8(x[i] * id);
+        float amax = 0, xm = 0;
+        for (int i = 0; i < QK; i++)
+            if (amax < fabsf(x[i])) amax = fabsf(x[i]), xm = x[i];
+        float d = xm / -8, id = d ? 1 / d : 0;
         out[b].d = f32_to_fp16(d);
+        for (int j = 0; j < QK / 2; j++) {
+            int lo = (int)fminf(15.0f, fmaxf(0.0f, x[j] * id + 8.5f));
+            int hi = (int)fminf(15.0f, fmaxf(0.0f, x[j + QK / 2] * id + 8.5f));
+            out[b].qs[j] = (uint8_t)(lo | hi << 4);
+        }
     }
 }
 
@@ -920,6 +1039,96 @@ static void to_float_q4_1_scalar(float *out, const void *row, int n)
         const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
         int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
         out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+static void to_float_q4_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_0 *b = (const BlockQ4_0 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = (q - 8) * fp16_to_f32(b->d);
+    }
+}
+
+/* Element j (0..31) of a 5-bit block: its nibble, and bit j of qh as bit 4. */
+static int q5_int(const uint8_t *qs, const uint8_t *qh, int j)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return (j < QK / 2 ? qs[j] & 0xf : qs[j - QK / 2] >> 4) | ((h >> j) & 1) << 4;
+}
+
+static void to_float_q5_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_0 *b = (const BlockQ5_0 *)row + i / QK;
+        out[i] = (q5_int(b->qs, b->qh, i % QK) - 16) * fp16_to_f32(b->d);
+    }
+}
+
+static void to_float_q5_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_1 *b = (const BlockQ5_1 *)row + i / QK;
+        out[i] = q5_int(b->qs, b->qh, i % QK) * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+/* --- the K types' integers (ggml-quants.c, dequantize_row_q4_K and kin) --- */
+
+/* Sub-block j's 6-bit scale and minimum in a q4_k/q5_k block's 12 bytes:
+   j < 4 in the low 6 bits of bytes j and j+4; j >= 4 in the nibbles of
+   byte j+4 with their top 2 bits in the spare bits of bytes j-4 and j. */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
+/* Element i (0..255) of a q4_k block, of a q5_k block: 0..15, 0..31. */
+static int q4_k_int(const uint8_t *block, int i)
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    return b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf;
+}
+
+static int q5_k_int(const uint8_t *block, int i)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    return (b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf) | (b->qh[i % 32] >> (i / 32) & 1) << 4;
+}
+
+/* Element i (0..255) of a q6_k block, 0..63 (the offset 32 not taken). */
+static int q6_k_int(const BlockQ6K *b, int i)
+{
+    int h = i / 128, g = i % 128 / 32, l = i % 32;
+    int low = b->ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0xf;
+    return low | (b->qh[32 * h + l] >> (2 * g) & 3) << 4;
+}
+
+/* q4_k and q5_k share their header (d, dmin, scales): bb bytes a block. */
+static void to_float_k4(float *out, const uint8_t *row, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    for (int i = 0; i < n; i++) {
+        const uint8_t *blk = row + i / QK_K * bb;
+        const BlockQ4K *b = (const BlockQ4K *)blk;
+        int sc, m;
+        k4_scale_min(b->scales, i % QK_K / 32, &sc, &m);
+        float d = fp16_to_f32(b->d) * sc, dm = fp16_to_f32(b->dmin) * m;
+        out[i] = d * q(blk, i % QK_K) - dm;
+    }
+}
+
+static void to_float_q4_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ4K), q4_k_int); }
+static void to_float_q5_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ5K), q5_k_int); }
+
+static void to_float_q6_k_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ6K *b = (const BlockQ6K *)row + i / QK_K;
+        float d = fp16_to_f32(b->d) * b->scales[i % QK_K / 16];
+        out[i] = d * (q6_k_int(b, i % QK_K) - 32);
     }
 }
 
@@ -974,6 +1183,89 @@ static float dot_q4_1_scalar(const void *w, const void *x, int n)
         for (int j = 0; j < QK / 2; j++)
             isum += (a[k].qs[j] & 0xf) * b[k].qs[j] + (a[k].qs[j] >> 4) * b[k].qs[j + QK / 2];
         sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+static float dot_q4_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ4_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK / 2; j++)
+            isum += ((a[k].qs[j] & 0xf) - 8) * b[k].qs[j] + ((a[k].qs[j] >> 4) - 8) * b[k].qs[j + QK / 2];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+static float dot_q5_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += (q5_int(a[k].qs, a[k].qh, j) - 16) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+/* The minimum enters through the activation block's s = d * sum(qs). */
+static float dot_q5_1_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_1 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += q5_int(a[k].qs, a[k].qh, j) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+/* The K types against int8 activations per 256: integer sums per
+   sub-block times its integer scale, one float multiply per super-block;
+   the minimums (q4_k, q5_k) and q6_k's offset come from the activation's
+   sums of 16. */
+static float dot_k4(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++, w += bb, x++) {
+        const BlockQ4K *b = (const BlockQ4K *)w;
+        int isum = 0, msum = 0;
+        for (int j = 0; j < QK_K / 32; j++) {
+            int sc, m, s = 0;
+            k4_scale_min(b->scales, j, &sc, &m);
+            for (int l = 0; l < 32; l++) s += q(w, 32 * j + l) * x->qs[32 * j + l];
+            isum += sc * s;
+            msum += m * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+        }
+        sum += fp16_to_f32(b->d) * x->d * isum - fp16_to_f32(b->dmin) * x->d * msum;
+    }
+    return sum;
+}
+
+static float dot_q4_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ4K), q4_k_int); }
+static float dot_q5_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ5K), q5_k_int); }
+
+static float dot_q6_k_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ6K *a = w;
+    const BlockQ8K *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++) {
+        int isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += q6_k_int(&a[k], 16 * g + l) * b[k].qs[16 * g + l];
+            isum += a[k].scales[g] * (s - 32 * b[k].bsums[g]);
+        }
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
     }
     return sum;
 }
@@ -1042,73 +1334,48 @@ static float dot_bf16_avx2(const void *w, const void *x, int n)
     return sum;
 }
 
-/* Sum of the 32 int8 products of a and b, as 8 int32 lanes. maddubs needs
-   an unsigned left operand, so take |a| and move a's sign onto b. */
-static __m256i dot_i8x32(__m256i a, __m256i b)
+/* --- the 32-element integer types ------------------------------------------
+   Per block, every 32-element type is 32 small integers q, a scale d and,
+   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
+   kernels are written once, over a type's unpacker, which returns q as 32
+   bytes in element order with d and m; a type adds its unpacker and one
+   INT32_KERNELS line. The integers of a type with a minimum are unsigned
+   and feed maddubs's unsigned operand directly, signed ones take the sign
+   trick of isum32; the minimum's term m * sum(x) is one multiply per block
+   through the activation block's s. */
+#define INLINE static inline __attribute__((always_inline))
+typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
+
+/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
+   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
+INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
 {
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
     return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
 }
 
-/* One block's contribution added to acc. The SIMD dot products below keep
-   two accumulators so that consecutive blocks do not wait on each other's
-   FMA latency. */
-static __m256 q8_0_block(const BlockQ8_0 *a, const BlockQ8A *b, __m256 acc)
+/* One weight block times one activation block, added to acc (and the
+   minimum's term to *mins). */
+INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
 {
-    __m256i wa = _mm256_loadu_si256((const __m256i *)a->qs);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), p, acc);
+    float d, m;
+    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
+    if (has_min) *mins += m * b->s;
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
 }
 
-static float dot_q8_0_avx2(const void *w, const void *x, int n)
+/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
+   wait on each other's FMA latency. */
+INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
 {
-    const BlockQ8_0 *a = w;
-    const BlockQ8A *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = q8_0_block(a + k, b + k, acc0);
-        acc1 = q8_0_block(a + k + 1, b + k + 1, acc1);
-    }
-    if (k < nb) acc0 = q8_0_block(a + k, b + k, acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
-/* A q4_1 block's 32 nibbles as bytes, in element order. */
-static __m256i q4_1_nibbles(const BlockQ4_1 *b)
-{
-    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
-}
-
-/* Nibbles are unsigned 0..15, so they feed maddubs's unsigned operand
-   directly; the minimum m enters through the activation sum s. */
-static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
-{
-    __m256i nib = q4_1_nibbles(a);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
-}
-
-static float dot_q4_1_avx2(const void *w, const void *x, int n)
-{
-    const BlockQ4_1 *a = w;
-    const BlockQ8A *b = x;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     float mins0 = 0, mins1 = 0;
     int k = 0, nb = n / QK;
     for (; k + 1 < nb; k += 2) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        acc1 = q4_1_block(a + k + 1, b + k + 1, acc1);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-        mins1 += _cvtsh_ss(a[k + 1].m) * b[k + 1].s;
+        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
     }
-    if (k < nb) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-    }
+    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
     return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
 }
 
@@ -1119,30 +1386,32 @@ static float dot_q4_1_avx2(const void *w, const void *x, int n)
    no FMA waits on another. out is [rows][tokens] row-major; the results
    equal the dot products above up to summation order. */
 
-static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                   Unpack32Fn unpack, int has_min)
 {
     __m256 acc[TILE_ROWS][TILE_TOKS];
+    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
     for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
     const __m256i ones = _mm256_set1_epi16(1);
     for (int k = 0; k < n / QK; k++) {
-        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's quants and their magnitudes */
-        float d[TILE_ROWS];
+        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
+        float d[TILE_ROWS], m[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ8_0 *wr = (const BlockQ8_0 *)(w + r * ws) + k;
-            q[r] = _mm256_loadu_si256((const __m256i *)wr->qs);
-            mag[r] = _mm256_sign_epi8(q[r], q[r]);
-            d[r] = _cvtsh_ss(wr->d);
+            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
+            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
         }
         for (int t = 0; t < TILE_TOKS; t++) {
             const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
             __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
             for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xb, q[r])), ones);
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
                 acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+                if (has_min) mins[r][t] += m[r] * b->s;
             }
         }
     }
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
 }
 
 /* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
@@ -1154,64 +1423,296 @@ static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t
    hardware prefetcher follows poorly, so each block prefetches its share
    of the stretch in address order (one burst per call instead would fill
    the miss buffers and stall the loads: 40 % slower). */
-static void gemv_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
+INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
 {
-    (void)xs;
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ8_0), GEMV_ROWS * sizeof(BlockQ8_0));
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = q8_0_block((const BlockQ8_0 *)(w + r * ws) + k, (const BlockQ8A *)x + k, acc[r]);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i nib[TILE_ROWS];
-        float d[TILE_ROWS], m[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ4_1 *wr = (const BlockQ4_1 *)(w + r * ws) + k;
-            nib[r] = q4_1_nibbles(wr);
-            d[r] = _cvtsh_ss(wr->d);
-            m[r] = _cvtsh_ss(wr->m);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib[r], xb), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-                mins[r][t] += m[r] * b->s;
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
-}
-
-static void gemv_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    (void)xs;
     __m256 acc[GEMV_ROWS];
     float mins[GEMV_ROWS] = {0};
     for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
-        const BlockQ8A *b = (const BlockQ8A *)x + k;
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ4_1), GEMV_ROWS * sizeof(BlockQ4_1));
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            const BlockQ4_1 *a = (const BlockQ4_1 *)(w + r * ws) + k;
-            acc[r] = q4_1_block(a, b, acc[r]);
-            mins[r] += _cvtsh_ss(a->m) * b->s;
-        }
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++)
+            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
     }
     for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
 }
+
+/* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
+   it. For the KV cache's types, attention's inner loop at long context. */
+INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    for (int i = 0; i < n; i += QK) {
+        float d, m;
+        __m256i q = unpack(row + i / QK * bb, &d, &m);
+        for (int j = 0; j < QK; j += 8) {
+            __m256i q8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)&q + j)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q8), _mm256_set1_ps(d));
+            _mm256_storeu_ps(out + i + j, has_min ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v); /* no -0 + 0 */
+        }
+    }
+}
+
+/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
+   prefill tile, from its unpacker unpack_<name>. */
+#define INT32_KERNELS(name, Block, has_min)                                                                     \
+    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
+    {                                                                                                           \
+        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
+    }                                                                                                           \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
+    }
+
+/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
+   (byte j holds element j low, j+16 high). */
+static __m256i nibbles_32(const uint8_t *qs)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
+static __m256i unpack_q8_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_loadu_si256((const __m256i *)b->qs);
+}
+INT32_KERNELS(q8_0, BlockQ8_0, 0)
+
+static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return nibbles_32(b->qs);
+}
+INT32_KERNELS(q4_1, BlockQ4_1, 1)
+
+/* nibbles 0..15 become the signed values -8..7 */
+static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
+}
+INT32_KERNELS(q4_0, BlockQ4_0, 0)
+
+/* The 5-bit types' bit 4 of each element: byte i = 0x10 where bit i of
+   qh is set. Byte i first takes byte i/8 of qh, then keeps its bit i%8. */
+static __m256i high_bits_32(const uint8_t *qh)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* q = 0..31 becomes the signed value q - 16 */
+static __m256i unpack_q5_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh)), _mm256_set1_epi8(16));
+}
+INT32_KERNELS(q5_0, BlockQ5_0, 0)
+
+static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
+}
+INT32_KERNELS(q5_1, BlockQ5_1, 1)
+
+/* --- the K types ------------------------------------------------------------
+   A super-block of 256 against an activation block of 256 (BlockQ8K). A
+   type gives two functions: prep, the block's scales, and chunk, its
+   integers 32 at a time (unsigned, so maddubs takes them as they are).
+   Every block is then, in int32 lanes until one float multiply each,
+     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
+   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
+   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
+   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
+   The kernels are written once over prep and chunk. */
+typedef struct {
+    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
+    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
+    float d, c;
+} KPrep;
+typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
+typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
+
+/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
+static __m256i each_twice(uint64_t bytes)
+{
+    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
+   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
+   stores read back as a vector would stall store forwarding. */
+static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    uint32_t s[3];
+    memcpy(s, b->scales, sizeof s);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
+    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
+    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
+    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
+    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
+}
+
+/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
+   nibbles of bytes 32 (j / 2).. */
+static __m256i k4_nibbles(const uint8_t *qs, int j)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
+    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
+}
+
+static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
+
+/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
+   keeps each byte's bit j at bit 0 for j < 8) */
+static __m256i chunk_q5_k(const uint8_t *block, int j)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
+}
+
+static void prep_q6_k(const uint8_t *block, KPrep *p)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    _mm256_storeu_si256((__m256i *)p->sc, sc);
+    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
+    p->d = p->c = _cvtsh_ss(b->d);
+}
+
+/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
+   high 2 bits at 2g' of the half's qh bytes */
+static __m256i chunk_q6_k(const uint8_t *block, int j)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    int h = j / 4, g = j % 4;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
+    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
+}
+
+/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
+   lanes, the low 128 bits elements 0-15, the high 16-31. */
+static __m256i chunk_scales(const KPrep *p, int j)
+{
+    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
+}
+
+/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
+static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
+{
+    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
+}
+
+INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
+{
+    KPrep p;
+    prep(w, &p);
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < QK_K / 32; j++) {
+        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
+    }
+    return k_finish(&p, x, isum, acc);
+}
+
+/* Two accumulators, as dot32. */
+INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int k = 0, nb = n / QK_K;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
+    }
+    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
+INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc[GEMV_ROWS];
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
+}
+
+/* Prefill: each row's block is prepared once and each 32 of its integers
+   unpacked once for the tile's tokens; integer sums per (row, token). */
+INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
+                   KChunkFn chunk)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        KPrep p[TILE_ROWS];
+        __m256i isum[TILE_ROWS][TILE_TOKS];
+        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 32; j++) {
+            __m256i q[TILE_ROWS], sc[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
+            for (int t = 0; t < TILE_TOKS; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
+                for (int r = 0; r < TILE_ROWS; r++)
+                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
+            }
+        }
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
+    }
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+}
+
+/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
+   prep and chunk functions. */
+#define K_KERNELS(name, Block, prep)                                                                            \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
+    }
+K_KERNELS(q4_k, BlockQ4K, prep_k4)
+K_KERNELS(q5_k, BlockQ5K, prep_k4)
+K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
@@ -1503,18 +2004,6 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
         _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
     from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
 }
-
-static void to_float_q8_0_avx2(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i += QK) {
-        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-        __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < QK; j += 8) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
-            _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-        }
-    }
-}
 #endif
 
 /* ============================================================================
@@ -1554,13 +2043,14 @@ typedef struct {
 } TypeKernels;
 
 /* Activation formats: what a matrix product reads as its input rows. */
-enum { ACT_F32, ACT_Q8, N_ACTS };
+enum { ACT_F32, ACT_Q8, ACT_Q8K, N_ACTS };
 static const struct {
     int block;          /* elements per block */
     size_t block_bytes; /* bytes per block */
 } ACT_FORMATS[N_ACTS] = {
     [ACT_F32] = {1, sizeof(float)},
     [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d and d*sum */
+    [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
 enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
@@ -1582,25 +2072,53 @@ typedef struct {
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
 #define GEMV_SHAPE GEMV_ROWS, 1, QK
+#define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
+#define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
 static const WeightType TYPES[N_TYPES] = {
+#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .dot = dot_##t##_scalar}
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
-               {{.to_float = to_float_f32_scalar, .from_float = from_float_f32_scalar, .dot = dot_f32_scalar},
+               {SCALAR(f32, from_float_f32_scalar),
                 AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
-               {{.to_float = to_float_f16_scalar, .from_float = from_float_f16_scalar, .dot = dot_f16_scalar},
-                AVX2({to_float_f16_avx2, from_float_f16_avx2, dot_f16_avx2, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
-    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
-                {{.to_float = to_float_bf16_scalar, .from_float = NULL, .dot = dot_bf16_scalar},
-                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
-    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
-                {{.to_float = to_float_q8_0_scalar, .from_float = from_float_q8_0_scalar, .dot = dot_q8_0_scalar},
-                 AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+               {SCALAR(f16, from_float_f16_scalar),
+                AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
+                      .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
+                {SCALAR(q4_0, from_float_q4_0_scalar),
+                 AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
-                {{.to_float = to_float_q4_1_scalar, .from_float = NULL, .dot = dot_q4_1_scalar},
-                 AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+                {SCALAR(q4_1, NULL),
+                 AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
+                       .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
+                {SCALAR(q5_0, NULL),
+                 AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
+                {SCALAR(q5_1, NULL),
+                 AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
+                       .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
+                {SCALAR(q8_0, from_float_q8_0_scalar),
+                 AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
+                {SCALAR(q4_k, NULL),
+                 AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K,
+                {SCALAR(q5_k, NULL),
+                 AVX2({.dot = dot_q5_k_avx2, .gemv = {gemv_q5_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q5_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K,
+                {SCALAR(q6_k, NULL),
+                 AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}})}},
+    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
+                {SCALAR(bf16, NULL),
+                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+#undef SCALAR
 };
 
 /* The kernels that do not depend on a weight type, per kernel set. */
@@ -1633,11 +2151,11 @@ static int cpu_has_avx2(void)
 #endif
 
 static const OpKernels OPS[N_KSETS] = {
-    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar}, att_scores_scalar, att_scores_rows_scalar,
-                     att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
+    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_scores_scalar,
+                     att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
 #ifdef HAVE_AVX2
-    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2}, att_scores_avx2, att_scores_rows_avx2,
-                   att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2},
+    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_scores_avx2,
+                   att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2},
 #endif
 };
 
@@ -1825,7 +2343,7 @@ typedef struct {
     int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
-    int kv_type;    /* a type of the table with a kv_name */
+    int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
     int exact;      /* this pass computes each token exactly as decode_step would (verify_step) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
@@ -2238,7 +2756,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
 }
 
 /* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
-   of 32: the gate and up rows of those units (one matrix W13, the two
+   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
    halves stacked), then, as the epilogue of the same step, SwiGLU
    silu(gate) * up written over the gate half and quantized for W2. A
    thread owns whole int8 blocks of the result, so no barrier separates
@@ -3301,7 +3819,7 @@ static void usage(FILE *f)
         "                 while other programs take those cores, passes run with fewer)\n"
         "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
         "                 at least 3)\n"
-        "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
+        "  --kv TYPE      KV cache precision: f32, f16, q8 or q4 (default f16)\n"
         "  --lookup N     lookup decoding: guess up to N (0-15) next tokens from the\n"
         "                 context and check them in one pass; 0 turns it off (default\n"
         "                 8). The output is the same as without it: greedy text byte\n"

@@ -231,9 +231,15 @@ def test_tensor_count_absurd():
 
 
 def test_tensor_unsupported_type():
-    msg = expect_file_error(lambda b: mf.entry_put(b, "tok_embeddings", "type", 12), "tok_embeddings",
-                            "unsupported type", name="tensor-q4k")
-    assert "12" in msg, msg
+    """Q2_K (ggml type 10) is a real GGUF type that the engine does not run."""
+    msg = expect_file_error(lambda b: mf.entry_put(b, "tok_embeddings", "type", 10), "tok_embeddings",
+                            "unsupported type", name="tensor-q2k")
+    assert "10" in msg, msg
+
+
+def test_tensor_k_type_on_short_rows():
+    """Q4_K (type 12) runs natively, but only on rows that are whole blocks of 256: the tiny model's are not."""
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "type", 12), "layers.0.wo", "q4_k", name="tensor-q4k")
 
 
 def test_tensor_data_past_end():
