@@ -119,12 +119,14 @@ def f32_file() -> Path:
 
 
 def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str, int] | None = None) -> dict[str, np.ndarray]:
-    """src with each tensor whose name ends in a key of `types` re-encoded as that type (tensors re-laid, table at
-    the end). Returns the stored values by tensor name, decoded by the gguf package."""
+    """src with each tensor whose name ends in a key of `types` re-encoded as that type (the tensors re-laid after
+    the table, each at the next 64-byte boundary, as the README's layout rules want). Returns the stored values by
+    tensor name, decoded by the gguf package."""
     data = src.read_bytes()
     h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
     entries = [ENTRY.unpack_from(data, h["table_offset"] + i * ENTRY.size) for i in range(h["n_tensors"])]
-    out = bytearray(data[:min(e[5] for e in entries)])
+    table_end = h["table_offset"] + len(entries) * ENTRY.size
+    out = bytearray(data[:table_end])
     table, stored = bytearray(), {}
     for raw_name, ttype, rows, cols, pad, off, size in entries:
         name = raw_name.rstrip(b"\0").decode()
@@ -135,10 +137,10 @@ def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str
         out += bytes(-len(out) % ALIGN)
         table += ENTRY.pack(raw_name, int(qt), rows, (cols_override or {}).get(name, cols), pad, len(out), len(blob))
         out += blob
-    out += bytes(-len(out) % ALIGN)
-    h["table_offset"], h["file_size"] = len(out), len(out) + len(table)
+    out[h["table_offset"]:table_end] = table
+    h["file_size"] = len(out)
     out[:HEADER.size] = HEADER.pack(*(h[k] for k in HEADER_KEYS))
-    dst.write_bytes(bytes(out + table))
+    dst.write_bytes(bytes(out))
     return stored
 
 
