@@ -914,67 +914,6 @@ static void quantize_act_k_scalar(void *blocks, const float *x, int n)
     }
 }
 
-#ifdef HAVE_AVX2
-/* max |x| over n (a multiple of 8) floats. */
-static float amax_avx2(const float *x, int n)
-{
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-}
-
-/* 32 floats times id rounded to int8 into q exactly as round_i8 does:
-   roundf's half-away-from-zero is rebuilt from truncation. Returns the
-   sum of the 32 integers. */
-static int round_i8x32_avx2(int8_t *q, const float *x, float id)
-{
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    __m256i v[4];
-    for (int j = 0; j < 4; j++) {
-        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
-        __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
-        t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
-        v[j] = _mm256_cvtps_epi32(t);
-    }
-    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
-    /* the packs interleave 128-bit lanes: restore element order */
-    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)q, q8);
-    __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-    return _mm_cvtsi128_si32(s4);
-}
-
-/* Same results as the scalar versions, bit for bit: the scale is computed
-   in scalar from the same maximum. */
-static void quantize_act_avx2(void *blocks, const float *x, int n)
-{
-    BlockQ8A *out = blocks;
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
-        out[b].d = d;
-        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
-    }
-}
-
-static void quantize_act_k_avx2(void *blocks, const float *x, int n)
-{
-    BlockQ8K *out = blocks;
-    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
-        float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
-        out[b].d = d;
-        for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
-        q8k_bsums(&out[b]);
-    }
-}
-#endif
-
 /* --- row conversions: one row of n elements to and from floats ----------
    to_float serves embedding lookups and attention's reads of the KV cache;
    from_float is how the KV cache stores K and V rows. */
@@ -1280,481 +1219,6 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
 }
 
-/* --- AVX2 versions ------------------------------------------------------ */
-#ifdef HAVE_AVX2
-static float hsum256(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static float dot_f32_avx2(const void *w, const void *x, int n)
-{
-    const float *a = w, *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    float sum = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-static float dot_f16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
-        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-static float dot_bf16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
-        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-/* --- the 32-element integer types ------------------------------------------
-   Per block, every 32-element type is 32 small integers q, a scale d and,
-   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
-   kernels are written once, over a type's unpacker, which returns q as 32
-   bytes in element order with d and m; a type adds its unpacker and one
-   INT32_KERNELS line. The integers of a type with a minimum are unsigned
-   and feed maddubs's unsigned operand directly, signed ones take the sign
-   trick of isum32; the minimum's term m * sum(x) is one multiply per block
-   through the activation block's s. */
-#define INLINE static inline __attribute__((always_inline))
-typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
-
-/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
-   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
-INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
-{
-    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-/* One weight block times one activation block, added to acc (and the
-   minimum's term to *mins). */
-INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
-{
-    float d, m;
-    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
-    if (has_min) *mins += m * b->s;
-    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
-}
-
-/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
-   wait on each other's FMA latency. */
-INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
-{
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float mins0 = 0, mins1 = 0;
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
-        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
-    }
-    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
-    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
-}
-
-/* --- AVX2 register tiles for prefill --------------------------------------
-   A tile computes a small block of out[t][r] at once: each weight block it
-   loads serves several tokens and each activation block several rows, and
-   the accumulators are independent, so the batch costs far fewer loads and
-   no FMA waits on another. out is [rows][tokens] row-major; the results
-   equal the dot products above up to summation order. */
-
-INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                   Unpack32Fn unpack, int has_min)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
-        float d[TILE_ROWS], m[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
-            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-                if (has_min) mins[r][t] += m[r] * b->s;
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
-}
-
-/* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
-   loaded once for all the rows, and the rows' independent accumulators
-   keep the FMA unit busy where one row would wait on its own sums: in
-   cache this is 2.7x the dot product's speed. From DRAM both run at the
-   memory's pace, as long as the stream is prefetched well: the rows are
-   one contiguous stretch of memory read four places at once, which the
-   hardware prefetcher follows poorly, so each block prefetches its share
-   of the stretch in address order (one burst per call instead would fill
-   the miss buffers and stall the loads: 40 % slower). */
-INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
-{
-    __m256 acc[GEMV_ROWS];
-    float mins[GEMV_ROWS] = {0};
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
-        for (int r = 0; r < GEMV_ROWS; r++)
-            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
-}
-
-/* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
-   it. For the KV cache's types, attention's inner loop at long context. */
-INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack32Fn unpack, int has_min)
-{
-    for (int i = 0; i < n; i += QK) {
-        float d, m;
-        __m256i q = unpack(row + i / QK * bb, &d, &m);
-        for (int j = 0; j < QK; j += 8) {
-            __m256i q8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)&q + j)));
-            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q8), _mm256_set1_ps(d));
-            _mm256_storeu_ps(out + i + j, has_min ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v); /* no -0 + 0 */
-        }
-    }
-}
-
-/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
-   prefill tile, from its unpacker unpack_<name>. */
-#define INT32_KERNELS(name, Block, has_min)                                                                     \
-    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
-    {                                                                                                           \
-        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
-    }                                                                                                           \
-    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
-    {                                                                                                           \
-        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
-    }                                                                                                           \
-    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        (void)xs;                                                                                               \
-        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
-    }                                                                                                           \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
-    }
-
-/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
-   (byte j holds element j low, j+16 high). */
-static __m256i nibbles_32(const uint8_t *qs)
-{
-    __m128i q = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
-}
-
-static __m256i unpack_q8_0(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
-    *d = _cvtsh_ss(b->d), *m = 0;
-    return _mm256_loadu_si256((const __m256i *)b->qs);
-}
-INT32_KERNELS(q8_0, BlockQ8_0, 0)
-
-static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
-    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
-    return nibbles_32(b->qs);
-}
-INT32_KERNELS(q4_1, BlockQ4_1, 1)
-
-/* nibbles 0..15 become the signed values -8..7 */
-static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
-    *d = _cvtsh_ss(b->d), *m = 0;
-    return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
-}
-INT32_KERNELS(q4_0, BlockQ4_0, 0)
-
-/* The 5-bit types' bit 4 of each element: byte i = 0x10 where bit i of
-   qh is set. Byte i first takes byte i/8 of qh, then keeps its bit i%8. */
-static __m256i high_bits_32(const uint8_t *qh)
-{
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
-                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
-}
-
-/* q = 0..31 becomes the signed value q - 16 */
-static __m256i unpack_q5_0(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
-    *d = _cvtsh_ss(b->d), *m = 0;
-    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh)), _mm256_set1_epi8(16));
-}
-INT32_KERNELS(q5_0, BlockQ5_0, 0)
-
-static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
-    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
-    return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
-}
-INT32_KERNELS(q5_1, BlockQ5_1, 1)
-
-/* --- the K types ------------------------------------------------------------
-   A super-block of 256 against an activation block of 256 (BlockQ8K). A
-   type gives two functions: prep, the block's scales, and chunk, its
-   integers 32 at a time (unsigned, so maddubs takes them as they are).
-   Every block is then, in int32 lanes until one float multiply each,
-     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
-   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
-   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
-   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
-   The kernels are written once over prep and chunk. */
-typedef struct {
-    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
-    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
-    float d, c;
-} KPrep;
-typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
-typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
-
-/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
-static __m256i each_twice(uint64_t bytes)
-{
-    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
-    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
-}
-
-/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
-   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
-   stores read back as a vector would stall store forwarding. */
-static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
-{
-    const BlockQ4K *b = (const BlockQ4K *)block;
-    uint32_t s[3];
-    memcpy(s, b->scales, sizeof s);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
-    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
-    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
-    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
-    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
-}
-
-/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
-   nibbles of bytes 32 (j / 2).. */
-static __m256i k4_nibbles(const uint8_t *qs, int j)
-{
-    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
-    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
-}
-
-static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
-
-/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
-   keeps each byte's bit j at bit 0 for j < 8) */
-static __m256i chunk_q5_k(const uint8_t *block, int j)
-{
-    const BlockQ5K *b = (const BlockQ5K *)block;
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
-    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
-}
-
-static void prep_q6_k(const uint8_t *block, KPrep *p)
-{
-    const BlockQ6K *b = (const BlockQ6K *)block;
-    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
-    _mm256_storeu_si256((__m256i *)p->sc, sc);
-    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
-    p->d = p->c = _cvtsh_ss(b->d);
-}
-
-/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
-   high 2 bits at 2g' of the half's qh bytes */
-static __m256i chunk_q6_k(const uint8_t *block, int j)
-{
-    const BlockQ6K *b = (const BlockQ6K *)block;
-    int h = j / 4, g = j % 4;
-    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
-    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
-}
-
-/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
-   lanes, the low 128 bits elements 0-15, the high 16-31. */
-static __m256i chunk_scales(const KPrep *p, int j)
-{
-    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
-}
-
-/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
-static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
-{
-    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
-    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
-}
-
-INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
-{
-    KPrep p;
-    prep(w, &p);
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < QK_K / 32; j++) {
-        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
-    }
-    return k_finish(&p, x, isum, acc);
-}
-
-/* Two accumulators, as dot32. */
-INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
-{
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int k = 0, nb = n / QK_K;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
-        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
-    }
-    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
-/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
-INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
-{
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-/* Prefill: each row's block is prepared once and each 32 of its integers
-   unpacked once for the tile's tokens; integer sums per (row, token). */
-INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
-                   KChunkFn chunk)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        KPrep p[TILE_ROWS];
-        __m256i isum[TILE_ROWS][TILE_TOKS];
-        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
-        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 32; j++) {
-            __m256i q[TILE_ROWS], sc[TILE_ROWS];
-            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
-            for (int t = 0; t < TILE_TOKS; t++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
-                for (int r = 0; r < TILE_ROWS; r++)
-                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
-            }
-        }
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
-    }
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
-}
-
-/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
-   prep and chunk functions. */
-#define K_KERNELS(name, Block, prep)                                                                            \
-    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
-    {                                                                                                           \
-        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
-    }                                                                                                           \
-    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        (void)xs;                                                                                               \
-        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
-    }                                                                                                           \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
-    }
-K_KERNELS(q4_k, BlockQ4K, prep_k4)
-K_KERNELS(q5_k, BlockQ5K, prep_k4)
-K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
-
-/* GCC likes to fold a loaded vector into every FMA that uses it as a memory
-   operand, which costs one load per FMA and makes the tile load-bound; an
-   empty asm that "changes" the value pins it in a register. */
-#if defined(__GNUC__)
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
-#else
-#define KEEP_IN_REGISTER(v) (void)0
-#endif
-
-/* Float weights: 8 weights per FMA; a weight vector is loaded once and
-   used for every token of the tile. load8 turns 8 stored weights into floats. */
-#define FLOAT_TILE(name, load8)                                                                          \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                    \
-        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
-        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
-        for (int i = 0; i < n; i += 8) {                                                                 \
-            __m256 xv[FTILE_TOKS];                                                                       \
-            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
-            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
-            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
-                __m256 wv = load8(w + r * ws, i);                                                        \
-                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
-            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
-    }
-
-static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
-static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
-static __m256 load8_bf16(const uint8_t *row, int i)
-{
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-FLOAT_TILE(f32, load8_f32)
-FLOAT_TILE(f16, load8_f16)
-FLOAT_TILE(bf16, load8_bf16)
-#endif
-
 /* --- SwiGLU, the feed-forward's activation -----------------------------
    g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
 static void swiglu_scalar(float *g, const float *u, int n)
@@ -1773,59 +1237,6 @@ static void geglu_scalar(float *g, const float *u, int n)
         g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
     }
 }
-
-#ifdef HAVE_AVX2
-/* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
-   with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
-   a minimax polynomial (Cephes' coefficients), times 2^n built in the
-   exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
-   no softmax weight notices); above 88.3 it is +inf (expf overflows at
-   88.7). */
-static __m256 exp_avx2(__m256 x)
-{
-    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
-    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
-}
-
-/* (1 + tanh(y)) / 2 = 1 / (1 + exp(-2y)): GELU as x times a sigmoid, so
-   it shares SwiGLU's exp; both ends saturate correctly (exp gives inf or 0). */
-static void geglu_avx2(float *g, const float *u, int n)
-{
-    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2 * GELU_C), a = _mm256_set1_ps(GELU_A);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(g + i), inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);
-        __m256 e = exp_avx2(_mm256_mul_ps(c, inner));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-    geglu_scalar(g + i, u + i, n - i);
-}
-
-static void swiglu_avx2(float *g, const float *u, int n)
-{
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(g + i), e = exp_avx2(_mm256_xor_ps(x, sign));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
-    }
-    swiglu_scalar(g + i, u + i, n - i);
-}
-#endif
 
 /* --- attention kernels -----------------------------------------------------
    Attention works on blocks of ATT_KTILE cached positions held as floats.
@@ -1875,136 +1286,6 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     *m = mx;
     return sum;
 }
-
-#ifdef HAVE_AVX2
-static float hmax256(__m256 v)
-{
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* max_ps(score, mx) keeps mx when a score is NaN, as the scalar compare does. */
-static float att_softmax_avx2(float *sc, int n, float scale, float *m)
-{
-    __m256 vmax = _mm256_set1_ps(*m), vs = _mm256_set1_ps(scale), vsum = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs);
-        _mm256_storeu_ps(sc + j, v);
-        vmax = _mm256_max_ps(v, vmax);
-    }
-    float mx = hmax256(vmax), sum = 0;
-    for (int i = j; i < n; i++) {
-        sc[i] *= scale;
-        mx = sc[i] > mx ? sc[i] : mx;
-    }
-    __m256 vm = _mm256_set1_ps(mx);
-    for (int i = 0; i < j; i += 8) {
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
-        _mm256_storeu_ps(sc + i, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    for (int i = j; i < n; i++) sum += sc[i] = expf(sc[i] - mx);
-    *m = mx;
-    return hsum256(vsum) + sum;
-}
-
-/* Keys in groups of 32 (four vectors of 8); the columns past n are
-   computed from whatever the block holds and never read. */
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j += 32) {
-        /* two elements of q per step into separate sums: one chain of FMAs
-           per accumulator would wait on its own latency */
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= hd; i += 2) {
-            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
-            const float *k = kt + i * ATT_KTILE + j;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
-            }
-        }
-        for (; i < hd; i++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-}
-
-/* Eight keys at a time: eight independent sums, reduced together by a
-   tree of horizontal adds instead of one reduction per key. */
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
-{
-    int j = 0, vec = hd / 8 * 8;
-    for (; j + 8 <= n; j += 8) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int i = 0; i < vec; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
-        }
-        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
-        for (int r = 0; r < 8; r++)
-            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
-    }
-    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
-}
-
-/* 32 output elements at a time in registers, two positions per step into
-   separate sums; then 8 at a time, then a scalar tail. */
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
-{
-    int i = 0;
-    for (; i + 32 <= hd; i += 32) {
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 2 <= n; j += 2) {
-            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-            const float *r = v + (size_t)j * hd + i;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
-            }
-        }
-        for (; j < n; j++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-    for (; i + 8 <= hd; i += 8) {
-        __m256 a = _mm256_loadu_ps(o + i);
-        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
-        _mm256_storeu_ps(o + i, a);
-    }
-    for (; i < hd; i++)
-        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
-#endif
-
-#ifdef HAVE_AVX2
-/* The KV cache's types, 8 elements per step: attention converts every
-   cached row it reads, so at long context this is decode's inner loop. */
-static void to_float_f16_avx2(float *out, const void *row, int n)
-{
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
-    to_float_f16_scalar(out + i, (const uint16_t *)row + i, n - i);
-}
-
-static void from_float_f16_avx2(void *row, const float *x, int n)
-{
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
-}
-#endif
 
 /* ============================================================================
    THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
@@ -2075,6 +1356,41 @@ typedef struct {
 #define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
 #define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
 
+/* The AVX2 kernel set, defined in the appendix at the end of the file: the
+   same kernels as the scalar definitions above, eight floats or 32 int8
+   products per instruction, in register tiles for the matrix products. */
+#ifdef HAVE_AVX2
+#define AVX2_BLOCK_KERNELS(t)                                                                                   \
+    static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
+    static void gemv_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
+    static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+#define AVX2_FLOAT_KERNELS(t)                                                                                   \
+    static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
+    static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+AVX2_FLOAT_KERNELS(f32) AVX2_FLOAT_KERNELS(f16) AVX2_FLOAT_KERNELS(bf16)
+AVX2_BLOCK_KERNELS(q4_0) AVX2_BLOCK_KERNELS(q4_1) AVX2_BLOCK_KERNELS(q5_0) AVX2_BLOCK_KERNELS(q5_1) AVX2_BLOCK_KERNELS(q8_0)
+AVX2_BLOCK_KERNELS(q4_k) AVX2_BLOCK_KERNELS(q5_k) AVX2_BLOCK_KERNELS(q6_k)
+#undef AVX2_BLOCK_KERNELS
+#undef AVX2_FLOAT_KERNELS
+static void to_float_f16_avx2(float *out, const void *row, int n);
+static void from_float_f16_avx2(void *row, const float *x, int n);
+static void to_float_q4_0_avx2(float *out, const void *row, int n);
+static void to_float_q4_1_avx2(float *out, const void *row, int n);
+static void to_float_q5_0_avx2(float *out, const void *row, int n);
+static void to_float_q5_1_avx2(float *out, const void *row, int n);
+static void to_float_q8_0_avx2(float *out, const void *row, int n);
+static void quantize_act_avx2(void *blocks, const float *x, int n);
+static void quantize_act_k_avx2(void *blocks, const float *x, int n);
+static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n);
+static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n);
+static float att_softmax_avx2(float *sc, int n, float scale, float *m);
+static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n);
+static void swiglu_avx2(float *g, const float *u, int n);
+static void geglu_avx2(float *g, const float *u, int n);
+static int cpu_has_avx2(void);
+static float hsum256(__m256 v);
+#endif
+
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
 static const WeightType TYPES[N_TYPES] = {
@@ -2135,20 +1451,6 @@ typedef struct {
 } OpKernels;
 
 static int always(void) { return 1; }
-#ifdef HAVE_AVX2
-/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
-   1 and 7, xgetbv): what the AVX2 set's instructions need. */
-static int cpu_has_avx2(void)
-{
-    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
-    if (!(fma && osxsave && avx && f16c)) return 0;
-    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    return b >> 5 & 1;
-}
-#endif
 
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_scores_scalar,
@@ -2224,7 +1526,6 @@ static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.
 static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
 static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
 static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
-
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
@@ -3029,8 +2330,11 @@ static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand,
     return draw(sm, cand, keep, total - cand[at].p, d);
 }
 
-/* ----- roofline ---------------------------------------------------------------
-   How fast could this machine go? Small probes (--probe) measure DRAM read
+/* ============================================================================
+   5. MEASUREMENT: ROOFLINE AND STATISTICS
+   ========================================================================= */
+
+/* How fast could this machine go? Small probes (--probe) measure DRAM read
    bandwidth and the f32 and int8 arithmetic peaks with the same thread
    team; -v then puts each phase next to its own limit: decode against
    bandwidth (bytes of weights and KV cache read per token), prefill against
@@ -3145,73 +2449,6 @@ static double decode_bytes(const Model *m, const RunState *s, int pos)
     return m->weight_bytes + 2.0 * m->c.n_layers * m->c.n_kv_heads * (pos + 1) * s->kv_row;
 }
 
-/* ============================================================================
-   5. GENERATION
-   ========================================================================= */
-
-/* The command line (section 6 parses it). */
-typedef struct {
-    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, seed_set, chat_wrap, kv_type, probe;
-    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
-    int lookup;       /* --lookup N: longest draft of lookup decoding (0 = off) */
-    int ignore_eos;   /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
-    int print_ids;    /* --print-prompt-ids: each prefilled block's token ids go to stderr */
-    float temperature, top_p;
-    unsigned long long seed;
-} Args;
-
-/* Streams token texts to stdout so that a UTF-8 character split across
-   tokens is written whole: bytes of an unfinished character wait for the
-   next token (or for the end of the answer). */
-typedef struct {
-    char buf[4];
-    int len;
-} Utf8Stream;
-
-static int utf8_len(unsigned char lead)
-{
-    return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
-}
-
-/* stdout must take every byte. A reader that went away (EPIPE, e.g.
-   `| head`) ends the run quietly with status 0, like other filters; any
-   other failure (a full disk, a closed stdout) is an error. */
-static void check_stdout(void)
-{
-    if (fflush(stdout) == 0 && !ferror(stdout)) return;
-    if (errno == EPIPE) exit(EXIT_SUCCESS);
-    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
-}
-
-/* Before a successful exit: all of stdout written, and closed without
-   error (some file systems report a failed write only at close). */
-static void close_stdout(void)
-{
-    check_stdout();
-    errno = 0;
-    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
-}
-
-static void emit(Utf8Stream *u, const char *p, size_t n)
-{
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = p[i];
-        if (u->len && (ch & 0xc0) != 0x80) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; } /* broken sequence */
-        if (!u->len && utf8_len(ch) == 1) { fputc(ch, stdout); continue; }
-        u->buf[u->len++] = ch;
-        if (u->len == utf8_len((unsigned char)u->buf[0])) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; }
-    }
-    if (!u->len) check_stdout();
-}
-
-static void emit_flush(Utf8Stream *u)
-{
-    fwrite(u->buf, 1, u->len, stdout);
-    u->len = 0;
-    check_stdout();
-}
-
 /* Per-request numbers for -v: what the user waits for before the first
    token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
    memory bandwidth in decode). */
@@ -3223,11 +2460,6 @@ typedef struct {
     int n_itl;
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
 } Stats;
-
-enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
-
-/* Set by SIGINT in chat mode: ends the current answer. */
-static volatile sig_atomic_t interrupted, answering;
 
 static int by_double(const void *a, const void *b)
 {
@@ -3265,6 +2497,26 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
             bytes / (mc->gbps * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? "memory" : "compute");
 }
 
+/* ============================================================================
+   6. GENERATION
+   ========================================================================= */
+
+/* What the generation loop takes from the command line. */
+typedef struct {
+    int n_predict;      /* -n: tokens to generate at most */
+    int lookup;         /* --lookup N: longest draft of lookup decoding (0 = off) */
+    int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
+    int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
+    int verbose;        /* -v: statistics per request */
+    const char *system; /* -y: the system prompt (NULL: the template's own) */
+} GenOpts;
+
+/* Why an answer ended (generate's result). */
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
+
+/* Set by SIGINT in chat mode: ends the current answer. */
+static volatile sig_atomic_t interrupted, answering;
+
 /* The tokens of a conversation in order; the first `pos` of them are in
    the KV cache. */
 typedef struct {
@@ -3282,148 +2534,7 @@ static void push(Tokens *t, int id)
     t->ids[t->n++] = id;
 }
 
-/* ----- lookup decoding --------------------------------------------------------
-   Decode reads every weight once per token, but checking k guessed tokens
-   costs about the same weight reads as producing one (verify_step). Text
-   that copies from its input (summaries, extractions, edits, code) often
-   continues with tokens the context already holds, so the guesses come
-   from the context itself: the latest earlier occurrence of the longest
-   suffix n-gram proposes the tokens that followed it. Greedy output stays
-   byte for byte what plain decoding gives, because the verification pass
-   computes each position exactly as a decode step; sampled output keeps
-   its distribution (sample_with_draft). */
-
-#define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
-#define LOOKUP_COOLDOWN 16 /* plain decode steps before drafting again after drafts kept failing */
-#define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
-
-typedef struct {
-    int max;  /* --lookup: longest draft (0 = off) */
-    int len;  /* current draft length, adapted to how many drafts stand */
-    int idle; /* plain steps since drafting stopped (len 0) */
-} Lookup;
-
-/* Up to k tokens that followed the latest earlier occurrence of the longest
-   suffix n-gram (n = LOOKUP_NGRAM down to 1) of ids[0..n) into draft;
-   returns how many (0: no n-gram of the suffix occurred before). */
-static int lookup_draft(const int *ids, int n, int k, int *draft)
-{
-    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= 1; g--)
-        for (int i = n - g - 1; i >= 0; i--)
-            if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
-                int c = min_i(k, n - (i + g));
-                memcpy(draft, ids + i + g, c * sizeof *ids);
-                return c;
-            }
-    return 0;
-}
-
-/* After a verification that kept `kept` of k drafts: all stood, so guess
-   further next time; none, so halve the guess, down to not drafting at all
-   (open-ended text then pays nothing but a probe every LOOKUP_COOLDOWN
-   tokens); some, so guess one more than stood. */
-static void lookup_adapt(Lookup *lk, int kept, int k)
-{
-    if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
-    else if (kept == 0) lk->len /= 2;
-    else lk->len = min_i(lk->max, kept + 1);
-    lk->idle = 0;
-}
-
-/* Takes the sampled token: an end token stops (never printed, never fed
-   back); otherwise it is streamed and counted, and the limits are checked
-   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
-static int take_token(const Model *m, const Args *a, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
-{
-    if (tok_is_eog(m->tok, token) && !a->ignore_eos) return STOP_END;
-    size_t len;
-    const char *piece = tok_piece(m->tok, token, &len);
-    if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
-    if (++st->n_gen >= n_predict) return STOP_LIMIT;
-    if (pos >= seq_len) return STOP_CONTEXT;
-    if (interrupted) return STOP_INTERRUPT;
-    return -1;
-}
-
-/* One step of the decode loop: feeds `token` (taken, at position *pos) and
-   returns the next sampled token. With lookup, drafts follow it in one
-   verification pass; each draft that stands is taken on the spot (and may
-   stop generation: then *why is set). conv receives every token fed, so
-   conv->n == *pos after the step. */
-static int decode_next(const Model *m, RunState *s, Sampler *sm, const Args *a, Lookup *lk, Candidate *cand, Tokens *conv,
-                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
-{
-    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
-    push(conv, token);
-    if (lk->max && !lk->len && ++lk->idle >= LOOKUP_COOLDOWN) lk->len = 1;
-    int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
-    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, batch + 1);
-    st->passes++;
-    if (k == 0) {
-        decode_step(m, s, token, (*pos)++);
-        return sample(sm, s->logits, vocab, cand);
-    }
-    batch[0] = token;
-    verify_step(m, s, batch, k + 1, *pos);
-    st->drafted += k;
-    int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i] */
-        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
-        if (i == k || next != batch[i + 1]) break;
-        kept++;
-        if ((*why = take_token(m, a, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
-        push(conv, next);
-    }
-    st->accepted += kept;
-    lookup_adapt(lk, kept, k);
-    *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
-    return next;
-}
-
-/* Prefills the tokens of conv not yet cached (from *pos), then samples,
-   streams and decodes until an end token (never printed, never fed back),
-   n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
-   model is appended to conv, so conv->n == *pos on return. Returns why it
-   stopped and, in *last, the last token sampled (not fed; -1 when
-   n_predict is 0: then nothing is sampled or printed). */
-static int generate(const Model *m, RunState *s, Sampler *sm, const Args *a, Tokens *conv, int *pos, int n_predict,
-                    Stats *st, int *last)
-{
-    Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
-    Utf8Stream u = {{0}, 0};
-    Lookup lk = {a->lookup, a->lookup ? min_i(a->lookup, 2) : 0, 0};
-    int n = conv->n - *pos, why = STOP_LIMIT;
-    *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
-    if (a->print_ids) {
-        fputs("ids:", stderr);
-        for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
-        fputc('\n', stderr);
-    }
-    double t0 = now_ms();
-    prefill(m, s, conv->ids + *pos, n, *pos, 0);
-    *pos += n;
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
-    double t_prev = now_ms();
-    st->prefill_ms = t_prev - t0;
-    *last = token;
-    while (n_predict > 0) {
-        if ((why = take_token(m, a, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
-        int before = st->n_gen, stop = -1;
-        token = decode_next(m, s, sm, a, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
-        *last = token;
-        /* the pass yielded the drafts taken and the new token: they share its time */
-        double t = now_ms();
-        int yielded = st->n_gen - before + 1;
-        for (int i = 0; i < yielded && st->n_itl <= n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
-        t_prev = t;
-        if (stop >= 0) { why = stop; break; }
-    }
-    emit_flush(&u);
-    free(cand);
-    return why;
-}
-
-/* ----- chat templates ----------------------------------------------------- */
+/* ----- tokenization ----------------------------------------------------------- */
 
 /* Appends text, tokenized with tok_encode's flags, to t. Without
    TOK_PARSE_SPECIAL control-token look-alikes inside it stay text, so a
@@ -3451,6 +2562,8 @@ static int special_id(const Model *m, const char *text)
     free(ids);
     return id;
 }
+
+/* ----- chat templates ----------------------------------------------------- */
 
 /* The chat templates, reduced to what the generation loop needs. A turn is
    START ROLE [HEADER_END] SEP TEXT END AFTER; START, HEADER_END and END are
@@ -3554,6 +2667,218 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
     chat_turn_close(ch, m, conv);
 }
 
+/* Tokenization, where generation starts: the prompt's text becomes token
+   ids, either wrapped in the chat template as one user turn (chat_wrap,
+   with the template's or -y's system text) or as plain text to continue,
+   with BOS where the model wants one and control-token texts parsed only
+   with `special`. */
+static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
+                            Tokens *t)
+{
+    if (chat_wrap) {
+        Chat ch;
+        build_chat(&ch, m, system);
+        chat_open(&ch, m, t);
+        chat_user_turn(&ch, m, t, text, len);
+    } else {
+        push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (special ? TOK_PARSE_SPECIAL : 0));
+    }
+}
+
+/* ----- streaming --------------------------------------------------------------- */
+
+/* Streams token texts to stdout so that a UTF-8 character split across
+   tokens is written whole: bytes of an unfinished character wait for the
+   next token (or for the end of the answer). */
+typedef struct {
+    char buf[4];
+    int len;
+} Utf8Stream;
+
+static int utf8_len(unsigned char lead)
+{
+    return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
+}
+
+/* stdout must take every byte. A reader that went away (EPIPE, e.g.
+   `| head`) ends the run quietly with status 0, like other filters; any
+   other failure (a full disk, a closed stdout) is an error. */
+static void check_stdout(void)
+{
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    if (errno == EPIPE) exit(EXIT_SUCCESS);
+    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Before a successful exit: all of stdout written, and closed without
+   error (some file systems report a failed write only at close). */
+static void close_stdout(void)
+{
+    check_stdout();
+    errno = 0;
+    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+static void emit(Utf8Stream *u, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = p[i];
+        if (u->len && (ch & 0xc0) != 0x80) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; } /* broken sequence */
+        if (!u->len && utf8_len(ch) == 1) { fputc(ch, stdout); continue; }
+        u->buf[u->len++] = ch;
+        if (u->len == utf8_len((unsigned char)u->buf[0])) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; }
+    }
+    if (!u->len) check_stdout();
+}
+
+static void emit_flush(Utf8Stream *u)
+{
+    fwrite(u->buf, 1, u->len, stdout);
+    u->len = 0;
+    check_stdout();
+}
+
+/* ----- lookup decoding --------------------------------------------------------
+   Decode reads every weight once per token, but checking k guessed tokens
+   costs about the same weight reads as producing one (verify_step). Text
+   that copies from its input (summaries, extractions, edits, code) often
+   continues with tokens the context already holds, so the guesses come
+   from the context itself: the latest earlier occurrence of the longest
+   suffix n-gram proposes the tokens that followed it. Greedy output stays
+   byte for byte what plain decoding gives, because the verification pass
+   computes each position exactly as a decode step; sampled output keeps
+   its distribution (sample_with_draft). */
+
+#define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
+#define LOOKUP_COOLDOWN 16 /* plain decode steps before drafting again after drafts kept failing */
+#define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
+
+typedef struct {
+    int max;  /* --lookup: longest draft (0 = off) */
+    int len;  /* current draft length, adapted to how many drafts stand */
+    int idle; /* plain steps since drafting stopped (len 0) */
+} Lookup;
+
+/* Up to k tokens that followed the latest earlier occurrence of the longest
+   suffix n-gram (n = LOOKUP_NGRAM down to 1) of ids[0..n) into draft;
+   returns how many (0: no n-gram of the suffix occurred before). */
+static int lookup_draft(const int *ids, int n, int k, int *draft)
+{
+    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= 1; g--)
+        for (int i = n - g - 1; i >= 0; i--)
+            if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
+                int c = min_i(k, n - (i + g));
+                memcpy(draft, ids + i + g, c * sizeof *ids);
+                return c;
+            }
+    return 0;
+}
+
+/* After a verification that kept `kept` of k drafts: all stood, so guess
+   further next time; none, so halve the guess, down to not drafting at all
+   (open-ended text then pays nothing but a probe every LOOKUP_COOLDOWN
+   tokens); some, so guess one more than stood. */
+static void lookup_adapt(Lookup *lk, int kept, int k)
+{
+    if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
+    else if (kept == 0) lk->len /= 2;
+    else lk->len = min_i(lk->max, kept + 1);
+    lk->idle = 0;
+}
+
+/* Takes the sampled token: an end token stops (never printed, never fed
+   back); otherwise it is streamed and counted, and the limits are checked
+   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
+static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
+{
+    if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
+    size_t len;
+    const char *piece = tok_piece(m->tok, token, &len);
+    if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
+    if (++st->n_gen >= n_predict) return STOP_LIMIT;
+    if (pos >= seq_len) return STOP_CONTEXT;
+    if (interrupted) return STOP_INTERRUPT;
+    return -1;
+}
+
+/* One step of the decode loop: feeds `token` (taken, at position *pos) and
+   returns the next sampled token. With lookup, drafts follow it in one
+   verification pass; each draft that stands is taken on the spot (and may
+   stop generation: then *why is set). conv receives every token fed, so
+   conv->n == *pos after the step. */
+static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Lookup *lk, Candidate *cand, Tokens *conv,
+                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
+{
+    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
+    push(conv, token);
+    if (lk->max && !lk->len && ++lk->idle >= LOOKUP_COOLDOWN) lk->len = 1;
+    int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
+    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, batch + 1);
+    st->passes++;
+    if (k == 0) {
+        decode_step(m, s, token, (*pos)++);
+        return sample(sm, s->logits, vocab, cand);
+    }
+    batch[0] = token;
+    verify_step(m, s, batch, k + 1, *pos);
+    st->drafted += k;
+    int i = 0, kept = 0, next;
+    for (;; i++) { /* row i holds the logits after batch[0..i] */
+        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
+        if (i == k || next != batch[i + 1]) break;
+        kept++;
+        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
+        push(conv, next);
+    }
+    st->accepted += kept;
+    lookup_adapt(lk, kept, k);
+    *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
+    return next;
+}
+
+/* Prefills the tokens of conv not yet cached (from *pos), then samples,
+   streams and decodes until an end token (never printed, never fed back),
+   n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
+   model is appended to conv, so conv->n == *pos on return. Returns why it
+   stopped and, in *last, the last token sampled (not fed; -1 when
+   n_predict is 0: then nothing is sampled or printed). */
+static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
+                    Stats *st, int *last)
+{
+    Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
+    Utf8Stream u = {{0}, 0};
+    Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0};
+    int n = conv->n - *pos, why = STOP_LIMIT;
+    *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
+    if (o->print_ids) {
+        fputs("ids:", stderr);
+        for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
+        fputc('\n', stderr);
+    }
+    double t0 = now_ms();
+    prefill(m, s, conv->ids + *pos, n, *pos, 0);
+    *pos += n;
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
+    double t_prev = now_ms();
+    st->prefill_ms = t_prev - t0;
+    *last = token;
+    while (n_predict > 0) {
+        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
+        int before = st->n_gen, stop = -1;
+        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
+        *last = token;
+        /* the pass yielded the drafts taken and the new token: they share its time */
+        double t = now_ms();
+        int yielded = st->n_gen - before + 1;
+        for (int i = 0; i < yielded && st->n_itl <= n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
+        t_prev = t;
+        if (stop >= 0) { why = stop; break; }
+    }
+    emit_flush(&u);
+    free(cand);
+    return why;
+}
+
 /* When the conversation plus room for an answer no longer fits, drops the
    oldest exchanges (keeping the opening: BOS and system turn) until it fits
    in half the context, or at least fits, so that the next turns can reuse
@@ -3626,10 +2951,10 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
    Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, const Machine *mc)
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
 {
     Chat ch;
-    build_chat(&ch, m, a->system);
+    build_chat(&ch, m, o->system);
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -3639,7 +2964,7 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
-    int reserve = a->n_predict < s->seq_len / 4 ? a->n_predict : s->seq_len / 4;
+    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
     while (1) {
         if (tty) fputs("> ", stderr);
         char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
@@ -3663,18 +2988,18 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
             check_stdout();
             continue;
         }
-        if (a->verbose)
+        if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         Stats st;
         int last;
         interrupted = 0;
         answering = 1;
-        int why = generate(m, s, sm, a, &conv, &pos, a->n_predict, &st, &last);
+        int why = generate(m, s, sm, o, &conv, &pos, o->n_predict, &st, &last);
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (a->verbose) report_stats(m, s, mc, &st);
+        if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
@@ -3770,12 +3095,23 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
     free(text.ids);
 }
 
+
 /* ============================================================================
-   6. COMMAND LINE
+   7. COMMAND LINE
    ========================================================================= */
 
-/* Set by --scalar: run the reference kernels (slow; for checking). */
-static int force_scalar;
+/* The command line. */
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
+    int top_k, threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
+    float temperature, top_p;
+    unsigned long long seed;
+    const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+} Args;
+
+
 
 static void usage(FILE *f)
 {
@@ -3843,7 +3179,9 @@ static void usage(FILE *f)
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
         "  --exact-batch N  with --dump-logits: N tokens per pass, each computed exactly\n"
         "                 as a decode step (lookup decoding's verification pass)\n"
-        "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
+        "  --kernels NAME the kernel set: scalar (the plain reference kernels; slow, for\n"
+        "                 checking) or one this CPU runs (default: the best; -v names it)\n"
+        "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
         "                 (\"ids: 1 2 3\"; shows what a chat template built)\n"
@@ -3912,12 +3250,25 @@ static int kv_type_named(const char *v)
     usage_error("--kv expects one of %s, got '%s'", names, v);
 }
 
+/* The kernel set --kernels names; one this CPU cannot run, or an unknown
+   name, is a usage error listing the sets it can. */
+static int kernel_set_named(const char *v)
+{
+    char names[MSG_BYTES] = "";
+    for (int k = 0; k < N_KSETS; k++) {
+        if (!kernel_set_available(k)) continue;
+        if (!strcmp(v, OPS[k].name)) return k;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", OPS[k].name);
+    }
+    usage_error("--kernels %s is not a kernel set this build runs on this CPU (available: %s)", v, names);
+}
+
 static void parse_args(Args *a, int argc, char **argv)
 {
-    *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
-                .lookup = LOOKUP_DEFAULT};
+    *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
+                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", NULL};
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -3933,15 +3284,15 @@ static void parse_args(Args *a, int argc, char **argv)
                 v = argv[++i];
             }
         if (!strcmp(f, "-i")) a->prompt = v;
-        else if (!strcmp(f, "-n")) a->n_predict = parse_long(f, v, 0, MAX_SEQ);
+        else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
         else if (!strcmp(f, "-t")) a->temperature = parse_float(f, v, 0, 100, 0);
         else if (!strcmp(f, "-p")) a->top_p = parse_float(f, v, 0, 1, 1);
         else if (!strcmp(f, "-k")) a->top_k = parse_long(f, v, 0, MAX_VOCAB);
         else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
         else if (!strcmp(f, "-m")) a->mode = v;
-        else if (!strcmp(f, "-y")) a->system = v;
+        else if (!strcmp(f, "-y")) a->gen.system = v;
         else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
-        else if (!strcmp(f, "--lookup")) a->lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
+        else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
         else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
         else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
         else if (!strcmp(f, "--ids")) a->ids = v;
@@ -3949,14 +3300,15 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--ppl")) a->ppl = v;
         else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
-        else if (!strcmp(f, "-v")) a->verbose = 1;
+        else if (!strcmp(f, "-v")) a->gen.verbose = 1;
         else if (!strcmp(f, "--special")) a->special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
-        else if (!strcmp(f, "--scalar")) force_scalar = 1;
-        else if (!strcmp(f, "--print-prompt-ids")) a->print_ids = 1;
+        else if (!strcmp(f, "--scalar")) a->kernels = OPS[KSET_SCALAR].name;
+        else if (!strcmp(f, "--kernels")) a->kernels = v;
+        else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
-        else if (!strcmp(f, "--ignore-eos")) a->ignore_eos = 1;
+        else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -4017,14 +3369,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    if (a->chat_wrap) {
-        Chat ch;
-        build_chat(&ch, m, a->system);
-        chat_open(&ch, m, t);
-        chat_user_turn(&ch, m, t, text, len);
-    } else {
-        push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0));
-    }
+    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, t);
     free(text);
     return len;
 }
@@ -4128,7 +3473,7 @@ int main(int argc, char **argv)
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
-    select_kernels(force_scalar ? KSET_SCALAR : best_kernel_set());
+    select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
@@ -4164,7 +3509,7 @@ int main(int argc, char **argv)
     if (threads > cores) {
         /* the barriers spin: threads beyond the cores only wait for each other
            (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
+        if (a.gen.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
         threads = cores;
     }
 #ifdef _OPENMP
@@ -4177,11 +3522,11 @@ int main(int argc, char **argv)
         die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
             TYPES[a.kv_type].block, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
-    if (a.verbose) {
+    if (a.gen.verbose) {
         static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
-        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
-                a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
-                kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, load_ms);
+        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
+                "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
+                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
         if (m.c.window)
             fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
                     m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
@@ -4192,16 +3537,16 @@ int main(int argc, char **argv)
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) chat_loop(&m, &s, &sm, &a, mcp);
-    else if (a.n_predict > 0) {
-        int n_predict = a.n_predict, pos = 0, last;
+    else if (chat) chat_loop(&m, &s, &sm, &a.gen, mcp);
+    else if (a.gen.n_predict > 0) {
+        int n_predict = a.gen.n_predict, pos = 0, last;
         if (n_predict > seq_len - prompt.n + 1) {
             n_predict = seq_len - prompt.n + 1;
-            if (a.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.n_predict, n_predict, seq_len, prompt.n);
+            if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &a, &prompt, &pos, n_predict, &st, &last);
-        if (a.verbose) report_stats(&m, &s, mcp, &st);
+        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &st, &last);
+        if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
     close_stdout();
@@ -4210,3 +3555,736 @@ int main(int argc, char **argv)
     free_model(&m);
     return 0;
 }
+
+
+/* ============================================================================
+   APPENDIX: THE AVX2 KERNEL SET
+   Each function computes what its scalar definition in section 2 computes
+   (tests/test_kernels.c checks every one against it), up to summation
+   order; the row conversions, the activation quantizers and the f16 row
+   writer agree bit for bit. Compiled when the compiler targets AVX2, FMA
+   and F16C; used when the CPU has them (cpu_has_avx2) and --scalar is not
+   given.
+   ========================================================================= */
+#ifdef HAVE_AVX2
+/* max |x| over n (a multiple of 8) floats. */
+static float amax_avx2(const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* 32 floats times id rounded to int8 into q exactly as round_i8 does:
+   roundf's half-away-from-zero is rebuilt from truncation. Returns the
+   sum of the 32 integers. */
+static int round_i8x32_avx2(int8_t *q, const float *x, float id)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i v[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
+        __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+        t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
+        v[j] = _mm256_cvtps_epi32(t);
+    }
+    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    /* the packs interleave 128-bit lanes: restore element order */
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Same results as the scalar versions, bit for bit: the scale is computed
+   in scalar from the same maximum. */
+static void quantize_act_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8A *out = blocks;
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
+    }
+}
+
+static void quantize_act_k_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
+        q8k_bsums(&out[b]);
+    }
+}
+
+static float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot_f32_avx2(const void *w, const void *x, int n)
+{
+    const float *a = w, *b = x;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float dot_f16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+static float dot_bf16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
+        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+/* --- the 32-element integer types ------------------------------------------
+   Per block, every 32-element type is 32 small integers q, a scale d and,
+   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
+   kernels are written once, over a type's unpacker, which returns q as 32
+   bytes in element order with d and m; a type adds its unpacker and one
+   INT32_KERNELS line. The integers of a type with a minimum are unsigned
+   and feed maddubs's unsigned operand directly, signed ones take the sign
+   trick of isum32; the minimum's term m * sum(x) is one multiply per block
+   through the activation block's s. */
+#define INLINE static inline __attribute__((always_inline))
+typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
+
+/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
+   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
+INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
+{
+    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* One weight block times one activation block, added to acc (and the
+   minimum's term to *mins). */
+INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
+{
+    float d, m;
+    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
+    if (has_min) *mins += m * b->s;
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
+}
+
+/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
+   wait on each other's FMA latency. */
+INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float mins0 = 0, mins1 = 0;
+    int k = 0, nb = n / QK;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
+    }
+    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
+}
+
+/* --- AVX2 register tiles for prefill --------------------------------------
+   A tile computes a small block of out[t][r] at once: each weight block it
+   loads serves several tokens and each activation block several rows, and
+   the accumulators are independent, so the batch costs far fewer loads and
+   no FMA waits on another. out is [rows][tokens] row-major; the results
+   equal the dot products above up to summation order. */
+
+INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                   Unpack32Fn unpack, int has_min)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < n / QK; k++) {
+        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
+        float d[TILE_ROWS], m[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
+            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
+        }
+        for (int t = 0; t < TILE_TOKS; t++) {
+            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
+            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+            for (int r = 0; r < TILE_ROWS; r++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+                if (has_min) mins[r][t] += m[r] * b->s;
+            }
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
+}
+
+/* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
+   loaded once for all the rows, and the rows' independent accumulators
+   keep the FMA unit busy where one row would wait on its own sums: in
+   cache this is 2.7x the dot product's speed. From DRAM both run at the
+   memory's pace, as long as the stream is prefetched well: the rows are
+   one contiguous stretch of memory read four places at once, which the
+   hardware prefetcher follows poorly, so each block prefetches its share
+   of the stretch in address order (one burst per call instead would fill
+   the miss buffers and stall the loads: 40 % slower). */
+INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    __m256 acc[GEMV_ROWS];
+    float mins[GEMV_ROWS] = {0};
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++)
+            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
+}
+
+/* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
+   it. For the KV cache's types, attention's inner loop at long context. */
+INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    for (int i = 0; i < n; i += QK) {
+        float d, m;
+        __m256i q = unpack(row + i / QK * bb, &d, &m);
+        for (int j = 0; j < QK; j += 8) {
+            __m256i q8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)&q + j)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q8), _mm256_set1_ps(d));
+            _mm256_storeu_ps(out + i + j, has_min ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v); /* no -0 + 0 */
+        }
+    }
+}
+
+/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
+   prefill tile, from its unpacker unpack_<name>. */
+#define INT32_KERNELS(name, Block, has_min)                                                                     \
+    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
+    {                                                                                                           \
+        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
+    }                                                                                                           \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
+    }
+
+/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
+   (byte j holds element j low, j+16 high). */
+static __m256i nibbles_32(const uint8_t *qs)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
+static __m256i unpack_q8_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_loadu_si256((const __m256i *)b->qs);
+}
+INT32_KERNELS(q8_0, BlockQ8_0, 0)
+
+static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return nibbles_32(b->qs);
+}
+INT32_KERNELS(q4_1, BlockQ4_1, 1)
+
+/* nibbles 0..15 become the signed values -8..7 */
+static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
+}
+INT32_KERNELS(q4_0, BlockQ4_0, 0)
+
+/* The 5-bit types' bit 4 of each element: byte i = 0x10 where bit i of
+   qh is set. Byte i first takes byte i/8 of qh, then keeps its bit i%8. */
+static __m256i high_bits_32(const uint8_t *qh)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* q = 0..31 becomes the signed value q - 16 */
+static __m256i unpack_q5_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh)), _mm256_set1_epi8(16));
+}
+INT32_KERNELS(q5_0, BlockQ5_0, 0)
+
+static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
+}
+INT32_KERNELS(q5_1, BlockQ5_1, 1)
+
+/* --- the K types ------------------------------------------------------------
+   A super-block of 256 against an activation block of 256 (BlockQ8K). A
+   type gives two functions: prep, the block's scales, and chunk, its
+   integers 32 at a time (unsigned, so maddubs takes them as they are).
+   Every block is then, in int32 lanes until one float multiply each,
+     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
+   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
+   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
+   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
+   The kernels are written once over prep and chunk. */
+typedef struct {
+    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
+    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
+    float d, c;
+} KPrep;
+typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
+typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
+
+/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
+static __m256i each_twice(uint64_t bytes)
+{
+    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
+   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
+   stores read back as a vector would stall store forwarding. */
+static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    uint32_t s[3];
+    memcpy(s, b->scales, sizeof s);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
+    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
+    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
+    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
+    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
+}
+
+/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
+   nibbles of bytes 32 (j / 2).. */
+static __m256i k4_nibbles(const uint8_t *qs, int j)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
+    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
+}
+
+static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
+
+/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
+   keeps each byte's bit j at bit 0 for j < 8) */
+static __m256i chunk_q5_k(const uint8_t *block, int j)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
+}
+
+static void prep_q6_k(const uint8_t *block, KPrep *p)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    _mm256_storeu_si256((__m256i *)p->sc, sc);
+    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
+    p->d = p->c = _cvtsh_ss(b->d);
+}
+
+/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
+   high 2 bits at 2g' of the half's qh bytes */
+static __m256i chunk_q6_k(const uint8_t *block, int j)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    int h = j / 4, g = j % 4;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
+    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
+}
+
+/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
+   lanes, the low 128 bits elements 0-15, the high 16-31. */
+static __m256i chunk_scales(const KPrep *p, int j)
+{
+    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
+}
+
+/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
+static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
+{
+    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
+}
+
+INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
+{
+    KPrep p;
+    prep(w, &p);
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < QK_K / 32; j++) {
+        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
+    }
+    return k_finish(&p, x, isum, acc);
+}
+
+/* Two accumulators, as dot32. */
+INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int k = 0, nb = n / QK_K;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
+    }
+    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
+INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc[GEMV_ROWS];
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
+}
+
+/* Prefill: each row's block is prepared once and each 32 of its integers
+   unpacked once for the tile's tokens; integer sums per (row, token). */
+INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
+                   KChunkFn chunk)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        KPrep p[TILE_ROWS];
+        __m256i isum[TILE_ROWS][TILE_TOKS];
+        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 32; j++) {
+            __m256i q[TILE_ROWS], sc[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
+            for (int t = 0; t < TILE_TOKS; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
+                for (int r = 0; r < TILE_ROWS; r++)
+                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
+            }
+        }
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
+    }
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+}
+
+/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
+   prep and chunk functions. */
+#define K_KERNELS(name, Block, prep)                                                                            \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
+    }
+K_KERNELS(q4_k, BlockQ4K, prep_k4)
+K_KERNELS(q5_k, BlockQ5K, prep_k4)
+K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
+
+/* GCC likes to fold a loaded vector into every FMA that uses it as a memory
+   operand, which costs one load per FMA and makes the tile load-bound; an
+   empty asm that "changes" the value pins it in a register. */
+#if defined(__GNUC__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) (void)0
+#endif
+
+/* Float weights: 8 weights per FMA; a weight vector is loaded once and
+   used for every token of the tile. load8 turns 8 stored weights into floats. */
+#define FLOAT_TILE(name, load8)                                                                          \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                    \
+        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
+        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
+        for (int i = 0; i < n; i += 8) {                                                                 \
+            __m256 xv[FTILE_TOKS];                                                                       \
+            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
+            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
+            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
+                __m256 wv = load8(w + r * ws, i);                                                        \
+                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
+            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
+    }
+
+static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
+static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
+static __m256 load8_bf16(const uint8_t *row, int i)
+{
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+FLOAT_TILE(f32, load8_f32)
+FLOAT_TILE(f16, load8_f16)
+FLOAT_TILE(bf16, load8_bf16)
+
+/* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
+   with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
+   a minimax polynomial (Cephes' coefficients), times 2^n built in the
+   exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
+   no softmax weight notices); above 88.3 it is +inf (expf overflows at
+   88.7). */
+static __m256 exp_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+}
+
+/* (1 + tanh(y)) / 2 = 1 / (1 + exp(-2y)): GELU as x times a sigmoid, so
+   it shares SwiGLU's exp; both ends saturate correctly (exp gives inf or 0). */
+static void geglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2 * GELU_C), a = _mm256_set1_ps(GELU_A);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);
+        __m256 e = exp_avx2(_mm256_mul_ps(c, inner));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    geglu_scalar(g + i, u + i, n - i);
+}
+
+static void swiglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), e = exp_avx2(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    swiglu_scalar(g + i, u + i, n - i);
+}
+
+static float hmax256(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* max_ps(score, mx) keeps mx when a score is NaN, as the scalar compare does. */
+static float att_softmax_avx2(float *sc, int n, float scale, float *m)
+{
+    __m256 vmax = _mm256_set1_ps(*m), vs = _mm256_set1_ps(scale), vsum = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs);
+        _mm256_storeu_ps(sc + j, v);
+        vmax = _mm256_max_ps(v, vmax);
+    }
+    float mx = hmax256(vmax), sum = 0;
+    for (int i = j; i < n; i++) {
+        sc[i] *= scale;
+        mx = sc[i] > mx ? sc[i] : mx;
+    }
+    __m256 vm = _mm256_set1_ps(mx);
+    for (int i = 0; i < j; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        _mm256_storeu_ps(sc + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    for (int i = j; i < n; i++) sum += sc[i] = expf(sc[i] - mx);
+    *m = mx;
+    return hsum256(vsum) + sum;
+}
+
+/* Keys in groups of 32 (four vectors of 8); the columns past n are
+   computed from whatever the block holds and never read. */
+static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
+{
+    for (int j = 0; j < n; j += 32) {
+        /* two elements of q per step into separate sums: one chain of FMAs
+           per accumulator would wait on its own latency */
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 2 <= hd; i += 2) {
+            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
+            const float *k = kt + i * ATT_KTILE + j;
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
+            }
+        }
+        for (; i < hd; i++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
+    }
+}
+
+/* Eight keys at a time: eight independent sums, reduced together by a
+   tree of horizontal adds instead of one reduction per key. */
+static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
+{
+    int j = 0, vec = hd / 8 * 8;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int i = 0; i < vec; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
+        }
+        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+        for (int r = 0; r < 8; r++)
+            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
+    }
+    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
+}
+
+/* 32 output elements at a time in registers, two positions per step into
+   separate sums; then 8 at a time, then a scalar tail. */
+static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
+{
+    int i = 0;
+    for (; i + 32 <= hd; i += 32) {
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+            const float *r = v + (size_t)j * hd + i;
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
+            }
+        }
+        for (; j < n; j++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
+    }
+    for (; i + 8 <= hd; i += 8) {
+        __m256 a = _mm256_loadu_ps(o + i);
+        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
+        _mm256_storeu_ps(o + i, a);
+    }
+    for (; i < hd; i++)
+        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
+}
+
+/* The KV cache's types, 8 elements per step: attention converts every
+   cached row it reads, so at long context this is decode's inner loop. */
+static void to_float_f16_avx2(float *out, const void *row, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
+    to_float_f16_scalar(out + i, (const uint16_t *)row + i, n - i);
+}
+
+static void from_float_f16_avx2(void *row, const float *x, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
+}
+
+/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
+   1 and 7, xgetbv): what the AVX2 set's instructions need. */
+static int cpu_has_avx2(void)
+{
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+    if (!(fma && osxsave && avx && f16c)) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return b >> 5 & 1;
+}
+#endif
