@@ -1,8 +1,8 @@
-/* run.c — inference for llama-architecture language models in one C file.
+/* run.c — inference for transformer language models in one C file.
 
    USAGE
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
-                 [--threads N] [--ctx N] [-v]
+                 [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
      echo "PROMPT" | ./run MODEL
 
    MODEL is a file written by export.py (format: README.md, "The model file").
@@ -11,19 +11,30 @@
 
    HOW IT WORKS (the file reads top to bottom in this order)
      1. model file   mmap the file, validate every size and offset, point the
-                     weight structs straight into the mapping (no copy).
-     2. kernels      RMSNorm, RoPE, softmax, and the matrix products: one dot
-                     product per weight type (f32, f16, bf16, and ggml's blocks
-                     q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k), each
-                     with a plain scalar reference and an AVX2 version beside it.
-     3. forward      prefill pushes the whole prompt through each layer as one
-                     batch (matrix x matrix); decode_step pushes one token
-                     (matrix x vector). Both attend over the cached K/V in
+                     weight structs straight into the mapping (no copy). The
+                     header says which optional steps the model's family takes
+                     (Q/K/V biases, Q/K norms, post-norms, GELU, sliding window).
+     2. kernels      the scalar definitions of every step: row conversions,
+                     activation quantization, the dot product of each weight
+                     type (f32, f16, bf16, and ggml's blocks q4_0 q4_1 q5_0
+                     q5_1 q8_0 q4_k q5_k q6_k), SwiGLU/GeGLU, attention's small
+                     kernels, RMSNorm, RoPE, softmax; then the weight-type table,
+                     one row per type, and the kernel sets (scalar, AVX2), one
+                     of which is chosen at start-up.
+     3. forward      prefill pushes the prompt through each layer as batches
+                     (matrix x matrix); decode_step pushes one token (matrix x
+                     vector); verify_step checks drafted tokens, each computed
+                     exactly as a decode step. All attend over the cached K/V in
                      blocks with a running softmax (flash-attention style).
-     4. sampling     greedy, temperature, top-k, top-p, seeded RNG.
-     5. generation   tokenize -> prefill -> decode loop -> detokenize, streamed
-                     to stdout UTF-8-safely.
-     6. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
+     4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
+                     with a drafted token that keeps the distribution.
+     5. measurement  the roofline probe and the -v statistics.
+     6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
+                     -> detokenize, streamed to stdout UTF-8-safely; chat;
+                     perplexity and logits tools.
+     7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
+     appendix        the AVX2 kernel set, each kernel tested against its
+                     scalar definition (tests/test_kernels.c).
 
    WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
      Each weight matrix must stream from memory once per forward pass. In
@@ -31,12 +42,15 @@
      bytes per weight read, far below what the cores could compute, so decode
      speed is set by memory bandwidth (bytes of weights / GB/s). Prefill
      reuses each weight tile across every prompt token in the batch, so the
-     same bytes feed hundreds of times more arithmetic and the limit becomes
-     the cores' FLOP rate. That is why prefill tokens/s is many times decode
-     tokens/s, and why quantization (fewer bytes) speeds decode the most.
+     same bytes feed a batch's worth (72 tokens) more arithmetic and the limit
+     becomes the cores' FLOP rate. That is why prefill tokens/s is many times
+     decode tokens/s, why quantization (fewer bytes) speeds decode the most,
+     and why checking several guessed tokens in one pass (lookup decoding)
+     costs about one decode step.
 
    LIMITS
-     Architecture llama (RMSNorm, RoPE, GQA, SwiGLU). One sequence at a time.
+     Families llama (incl. Llama 3.x RoPE scaling), Qwen 2/2.5, Qwen 3 and
+     Gemma 3 (what README.md's format describes). One sequence at a time.
      Build without OpenMP for a single-threaded binary with the same results.
 */
 #define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
