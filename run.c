@@ -1365,6 +1365,7 @@ typedef struct {
 #define AVX2(...) {0}
 #endif
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
+#define FLOAT_GEMV_SHAPE GEMV_ROWS, 1, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
 #define GEMV_SHAPE GEMV_ROWS, 1, QK
 #define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
@@ -1378,14 +1379,10 @@ typedef struct {
     static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
     static void gemv_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
     static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
-#define AVX2_FLOAT_KERNELS(t)                                                                                   \
-    static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
-    static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
-AVX2_FLOAT_KERNELS(f32) AVX2_FLOAT_KERNELS(f16) AVX2_FLOAT_KERNELS(bf16)
+AVX2_BLOCK_KERNELS(f32) AVX2_BLOCK_KERNELS(f16) AVX2_BLOCK_KERNELS(bf16)
 AVX2_BLOCK_KERNELS(q4_0) AVX2_BLOCK_KERNELS(q4_1) AVX2_BLOCK_KERNELS(q5_0) AVX2_BLOCK_KERNELS(q5_1) AVX2_BLOCK_KERNELS(q8_0)
 AVX2_BLOCK_KERNELS(q4_k) AVX2_BLOCK_KERNELS(q5_k) AVX2_BLOCK_KERNELS(q6_k)
 #undef AVX2_BLOCK_KERNELS
-#undef AVX2_FLOAT_KERNELS
 static void to_float_f16_avx2(float *out, const void *row, int n);
 static void from_float_f16_avx2(void *row, const float *x, int n);
 static void to_float_q4_0_avx2(float *out, const void *row, int n);
@@ -1411,11 +1408,11 @@ static const WeightType TYPES[N_TYPES] = {
 #define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .dot = dot_##t##_scalar}
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
                {SCALAR(f32, from_float_f32_scalar),
-                AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
+                AVX2({.dot = dot_f32_avx2, .gemv = {gemv_f32_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
                {SCALAR(f16, from_float_f16_scalar),
                 AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
-                      .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+                      .gemv = {gemv_f16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
     [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
                 {SCALAR(q4_0, from_float_q4_0_scalar),
                  AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
@@ -1447,7 +1444,7 @@ static const WeightType TYPES[N_TYPES] = {
                  AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}})}},
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
                 {SCALAR(bf16, NULL),
-                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+                 AVX2({.dot = dot_bf16_avx2, .gemv = {gemv_bf16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
 #undef SCALAR
 };
 
@@ -1462,6 +1459,8 @@ typedef struct {
     void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
+    int exact_tiles; /* every type's prefill tile adds each output's products in its GEMV's order, so a
+                        verification pass may use the tiles and stay bit for bit a decode step (verify_step) */
 } OpKernels;
 
 static int always(void) { return 1; }
@@ -1471,7 +1470,7 @@ static const OpKernels OPS[N_KSETS] = {
                      att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
 #ifdef HAVE_AVX2
     [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_scores_avx2,
-                   att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2},
+                   att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2, 1},
 #endif
 };
 
@@ -1859,10 +1858,18 @@ static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Til
 static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
                         int exact)
 {
-    Tile tile = exact ? (Tile){NULL, 1, 1, 1} : prefill_tile(w), gemv = decode_tile(w);
+    Tile tile = prefill_tile(w), gemv = decode_tile(w);
+    /* A verification pass (exact) computes each token as decode does: on the
+       rows decode's GEMV covers, the tile may stand in for it, since a kernel
+       set's tile adds each output's products in its GEMV's order (exact_tiles);
+       the rows decode leaves to dot products take them here too. */
+    if (exact && !(K.op.exact_tiles && tile.fn && gemv.fn && gemv.rows % tile.rows == 0)) tile.fn = NULL;
     for (int a = r0; a < r1; a += ROW_TILE) {
-        int b = min_i(a + ROW_TILE, r1), t = 0;
-        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) matmul_tile(out, out_stride, w, in, tile, t, a, b, accumulate);
+        int b = min_i(a + ROW_TILE, r1), t = 0, tb = exact && tile.fn ? a + (b - a) / gemv.rows * gemv.rows : b;
+        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) {
+            matmul_tile(out, out_stride, w, in, tile, t, a, tb, accumulate);
+            if (tb < b) matmul_tile(out, out_stride, w, in, (Tile){NULL, 1, tile.toks, 1}, t, tb, b, accumulate);
+        }
         for (; t < n_tok; t++) matmul_tile(out, out_stride, w, in, gemv, t, a, b, accumulate); /* decode, tokens left over */
     }
 }
@@ -4108,9 +4115,30 @@ static __m256 load8_bf16(const uint8_t *row, int i)
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
+/* Decode's float tile: GEMV_ROWS rows times one token, each output summed
+   as FLOAT_TILE sums it (one accumulator, 8 elements per step), so that a
+   verification pass may take the tile instead; the rows' stretch is
+   prefetched in address order as gemv32 does. eb: bytes per weight. */
+#define FLOAT_GEMV(name, load8, eb)                                                                          \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                        \
+        (void)xs;                                                                                            \
+        __m256 acc[GEMV_ROWS];                                                                               \
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();                                    \
+        for (int i = 0; i < n; i += 8) {                                                                     \
+            prefetch_ahead(w + (size_t)i * GEMV_ROWS * (eb), GEMV_ROWS * 8 * (eb));                          \
+            __m256 xv = _mm256_loadu_ps((const float *)x + i);                                               \
+            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_fmadd_ps(load8(w + r * ws, i), xv, acc[r]);   \
+        }                                                                                                    \
+        for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);                                        \
+    }
+
 FLOAT_TILE(f32, load8_f32)
 FLOAT_TILE(f16, load8_f16)
 FLOAT_TILE(bf16, load8_bf16)
+FLOAT_GEMV(f32, load8_f32, 4)
+FLOAT_GEMV(f16, load8_f16, 2)
+FLOAT_GEMV(bf16, load8_bf16, 2)
 
 /* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
    with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from

@@ -146,6 +146,20 @@ static void test_types(void)
                      wt->name, which ? "tile" : "gemv", tile.rows, tile.toks, worst);
             check(worst < 1e-6, what);
         }
+        /* exact_tiles: the tile adds each output's products as the GEMV does (verify_step relies on it) */
+        if (K.op.exact_tiles && k->tile.fn && k->gemv.fn) {
+            float tile_out[MAX_TILE], gemv_out[GEMV_ROWS];
+            int same = 1;
+            k->tile.fn(w, rb, act, xs, N, tile_out);
+            for (int t = 0; t < k->tile.toks; t++)
+                for (int r0 = 0; r0 < k->tile.rows; r0 += GEMV_ROWS) {
+                    k->gemv.fn(w + r0 * rb, rb, act + t * xs, xs, N, gemv_out);
+                    for (int r = r0; r < r0 + GEMV_ROWS && r < k->tile.rows; r++)
+                        same &= memcmp(&tile_out[r * k->tile.toks + t], &gemv_out[r - r0], sizeof(float)) == 0;
+                }
+            snprintf(what, sizeof what, "%s %-4s tile outputs bit for bit the GEMV's (exact tiles)", K.op.name, wt->name);
+            check(same, what);
+        }
     }
 }
 
