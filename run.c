@@ -2771,21 +2771,24 @@ static void emit_flush(Utf8Stream *u)
    its distribution (sample_with_draft). */
 
 #define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
-#define LOOKUP_COOLDOWN 16 /* plain decode steps before drafting again after drafts kept failing */
+#define LOOKUP_PROBE_NGRAM 2 /* a probe after failures drafts only from a match this long */
+#define LOOKUP_COOLDOWN 16 /* plain decode steps before probing again after drafts stopped standing ... */
+#define LOOKUP_MAX_WAIT 512 /* ... doubling with each failed probe up to this */
 #define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
 
 typedef struct {
     int max;  /* --lookup: longest draft (0 = off) */
     int len;  /* current draft length, adapted to how many drafts stand */
     int idle; /* plain steps since drafting stopped (len 0) */
+    int wait; /* plain steps before the next probe */
 } Lookup;
 
 /* Up to k tokens that followed the latest earlier occurrence of the longest
-   suffix n-gram (n = LOOKUP_NGRAM down to 1) of ids[0..n) into draft;
-   returns how many (0: no n-gram of the suffix occurred before). */
-static int lookup_draft(const int *ids, int n, int k, int *draft)
+   suffix n-gram (n = LOOKUP_NGRAM down to min_n) of ids[0..n) into draft;
+   returns how many (0: no such n-gram of the suffix occurred before). */
+static int lookup_draft(const int *ids, int n, int k, int min_n, int *draft)
 {
-    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= 1; g--)
+    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= min_n; g--)
         for (int i = n - g - 1; i >= 0; i--)
             if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
                 int c = min_i(k, n - (i + g));
@@ -2796,14 +2799,21 @@ static int lookup_draft(const int *ids, int n, int k, int *draft)
 }
 
 /* After a verification that kept `kept` of k drafts: all stood, so guess
-   further next time; none, so halve the guess, down to not drafting at all
-   (open-ended text then pays nothing but a probe every LOOKUP_COOLDOWN
-   tokens); some, so guess one more than stood. */
+   further next time; none, so halve the guess, down to not drafting at all;
+   some, so guess one more than stood. Not drafting, decode probes again
+   after `wait` plain steps with one guess from a strong match, and every
+   failed probe doubles the wait: open-ended text, where guesses rarely
+   stand, pays for a probe only every few hundred tokens. A verification
+   pass costs more than a decode step wherever decode is bound by arithmetic
+   rather than by memory (each guessed token is still computed), so a guess
+   is worth making only when it is likely to stand. */
 static void lookup_adapt(Lookup *lk, int kept, int k)
 {
+    int probe = lk->len == 1 && lk->idle >= lk->wait;
     if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
     else if (kept == 0) lk->len /= 2;
     else lk->len = min_i(lk->max, kept + 1);
+    lk->wait = kept ? LOOKUP_COOLDOWN : probe ? min_i(2 * lk->wait, LOOKUP_MAX_WAIT) : lk->wait;
     lk->idle = 0;
 }
 
@@ -2832,9 +2842,10 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
 {
     int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
     push(conv, token);
-    if (lk->max && !lk->len && ++lk->idle >= LOOKUP_COOLDOWN) lk->len = 1;
+    if (lk->max && !lk->len && ++lk->idle >= lk->wait) lk->len = 1;
     int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
-    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, batch + 1);
+    int min_n = lk->idle >= lk->wait ? LOOKUP_PROBE_NGRAM : 1; /* a probe wants a strong match */
+    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, min_n, batch + 1);
     st->passes++;
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
@@ -2868,7 +2879,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
-    Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0};
+    Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
     if (o->print_ids) {
