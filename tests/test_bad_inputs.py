@@ -188,7 +188,7 @@ def test_model_nan_rope_theta():
 
 
 def test_model_unknown_feature_flags():
-    expect_file_error(lambda b: mf.put(b, "flags", 0x21), "feature flag bit 5", name="flags21")
+    expect_file_error(lambda b: mf.put(b, "flags", 0x41), "feature flag bit 6", name="flags41")
 
 
 def test_model_unknown_activation():
