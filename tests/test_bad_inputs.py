@@ -61,6 +61,40 @@ def two_layer_model() -> Path:
     return out
 
 
+FLAG_SPLIT = 32   # README "The model file": wq, wk, wv and w1, w3 instead of wqkv and w13
+
+
+def split_tensors(buf: bytes, wv_type: int | None = None) -> list[tuple[str, int, int, int, bytes]]:
+    """The tiny model's tensors in the split form: wqkv's Q, K, V rows and w13's gate, up rows as tensors of
+    their own (whole rows of blocks, so the same bytes). wv_type stores wv as another type instead (zeros)."""
+    cfg = TINY_TIED
+    q_dim, kv_dim, hid = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.hidden_dim
+    cuts = {"wqkv": [("wq", q_dim), ("wk", kv_dim), ("wv", kv_dim)], "w13": [("w1", hid), ("w3", hid)]}
+    out = []
+    for t in mf.tensors(buf):
+        prefix, _, base = t.name.rpartition(".")
+        data, row, at = buf[t.offset:t.offset + t.size], t.size // t.rows, 0
+        for part, rows in cuts.get(base, [(base, t.rows)]):
+            name = f"{prefix}.{part}" if prefix else part
+            if part == "wv" and wv_type is not None:
+                elems, nbytes = mf.BLOCK[wv_type]
+                out.append((name, wv_type, rows, t.cols, bytes(rows * t.cols // elems * nbytes)))
+            else:
+                out.append((name, t.type, rows, t.cols, data[at * row:(at + rows) * row]))
+            at += rows
+    return out
+
+
+def split_model(wv_type: int | None = None) -> Path:
+    """The tiny model rewritten in the split form (flag bit 5), optionally with wv of another type."""
+    buf = tiny_model().read_bytes()
+    out = mf.relayout(buf, split_tensors(buf, wv_type))
+    mf.put(out, "flags", mf.get(out, "flags") | FLAG_SPLIT)
+    path = WORK / f"tiny-split{'' if wv_type is None else f'-wv{wv_type}'}.bin"
+    path.write_bytes(bytes(out))
+    return path
+
+
 def variant(name: str, patch, base: Path | None = None) -> Path:
     """A copy of the tiny model (or of base) changed by patch(bytearray) -> bytearray|None."""
     buf = bytearray((base or tiny_model()).read_bytes())
@@ -334,6 +368,33 @@ def test_tensor_set_matches_header():
                       "layers.1.wo", "1-layer", name="layer-beyond-nlayers")
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wqkv"), "layers.0.wqkv",
                       "twice", name="tensor-duplicate")
+
+
+def test_split_file_missing_a_part():
+    """A split file (wq, wk, wv instead of wqkv) without wk. The split model itself runs and generates what the
+    fused one does (the same blocks)."""
+    base = split_model()
+    want = expect_ok([tiny_model(), "-i", "hi", "-n", "8", "-t", "0"]).stdout
+    assert expect_ok([base, "-i", "hi", "-n", "8", "-t", "0"]).stdout == want, "split and fused files differ"
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wX"), "no tensor layers.0.wk",
+                      name="split-no-wk", base=base)
+
+
+def test_split_flag_and_fused_tensors_disagree():
+    """A split file that also has a wqkv (in place of wk); a fused file with the split flag set; a split file
+    without it: each names a tensor that the header's flags leave out."""
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wqkv"), "layers.0.wqkv",
+                      "sets flag bit 5 (split)", name="split-with-wqkv", base=split_model())
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") | FLAG_SPLIT), "layers.0.wqkv",
+                      "sets flag bit 5 (split)", name="fused-flagged-split")
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") & ~FLAG_SPLIT), "layers.0.wq",
+                      "does not set flag bit 5 (split)", name="split-unflagged", base=split_model())
+
+
+def test_split_parts_reading_different_activations():
+    """wq and wk Q8_0 (int8 activations) beside an F32 wv (float activations): one projection, two inputs."""
+    expect_file_error(lambda b: None, "layers.0.wq (q8_0)", "layers.0.wv (f32)", "different activation formats",
+                      name="split-mixed-act", base=split_model(wv_type=mf.TYPE_F32))
 
 
 def test_sections_placed_exactly():

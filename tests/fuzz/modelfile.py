@@ -101,7 +101,23 @@ def fill_f32(buf: bytearray, name: str, value: float) -> bytearray:
     return buf
 
 
-BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20)}   # type -> (elements, bytes) per block
+def relayout(buf: bytes, tensors: list[tuple[str, int, int, int, bytes]]) -> bytearray:
+    """buf's header and tokenizer section with these tensors (name, type, rows, cols, data) in this order: the
+    table right after the tokenizer section, each tensor at the next 64-byte boundary after it, n_tensors and
+    file_size updated (the layout rules of README.md, "The model file")."""
+    table = get(buf, "table_offset")
+    out = bytearray(buf[:table]) + bytes(len(tensors) * TABLE_ENTRY)
+    for i, (name, ttype, rows, cols, data) in enumerate(tensors):
+        out += bytes(-len(out) % 64)
+        struct.pack_into("<48sIIIIQQ", out, table + i * TABLE_ENTRY, name.encode(), ttype, rows, cols, 0, len(out),
+                         len(data))
+        out += data
+    put(out, "n_tensors", len(tensors))
+    return put(out, "file_size", len(out))
+
+
+BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20), 2: (32, 18), 6: (32, 22), 7: (32, 24),
+         12: (256, 144), 13: (256, 176), 14: (256, 210)}   # type -> (elements, bytes) per block
 
 
 def align64(x: int) -> int:
