@@ -61,37 +61,12 @@ def two_layer_model() -> Path:
     return out
 
 
-FLAG_SPLIT = 32   # README "The model file": wq, wk, wv and w1, w3 instead of wqkv and w13
-
-
-def split_tensors(buf: bytes, wv_type: int | None = None) -> list[tuple[str, int, int, int, bytes]]:
-    """The tiny model's tensors in the split form: wqkv's Q, K, V rows and w13's gate, up rows as tensors of
-    their own (whole rows of blocks, so the same bytes). wv_type stores wv as another type instead (zeros)."""
-    cfg = TINY_TIED
-    q_dim, kv_dim, hid = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.hidden_dim
-    cuts = {"wqkv": [("wq", q_dim), ("wk", kv_dim), ("wv", kv_dim)], "w13": [("w1", hid), ("w3", hid)]}
-    out = []
-    for t in mf.tensors(buf):
-        prefix, _, base = t.name.rpartition(".")
-        data, row, at = buf[t.offset:t.offset + t.size], t.size // t.rows, 0
-        for part, rows in cuts.get(base, [(base, t.rows)]):
-            name = f"{prefix}.{part}" if prefix else part
-            if part == "wv" and wv_type is not None:
-                elems, nbytes = mf.BLOCK[wv_type]
-                out.append((name, wv_type, rows, t.cols, bytes(rows * t.cols // elems * nbytes)))
-            else:
-                out.append((name, t.type, rows, t.cols, data[at * row:(at + rows) * row]))
-            at += rows
-    return out
-
-
 def split_model(wv_type: int | None = None) -> Path:
-    """The tiny model rewritten in the split form (flag bit 5), optionally with wv of another type."""
-    buf = tiny_model().read_bytes()
-    out = mf.relayout(buf, split_tensors(buf, wv_type))
-    mf.put(out, "flags", mf.get(out, "flags") | FLAG_SPLIT)
+    """The tiny model in the split form (flag bit 5: wq, wk, wv and w1, w3 instead of wqkv and w13; the same
+    blocks), optionally with a wv of another type."""
+    buf = mf.split_form(tiny_model().read_bytes(), None if wv_type is None else {"layers.0.wv": wv_type})
     path = WORK / f"tiny-split{'' if wv_type is None else f'-wv{wv_type}'}.bin"
-    path.write_bytes(bytes(out))
+    path.write_bytes(bytes(buf))
     return path
 
 
@@ -385,9 +360,9 @@ def test_split_flag_and_fused_tensors_disagree():
     without it: each names a tensor that the header's flags leave out."""
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wqkv"), "layers.0.wqkv",
                       "sets flag bit 5 (split)", name="split-with-wqkv", base=split_model())
-    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") | FLAG_SPLIT), "layers.0.wqkv",
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") | mf.FLAG_SPLIT), "layers.0.wqkv",
                       "sets flag bit 5 (split)", name="fused-flagged-split")
-    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") & ~FLAG_SPLIT), "layers.0.wq",
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") & ~mf.FLAG_SPLIT), "layers.0.wq",
                       "does not set flag bit 5 (split)", name="split-unflagged", base=split_model())
 
 
