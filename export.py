@@ -13,11 +13,11 @@ Output types (--dtype):
           gate|up (w13) fused, one type per tensor; when the GGUF gives the parts
           of one of them different types, the file is written in the split form
           instead (header flag bit 5: wq, wk, wv and w1, w3 in every layer), each
-          part with its own type. Only when the parts also need different
-          activation formats in the engine (int8 per 32 for Q4_0 .. Q8_0, per 256
-          for the K types, floats for F32/F16/BF16), which the engine cannot feed
-          from one input, the fused tensor takes the part type with the most bits
-          per weight and the other parts are re-quantized to it (with a warning).
+          part with its own type. When the parts also need different activation
+          formats in the engine (int8 per 32 for Q4_0 .. Q8_0, per 256 for the K
+          types, floats for F32/F16/BF16), which it cannot feed from one input,
+          the fused tensor instead takes the part type with the most bits per
+          weight and the other parts are re-quantized to it (with a warning).
   f32     every matrix as F32 (default for a Hugging Face directory)
   f16     every matrix as F16
   q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
