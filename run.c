@@ -619,6 +619,29 @@ static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
                   layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
 }
 
+/* Into name: " (no T)", T the first tensor the header implies that none
+   of the table's n entries names, or "" when there is none such. For the
+   message of a table with too few entries. */
+static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
+{
+    const Config *c = &m->c;
+    char *seen = xcalloc(n_slots(c), 1);
+    for (uint32_t i = 0; i < n; i++) {
+        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
+        if (slot >= 0) seen[slot] = 1;
+    }
+    int s = 0;
+    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
+    free(seen);
+    name[0] = 0;
+    if (s < n_slots(c)) {
+        char t[TENSOR_NAME_BYTES];
+        slot_name(t, s);
+        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
+    }
+}
+
 /* Which section before the tensor data holds byte `off`. */
 static const char *section_at(uint64_t off, uint64_t tok_end)
 {
@@ -654,9 +677,13 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
     int want = 0;
     for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if ((int)n != want)
-        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors", n, c->n_layers,
-                  c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "", want);
+    if ((int)n != want) {
+        char missing[TENSOR_NAME_BYTES + 8] = "";
+        if ((int)n < want) first_missing(m, n, off, missing);
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
+                  c->n_layers, c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "",
+                  want, missing);
+    }
     Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
     const char *stray = NULL, *prev = "the tensor table";
     uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */

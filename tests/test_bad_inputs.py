@@ -354,6 +354,12 @@ def test_split_file_missing_a_part():
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wX"), "no tensor layers.0.wk",
                       name="split-no-wk", base=base)
 
+    def drop_wk(b: bytearray) -> bytearray:
+        kept = [(t.name, t.type, t.rows, t.cols, bytes(b[t.offset:t.offset + t.size])) for t in mf.tensors(b)
+                if t.name != "layers.0.wk"]
+        return mf.relayout(b, kept)
+    expect_file_error(drop_wk, "(no layers.0.wk)", name="split-without-wk", base=base)
+
 
 def test_split_flag_and_fused_tensors_disagree():
     """A split file that also has a wqkv (in place of wk); a fused file with the split flag set; a split file
