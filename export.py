@@ -10,8 +10,13 @@ Output types (--dtype):
           bit (default for a GGUF input). Types the engine does not run (Q2_K,
           Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
           another --dtype to convert them. Our file stores Q|K|V (wqkv) and
-          gate|up (w13) as one tensor of one type: when the GGUF gives the parts
-          different types, the fused tensor takes the one with the most bits per
+          gate|up (w13) fused, one type per tensor; when the GGUF gives the parts
+          of one of them different types, the file is written in the split form
+          instead (header flag bit 5: wq, wk, wv and w1, w3 in every layer), each
+          part with its own type. When the parts also need different activation
+          formats in the engine (int8 per 32 for Q4_0 .. Q8_0, per 256 for the K
+          types, floats for F32/F16/BF16), which it cannot feed from one input,
+          the fused tensor instead takes the part type with the most bits per
           weight and the other parts are re-quantized to it (with a warning).
   f32     every matrix as F32 (default for a Hugging Face directory)
   f16     every matrix as F16
@@ -109,8 +114,12 @@ PLAIN_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1
 MIX_DTYPES = {"q4_k_m": Q4_K, "q5_k_m": Q5_K}
 DTYPE_CHOICES = ["keep", *PLAIN_DTYPES, *MIX_DTYPES]
 EMBEDDING_AT_Q8_0 = ("q4_0", "q4_1")    # plain 4-bit types whose token embedding / output head stay Q8_0
-# The weight types the engine runs as they are (README.md, "The model file").
-NATIVE_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# The weight types the engine runs as they are (README.md, "The model file"), and the activations its matrix
+# products read for each (run.c's weight-type table, field act): floats, int8 per 32, int8 per 256 with the sums
+# of each 16. The parts of one projection in a split file must read the same.
+ACTIVATION = {F32: "f32", F16: "f32", BF16: "f32", Q4_0: "q8", Q4_1: "q8", Q5_0: "q8", Q5_1: "q8", Q8_0: "q8",
+              Q4_K: "q8_k", Q5_K: "q8_k", Q6_K: "q8_k"}
+NATIVE_TYPES = tuple(ACTIVATION)
 # llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a K type on a row length that is not a
 # multiple of 256 becomes the 32-element type of about the same size.
 K_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
@@ -893,7 +902,7 @@ class HFCheckpoint:
 # Architecture families: one table of names per family, and the flags (README "The model file",
 # header offset 56) that say which extra tensors every model of the family has.
 
-FLAG_TIED, FLAG_QKV_BIAS, FLAG_QK_NORM, FLAG_POST_NORMS, FLAG_ROPE_FREQS = 1, 2, 4, 8, 16
+FLAG_TIED, FLAG_QKV_BIAS, FLAG_QK_NORM, FLAG_POST_NORMS, FLAG_ROPE_FREQS, FLAG_SPLIT = 1, 2, 4, 8, 16, 32
 ACT_SILU, ACT_GELU_TANH = 0, 1
 
 
@@ -1461,22 +1470,26 @@ class TypeNotes:
     """What choose_out_type did that the user should hear about, one warning line each."""
     unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F32
     fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
-    promoted: list[str] = field(default_factory=list)      # keep: fused parts of different types
+    promoted: list[str] = field(default_factory=list)      # keep: fused parts that need different activations
+    split: list[str] = field(default_factory=list)         # keep: fused parts of different types, stored split
 
 
 def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
-    """--dtype keep: the source type, refused when the engine cannot run it. Our file fuses Q|K|V and
-    gate|up into one tensor of one type; when the parts differ (a Q4_K_M file's attn_v is often Q6_K
-    while attn_q is Q4_K), the fused tensor takes the part type with the most bits per weight, so the
-    other parts are dequantized and rounded onto that finer grid."""
+    """--dtype keep: the source type, refused when the engine cannot run it. When the parts of a fused
+    projection differ (a Q4_K_M file's attn_v is often Q6_K or Q8_0 while attn_q is Q4_K or Q5_0), the
+    projection is noted for the split form (split_plan), where each part keeps its type, if the parts read
+    one activation format; if not, the fused tensor takes the part type with the most bits per weight,
+    so the other parts are dequantized and rounded onto that finer grid. Returns the fused tensor's type."""
     for p in parts:
         t = p.tensor
         if t.ggml_type not in NATIVE_TYPES:
             raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
                               f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
     types = sorted({p.tensor.ggml_type for p in parts}, key=bits_per_weight)
-    if len(types) > 1:
+    if len({ACTIVATION[t] for t in types}) > 1:
         notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in types)} -> {type_name(types[-1])})")
+    elif len(types) > 1:
+        notes.split.append(out_name)
     return types[-1]
 
 
@@ -1507,8 +1520,29 @@ def warn_list(items: list[str], what: str) -> None:
         warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
+# The split form's tensors for each fused projection (README.md, flag bit 5), in the order of the fused rows.
+SPLIT_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
+
+
+def split_plan(plan: list[OutTensor], mixed: set[str]) -> list[OutTensor]:
+    """The plan with every fused projection (wqkv, w13) written as its parts: each part keeps its own source
+    type in the projections that `mixed` names, and takes the fused tensor's type in the others."""
+    out = []
+    for ot in plan:
+        prefix, _, base = ot.name.rpartition(".")
+        if base not in SPLIT_NAMES:
+            out.append(ot)
+            continue
+        for part, name in zip(ot.parts, SPLIT_NAMES[base]):
+            t = part.tensor.ggml_type if ot.name in mixed else ot.out_type
+            out.append(OutTensor(f"{prefix}.{name}", [part], part.rows, part.cols, t))
+    return out
+
+
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
                dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
+    """The output tensors, in file order. Under --dtype keep, when a fused projection's parts have different
+    types, every layer's projections are written split and FLAG_SPLIT is set in hp.flags."""
     used: set[str] = set()
     plan = []
     notes = TypeNotes()
@@ -1554,8 +1588,11 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
     warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F32")
     warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
                               "fallback for the K type")
-    warn_list(notes.promoted, "fused tensors have parts of different types (one type per tensor in our file): "
-                              "parts of the finest type are copied, the others re-quantized to it")
+    warn_list(notes.promoted, "fused tensors have parts of different types that the engine cannot run from one "
+                              "activation format: parts of the finest type are copied, the others re-quantized to it")
+    if notes.split:
+        hp.flags |= FLAG_SPLIT
+        plan = split_plan(plan, set(notes.split))
     return plan
 
 

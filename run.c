@@ -95,8 +95,8 @@
 #define FLAG_QK_NORM 4u
 #define FLAG_POST_NORMS 8u
 #define FLAG_ROPE_FREQS 16u
-#define N_FLAGS 5
-#define FLAG_NAMES "tied, qkv_bias, qk_norm, post_norms, rope_freqs"
+#define FLAG_SPLIT 32u
+#define N_FLAGS 6
 #define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
 #define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
@@ -336,6 +336,7 @@ typedef struct {
     int qk_norm;      /* per-head RMSNorm of Q and K before RoPE (Qwen 3, Gemma 3) */
     int post_norms;   /* RMSNorm of the attention and FFN outputs before the residual adds (Gemma 3) */
     int rope_freqs;   /* per-pair RoPE frequency factors (Llama 3.x "llama3" scaling) */
+    int split;        /* Q, K, V and gate, up stored as tensors of their own, not fused */
     int gate;         /* the FFN gate's activation: GATE_SILU (SwiGLU) or GATE_GELU (GeGLU, tanh form) */
     float embed_scale; /* embedding rows are multiplied by it (Gemma 3: sqrt(dim)) */
     float att_scale;  /* q.k is multiplied by it (usually 1/sqrt(head_dim)) */
@@ -353,17 +354,30 @@ static int is_local(const Config *c, int l)
     return c->window > 0 && (c->window_pattern == 0 || (l + 1) % c->window_pattern != 0);
 }
 
+/* The weights of one matrix product: one tensor, or the parts of a fused
+   projection (Q, K, V or gate, up) that a split file stores as tensors of
+   their own, each in its own type. The parts' rows stack in order: row r
+   of the matrix is row r - base of the part it falls in, base being the
+   rows of the parts before it. All parts have `cols` columns and read one
+   activation format, so one converted input serves them all. */
+#define MAX_PARTS 3
+typedef struct {
+    Tensor part[MAX_PARTS];
+    int n_parts;
+    int rows, cols;   /* rows of all the parts together */
+} Matrix;
+
 typedef struct {
     Tensor attn_norm; /* [1, dim] */
-    Tensor wqkv;      /* [q_dim + 2*kv_dim, dim]: Q rows, K rows, V rows */
+    Matrix wqkv;      /* [q_dim + 2*kv_dim, dim]: Q rows, K rows, V rows (split: three parts) */
     Tensor bqkv;      /* [1, q_dim + 2*kv_dim] their biases (qkv_bias) */
     Tensor q_norm;    /* [1, head_dim] (qk_norm) */
     Tensor k_norm;    /* [1, head_dim] (qk_norm) */
-    Tensor wo;        /* [dim, q_dim] */
+    Matrix wo;        /* [dim, q_dim] */
     Tensor post_attn_norm; /* [1, dim] (post_norms) */
     Tensor ffn_norm;  /* [1, dim] */
-    Tensor w13;       /* [2*hidden_dim, dim]: gate rows, then up rows */
-    Tensor w2;        /* [dim, hidden_dim] */
+    Matrix w13;       /* [2*hidden_dim, dim]: gate rows, then up rows (split: two parts) */
+    Matrix w2;        /* [dim, hidden_dim] */
     Tensor post_ffn_norm;  /* [1, dim] (post_norms) */
 } Layer;
 
@@ -372,7 +386,7 @@ typedef struct {
     Tensor tok_embeddings; /* [vocab, dim] */
     Layer *layers;         /* [n_layers] */
     Tensor norm;           /* [1, dim] */
-    Tensor output;         /* [vocab, dim]; the embedding itself when tied */
+    Matrix output;         /* [vocab, dim]; the embedding itself when tied */
     Tensor rope_freqs;     /* [1, rope_dim/2] frequency divisors (rope_freqs) */
     tok_tokenizer *tok;
     const uint8_t *map;    /* the whole file, read-only */
@@ -388,10 +402,12 @@ static uint64_t rd_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return 
 static float rd_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
 
 /* Defined with the weight-type table (section 2): a type's name (NULL for
-   a type this build does not know) and the bytes of a row of cols elements
-   (0 when that is not a whole number of its blocks). */
+   a type this build does not know), the bytes of a row of cols elements
+   (0 when that is not a whole number of its blocks), and the activation
+   format its matrix products read. */
 static const char *type_name(int type);
 static size_t row_bytes(int type, size_t cols);
+static int act_format(int type);
 
 static const uint8_t *tensor_row(const Tensor *t, int r)
 {
@@ -451,6 +467,9 @@ static int read_config(Model *m, char *err)
     return 0;
 }
 
+/* The header flags' names, by bit (README, "The model file"). */
+static const char *const FLAG_NAME[N_FLAGS] = {"tied", "qkv_bias", "qk_norm", "post_norms", "rope_freqs", "split"};
+
 /* Reads the family's switches (README, "The model file": flags and the
    fields from offset 104; zero means llama's behaviour) into c, after
    read_config has read and checked the shape. */
@@ -461,15 +480,20 @@ static int read_family(Model *m, char *err)
     uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
     float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
     float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
-    for (int bit = 0; bit < 32; bit++)
-        if (flags >> bit & 1 && bit >= N_FLAGS)
-            LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, FLAG_NAMES);
+    for (int bit = N_FLAGS; bit < 32; bit++)
+        if (flags >> bit & 1) {
+            char known[ERR_BYTES] = "";
+            for (int b = 0; b < N_FLAGS; b++)
+                snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
+            LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
+        }
     c->flags = flags;
     c->tied = !!(flags & FLAG_TIED_EMBEDDINGS);
     c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
     c->qk_norm = !!(flags & FLAG_QK_NORM);
     c->post_norms = !!(flags & FLAG_POST_NORMS);
     c->rope_freqs = !!(flags & FLAG_ROPE_FREQS);
+    c->split = !!(flags & FLAG_SPLIT);
     if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
     c->gate = gate;
     c->window = rd_u32(h + HDR_WINDOW);
@@ -524,50 +548,82 @@ static int read_tokenizer(Model *m, char *err)
     return 0;
 }
 
-/* The tensors a model of the header's shape has, by slot: the three below
-   (no output when the embeddings are tied), then per layer these six. */
+/* Every tensor a model file can hold, by slot: the model's own, then
+   each layer's. Which of them a file holds depends on the header's flags:
+   a tensor is present when the header sets its `flag` (0: always) and not
+   its `absent` flag (a split file stores wq, wk, wv instead of wqkv). */
+typedef struct {
+    const char *name;
+    uint32_t flag, absent;
+} SlotRule;
 enum { SLOT_TOK_EMBEDDINGS, SLOT_NORM, SLOT_OUTPUT, SLOT_ROPE_FREQS, SLOT_LAYERS };
-/* Every tensor a model file can hold, and the header flag that makes it
-   present (0: always; the output head is there unless tied). */
-static const struct {
-    const char *name;
-    uint32_t flag;
-} global_tensor[SLOT_LAYERS] = {{"tok_embeddings", 0}, {"norm", 0}, {"output", 0}, {"rope_freqs", FLAG_ROPE_FREQS}};
-enum { LT_ATTN_NORM, LT_WQKV, LT_BQKV, LT_Q_NORM, LT_K_NORM, LT_WO, LT_POST_ATTN_NORM, LT_FFN_NORM, LT_W13, LT_W2,
-       LT_POST_FFN_NORM, LAYER_TENSORS };
-static const struct {
-    const char *name;
-    uint32_t flag;
-} layer_tensor[LAYER_TENSORS] = {
-    {"attn_norm", 0}, {"wqkv", 0}, {"bqkv", FLAG_QKV_BIAS}, {"q_norm", FLAG_QK_NORM}, {"k_norm", FLAG_QK_NORM},
-    {"wo", 0}, {"post_attn_norm", FLAG_POST_NORMS}, {"ffn_norm", 0}, {"w13", 0}, {"w2", 0}, {"post_ffn_norm", FLAG_POST_NORMS},
+static const SlotRule global_tensor[SLOT_LAYERS] = {
+    {"tok_embeddings", 0, 0}, {"norm", 0, 0}, {"output", 0, FLAG_TIED_EMBEDDINGS}, {"rope_freqs", FLAG_ROPE_FREQS, 0},
 };
+enum { LT_ATTN_NORM, LT_WQKV, LT_WQ, LT_WK, LT_WV, LT_BQKV, LT_Q_NORM, LT_K_NORM, LT_WO, LT_POST_ATTN_NORM, LT_FFN_NORM,
+       LT_W13, LT_W1, LT_W3, LT_W2, LT_POST_FFN_NORM, LAYER_TENSORS };
+static const SlotRule layer_tensor[LAYER_TENSORS] = {
+    {"attn_norm", 0, 0}, {"wqkv", 0, FLAG_SPLIT}, {"wq", FLAG_SPLIT, 0}, {"wk", FLAG_SPLIT, 0}, {"wv", FLAG_SPLIT, 0},
+    {"bqkv", FLAG_QKV_BIAS, 0}, {"q_norm", FLAG_QK_NORM, 0}, {"k_norm", FLAG_QK_NORM, 0}, {"wo", 0, 0},
+    {"post_attn_norm", FLAG_POST_NORMS, 0}, {"ffn_norm", 0, 0}, {"w13", 0, FLAG_SPLIT}, {"w1", FLAG_SPLIT, 0},
+    {"w3", FLAG_SPLIT, 0}, {"w2", 0, 0}, {"post_ffn_norm", FLAG_POST_NORMS, 0},
+};
+
+static const SlotRule *slot_rule(int slot)
+{
+    return slot < SLOT_LAYERS ? &global_tensor[slot] : &layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS];
+}
 
 /* Does a model with the header's flags hold the tensor of this slot? */
 static int slot_present(const Config *c, int slot)
 {
-    if (slot == SLOT_OUTPUT) return !c->tied;
-    uint32_t flag = slot < SLOT_LAYERS ? global_tensor[slot].flag : layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].flag;
-    return (c->flags & flag) == flag;
+    const SlotRule *r = slot_rule(slot);
+    return (c->flags & r->flag) == r->flag && !(c->flags & r->absent);
 }
 
 static int n_slots(const Config *c) { return SLOT_LAYERS + LAYER_TENSORS * c->n_layers; }
 
-/* The slot of tensor `name` in a model of shape c, or -1 when it has none
-   such ("layers.30.wo" in a 30-layer model, "output" when tied, "layers.01.wo"). */
-static int tensor_slot(const Config *c, const char *name)
+/* The slot of tensor `name` in a model of shape c, whatever the flags, or
+   -1 when it has none such ("layers.30.wo" in a 30-layer model, "layers.01.wo"). */
+static int slot_of_name(const Config *c, const char *name)
 {
     for (int i = 0; i < SLOT_LAYERS; i++)
-        if (!strcmp(name, global_tensor[i].name)) return slot_present(c, i) ? i : -1;
+        if (!strcmp(name, global_tensor[i].name)) return i;
     const char *p = name + strlen("layers.");
     if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
     char *end;
     unsigned long l = strtoul(p, &end, 10);
     if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
     for (int i = 0; i < LAYER_TENSORS; i++)
-        if (!strcmp(end + 1, layer_tensor[i].name))
-            return slot_present(c, SLOT_LAYERS + i) ? SLOT_LAYERS + LAYER_TENSORS * (int)l + i : -1;
+        if (!strcmp(end + 1, layer_tensor[i].name)) return SLOT_LAYERS + LAYER_TENSORS * (int)l + i;
     return -1;
+}
+
+/* ... and -1 also when the header's flags leave that tensor out. */
+static int tensor_slot(const Config *c, const char *name)
+{
+    int slot = slot_of_name(c, name);
+    return slot >= 0 && slot_present(c, slot) ? slot : -1;
+}
+
+/* Refuses, by name, a table entry that the header's flags leave out
+   (layers.N.wqkv in a split file, a bias without qkv_bias): checked before
+   the tensor count, which could only say that the count is wrong. */
+static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err)
+{
+    const Config *c = &m->c;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *name = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(name, 0, TENSOR_NAME_BYTES) ? slot_of_name(c, name) : -1; /* unterminated: refused later */
+        if (slot < 0 || slot_present(c, slot)) continue;
+        const SlotRule *r = slot_rule(slot);
+        uint32_t why = c->flags & r->absent ? r->absent : r->flag & ~c->flags;
+        int bit = 0;
+        while (!(why >> bit & 1)) bit++;
+        LOAD_FAIL("tensor %s does not belong in this file: the header %s flag bit %d (%s)", name,
+                  c->flags & r->absent ? "sets" : "does not set", bit, FLAG_NAME[bit]);
+    }
+    return 0;
 }
 
 static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
@@ -575,6 +631,29 @@ static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
     if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
     else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
                   layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
+}
+
+/* Into name: " (no T)", T the first tensor the header implies that none
+   of the table's n entries names, or "" when there is none such. For the
+   message of a table with too few entries. */
+static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
+{
+    const Config *c = &m->c;
+    char *seen = xcalloc(n_slots(c), 1);
+    for (uint32_t i = 0; i < n; i++) {
+        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
+        if (slot >= 0) seen[slot] = 1;
+    }
+    int s = 0;
+    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
+    free(seen);
+    name[0] = 0;
+    if (s < n_slots(c)) {
+        char t[TENSOR_NAME_BYTES];
+        slot_name(t, s);
+        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
+    }
 }
 
 /* Which section before the tensor data holds byte `off`. */
@@ -609,12 +688,16 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     if (off != align_up(tok_end, TENSOR_ALIGN))
         LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
                   (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
-    if (check_padding(m, tok_end, off, "the tensor table", err)) return -1;
+    if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
     int want = 0;
     for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if ((int)n != want)
-        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors", n, c->n_layers,
-                  c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "", want);
+    if ((int)n != want) {
+        char missing[TENSOR_NAME_BYTES + 8] = "";
+        if ((int)n < want) first_missing(m, n, off, missing);
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
+                  c->n_layers, c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "",
+                  want, missing);
+    }
     Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
     const char *stray = NULL, *prev = "the tensor table";
     uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
@@ -678,16 +761,46 @@ static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *e
     return 0;
 }
 
+/* Completes matrix w from its first n_parts parts (taken by take_tensor):
+   its shape, and the rule that all its parts read one activation format. */
+static int join_parts(Matrix *w, int n_parts, char *err)
+{
+    const Tensor *first = &w->part[0];
+    w->n_parts = n_parts;
+    w->rows = 0;
+    w->cols = first->cols;
+    for (int i = 0; i < n_parts; i++) {
+        const Tensor *p = &w->part[i];
+        if (act_format(p->type) != act_format(first->type))
+            LOAD_FAIL("tensors %s (%s) and %s (%s) are parts of one projection but read different activation formats",
+                      first->name, type_name(first->type), p->name, type_name(p->type));
+        w->rows += p->rows;
+    }
+    return 0;
+}
+
+/* Adds matrix w to the per-token counts: the weights each token is
+   multiplied by, and the bytes decode streams for them. */
+static void count_matmul(Model *m, const Matrix *w)
+{
+    for (int i = 0; i < w->n_parts; i++) {
+        const Tensor *p = &w->part[i];
+        m->matmul_params += (double)p->rows * p->cols;
+        m->weight_bytes += (double)p->rows * row_bytes(p->type, p->cols);
+    }
+}
+
 /* Binds the layer structs to the tensors of the table (by slot). */
 static int bind_weights(Model *m, const Tensor *tab, char *err)
 {
     Config *c = &m->c;
-    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, hid = c->hidden_dim;
     if (take_tensor(&m->tok_embeddings, &tab[SLOT_TOK_EMBEDDINGS], c->vocab_size, c->dim, err) ||
         take_tensor(&m->norm, &tab[SLOT_NORM], 1, c->dim, err))
         return -1;
-    if (c->tied) m->output = m->tok_embeddings;
-    else if (take_tensor(&m->output, &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
+    if (c->tied) m->output.part[0] = m->tok_embeddings;
+    else if (take_tensor(&m->output.part[0], &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
+    join_parts(&m->output, 1, err); /* one part: nothing to refuse */
     if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
     if (c->rope_freqs) {
         if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err)) return -1;
@@ -701,13 +814,17 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
         const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
-        /* each tensor's field and shape; vectors (norms, biases) are f32 */
+        /* each tensor's field and shape (a split file's parts are fields of
+           the matrix they form); vectors (norms, biases) are f32 */
         struct { Tensor *field; int rows, cols; } want[LAYER_TENSORS] = {
-            [LT_ATTN_NORM] = {&L->attn_norm, 1, c->dim}, [LT_WQKV] = {&L->wqkv, q_dim + 2 * kv_dim, c->dim},
+            [LT_ATTN_NORM] = {&L->attn_norm, 1, c->dim}, [LT_WQKV] = {&L->wqkv.part[0], q_dim + 2 * kv_dim, c->dim},
+            [LT_WQ] = {&L->wqkv.part[0], q_dim, c->dim}, [LT_WK] = {&L->wqkv.part[1], kv_dim, c->dim},
+            [LT_WV] = {&L->wqkv.part[2], kv_dim, c->dim},
             [LT_BQKV] = {&L->bqkv, 1, q_dim + 2 * kv_dim}, [LT_Q_NORM] = {&L->q_norm, 1, c->head_dim},
-            [LT_K_NORM] = {&L->k_norm, 1, c->head_dim}, [LT_WO] = {&L->wo, c->dim, q_dim},
+            [LT_K_NORM] = {&L->k_norm, 1, c->head_dim}, [LT_WO] = {&L->wo.part[0], c->dim, q_dim},
             [LT_POST_ATTN_NORM] = {&L->post_attn_norm, 1, c->dim}, [LT_FFN_NORM] = {&L->ffn_norm, 1, c->dim},
-            [LT_W13] = {&L->w13, 2 * c->hidden_dim, c->dim}, [LT_W2] = {&L->w2, c->dim, c->hidden_dim},
+            [LT_W13] = {&L->w13.part[0], 2 * hid, c->dim}, [LT_W1] = {&L->w13.part[0], hid, c->dim},
+            [LT_W3] = {&L->w13.part[1], hid, c->dim}, [LT_W2] = {&L->w2.part[0], c->dim, hid},
             [LT_POST_FFN_NORM] = {&L->post_ffn_norm, 1, c->dim},
         };
         for (int i = 0; i < LAYER_TENSORS; i++) {
@@ -715,6 +832,9 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
             if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err)) return -1;
             if (want[i].rows == 1 && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
         }
+        if (join_parts(&L->wqkv, c->split ? 3 : 1, err) || join_parts(&L->wo, 1, err) ||
+            join_parts(&L->w13, c->split ? 2 : 1, err) || join_parts(&L->w2, 1, err))
+            return -1;
     }
     /* Parameter count and the type holding the most weight bytes, for -v. */
     size_t bytes_by_type[T_BF16 + 1] = {0};
@@ -726,16 +846,11 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     int best = T_F32;
     for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
     m->dtype = type_name(best);
-    const Tensor *per_token[] = {&m->output};
     for (int l = 0; l < c->n_layers; l++) {
-        const Tensor *mats[] = {&m->layers[l].wqkv, &m->layers[l].wo, &m->layers[l].w13, &m->layers[l].w2};
-        for (int i = 0; i < 4; i++) {
-            m->matmul_params += (double)mats[i]->rows * mats[i]->cols;
-            m->weight_bytes += (double)mats[i]->rows * row_bytes(mats[i]->type, mats[i]->cols);
-        }
+        const Matrix *mats[] = {&m->layers[l].wqkv, &m->layers[l].wo, &m->layers[l].w13, &m->layers[l].w2};
+        for (int i = 0; i < 4; i++) count_matmul(m, mats[i]);
     }
-    m->matmul_params += (double)per_token[0]->rows * per_token[0]->cols;
-    m->weight_bytes += (double)per_token[0]->rows * row_bytes(per_token[0]->type, per_token[0]->cols);
+    count_matmul(m, &m->output);
     return 0;
 }
 
@@ -1798,17 +1913,20 @@ typedef struct {
     size_t stride;
 } Act;
 
+/* The activation format W reads: its first part's, which all its parts share (join_parts). */
+static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
+
 /* W's input from float rows f ([n, f_cols]) or, when W reads another
    activation format, from the same rows converted into q. */
-static Act act_for(const Tensor *w, const float *f, int f_cols, const uint8_t *q)
+static Act act_for(const Matrix *w, const float *f, int f_cols, const uint8_t *q)
 {
-    int fmt = act_format(w->type);
+    int fmt = matrix_act(w);
     if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
     return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
 }
 
 /* The usual input: s->xb and s->xq, rows packed W.cols apart. */
-static Act act_xb(const RunState *s, const Tensor *w) { return act_for(w, s->xb, w->cols, s->xq); }
+static Act act_xb(const RunState *s, const Matrix *w) { return act_for(w, s->xb, w->cols, s->xq); }
 
 /* out[t + j][r + i] = v[i * toks + j] for a rows x toks block (+= with
    accumulate, which fuses the residual add). */
@@ -1827,6 +1945,19 @@ static void put_block(float *out, int out_stride, int r, int t, const float *v, 
 static Tile usable(Tile t, int cols) { return t.fn && cols % t.cols == 0 ? t : (Tile){NULL, 1, 1, 1}; }
 static Tile prefill_tile(const Tensor *w) { return usable(K.type[w->type].tile, w->cols); }
 static Tile decode_tile(const Tensor *w) { return usable(K.type[w->type].gemv, w->cols); }
+
+/* Tokens per prefill tile of every part of W (their least common
+   multiple): a batch split at multiples of it gives each token the same
+   kernels, whatever the split. */
+static int tile_tokens(const Matrix *w)
+{
+    int unit = 1;
+    for (int i = 0; i < w->n_parts; i++) {
+        int toks = prefill_tile(&w->part[i]).toks, step = unit;
+        while (unit % toks) unit += step;
+    }
+    return unit;
+}
 
 /* Rows [a, b) of W times the tile.toks input rows from token t: tile.rows
    at a time, then one dot product per row left over. With one token
@@ -1851,11 +1982,11 @@ static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Til
 }
 
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
-   n_tok input rows in = x. Weight rows are taken ROW_TILE at a time and
-   applied to every token while they sit in cache: prefill reads each
-   weight byte from memory once per batch, decode once per token. With
+   n_tok input rows in = x, W one tensor. Weight rows are taken ROW_TILE at
+   a time and applied to every token while they sit in cache: prefill reads
+   each weight byte from memory once per batch, decode once per token. With
    exact, every token takes decode's kernels (see verify_step). */
-static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
+static void tensor_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
                         int exact)
 {
     Tile tile = prefill_tile(w), gemv = decode_tile(w);
@@ -1874,8 +2005,20 @@ static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int
     }
 }
 
+/* The same for matrix W: each part computes the rows of [r0, r1) that fall
+   in it, with its own type's kernels, into the output columns of those
+   rows (a part's row i is the matrix's row base + i). */
+static void matmul_rows(float *out, int out_stride, const Matrix *w, Act in, int n_tok, int r0, int r1, int accumulate,
+                        int exact)
+{
+    for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
+        int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
+        if (a < b) tensor_rows(out + base, out_stride, &w->part[i], in, n_tok, a - base, b - base, accumulate, exact);
+    }
+}
+
 /* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int exact, int me, int nth)
+static void matmul_part(float *out, const Matrix *w, Act in, int n_tok, int accumulate, int exact, int me, int nth)
 {
     int r0, r1;
     split(w->rows, ROW_TILE, me, nth, &r0, &r1);
@@ -1884,15 +2027,15 @@ static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accu
 
 /* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
    activations: done once per matmul, then read by every weight row. */
-static void prepare_act(RunState *s, const Tensor *w, int t0, int t1)
+static void prepare_act(RunState *s, const Matrix *w, int t0, int t1)
 {
-    int fmt = act_format(w->type), cols = w->cols;
+    int fmt = matrix_act(w), cols = w->cols;
     if (fmt == ACT_F32) return;
     for (int t = t0; t < t1; t++) quantize_act(fmt, s->xq + t * act_bytes(fmt, cols), s->xb + (size_t)t * cols, cols);
 }
 
 /* Normalizes rows [t0, t1) of x into s->xb, ready for W. */
-static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Tensor *w, int dim, float eps, int t0, int t1)
+static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Matrix *w, int dim, float eps, int t0, int t1)
 {
     for (int t = t0; t < t1; t++) rmsnorm(s->xb + (size_t)t * dim, x + (size_t)t * dim, norm->data, dim, eps);
     prepare_act(s, w, t0, t1);
@@ -1921,10 +2064,10 @@ static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K
 static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
 {
     const Config *c = &m->c;
-    const Tensor *w = &m->layers[l].wqkv;
+    const Matrix *w = &m->layers[l].wqkv;
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
-    int unit = prefill_tile(w).toks;
+    int unit = tile_tokens(w);
     if (!s->exact && n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
@@ -2085,7 +2228,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
    the matmul, the activation and the quantization. */
 static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
 {
-    int fmt = act_format(L->w2.type), hid = c->hidden_dim;
+    int fmt = matrix_act(&L->w2), hid = c->hidden_dim;
     Act in = act_xb(s, &L->w13);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0, s->exact);
     matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0, s->exact);
@@ -2102,7 +2245,7 @@ static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int
    add is fused into the matmul; the post-norm needs whole output rows, so
    the matmul writes s->xo and each thread then norms and adds its tokens
    [t0, t1). Ends at a barrier. */
-static void add_output(const Model *m, RunState *s, const Tensor *w, Act in, const Tensor *post, int n, int t0, int t1,
+static void add_output(const Model *m, RunState *s, const Matrix *w, Act in, const Tensor *post, int n, int t0, int t1,
                        int me, int nth)
 {
     const Config *c = &m->c;
@@ -2124,7 +2267,7 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     const Layer *L = &m->layers[l];
     int dim = c->dim, hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
     /* attention converts its output for Wo itself when its slices are whole blocks */
-    int wo_fmt = act_format(L->wo.type), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
+    int wo_fmt = matrix_act(&L->wo), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
     split(n, 1, me, nth, &t0, &t1);
     /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
        q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
@@ -2144,7 +2287,7 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
     /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
-    split(hid, max_i(QK, ACT_FORMATS[act_format(L->w2.type)].block), me, nth, &i0, &i1);
+    split(hid, max_i(QK, ACT_FORMATS[matrix_act(&L->w2)].block), me, nth, &i0, &i1);
     ffn_up_part(s, c, L, n, i0, i1);
     barrier(&s->bar, nth);
     add_output(m, s, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), &L->post_ffn_norm, n, t0, t1, me, nth);
@@ -2510,7 +2653,7 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
         fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
                 100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
     if (!mc) return;
-    int int8 = act_format(m->layers[0].w2.type) != ACT_F32;
+    int int8 = matrix_act(&m->layers[0].w2) != ACT_F32;
     double peak = int8 ? mc->i8_gops : mc->f32_gflops;
     fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
             "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",

@@ -61,6 +61,15 @@ def two_layer_model() -> Path:
     return out
 
 
+def split_model(wv_type: int | None = None) -> Path:
+    """The tiny model in the split form (flag bit 5: wq, wk, wv and w1, w3 instead of wqkv and w13; the same
+    blocks), optionally with a wv of another type."""
+    buf = mf.split_form(tiny_model().read_bytes(), None if wv_type is None else {"layers.0.wv": wv_type})
+    path = WORK / f"tiny-split{'' if wv_type is None else f'-wv{wv_type}'}.bin"
+    path.write_bytes(bytes(buf))
+    return path
+
+
 def variant(name: str, patch, base: Path | None = None) -> Path:
     """A copy of the tiny model (or of base) changed by patch(bytearray) -> bytearray|None."""
     buf = bytearray((base or tiny_model()).read_bytes())
@@ -188,7 +197,7 @@ def test_model_nan_rope_theta():
 
 
 def test_model_unknown_feature_flags():
-    expect_file_error(lambda b: mf.put(b, "flags", 0x21), "feature flag bit 5", name="flags21")
+    expect_file_error(lambda b: mf.put(b, "flags", 0x41), "feature flag bit 6", name="flags41")
 
 
 def test_model_unknown_activation():
@@ -334,6 +343,39 @@ def test_tensor_set_matches_header():
                       "layers.1.wo", "1-layer", name="layer-beyond-nlayers")
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wqkv"), "layers.0.wqkv",
                       "twice", name="tensor-duplicate")
+
+
+def test_split_file_missing_a_part():
+    """A split file (wq, wk, wv instead of wqkv) without wk. The split model itself runs and generates what the
+    fused one does (the same blocks)."""
+    base = split_model()
+    want = expect_ok([tiny_model(), "-i", "hi", "-n", "8", "-t", "0"]).stdout
+    assert expect_ok([base, "-i", "hi", "-n", "8", "-t", "0"]).stdout == want, "split and fused files differ"
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wX"), "no tensor layers.0.wk",
+                      name="split-no-wk", base=base)
+
+    def drop_wk(b: bytearray) -> bytearray:
+        kept = [(t.name, t.type, t.rows, t.cols, bytes(b[t.offset:t.offset + t.size])) for t in mf.tensors(b)
+                if t.name != "layers.0.wk"]
+        return mf.relayout(b, kept)
+    expect_file_error(drop_wk, "(no layers.0.wk)", name="split-without-wk", base=base)
+
+
+def test_split_flag_and_fused_tensors_disagree():
+    """A split file that also has a wqkv (in place of wk); a fused file with the split flag set; a split file
+    without it: each names a tensor that the header's flags leave out."""
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wk", "name", b"layers.0.wqkv"), "layers.0.wqkv",
+                      "sets flag bit 5 (split)", name="split-with-wqkv", base=split_model())
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") | mf.FLAG_SPLIT), "layers.0.wqkv",
+                      "sets flag bit 5 (split)", name="fused-flagged-split")
+    expect_file_error(lambda b: mf.put(b, "flags", mf.get(b, "flags") & ~mf.FLAG_SPLIT), "layers.0.wq",
+                      "does not set flag bit 5 (split)", name="split-unflagged", base=split_model())
+
+
+def test_split_parts_reading_different_activations():
+    """wq and wk Q8_0 (int8 activations) beside an F32 wv (float activations): one projection, two inputs."""
+    expect_file_error(lambda b: None, "layers.0.wq (q8_0)", "layers.0.wv (f32)", "different activation formats",
+                      name="split-mixed-act", base=split_model(wv_type=mf.TYPE_F32))
 
 
 def test_sections_placed_exactly():

@@ -9,6 +9,11 @@ per 32, int8 per 256 with the sums of 16, and the float attention output that a 
 query heads (here 2 x 64 = 128 values) are not whole blocks of 256. Tolerance: tests/test_synthetic.py's QUANT
 bound (int8 activations; per 256 the scale is shared by more values, a little coarser than per 32).
 
+The split form (README "The model file", flag bit 5: wq, wk, wv and w1, w3 as tensors of their own) is written here
+from the same f32 file: parts of one projection in different types (sharing an activation format) against the
+reference, and a split file whose parts all have one type against the fused file with the same bytes, which must
+give the same logits bit for bit (every part boundary here is a multiple of the row tiles).
+
 Also: a K type on a row that is not a multiple of 256 is refused with the tensor's name, and --kv q4 (Q4_0 K and V
 rows) matches a reference whose cache goes through gguf's Q4_0 round trip.
 """
@@ -41,6 +46,15 @@ LAYOUTS = {
     "b": {"tok_embeddings": QT.Q4_0, "wqkv": QT.Q5_K, "wo": QT.Q6_K, "w13": QT.Q4_K, "w2": QT.Q5_0},
     "c": {"tok_embeddings": QT.Q5_1, "wqkv": QT.Q6_K, "wo": QT.Q4_0, "w13": QT.Q5_0, "w2": QT.Q6_K},
 }
+# split files: the parts of a projection in different types of one activation format (int8 per 32, per 256, floats)
+SPLIT_LAYOUTS = {
+    "split-a": {"tok_embeddings": QT.Q8_0, "wq": QT.Q4_0, "wk": QT.Q8_0, "wv": QT.Q5_1, "wo": QT.Q6_K,
+                "w1": QT.Q4_K, "w3": QT.Q6_K, "w2": QT.Q5_0},
+    "split-b": {"tok_embeddings": QT.Q4_K, "wq": QT.Q5_K, "wk": QT.Q4_K, "wv": QT.Q6_K, "wo": QT.Q8_0,
+                "w1": QT.F16, "w3": QT.BF16, "w2": QT.Q4_1},
+}
+FLAG_SPLIT = 32
+SPLIT_PARTS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # in the order of the fused rows
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,27 +132,43 @@ def f32_file() -> Path:
     return out
 
 
-def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+def split_rows(name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A fused projection's rows as the split form's tensors (README's tensor table: Q rows, then K, then V; gate
+    rows, then up); any other tensor as it is."""
+    prefix, _, base = name.rpartition(".")
+    q_dim, kv_dim, hid = CFG.n_heads * CFG.head_dim, CFG.n_kv_heads * CFG.head_dim, CFG.hidden_dim
+    bounds = {"wqkv": [0, q_dim, q_dim + kv_dim, q_dim + 2 * kv_dim], "w13": [0, hid, 2 * hid]}.get(base)
+    if bounds is None:
+        return [(name, values)]
+    return [(f"{prefix}.{part}", values[a:b]) for part, a, b in zip(SPLIT_PARTS[base], bounds, bounds[1:])]
+
+
+def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str, int] | None = None,
+            split: bool = False) -> dict[str, np.ndarray]:
     """src with each tensor whose name ends in a key of `types` re-encoded as that type (the tensors re-laid after
-    the table, each at the next 64-byte boundary, as the README's layout rules want). Returns the stored values by
-    tensor name, decoded by the gguf package."""
+    the table, each at the next 64-byte boundary, as the README's layout rules want); with split, in the split
+    form. Returns the stored values by tensor name, decoded by the gguf package."""
     data = src.read_bytes()
     h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
-    entries = [ENTRY.unpack_from(data, h["table_offset"] + i * ENTRY.size) for i in range(h["n_tensors"])]
-    table_end = h["table_offset"] + len(entries) * ENTRY.size
-    out = bytearray(data[:table_end])
+    tensors = []
+    for i in range(h["n_tensors"]):
+        raw_name, ttype, rows, cols, pad, off, size = ENTRY.unpack_from(data, h["table_offset"] + i * ENTRY.size)
+        name, values = raw_name.rstrip(b"\0").decode(), np.frombuffer(data[off:off + size], dtype="<f4").reshape(rows, cols)
+        tensors += split_rows(name, values) if split else [(name, values)]
+    table_end = h["table_offset"] + len(tensors) * ENTRY.size
+    out = bytearray(data[:h["table_offset"]]) + bytes(table_end - h["table_offset"])
     table, stored = bytearray(), {}
-    for raw_name, ttype, rows, cols, pad, off, size in entries:
-        name = raw_name.rstrip(b"\0").decode()
-        values = np.frombuffer(data[off:off + size], dtype="<f4").reshape(rows, cols)
-        qt = next((t for k, t in types.items() if name.split(".")[-1] == k), QT.F32)
+    for name, values in tensors:
+        rows, cols = values.shape
+        qt = types.get(name.split(".")[-1], QT.F32)
         blob = encode(values, qt)
         stored[name] = values if qt == QT.F32 else dequantize(np.frombuffer(blob, np.uint8).reshape(rows, -1), qt)
         out += bytes(-len(out) % ALIGN)
-        table += ENTRY.pack(raw_name, int(qt), rows, (cols_override or {}).get(name, cols), pad, len(out), len(blob))
+        table += ENTRY.pack(name.encode(), int(qt), rows, (cols_override or {}).get(name, cols), 0, len(out), len(blob))
         out += blob
     out[h["table_offset"]:table_end] = table
-    h["file_size"] = len(out)
+    h["file_size"], h["n_tensors"] = len(out), len(tensors)
+    h["flags"] |= FLAG_SPLIT if split else 0
     out[:HEADER.size] = HEADER.pack(*(h[k] for k in HEADER_KEYS))
     dst.write_bytes(bytes(out))
     return stored
@@ -150,19 +180,23 @@ def hf_weights(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     w = {"model.embed_tokens.weight": stored["tok_embeddings"], "model.norm.weight": stored["norm"].reshape(-1)}
     for n in range(CFG.n_layers):
         p, layer = f"model.layers.{n}.", {k.split(".")[-1]: v for k, v in stored.items() if k.startswith(f"layers.{n}.")}
-        qkv, w13 = layer["wqkv"], layer["w13"]
+        if "wqkv" in layer:   # fused: cut the rows as split_rows does
+            qkv, w13 = layer["wqkv"], layer["w13"]
+            layer |= {"wq": qkv[:q_dim], "wk": qkv[q_dim:q_dim + kv_dim], "wv": qkv[q_dim + kv_dim:],
+                      "w1": w13[:CFG.hidden_dim], "w3": w13[CFG.hidden_dim:]}
         w |= {p + "input_layernorm.weight": layer["attn_norm"].reshape(-1),
               p + "post_attention_layernorm.weight": layer["ffn_norm"].reshape(-1),
-              p + "self_attn.q_proj.weight": qkv[:q_dim], p + "self_attn.k_proj.weight": qkv[q_dim:q_dim + kv_dim],
-              p + "self_attn.v_proj.weight": qkv[q_dim + kv_dim:], p + "self_attn.o_proj.weight": layer["wo"],
-              p + "mlp.gate_proj.weight": w13[:CFG.hidden_dim], p + "mlp.up_proj.weight": w13[CFG.hidden_dim:],
+              p + "self_attn.q_proj.weight": layer["wq"], p + "self_attn.k_proj.weight": layer["wk"],
+              p + "self_attn.v_proj.weight": layer["wv"], p + "self_attn.o_proj.weight": layer["wo"],
+              p + "mlp.gate_proj.weight": layer["w1"], p + "mlp.up_proj.weight": layer["w3"],
               p + "mlp.down_proj.weight": layer["w2"]}
     return w
 
 
 def _check_layout(layout: str) -> str:
+    types = LAYOUTS.get(layout) or SPLIT_LAYOUTS[layout]
     model = WORK / f"mixed-{layout}.llm"
-    stored = rewrite(f32_file(), model, LAYOUTS[layout])
+    stored = rewrite(f32_file(), model, types, split=layout in SPLIT_LAYOUTS)
     ids = np.random.default_rng(5).integers(0, CFG.vocab_size, 100).tolist()
     ref = rf.forward(ms.hf_config(CFG), hf_weights(stored), ids)
     max_rel, max_rms, min_top1 = ENGINE_TOL["QUANT"]
@@ -171,7 +205,7 @@ def _check_layout(layout: str) -> str:
         got = engine_logits(model, ids, no_batch="--no-batch" in extra, extra=tuple(x for x in extra if x != "--no-batch"))
         e, r, t = rel_err(got, ref), rms_err(got, ref), top1(got, ref)
         info = (f"layout {layout} {' '.join(extra) or '(default)'} "
-                f"({', '.join(f'{k} {v.name}' for k, v in LAYOUTS[layout].items())}): "
+                f"({', '.join(f'{k} {v.name}' for k, v in types.items())}): "
                 f"rel {e:.3g} (<= {max_rel:g}), rms {r:.3g} (<= {max_rms:g}), top-1 {t:.3f} (>= {min_top1:g})")
         assert e <= max_rel and r <= max_rms and t >= min_top1, info
         lines.append(info)
@@ -188,6 +222,31 @@ def test_mixed_types_layout_b() -> None:
 
 def test_mixed_types_layout_c() -> None:
     print(_check_layout("c"))
+
+
+def test_split_parts_of_different_types_a() -> None:
+    print(_check_layout("split-a"))
+
+
+def test_split_parts_of_different_types_b() -> None:
+    print(_check_layout("split-b"))
+
+
+def test_split_form_of_one_type_equals_the_fused_form() -> None:
+    """The same blocks stored fused and split (every part Q8_0, or Q4_K): bit-identical logits in prefill, in
+    decode (--no-batch), with 1 and 2 threads. A part's rows landing in the wrong output columns, a wrong part
+    offset or a part read with another's kernels would show here, far below the reference's tolerance."""
+    ids = np.random.default_rng(7).integers(0, CFG.vocab_size, 90).tolist()
+    for qt in (QT.Q8_0, QT.Q4_K):
+        fused_types = {"wqkv": qt, "w13": qt, "wo": qt, "w2": qt}
+        split_types = {"wq": qt, "wk": qt, "wv": qt, "w1": qt, "w3": qt, "wo": qt, "w2": qt}
+        fused, split = WORK / f"same-{qt.name}-fused.llm", WORK / f"same-{qt.name}-split.llm"
+        rewrite(f32_file(), fused, fused_types)
+        rewrite(f32_file(), split, split_types, split=True)
+        for extra in (("--threads", "1"), ("--threads", "2"), ("--no-batch", "--threads", "2")):
+            nb, ex = "--no-batch" in extra, tuple(x for x in extra if x != "--no-batch")
+            a, b = engine_logits(fused, ids, no_batch=nb, extra=ex), engine_logits(split, ids, no_batch=nb, extra=ex)
+            assert np.array_equal(a, b), f"{qt.name} {' '.join(extra)}: split vs fused max diff {np.abs(a - b).max()}"
 
 
 def test_k_type_on_a_row_not_a_multiple_of_256_is_refused() -> None:

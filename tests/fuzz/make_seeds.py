@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import make_synthetic as ms  # noqa: E402  (test helper, shared with test_synthetic.py)
+from fuzz import modelfile  # noqa: E402
 
 EXPORT = ROOT / "export.py"
 SMOL_GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,6 +159,9 @@ def main() -> None:
     loader.append(export(src["tied"] / "hf-bf16", models / "tied.hf-bf16.bin", "--dtype", "f32"))
     loader.append(export(src["untied"] / "model.q8_0.gguf", models / "untied.q8_0.bin", "--dtype", "q8_0"))
     loader.append(export(src["untied"] / "model.f32.gguf", models / "untied.f16.bin", "--dtype", "f16"))
+    split = models / "untied.q8_0-split.bin"   # the split form (flag bit 5) of the same blocks
+    split.write_bytes(bytes(modelfile.split_form((models / "untied.q8_0.bin").read_bytes())))
+    loader.append(split)
     spm_tok = export(src["spm"], models / "spm.tok.bin", "--tokenizer-only")
     smol_tok = export(SMOL_GGUF, models / "smollm2.tok.bin", "--tokenizer-only")
     gemma_tok = export(GEMMA_GGUF, models / "gemma3.tok.bin", "--tokenizer-only")

@@ -101,7 +101,52 @@ def fill_f32(buf: bytearray, name: str, value: float) -> bytearray:
     return buf
 
 
-BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20)}   # type -> (elements, bytes) per block
+def relayout(buf: bytes, tensors: list[tuple[str, int, int, int, bytes]]) -> bytearray:
+    """buf's header and tokenizer section with these tensors (name, type, rows, cols, data) in this order: the
+    table right after the tokenizer section, each tensor at the next 64-byte boundary after it, n_tensors and
+    file_size updated (the layout rules of README.md, "The model file")."""
+    table = get(buf, "table_offset")
+    out = bytearray(buf[:table]) + bytes(len(tensors) * TABLE_ENTRY)
+    for i, (name, ttype, rows, cols, data) in enumerate(tensors):
+        out += bytes(-len(out) % 64)
+        struct.pack_into("<48sIIIIQQ", out, table + i * TABLE_ENTRY, name.encode(), ttype, rows, cols, 0, len(out),
+                         len(data))
+        out += data
+    put(out, "n_tensors", len(tensors))
+    return put(out, "file_size", len(out))
+
+
+FLAG_SPLIT = 32   # header flag bit 5: the projections' parts stored as tensors of their own
+SPLIT_PARTS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # in the order of the fused rows
+
+
+def split_form(buf: bytes, retype: dict[str, int] | None = None) -> bytearray:
+    """A fused file in the split form (README.md, "The model file", flag bit 5): each layer's wqkv cut into wq,
+    wk, wv and w13 into w1, w3, whole rows, so the same bytes. A part named in `retype` becomes a tensor of that
+    type holding zeros instead."""
+    hd, hid = get(buf, "head_dim"), get(buf, "hidden_dim")
+    part_rows = {"wq": get(buf, "n_heads") * hd, "wk": get(buf, "n_kv_heads") * hd, "wv": get(buf, "n_kv_heads") * hd,
+                 "w1": hid, "w3": hid}
+    out = []
+    for t in tensors(buf):
+        prefix, _, base = t.name.rpartition(".")
+        data, row_bytes, at = buf[t.offset:t.offset + t.size], t.size // t.rows, 0
+        if base not in SPLIT_PARTS:
+            out.append((t.name, t.type, t.rows, t.cols, data))
+        for part in SPLIT_PARTS.get(base, ()):
+            name, rows = f"{prefix}.{part}", part_rows[part]
+            if name in (retype or {}):
+                elems, nbytes = BLOCK[retype[name]]
+                out.append((name, retype[name], rows, t.cols, bytes(rows * t.cols // elems * nbytes)))
+            else:
+                out.append((name, t.type, rows, t.cols, data[at * row_bytes:(at + rows) * row_bytes]))
+            at += rows
+    new = relayout(buf, out)
+    return put(new, "flags", get(new, "flags") | FLAG_SPLIT)
+
+
+BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20), 2: (32, 18), 6: (32, 22), 7: (32, 24),
+         12: (256, 144), 13: (256, 176), 14: (256, 210)}   # type -> (elements, bytes) per block
 
 
 def align64(x: int) -> int:
