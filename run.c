@@ -59,8 +59,22 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define HAVE_AVX2 1
+/* Every x86-64 build (GCC or clang) carries every x86 kernel set, each
+   compiled for its own instruction set whatever the compiler targets, and
+   picks one at run time from what the CPU reports: TARGET_BEGIN(isa) ..
+   TARGET_END gives each function between them the target attribute isa. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_X86_SETS 1
+#define PRAGMA_STR(...) #__VA_ARGS__
+#ifdef __clang__
+#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
+#define TARGET_END _Pragma("clang attribute pop")
+#else
+#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
+#define TARGET_END _Pragma("GCC pop_options")
+#endif
+#define ISA_AVX2 "avx2,fma,f16c"
+#define ISA_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -1334,7 +1348,7 @@ static const struct {
     [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
-enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
+enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, N_KSETS };
 
 typedef struct {
     const char *name;    /* as -v and messages print it */
@@ -1345,10 +1359,12 @@ typedef struct {
     TypeKernels k[N_KSETS];
 } WeightType;
 
-#ifdef HAVE_AVX2
+#ifdef HAVE_X86_SETS
 #define AVX2(...) __VA_ARGS__
+#define AVX512(...) __VA_ARGS__
 #else
 #define AVX2(...) {0}
+#define AVX512(...) {0}
 #endif
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
@@ -1356,10 +1372,17 @@ typedef struct {
 #define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
 #define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
 
-/* The AVX2 kernel set, defined in the appendix at the end of the file: the
-   same kernels as the scalar definitions above, eight floats or 32 int8
-   products per instruction, in register tiles for the matrix products. */
-#ifdef HAVE_AVX2
+/* The x86 kernel sets, defined in the appendices at the end of the file:
+   the same kernels as the scalar definitions above, 8 (AVX2) or 16
+   (AVX-512) floats, 32 or 64 int8 products per instruction, in register
+   tiles for the matrix products. */
+#ifdef HAVE_X86_SETS
+#define I8_TILE_ROWS_512 4  /* AVX-512 int8 tile: 12 accumulators, 4 weight */
+#define I8_TILE_TOKS_512 3  /* vectors, 3 activation vectors of its 32 registers */
+#define INT8_TILE_SHAPE_512 I8_TILE_ROWS_512, I8_TILE_TOKS_512, QK
+#define FLOAT_TILE_SHAPE_512 FTILE_ROWS, FTILE_TOKS, 16
+_Static_assert(I8_TILE_ROWS_512 * I8_TILE_TOKS_512 <= MAX_TILE && CHUNK_TOKENS % I8_TILE_TOKS_512 == 0, "avx512 tile");
+TARGET_BEGIN(ISA_AVX2)
 #define AVX2_BLOCK_KERNELS(t)                                                                                   \
     static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
     static void gemv_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
@@ -1388,8 +1411,27 @@ static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int
 static void swiglu_avx2(float *g, const float *u, int n);
 static void geglu_avx2(float *g, const float *u, int n);
 static int cpu_has_avx2(void);
-static float hsum256(__m256 v);
+static double peak_f32_avx2(float *sink);
+static double peak_i8_avx2(int *sink);
+TARGET_END
+TARGET_BEGIN(ISA_AVX512)
+#define AVX512_BLOCK_KERNELS(t)                                                                                 \
+    static float dot_##t##_avx512(const void *w, const void *x, int n);                                        \
+    static void gemv_##t##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);\
+    static void tile_##t##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+AVX512_BLOCK_KERNELS(q4_0) AVX512_BLOCK_KERNELS(q4_1) AVX512_BLOCK_KERNELS(q5_0) AVX512_BLOCK_KERNELS(q5_1)
+AVX512_BLOCK_KERNELS(q8_0)
+#undef AVX512_BLOCK_KERNELS
+static void tile_f32_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+static void tile_f16_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+static void tile_bf16_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+static int cpu_has_avx512_vnni(void);
+static double peak_f32_avx512(float *sink);
+static double peak_i8_avx512(int *sink);
+TARGET_END
 #endif
+static double peak_f32_scalar(float *sink);
+static double peak_i8_scalar(int *sink);
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
@@ -1397,31 +1439,38 @@ static const WeightType TYPES[N_TYPES] = {
 #define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .dot = dot_##t##_scalar}
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
                {SCALAR(f32, from_float_f32_scalar),
-                AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
+                AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}}),
+                AVX512({.tile = {tile_f32_avx512, FLOAT_TILE_SHAPE_512}})}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
                {SCALAR(f16, from_float_f16_scalar),
                 AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
-                      .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+                      .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}}),
+                AVX512({.tile = {tile_f16_avx512, FLOAT_TILE_SHAPE_512}})}},
     [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
                 {SCALAR(q4_0, from_float_q4_0_scalar),
                  AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
+                       .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}}),
+                 AVX512({.dot = dot_q4_0_avx512, .gemv = {gemv_q4_0_avx512, GEMV_SHAPE}, .tile = {tile_q4_0_avx512, INT8_TILE_SHAPE_512}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {SCALAR(q4_1, NULL),
                  AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
-                       .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+                       .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}}),
+                 AVX512({.dot = dot_q4_1_avx512, .gemv = {gemv_q4_1_avx512, GEMV_SHAPE}, .tile = {tile_q4_1_avx512, INT8_TILE_SHAPE_512}})}},
     [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
                 {SCALAR(q5_0, NULL),
                  AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
+                       .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}}),
+                 AVX512({.dot = dot_q5_0_avx512, .gemv = {gemv_q5_0_avx512, GEMV_SHAPE}, .tile = {tile_q5_0_avx512, INT8_TILE_SHAPE_512}})}},
     [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
                 {SCALAR(q5_1, NULL),
                  AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
-                       .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
+                       .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}}),
+                 AVX512({.dot = dot_q5_1_avx512, .gemv = {gemv_q5_1_avx512, GEMV_SHAPE}, .tile = {tile_q5_1_avx512, INT8_TILE_SHAPE_512}})}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {SCALAR(q8_0, from_float_q8_0_scalar),
                  AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+                       .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}}),
+                 AVX512({.dot = dot_q8_0_avx512, .gemv = {gemv_q8_0_avx512, GEMV_SHAPE}, .tile = {tile_q8_0_avx512, INT8_TILE_SHAPE_512}})}},
     [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
                 {SCALAR(q4_k, NULL),
                  AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
@@ -1433,7 +1482,8 @@ static const WeightType TYPES[N_TYPES] = {
                  AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}})}},
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
                 {SCALAR(bf16, NULL),
-                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}}),
+                AVX512({.tile = {tile_bf16_avx512, FLOAT_TILE_SHAPE_512}})}},
 #undef SCALAR
 };
 
@@ -1441,6 +1491,7 @@ static const WeightType TYPES[N_TYPES] = {
 typedef struct {
     const char *name;
     int (*available)(void); /* can this CPU run the set? */
+    int inherits;           /* KSET_*: the set whose kernels fill what this one leaves NULL */
     QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
     void (*att_scores)(float *out, const float *q, const float *kt, int hd, int n);
     void (*att_scores_rows)(float *out, const float *q, const float *k, int hd, int n);
@@ -1448,16 +1499,22 @@ typedef struct {
     void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
+    double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
+    double (*peak_i8)(int *sink);    /* ... of int8 multiply-add chains; returns ops (2 per MAC) */
 } OpKernels;
 
 static int always(void) { return 1; }
 
 static const OpKernels OPS[N_KSETS] = {
-    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_scores_scalar,
-                     att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
-#ifdef HAVE_AVX2
-    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_scores_avx2,
-                   att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2},
+    [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
+                     att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar,
+                     geglu_scalar, peak_f32_scalar, peak_i8_scalar},
+#ifdef HAVE_X86_SETS
+    [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
+                   att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2,
+                   peak_f32_avx2, peak_i8_avx2},
+    /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
+    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
 #endif
 };
 
@@ -1472,24 +1529,30 @@ static struct {
 static int kernel_set_available(int set) { return set >= 0 && set < N_KSETS && OPS[set].name && OPS[set].available(); }
 
 /* Makes `set` the kernel set of every call below; fields it leaves NULL
-   come from the scalar set (a kernel tile never does: no tile means one
-   dot product per row). */
+   come from the set it inherits from, and so on down to the scalar set
+   (which has no tiles: no tile means one dot product per row). */
 static void select_kernels(int set)
 {
-    const OpKernels *ref = &OPS[KSET_SCALAR], *o = &OPS[set];
     K.set = set;
-    K.op = *o;
+    K.op = OPS[set];
+    for (int t = 0; t < N_TYPES; t++) K.type[t] = TYPES[t].k[set];
+    for (int s = set; s != KSET_SCALAR;) {
+        s = OPS[s].inherits;
+        const OpKernels *ref = &OPS[s];
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
-    for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu); FILL(geglu);
+        for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
+        FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu); FILL(geglu);
+        FILL(peak_f32); FILL(peak_i8);
 #undef FILL
-    for (int t = 0; t < N_TYPES; t++) {
-        const TypeKernels *r = &TYPES[t].k[KSET_SCALAR];
-        TypeKernels *k = &K.type[t];
-        *k = TYPES[t].k[set];
-        if (!k->to_float) k->to_float = r->to_float;
-        if (!k->from_float) k->from_float = r->from_float;
-        if (!k->dot) k->dot = r->dot;
+        for (int t = 0; t < N_TYPES; t++) {
+            const TypeKernels *r = &TYPES[t].k[s];
+            TypeKernels *k = &K.type[t];
+            if (!k->to_float) k->to_float = r->to_float;
+            if (!k->from_float) k->from_float = r->from_float;
+            if (!k->dot) k->dot = r->dot;
+            if (!k->gemv.fn) k->gemv = r->gemv;
+            if (!k->tile.fn) k->tile = r->tile;
+        }
     }
 }
 
@@ -2377,49 +2440,40 @@ static double probe_bandwidth(void)
 
 /* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
    thread, enough of them to hide latency. */
+/* The scalar set's peaks: plain C chains, which the compiler vectorizes
+   as far as the build's target allows. */
+static double peak_f32_scalar(float *sink)
+{
+    float acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = (float)j;
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] = acc[j] * 0.999f + 1e-3f;
+    for (int j = 0; j < 8; j++) *sink += acc[j];
+    return (double)PROBE_ITERS / 8 * 8 * 2;
+}
+
+static double peak_i8_scalar(int *sink)
+{
+    int acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = j;
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] += (int8_t)(i + j) * 3;
+    for (int j = 0; j < 8; j++) *sink += acc[j];
+    return (double)PROBE_ITERS / 8 * 8 * 2;
+}
+
+/* The kernel set in use's arithmetic peaks, on every thread at once. */
 static void probe_compute(double *f32_gflops, double *i8_gops)
 {
     double t0 = now_ms(), flops = 0, ops = 0;
     float fsink = 0;
     int isink = 0;
     #pragma omp parallel reduction(+ : flops, fsink)
-    {
-#ifdef HAVE_AVX2
-        __m256 acc[8], x = _mm256_set1_ps(0.999f), y = _mm256_set1_ps(1e-3f);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_ps((float)j);
-        for (long i = 0; i < PROBE_ITERS / 8; i++)
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(acc[j], x, y);
-        for (int j = 0; j < 8; j++) fsink += hsum256(acc[j]);
-        flops += (double)PROBE_ITERS / 8 * 8 * 8 * 2;
-#else
-        float acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = (float)j;
-        for (long i = 0; i < PROBE_ITERS / 8; i++)
-            for (int j = 0; j < 8; j++) acc[j] = acc[j] * 0.999f + 1e-3f;
-        for (int j = 0; j < 8; j++) fsink += acc[j];
-        flops += (double)PROBE_ITERS / 8 * 8 * 2;
-#endif
-    }
+    flops += K.op.peak_f32(&fsink);
     *f32_gflops = flops / ((now_ms() - t0) / 1e3) / 1e9;
     t0 = now_ms();
     #pragma omp parallel reduction(+ : ops, isink)
-    {
-#ifdef HAVE_AVX2
-        __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi32(j);
-        for (long i = 0; i < PROBE_ITERS / 8; i++)
-            for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), one));
-        for (int j = 0; j < 8; j++) isink += _mm256_extract_epi32(acc[j], 0);
-        ops += (double)PROBE_ITERS / 8 * 8 * 32 * 2;
-#else
-        int acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = j;
-        for (long i = 0; i < PROBE_ITERS / 8; i++)
-            for (int j = 0; j < 8; j++) acc[j] += (int8_t)(i + j) * 3;
-        for (int j = 0; j < 8; j++) isink += acc[j];
-        ops += (double)PROBE_ITERS / 8 * 8 * 2;
-#endif
-    }
+    ops += K.op.peak_i8(&isink);
     *i8_gops = ops / ((now_ms() - t0) / 1e3) / 1e9;
     if (fsink == 1234.5f && isink == 12345) fputc(' ', stderr); /* keep the chains alive */
 }
@@ -3180,7 +3234,8 @@ static void usage(FILE *f)
         "  --exact-batch N  with --dump-logits: N tokens per pass, each computed exactly\n"
         "                 as a decode step (lookup decoding's verification pass)\n"
         "  --kernels NAME the kernel set: scalar (the plain reference kernels; slow, for\n"
-        "                 checking) or one this CPU runs (default: the best; -v names it)\n"
+        "                 checking), avx2 or avx512 (x86-64 with AVX-512 VNNI), of those\n"
+        "                 this CPU runs (default: the best; -v names it)\n"
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
@@ -3562,11 +3617,12 @@ int main(int argc, char **argv)
    Each function computes what its scalar definition in section 2 computes
    (tests/test_kernels.c checks every one against it), up to summation
    order; the row conversions, the activation quantizers and the f16 row
-   writer agree bit for bit. Compiled when the compiler targets AVX2, FMA
-   and F16C; used when the CPU has them (cpu_has_avx2) and --scalar is not
-   given.
+   writer agree bit for bit. Compiled into every x86-64 build for AVX2,
+   FMA and F16C; used when the CPU has them (cpu_has_avx2) and no other
+   set is chosen (--kernels).
    ========================================================================= */
-#ifdef HAVE_AVX2
+#ifdef HAVE_X86_SETS
+TARGET_BEGIN(ISA_AVX2)
 /* max |x| over n (a multiple of 8) floats. */
 static float amax_avx2(const float *x, int n)
 {
@@ -4067,24 +4123,27 @@ K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
 
-/* Float weights: 8 weights per FMA; a weight vector is loaded once and
-   used for every token of the tile. load8 turns 8 stored weights into floats. */
-#define FLOAT_TILE(name, load8)                                                                          \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                    \
-        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
-        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
-        for (int i = 0; i < n; i += 8) {                                                                 \
-            __m256 xv[FTILE_TOKS];                                                                       \
-            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
-            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
-            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
-                __m256 wv = load8(w + r * ws, i);                                                        \
-                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
-            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
+/* Float weights: a vector of `width` weights per FMA (V, with its zero,
+   FMA and horizontal sum); a weight vector is loaded once and used for
+   every token of the tile. loadu loads `width` activations, load turns
+   `width` stored weights into floats.
+   Shared by the AVX2 and AVX-512 sets. */
+#define FLOAT_TILE(name, set, V, width, zero, loadu, load, fmadd, hsum)                                            \
+    static void tile_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                             \
+        V acc[FTILE_ROWS][FTILE_TOKS];                                                                            \
+        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = zero();             \
+        for (int i = 0; i < n; i += width) {                                                                      \
+            V xv[FTILE_TOKS];                                                                                     \
+            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = loadu((const float *)(x + t * xs) + i);                \
+            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                                         \
+            for (int r = 0; r < FTILE_ROWS; r++) {                                                                \
+                V wv = load(w + r * ws, i);                                                                       \
+                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = fmadd(wv, xv[t], acc[r][t]);                     \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < FTILE_ROWS; r++)                                                                      \
+            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum(acc[r][t]);                       \
     }
 
 static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
@@ -4094,9 +4153,12 @@ static __m256 load8_bf16(const uint8_t *row, int i)
     __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
-FLOAT_TILE(f32, load8_f32)
-FLOAT_TILE(f16, load8_f16)
-FLOAT_TILE(bf16, load8_bf16)
+/* The three float types' tiles of a set, from its loaders <load>_f32, _f16, _bf16. */
+#define FLOAT_TILES(set, V, width, zero, loadu, load, fmadd, hsum)             \
+    FLOAT_TILE(f32, set, V, width, zero, loadu, load##_f32, fmadd, hsum)        \
+    FLOAT_TILE(f16, set, V, width, zero, loadu, load##_f16, fmadd, hsum)        \
+    FLOAT_TILE(bf16, set, V, width, zero, loadu, load##_bf16, fmadd, hsum)
+FLOAT_TILES(avx2, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256)
 
 /* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
    with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
@@ -4287,4 +4349,183 @@ static int cpu_has_avx2(void)
     if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     return b >> 5 & 1;
 }
-#endif
+
+/* --probe's f32 peak for a set: 8 independent chains of FMAs on vectors V
+   of `width` floats. */
+#define PEAK_F32(set, V, width, set1, fmadd, hsum)                                \
+    static double peak_f32_##set(float *sink)                                     \
+    {                                                                             \
+        V acc[8], x = set1(0.999f), y = set1(1e-3f);                              \
+        for (int j = 0; j < 8; j++) acc[j] = set1((float)j);                      \
+        for (long i = 0; i < PROBE_ITERS / 8; i++)                                \
+            for (int j = 0; j < 8; j++) acc[j] = fmadd(acc[j], x, y);             \
+        for (int j = 0; j < 8; j++) *sink += hsum(acc[j]);                        \
+        return (double)PROBE_ITERS / 8 * 8 * (width) * 2;                         \
+    }
+PEAK_F32(avx2, __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, hsum256)
+
+/* --probe's int8 peak: 8 chains of 32 int8 multiply-adds (maddubs, then
+   madd to 32 bits, as the kernels do). */
+
+static double peak_i8_avx2(int *sink)
+{
+    __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi32(j);
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), one));
+    for (int j = 0; j < 8; j++) *sink += _mm256_extract_epi32(acc[j], 0);
+    return (double)PROBE_ITERS / 8 * 8 * 32 * 2;
+}
+TARGET_END
+#endif /* HAVE_X86_SETS */
+
+/* ============================================================================
+   APPENDIX B: THE AVX-512 KERNEL SET
+   What AVX-512 with VNNI improves over AVX2, and nothing else: the set
+   inherits every kernel it leaves out from the AVX2 set (OPS[].inherits).
+   The int8 matrix products take two 32-element blocks per 512-bit vector
+   and one vpdpbusd per 64 products, where AVX2 needs maddubs and madd per
+   32; the float tiles take 16 floats per FMA. Same contracts as the AVX2
+   kernels (tests/test_kernels.c checks each against the scalar set).
+   Used when the CPU has AVX-512 F/BW/VL/DQ and VNNI and the OS saves the
+   ZMM registers (cpu_has_avx512_vnni).
+   ========================================================================= */
+#ifdef HAVE_X86_SETS
+TARGET_BEGIN(ISA_AVX512)
+
+/* Two 256-bit halves as one vector: block k low, block k + 1 high. */
+INLINE __m512i pair_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+INLINE __m512 pair_ps(float lo, float hi) { return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1); }
+
+/* One weight row's blocks k and k + 1 (k alone when two is 0: the high half
+   is zero). vpdpbusd multiplies unsigned bytes by signed ones: the integers
+   of a type with a minimum are unsigned and meet the activations as they
+   are; signed ones meet the activations plus 128 (x ^ 0x80, unsigned), and
+   the accumulator starts at -128 * (the sum of each lane's four w), which
+   cancels what the 128 added. d is the scale per half; m is the minimum per
+   half divided by the 8 lanes its product with the activation sum fills. */
+typedef struct {
+    __m512i q, start;
+    __m512 d, m;
+} RowPair;
+
+INLINE RowPair row_pair(const uint8_t *w, size_t bb, int two, Unpack32Fn unpack, int has_min)
+{
+    float d0, m0, d1 = 0, m1 = 0;
+    __m256i lo = unpack(w, &d0, &m0), hi = two ? unpack(w + bb, &d1, &m1) : _mm256_setzero_si256();
+    RowPair p = {pair_i(lo, hi), _mm512_setzero_si512(), pair_ps(d0, d1), pair_ps(m0 / 8, m1 / 8)};
+    if (!has_min) p.start = _mm512_sub_epi32(p.start, _mm512_dpbusd_epi32(p.start, _mm512_set1_epi8((char)0x80), p.q));
+    return p;
+}
+
+/* One token's activation blocks k and k + 1, in the form row_pair's
+   integers meet them: q (offset by 128 for signed weights), the scale d
+   and the scaled sum s per half. */
+typedef struct {
+    __m512i q;
+    __m512 d, s;
+} ActPair;
+
+INLINE ActPair act_pair(const BlockQ8A *b, int two, int has_min)
+{
+    __m256i lo = _mm256_loadu_si256((const __m256i *)b[0].qs);
+    __m256i hi = two ? _mm256_loadu_si256((const __m256i *)b[1].qs) : _mm256_setzero_si256();
+    ActPair a = {pair_i(lo, hi), pair_ps(b[0].d, two ? b[1].d : 0), pair_ps(b[0].s, two ? b[1].s : 0)};
+    if (!has_min) a.q = _mm512_xor_si512(a.q, _mm512_set1_epi8((char)0x80));
+    return a;
+}
+
+/* acc += the products of one row pair and one activation pair, scaled. */
+INLINE __m512 pair_dot(const RowPair *w, const ActPair *x, int has_min, __m512 acc)
+{
+    __m512i p = has_min ? _mm512_dpbusd_epi32(w->start, w->q, x->q) : _mm512_dpbusd_epi32(w->start, x->q, w->q);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w->d, x->d), acc);
+    return has_min ? _mm512_fmadd_ps(w->m, x->s, acc) : acc;
+}
+
+/* out[r * toks + t] = row r . token t for rows x toks (each at most 4),
+   two blocks per step; the one dot product, decode's GEMV (toks 1, the
+   rows' stretch prefetched in address order as gemv32 does) and the
+   prefill tile are this with different shapes. */
+INLINE void tile32_512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                       Unpack32Fn unpack, int has_min, int rows, int toks)
+{
+    __m512 acc[4][4];
+    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) acc[r][t] = _mm512_setzero_ps();
+    int nb = n / QK;
+    for (int k = 0; k < nb; k += 2) {
+        int two = k + 1 < nb;
+        if (rows > 1 && toks == 1) prefetch_ahead(w + (size_t)k * rows * bb, 2 * rows * bb);
+        RowPair p[4];
+        for (int r = 0; r < rows; r++) p[r] = row_pair(w + r * ws + k * bb, bb, two, unpack, has_min);
+        for (int t = 0; t < toks; t++) {
+            ActPair a = act_pair((const BlockQ8A *)(x + t * xs) + k, two, has_min);
+            for (int r = 0; r < rows; r++) acc[r][t] = pair_dot(&p[r], &a, has_min, acc[r][t]);
+        }
+    }
+    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) out[r * toks + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* A 32-element type's AVX-512 dot product, decode GEMV and prefill tile,
+   from its AVX2 unpacker. */
+#define INT32_KERNELS_512(name, Block, has_min)                                                                   \
+    static float dot_##name##_avx512(const void *w, const void *x, int n)                                         \
+    {                                                                                                             \
+        float out;                                                                                                \
+        tile32_512(w, 0, x, 0, n, &out, sizeof(Block), unpack_##name, has_min, 1, 1);                             \
+        return out;                                                                                               \
+    }                                                                                                             \
+    static void gemv_##name##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                             \
+        tile32_512(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min, GEMV_ROWS, 1);                    \
+    }                                                                                                             \
+    static void tile_##name##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                             \
+        tile32_512(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min, I8_TILE_ROWS_512, I8_TILE_TOKS_512); \
+    }
+INT32_KERNELS_512(q4_0, BlockQ4_0, 0)
+INT32_KERNELS_512(q4_1, BlockQ4_1, 1)
+INT32_KERNELS_512(q5_0, BlockQ5_0, 0)
+INT32_KERNELS_512(q5_1, BlockQ5_1, 1)
+INT32_KERNELS_512(q8_0, BlockQ8_0, 0)
+
+static __m512 load16_f32(const uint8_t *row, int i) { return _mm512_loadu_ps((const float *)row + i); }
+static __m512 load16_f16(const uint8_t *row, int i)
+{
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+}
+static __m512 load16_bf16(const uint8_t *row, int i)
+{
+    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+FLOAT_TILES(avx512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps)
+
+/* AVX2's requirements, AVX-512 F/DQ/BW/VL and VNNI (cpuid leaf 7), and an
+   OS that saves the opmask and all 32 ZMM registers (XCR0 bits 5-7). */
+static int cpu_has_avx512_vnni(void)
+{
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    const unsigned zmm_state = 0xe6; /* XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM */
+    if (!cpu_has_avx2()) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & zmm_state) != zmm_state || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    int f = b >> 16 & 1, dq = b >> 17 & 1, bw = b >> 30 & 1, vl = b >> 31 & 1, vnni = c >> 11 & 1;
+    return f && dq && bw && vl && vnni;
+}
+
+/* --probe's peaks for this set: 16-float FMAs, and 8 chains of vpdpbusd
+   (64 int8 multiply-adds each). */
+PEAK_F32(avx512, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
+
+static double peak_i8_avx512(int *sink)
+{
+    __m512i acc[8], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    for (int j = 0; j < 8; j++) acc[j] = _mm512_set1_epi32(j);
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
+    for (int j = 0; j < 8; j++) *sink += _mm512_reduce_add_epi32(acc[j]);
+    return (double)PROBE_ITERS / 8 * 8 * 64 * 2;
+}
+TARGET_END
+#endif /* HAVE_X86_SETS */
