@@ -76,6 +76,11 @@
 #define ISA_AVX2 "avx2,fma,f16c"
 #define ISA_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
 #endif
+/* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A). */
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define HAVE_NEON_SET 1
+#include <arm_neon.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -1348,7 +1353,7 @@ static const struct {
     [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
-enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, N_KSETS };
+enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, N_KSETS };
 
 typedef struct {
     const char *name;    /* as -v and messages print it */
@@ -1365,6 +1370,11 @@ typedef struct {
 #else
 #define AVX2(...) {0}
 #define AVX512(...) {0}
+#endif
+#ifdef HAVE_NEON_SET
+#define NEON(...) __VA_ARGS__
+#else
+#define NEON(...) {0}
 #endif
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
@@ -1429,6 +1439,15 @@ TARGET_END
 #endif
 static double peak_f32_scalar(float *sink);
 static double peak_i8_scalar(int *sink);
+#ifdef HAVE_NEON_SET
+/* The NEON set, defined in the third appendix: the int8 matrix products. */
+#define NEON_BLOCK_KERNELS(t)                                                                                   \
+    static float dot_##t##_neon(const void *w, const void *x, int n);                                          \
+    static void gemv_##t##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
+    static void tile_##t##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+NEON_BLOCK_KERNELS(q4_0) NEON_BLOCK_KERNELS(q4_1) NEON_BLOCK_KERNELS(q5_0) NEON_BLOCK_KERNELS(q5_1) NEON_BLOCK_KERNELS(q8_0)
+#undef NEON_BLOCK_KERNELS
+#endif
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
@@ -1447,27 +1466,32 @@ static const WeightType TYPES[N_TYPES] = {
                 {SCALAR(q4_0, from_float_q4_0_scalar),
                  AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q4_0_avx512, INT8_TILE_SHAPE_512}})}},
+                 AVX512({.tile = {tile_q4_0_avx512, INT8_TILE_SHAPE_512}}),
+                 NEON({.dot = dot_q4_0_neon, .gemv = {gemv_q4_0_neon, GEMV_SHAPE}, .tile = {tile_q4_0_neon, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {SCALAR(q4_1, NULL),
                  AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
                        .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q4_1_avx512, INT8_TILE_SHAPE_512}})}},
+                 AVX512({.tile = {tile_q4_1_avx512, INT8_TILE_SHAPE_512}}),
+                 NEON({.dot = dot_q4_1_neon, .gemv = {gemv_q4_1_neon, GEMV_SHAPE}, .tile = {tile_q4_1_neon, INT8_TILE_SHAPE}})}},
     [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
                 {SCALAR(q5_0, NULL),
                  AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q5_0_avx512, INT8_TILE_SHAPE_512}})}},
+                 AVX512({.tile = {tile_q5_0_avx512, INT8_TILE_SHAPE_512}}),
+                 NEON({.dot = dot_q5_0_neon, .gemv = {gemv_q5_0_neon, GEMV_SHAPE}, .tile = {tile_q5_0_neon, INT8_TILE_SHAPE}})}},
     [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
                 {SCALAR(q5_1, NULL),
                  AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
                        .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q5_1_avx512, INT8_TILE_SHAPE_512}})}},
+                 AVX512({.tile = {tile_q5_1_avx512, INT8_TILE_SHAPE_512}}),
+                 NEON({.dot = dot_q5_1_neon, .gemv = {gemv_q5_1_neon, GEMV_SHAPE}, .tile = {tile_q5_1_neon, INT8_TILE_SHAPE}})}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {SCALAR(q8_0, from_float_q8_0_scalar),
                  AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q8_0_avx512, INT8_TILE_SHAPE_512}})}},
+                 AVX512({.tile = {tile_q8_0_avx512, INT8_TILE_SHAPE_512}}),
+                 NEON({.dot = dot_q8_0_neon, .gemv = {gemv_q8_0_neon, GEMV_SHAPE}, .tile = {tile_q8_0_neon, INT8_TILE_SHAPE}})}},
     [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
                 {SCALAR(q4_k, NULL),
                  AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
@@ -1512,6 +1536,10 @@ static const OpKernels OPS[N_KSETS] = {
                    peak_f32_avx2, peak_i8_avx2},
     /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
     [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
+#endif
+#ifdef HAVE_NEON_SET
+    /* NEON: the int8 matrix products; the rest is the scalar set's */
+    [KSET_NEON] = {"neon", always, KSET_SCALAR},
 #endif
 };
 
@@ -4548,3 +4576,128 @@ static double peak_i8_avx512(int *sink)
 }
 TARGET_END
 #endif /* HAVE_X86_SETS */
+
+/* ============================================================================
+   APPENDIX C: THE NEON KERNEL SET (aarch64)
+   The 32-element types' int8 matrix products with 128-bit NEON: widening
+   int8 multiplies (vmull_s8, vmlal_s8) summed pairwise into 32 bits, the
+   same integers as the scalar set's, scaled per block in float. Every
+   other kernel is the scalar set's (OPS[].inherits). Checked against the
+   scalar set by tests/test_kernels.c, cross-compiled and run under
+   qemu-aarch64 (tests/test_kernels.py).
+   ========================================================================= */
+#ifdef HAVE_NEON_SET
+/* A block's 32 integers in element order, lo = elements 0-15, hi = 16-31. */
+typedef struct {
+    int8x16_t lo, hi;
+} Int32x;
+typedef Int32x (*UnpackNeonFn)(const uint8_t *block, float *d, float *m);
+
+/* Sum of the 32 products of q and x. |q x| <= 128 * 127, so two of them
+   fit an int16 lane before the pairwise widening add. */
+static inline int32_t isum32_neon(Int32x q, const int8_t *x)
+{
+    int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
+    int16x8_t a = vmlal_s8(vmull_s8(vget_low_s8(q.lo), vget_low_s8(x0)), vget_high_s8(q.lo), vget_high_s8(x0));
+    int16x8_t b = vmlal_s8(vmull_s8(vget_low_s8(q.hi), vget_low_s8(x1)), vget_high_s8(q.hi), vget_high_s8(x1));
+    return vaddvq_s32(vpadalq_s16(vpaddlq_s16(a), b));
+}
+
+/* out[r * toks + t] = row r . token t for rows x toks (each at most 4): the
+   dot product, the GEMV and the tile are this with different shapes. */
+static inline void tile32_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                               UnpackNeonFn unpack, int has_min, int rows, int toks)
+{
+    float acc[4][4] = {{0}};
+    for (int k = 0; k < n / QK; k++) {
+        Int32x q[4];
+        float d[4], m[4];
+        for (int r = 0; r < rows; r++) q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
+        for (int t = 0; t < toks; t++) {
+            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
+            for (int r = 0; r < rows; r++) {
+                acc[r][t] += d[r] * b->d * isum32_neon(q[r], b->qs);
+                if (has_min) acc[r][t] += m[r] * b->s;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) out[r * toks + t] = acc[r][t];
+}
+
+/* The 4-bit types' 16 bytes as 32 nibbles (byte j: element j low, j + 16 high). */
+static inline Int32x nibbles_neon(const uint8_t *qs)
+{
+    uint8x16_t v = vld1q_u8(qs);
+    return (Int32x){vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0xf))), vreinterpretq_s8_u8(vshrq_n_u8(v, 4))};
+}
+
+/* The 5-bit types' bit 4 (bit j of qh, little-endian) or-ed into the nibbles. */
+static inline Int32x add_high_bits_neon(Int32x q, const uint8_t *qh)
+{
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    uint8x16_t sel = vld1q_u8(bit), sixteen = vdupq_n_u8(0x10);
+    uint8x16_t lo = vcombine_u8(vdup_n_u8(qh[0]), vdup_n_u8(qh[1])), hi = vcombine_u8(vdup_n_u8(qh[2]), vdup_n_u8(qh[3]));
+    q.lo = vorrq_s8(q.lo, vreinterpretq_s8_u8(vandq_u8(vtstq_u8(lo, sel), sixteen)));
+    q.hi = vorrq_s8(q.hi, vreinterpretq_s8_u8(vandq_u8(vtstq_u8(hi, sel), sixteen)));
+    return q;
+}
+
+static inline Int32x offset_neon(Int32x q, int8_t by) { return (Int32x){vsubq_s8(q.lo, vdupq_n_s8(by)), vsubq_s8(q.hi, vdupq_n_s8(by))}; }
+
+static Int32x unpack_q8_0_neon(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
+    *d = fp16_to_f32(b->d), *m = 0;
+    return (Int32x){vld1q_s8(b->qs), vld1q_s8(b->qs + 16)};
+}
+
+static Int32x unpack_q4_0_neon(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
+    *d = fp16_to_f32(b->d), *m = 0;
+    return offset_neon(nibbles_neon(b->qs), 8);
+}
+
+static Int32x unpack_q4_1_neon(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
+    *d = fp16_to_f32(b->d), *m = fp16_to_f32(b->m);
+    return nibbles_neon(b->qs);
+}
+
+static Int32x unpack_q5_0_neon(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
+    *d = fp16_to_f32(b->d), *m = 0;
+    return offset_neon(add_high_bits_neon(nibbles_neon(b->qs), b->qh), 16);
+}
+
+static Int32x unpack_q5_1_neon(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
+    *d = fp16_to_f32(b->d), *m = fp16_to_f32(b->m);
+    return add_high_bits_neon(nibbles_neon(b->qs), b->qh);
+}
+
+/* A 32-element type's NEON dot product, decode GEMV and prefill tile. */
+#define INT32_KERNELS_NEON(name, Block, has_min)                                                                \
+    static float dot_##name##_neon(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        float out;                                                                                              \
+        tile32_neon(w, 0, x, 0, n, &out, sizeof(Block), unpack_##name##_neon, has_min, 1, 1);                   \
+        return out;                                                                                             \
+    }                                                                                                           \
+    static void gemv_##name##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, has_min, GEMV_ROWS, 1);          \
+    }                                                                                                           \
+    static void tile_##name##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, has_min, TILE_ROWS, TILE_TOKS);  \
+    }
+INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0)
+INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1)
+INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0)
+INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1)
+INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0)
+#endif /* HAVE_NEON_SET */

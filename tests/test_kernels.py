@@ -1,18 +1,19 @@
 """Scalar reference kernels vs their SIMD versions (tests/test_kernels.c)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 from common import ROOT, SCRATCH
 
 
-def build_and_run(name: str, flags: list[str]) -> str:
+def build_and_run(name: str, flags: list[str], compiler: str = "cc", runner: tuple[str, ...] = ()) -> str:
     exe = SCRATCH / name
-    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", *flags, f"-I{ROOT}",
+    cc = subprocess.run([compiler, "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", *flags, f"-I{ROOT}",
                          str(ROOT / "tests/test_kernels.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True)
     assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
     return out.stdout
 
@@ -47,3 +48,14 @@ def test_portable_build_tests_every_set():
 
 def test_kernels_under_sanitizers():
     build_and_run("test_kernels_asan", ["-march=native", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"])
+
+
+def test_neon_kernels_under_qemu():
+    """The NEON set, cross-compiled for aarch64 (Debian's gcc-aarch64-linux-gnu, static) and run under
+    qemu-aarch64 (qemu-user): correctness only. `make test` installs both (cross-deps)."""
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if not shutil.which(t)]
+    assert not missing, f"{missing} not installed: run `make cross-deps`"
+    out = build_and_run("test_kernels_aarch64", ["-static"], "aarch64-linux-gnu-gcc", ("qemu-aarch64",))
+    tested = [line.split()[1] for line in out.splitlines() if line.startswith("kernels:")]
+    assert tested == ["scalar", "neon"] and "2 kernel sets tested" in out, out
+    print("".join(line + "\n" for line in out.splitlines() if line.startswith(("kernels:", "skip"))), end="")
