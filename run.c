@@ -63,9 +63,9 @@
    compiled for its own instruction set whatever the compiler targets, and
    picks one at run time from what the CPU reports: TARGET_BEGIN(isa) ..
    TARGET_END gives each function between them the target attribute isa. */
+#define PRAGMA_STR(...) #__VA_ARGS__
 #if defined(__x86_64__) && defined(__GNUC__)
 #define HAVE_X86_SETS 1
-#define PRAGMA_STR(...) #__VA_ARGS__
 #ifdef __clang__
 #define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
 #define TARGET_END _Pragma("clang attribute pop")
@@ -76,10 +76,22 @@
 #define ISA_AVX2 "avx2,fma,f16c"
 #define ISA_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
 #endif
-/* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A). */
-#if defined(__aarch64__) && defined(__ARM_NEON)
+/* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A) and
+   the set with the dot-product extension (sdot, ARMv8.2-A and later; the
+   kernel reports it in the hwcaps), compiled for it as the x86 sets are. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__GNUC__)
 #define HAVE_NEON_SET 1
 #include <arm_neon.h>
+#include <sys/auxv.h>
+#ifdef __clang__
+#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
+#define TARGET_END _Pragma("clang attribute pop")
+#define ISA_DOTPROD "dotprod"
+#else
+#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
+#define TARGET_END _Pragma("GCC pop_options")
+#define ISA_DOTPROD "arch=armv8.2-a+dotprod"
+#endif
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -1311,9 +1323,12 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
    Everything the engine knows about a tensor type is one row of TYPES:
    its block shape, the activations its matrix products consume, and its
    kernels in every kernel set. A kernel set is one instruction-set level
-   (the scalar reference, AVX2); select_kernels picks one at start-up and
-   resolves every row against it, filling what a set leaves out from the
-   scalar reference. The forward pass only ever calls the resolved kernels.
+   (the scalar reference; AVX2 and AVX-512 VNNI on x86-64; NEON and NEON
+   with sdot on aarch64), all compiled into every build for the machine's
+   architecture; select_kernels picks one at start-up (the best the CPU
+   runs, or --kernels) and resolves every row against it, filling what a
+   set leaves out from the set it inherits from, down to the scalar
+   reference. The forward pass only ever calls the resolved kernels.
    Adding a type is: its kernel functions and one row here.
    ========================================================================= */
 
@@ -1353,7 +1368,7 @@ static const struct {
     [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
-enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, N_KSETS };
+enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, KSET_NEON_DOT, N_KSETS };
 
 typedef struct {
     const char *name;    /* as -v and messages print it */
@@ -1386,6 +1401,13 @@ typedef struct {
    the same kernels as the scalar definitions above, 8 (AVX2) or 16
    (AVX-512) floats, 32 or 64 int8 products per instruction, in register
    tiles for the matrix products. */
+/* The prototypes of a 32-element type's int8 matrix products in a set, and
+   the set's table entry for them. */
+#define BLOCK_KERNEL_PROTOS(t, set)                                                                             \
+    static float dot_##t##_##set(const void *w, const void *x, int n);                                         \
+    static void gemv_##t##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out); \
+    static void tile_##t##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+#define INT8_KERNELS(t, set) {.dot = dot_##t##_##set, .gemv = {gemv_##t##_##set, GEMV_SHAPE}, .tile = {tile_##t##_##set, INT8_TILE_SHAPE}}
 #ifdef HAVE_X86_SETS
 #define I8_TILE_ROWS_512 4  /* AVX-512 int8 tile: 16 accumulators, 4 weight vectors and */
 #define I8_TILE_TOKS_512 4  /* their scales of its 32 registers (measured: 4x3 -8%, 3x4 -5%) */
@@ -1396,17 +1418,13 @@ typedef struct {
 _Static_assert(I8_TILE_ROWS_512 * I8_TILE_TOKS_512 <= MAX_TILE && CHUNK_TOKENS % I8_TILE_TOKS_512 == 0 &&
                FTILE_ROWS_512 * FTILE_TOKS_512 <= MAX_TILE && CHUNK_TOKENS % FTILE_TOKS_512 == 0, "avx512 tiles");
 TARGET_BEGIN(ISA_AVX2)
-#define AVX2_BLOCK_KERNELS(t)                                                                                   \
-    static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
-    static void gemv_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
-    static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
 #define AVX2_FLOAT_KERNELS(t)                                                                                   \
     static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
     static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
 AVX2_FLOAT_KERNELS(f32) AVX2_FLOAT_KERNELS(f16) AVX2_FLOAT_KERNELS(bf16)
-AVX2_BLOCK_KERNELS(q4_0) AVX2_BLOCK_KERNELS(q4_1) AVX2_BLOCK_KERNELS(q5_0) AVX2_BLOCK_KERNELS(q5_1) AVX2_BLOCK_KERNELS(q8_0)
-AVX2_BLOCK_KERNELS(q4_k) AVX2_BLOCK_KERNELS(q5_k) AVX2_BLOCK_KERNELS(q6_k)
-#undef AVX2_BLOCK_KERNELS
+BLOCK_KERNEL_PROTOS(q4_0, avx2) BLOCK_KERNEL_PROTOS(q4_1, avx2) BLOCK_KERNEL_PROTOS(q5_0, avx2)
+BLOCK_KERNEL_PROTOS(q5_1, avx2) BLOCK_KERNEL_PROTOS(q8_0, avx2)
+BLOCK_KERNEL_PROTOS(q4_k, avx2) BLOCK_KERNEL_PROTOS(q5_k, avx2) BLOCK_KERNEL_PROTOS(q6_k, avx2)
 #undef AVX2_FLOAT_KERNELS
 static void to_float_f16_avx2(float *out, const void *row, int n);
 static void from_float_f16_avx2(void *row, const float *x, int n);
@@ -1441,12 +1459,13 @@ static double peak_f32_scalar(float *sink);
 static double peak_i8_scalar(int *sink);
 #ifdef HAVE_NEON_SET
 /* The NEON set, defined in the third appendix: the int8 matrix products. */
-#define NEON_BLOCK_KERNELS(t)                                                                                   \
-    static float dot_##t##_neon(const void *w, const void *x, int n);                                          \
-    static void gemv_##t##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
-    static void tile_##t##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
-NEON_BLOCK_KERNELS(q4_0) NEON_BLOCK_KERNELS(q4_1) NEON_BLOCK_KERNELS(q5_0) NEON_BLOCK_KERNELS(q5_1) NEON_BLOCK_KERNELS(q8_0)
-#undef NEON_BLOCK_KERNELS
+BLOCK_KERNEL_PROTOS(q4_0, neon) BLOCK_KERNEL_PROTOS(q4_1, neon) BLOCK_KERNEL_PROTOS(q5_0, neon)
+BLOCK_KERNEL_PROTOS(q5_1, neon) BLOCK_KERNEL_PROTOS(q8_0, neon)
+TARGET_BEGIN(ISA_DOTPROD)
+BLOCK_KERNEL_PROTOS(q4_0, sdot) BLOCK_KERNEL_PROTOS(q4_1, sdot) BLOCK_KERNEL_PROTOS(q5_0, sdot)
+BLOCK_KERNEL_PROTOS(q5_1, sdot) BLOCK_KERNEL_PROTOS(q8_0, sdot)
+static int cpu_has_sdot(void);
+TARGET_END
 #endif
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
@@ -1467,31 +1486,36 @@ static const WeightType TYPES[N_TYPES] = {
                  AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}}),
                  AVX512({.tile = {tile_q4_0_avx512, INT8_TILE_SHAPE_512}}),
-                 NEON({.dot = dot_q4_0_neon, .gemv = {gemv_q4_0_neon, GEMV_SHAPE}, .tile = {tile_q4_0_neon, INT8_TILE_SHAPE}})}},
+                 NEON(INT8_KERNELS(q4_0, neon)),
+                 NEON(INT8_KERNELS(q4_0, sdot))}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {SCALAR(q4_1, NULL),
                  AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
                        .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}}),
                  AVX512({.tile = {tile_q4_1_avx512, INT8_TILE_SHAPE_512}}),
-                 NEON({.dot = dot_q4_1_neon, .gemv = {gemv_q4_1_neon, GEMV_SHAPE}, .tile = {tile_q4_1_neon, INT8_TILE_SHAPE}})}},
+                 NEON(INT8_KERNELS(q4_1, neon)),
+                 NEON(INT8_KERNELS(q4_1, sdot))}},
     [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
                 {SCALAR(q5_0, NULL),
                  AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}}),
                  AVX512({.tile = {tile_q5_0_avx512, INT8_TILE_SHAPE_512}}),
-                 NEON({.dot = dot_q5_0_neon, .gemv = {gemv_q5_0_neon, GEMV_SHAPE}, .tile = {tile_q5_0_neon, INT8_TILE_SHAPE}})}},
+                 NEON(INT8_KERNELS(q5_0, neon)),
+                 NEON(INT8_KERNELS(q5_0, sdot))}},
     [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
                 {SCALAR(q5_1, NULL),
                  AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
                        .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}}),
                  AVX512({.tile = {tile_q5_1_avx512, INT8_TILE_SHAPE_512}}),
-                 NEON({.dot = dot_q5_1_neon, .gemv = {gemv_q5_1_neon, GEMV_SHAPE}, .tile = {tile_q5_1_neon, INT8_TILE_SHAPE}})}},
+                 NEON(INT8_KERNELS(q5_1, neon)),
+                 NEON(INT8_KERNELS(q5_1, sdot))}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {SCALAR(q8_0, from_float_q8_0_scalar),
                  AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
                        .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}}),
                  AVX512({.tile = {tile_q8_0_avx512, INT8_TILE_SHAPE_512}}),
-                 NEON({.dot = dot_q8_0_neon, .gemv = {gemv_q8_0_neon, GEMV_SHAPE}, .tile = {tile_q8_0_neon, INT8_TILE_SHAPE}})}},
+                 NEON(INT8_KERNELS(q8_0, neon)),
+                 NEON(INT8_KERNELS(q8_0, sdot))}},
     [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
                 {SCALAR(q4_k, NULL),
                  AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
@@ -1539,7 +1563,9 @@ static const OpKernels OPS[N_KSETS] = {
 #endif
 #ifdef HAVE_NEON_SET
     /* NEON: the int8 matrix products; the rest is the scalar set's */
-    [KSET_NEON] = {"neon", always, KSET_SCALAR},
+    [KSET_NEON] = {.name = "neon", .available = always, .inherits = KSET_SCALAR},
+    /* with sdot: the int8 matrix products; the rest is NEON's (and so the scalar set's) */
+    [KSET_NEON_DOT] = {.name = "neon-dot", .available = cpu_has_sdot, .inherits = KSET_NEON},
 #endif
 };
 
@@ -3259,8 +3285,9 @@ static void usage(FILE *f)
         "  --exact-batch N  with --dump-logits: N tokens per pass, each computed exactly\n"
         "                 as a decode step (lookup decoding's verification pass)\n"
         "  --kernels NAME the kernel set: scalar (the plain reference kernels; slow, for\n"
-        "                 checking), avx2 or avx512 (x86-64 with AVX-512 VNNI), of those\n"
-        "                 this CPU runs (default: the best; -v names it)\n"
+        "                 checking), avx2 or avx512 (x86-64 with AVX-512 VNNI), neon or\n"
+        "                 neon-dot (aarch64 with sdot), of those this CPU runs\n"
+        "                 (default: the best; -v names it)\n"
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
@@ -4593,9 +4620,12 @@ typedef struct {
 } Int32x;
 typedef Int32x (*UnpackNeonFn)(const uint8_t *block, float *d, float *m);
 
+typedef int32_t (*Isum32NeonFn)(Int32x q, const int8_t *x);
+#define NEON_INLINE static inline __attribute__((always_inline))
+
 /* Sum of the 32 products of q and x. |q x| <= 128 * 127, so two of them
    fit an int16 lane before the pairwise widening add. */
-static inline int32_t isum32_neon(Int32x q, const int8_t *x)
+NEON_INLINE int32_t isum32_neon(Int32x q, const int8_t *x)
 {
     int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
     int16x8_t a = vmlal_s8(vmull_s8(vget_low_s8(q.lo), vget_low_s8(x0)), vget_high_s8(q.lo), vget_high_s8(x0));
@@ -4605,8 +4635,8 @@ static inline int32_t isum32_neon(Int32x q, const int8_t *x)
 
 /* out[r * toks + t] = row r . token t for rows x toks (each at most 4): the
    dot product, the GEMV and the tile are this with different shapes. */
-static inline void tile32_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                               UnpackNeonFn unpack, int has_min, int rows, int toks)
+NEON_INLINE void tile32_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                             UnpackNeonFn unpack, Isum32NeonFn isum, int has_min, int rows, int toks)
 {
     float acc[4][4] = {{0}};
     for (int k = 0; k < n / QK; k++) {
@@ -4616,7 +4646,7 @@ static inline void tile32_neon(const uint8_t *w, size_t ws, const uint8_t *x, si
         for (int t = 0; t < toks; t++) {
             const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
             for (int r = 0; r < rows; r++) {
-                acc[r][t] += d[r] * b->d * isum32_neon(q[r], b->qs);
+                acc[r][t] += d[r] * b->d * isum(q[r], b->qs);
                 if (has_min) acc[r][t] += m[r] * b->s;
             }
         }
@@ -4679,25 +4709,50 @@ static Int32x unpack_q5_1_neon(const uint8_t *block, float *d, float *m)
     return add_high_bits_neon(nibbles_neon(b->qs), b->qh);
 }
 
-/* A 32-element type's NEON dot product, decode GEMV and prefill tile. */
-#define INT32_KERNELS_NEON(name, Block, has_min)                                                                \
-    static float dot_##name##_neon(const void *w, const void *x, int n)                                         \
-    {                                                                                                           \
-        float out;                                                                                              \
-        tile32_neon(w, 0, x, 0, n, &out, sizeof(Block), unpack_##name##_neon, has_min, 1, 1);                   \
-        return out;                                                                                             \
-    }                                                                                                           \
-    static void gemv_##name##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, has_min, GEMV_ROWS, 1);          \
-    }                                                                                                           \
-    static void tile_##name##_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, has_min, TILE_ROWS, TILE_TOKS);  \
+/* A 32-element type's dot product, decode GEMV and prefill tile in a NEON
+   set, from its unpacker and the set's 32-product sum isum. */
+#define INT32_KERNELS_NEON(name, Block, has_min, set, isum)                                                      \
+    static float dot_##name##_##set(const void *w, const void *x, int n)                                         \
+    {                                                                                                            \
+        float out;                                                                                               \
+        tile32_neon(w, 0, x, 0, n, &out, sizeof(Block), unpack_##name##_neon, isum, has_min, 1, 1);              \
+        return out;                                                                                              \
+    }                                                                                                            \
+    static void gemv_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                            \
+        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, isum, has_min, GEMV_ROWS, 1);     \
+    }                                                                                                            \
+    static void tile_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                            \
+        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, isum, has_min, TILE_ROWS, TILE_TOKS); \
     }
-INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0)
-INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1)
-INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0)
-INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1)
-INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0)
+INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0, neon, isum32_neon)
+INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1, neon, isum32_neon)
+INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0, neon, isum32_neon)
+INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, neon, isum32_neon)
+INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, neon, isum32_neon)
+
+/* The dot-product extension: sdot sums four int8 products into each 32-bit
+   lane, one instruction per 16 bytes where NEON takes a widening multiply,
+   a multiply-add and a pairwise add. */
+TARGET_BEGIN(ISA_DOTPROD)
+NEON_INLINE int32_t isum32_sdot(Int32x q, const int8_t *x)
+{
+    int32x4_t s = vdotq_s32(vdupq_n_s32(0), q.lo, vld1q_s8(x));
+    return vaddvq_s32(vdotq_s32(s, q.hi, vld1q_s8(x + 16)));
+}
+
+INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0, sdot, isum32_sdot)
+INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1, sdot, isum32_sdot)
+INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0, sdot, isum32_sdot)
+INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, sdot, isum32_sdot)
+INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, sdot, isum32_sdot)
+
+/* The dot-product instructions, as the kernel reports them (HWCAP_ASIMDDP). */
+static int cpu_has_sdot(void)
+{
+    const unsigned long asimddp = 1ul << 20;
+    return (getauxval(AT_HWCAP) & asimddp) != 0;
+}
+TARGET_END
 #endif /* HAVE_NEON_SET */
