@@ -4736,6 +4736,16 @@ INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, neon, isum32_neon)
    lane, one instruction per 16 bytes where NEON takes a widening multiply,
    a multiply-add and a pairwise add. */
 TARGET_BEGIN(ISA_DOTPROD)
+#if defined(__clang__) && !defined(__ARM_FEATURE_DOTPROD)
+/* clang's arm_neon.h (14) declares vdotq_s32 only when the whole file
+   targets the extension: the instruction itself, for this function. */
+NEON_INLINE int32x4_t sdot_asm(int32x4_t acc, int8x16_t a, int8x16_t b)
+{
+    __asm__("sdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(a), "w"(b));
+    return acc;
+}
+#define vdotq_s32 sdot_asm
+#endif
 NEON_INLINE int32_t isum32_sdot(Int32x q, const int8_t *x)
 {
     int32x4_t s = vdotq_s32(vdupq_n_s32(0), q.lo, vld1q_s8(x));
