@@ -4,7 +4,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 
-from common import ROOT, SCRATCH
+from common import DEFAULT_MODEL, ROOT, SCRATCH, require, run
 
 
 def build_and_run(name: str, flags: list[str], compiler: str = "cc", runner: tuple[str, ...] = ()) -> str:
@@ -44,6 +44,24 @@ def test_simd_kernels_match_scalar():
 def test_portable_build_tests_every_set():
     """Without -march the x86 sets are still compiled in (target attributes) and all run."""
     check_sets(build_and_run("test_kernels_portable", []))
+
+
+def test_portable_engine_uses_the_best_set():
+    """`make portable` (no -march): the engine still picks the best set this CPU runs, and runs every
+    one of them when asked; an unavailable or unknown set is a usage error listing the available ones."""
+    require(DEFAULT_MODEL, "run `make model`")
+    build = subprocess.run(["make", "-C", str(ROOT), "portable"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    exe = ROOT / "run-portable"
+    r = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is"], binary=exe)
+    assert r.returncode == 0 and f"{cpu_sets()[-1]} kernels" in r.stderr.decode(), r.stderr.decode()
+    for k in cpu_sets():
+        forced = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is", "--kernels", k], binary=exe)
+        assert forced.returncode == 0 and f"{k} kernels" in forced.stderr.decode(), forced.stderr.decode()
+        assert forced.stdout.strip(), f"{k}: no text"
+    bad = run([DEFAULT_MODEL, "--kernels", "sse9"], binary=exe)
+    err = bad.stderr.decode()
+    assert bad.returncode == 2 and f"available: {', '.join(cpu_sets())})" in err and len(err.splitlines()) <= 2, err
 
 
 def test_kernels_under_sanitizers():
