@@ -4465,17 +4465,29 @@ typedef struct {
 _Static_assert(offsetof(BlockQ8_0, d) == 0 && offsetof(BlockQ4_0, d) == 0 && offsetof(BlockQ5_0, d) == 0 &&
                offsetof(BlockQ4_1, d) == 0 && offsetof(BlockQ5_1, d) == 0, "scale first");
 
-INLINE RowPair row_pair(const uint8_t *w, size_t bb, int two, Unpack32Fn unpack, int has_min, float *mins)
+INLINE RowPair row_pair(const uint8_t *w, size_t bb, int two, Unpack32Fn unpack, int has_min, int nibbles, float *mins)
 {
-    float d, m0, m1 = 0;
-    __m256i lo = unpack(w, &d, &m0), hi = two ? unpack(w + bb, &d, &m1) : _mm256_setzero_si256();
     uint16_t d0, d1 = 0;
     memcpy(&d0, w, 2);
     if (two) memcpy(&d1, w + bb, 2);
     __m128 dv = _mm_cvtph_ps(_mm_setr_epi16((short)d0, 0, (short)d1, 0, 0, 0, 0, 0));
-    RowPair p = {pair_i(lo, hi), per_half(dv)};
+    RowPair p = {_mm512_setzero_si512(), per_half(dv)};
+    float d, m0, m1 = 0;
+    if (nibbles) { /* q4_0, q4_1: both blocks' nibbles at once, offset 8 (q4_0) taken with the 128 */
+        const uint8_t *qs = w + (has_min ? offsetof(BlockQ4_1, qs) : offsetof(BlockQ4_0, qs));
+        __m128i a = _mm_loadu_si128((const __m128i *)qs), b = two ? _mm_loadu_si128((const __m128i *)(qs + bb)) : _mm_setzero_si128();
+        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
+        __m512i z = _mm512_permutex2var_epi64(_mm512_castsi256_si512(v), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
+                                              _mm512_castsi256_si512(_mm256_srli_epi16(v, 4)));
+        p.q = _mm512_and_si512(z, _mm512_set1_epi8(0xf));
+        if (has_min) m0 = _cvtsh_ss(((const BlockQ4_1 *)w)->m), m1 = two ? _cvtsh_ss(((const BlockQ4_1 *)(w + bb))->m) : 0;
+        else p.q = _mm512_add_epi8(p.q, _mm512_set1_epi8(128 - 8));
+    } else {
+        __m256i lo = unpack(w, &d, &m0), hi = two ? unpack(w + bb, &d, &m1) : _mm256_setzero_si256();
+        p.q = pair_i(lo, hi);
+        if (!has_min) p.q = _mm512_xor_si512(p.q, _mm512_set1_epi8((char)0x80));
+    }
     if (has_min) mins[0] = m0, mins[1] = m1;
-    else p.q = _mm512_xor_si512(p.q, _mm512_set1_epi8((char)0x80));
     return p;
 }
 
@@ -4517,10 +4529,11 @@ typedef struct {
 /* Blocks k and k + 1 (k alone when two is 0) of tile32_512; j = k's place
    in the chunk. */
 INLINE void tile32_512_step(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int k, int two, size_t bb,
-                            Unpack32Fn unpack, int has_min, int rows, int toks, __m512 acc[4][4], MinChunk *mc, int j)
+                            Unpack32Fn unpack, int has_min, int nibbles, int rows, int toks, __m512 acc[4][4], MinChunk *mc,
+                            int j)
 {
     RowPair p[4];
-    for (int r = 0; r < rows; r++) p[r] = row_pair(w + r * ws + k * bb, bb, two, unpack, has_min, mc->m[r] + j);
+    for (int r = 0; r < rows; r++) p[r] = row_pair(w + r * ws + k * bb, bb, two, unpack, has_min, nibbles, mc->m[r] + j);
     for (int t = 0; t < toks; t++) {
         ActPair a = act_pair((const BlockQ8A *)(x + t * xs) + k, two, has_min, mc->s[t] + j);
         for (int r = 0; r < rows; r++) acc[r][t] = pair_dot(&p[r], &a, acc[r][t]);
@@ -4530,7 +4543,7 @@ INLINE void tile32_512_step(const uint8_t *w, size_t ws, const uint8_t *x, size_
 /* out[r * toks + t] = row r . token t for rows x toks (each at most 4),
    two blocks per step. */
 INLINE void tile32_512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                       Unpack32Fn unpack, int has_min, int rows, int toks)
+                       Unpack32Fn unpack, int has_min, int nibbles, int rows, int toks)
 {
     __m512 acc[4][4];
     MinChunk mc;
@@ -4538,8 +4551,8 @@ INLINE void tile32_512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs,
     int nb = n / QK;
     for (int k0 = 0; k0 < nb; k0 += MIN_CHUNK) {
         int end = min_i(nb, k0 + MIN_CHUNK), k = k0;
-        for (; k + 1 < end; k += 2) tile32_512_step(w, ws, x, xs, k, 1, bb, unpack, has_min, rows, toks, acc, &mc, k - k0);
-        if (k < end) tile32_512_step(w, ws, x, xs, k, 0, bb, unpack, has_min, rows, toks, acc, &mc, k - k0);
+        for (; k + 1 < end; k += 2) tile32_512_step(w, ws, x, xs, k, 1, bb, unpack, has_min, nibbles, rows, toks, acc, &mc, k - k0);
+        if (k < end) tile32_512_step(w, ws, x, xs, k, 0, bb, unpack, has_min, nibbles, rows, toks, acc, &mc, k - k0);
         __mmask16 live = (__mmask16)((1u << (end - k0)) - 1);
         for (int r = 0; r < rows && has_min; r++)
             for (int t = 0; t < toks; t++)
@@ -4548,20 +4561,22 @@ INLINE void tile32_512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs,
     for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) out[r * toks + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* A 32-element type's AVX-512 prefill tile, from its AVX2 unpacker. Its
+/* A 32-element type's AVX-512 prefill tile, from its AVX2 unpacker (the
+   4-bit types, nibbles 1: both blocks' nibbles unpacked at once). Its
    dot product and decode GEMV stay AVX2's: on Zen 4, which executes a
    512-bit instruction as two 256-bit halves, tile32_512 as a GEMV (4 rows,
    one token) ran 10-25 % slower than gemv32 in cache. */
-#define INT32_KERNELS_512(name, Block, has_min)                                                                   \
+#define INT32_KERNELS_512(name, Block, has_min, nibbles)                                                          \
     static void tile_##name##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
     {                                                                                                             \
-        tile32_512(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min, I8_TILE_ROWS_512, I8_TILE_TOKS_512); \
+        tile32_512(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min, nibbles, I8_TILE_ROWS_512,        \
+                   I8_TILE_TOKS_512);                                                                             \
     }
-INT32_KERNELS_512(q4_0, BlockQ4_0, 0)
-INT32_KERNELS_512(q4_1, BlockQ4_1, 1)
-INT32_KERNELS_512(q5_0, BlockQ5_0, 0)
-INT32_KERNELS_512(q5_1, BlockQ5_1, 1)
-INT32_KERNELS_512(q8_0, BlockQ8_0, 0)
+INT32_KERNELS_512(q4_0, BlockQ4_0, 0, 1)
+INT32_KERNELS_512(q4_1, BlockQ4_1, 1, 1)
+INT32_KERNELS_512(q5_0, BlockQ5_0, 0, 0)
+INT32_KERNELS_512(q5_1, BlockQ5_1, 1, 0)
+INT32_KERNELS_512(q8_0, BlockQ8_0, 0, 0)
 
 static __m512 load16_f32(const uint8_t *row, int i) { return _mm512_loadu_ps((const float *)row + i); }
 static __m512 load16_f16(const uint8_t *row, int i)
