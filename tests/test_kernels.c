@@ -120,44 +120,49 @@ static void test_types(void)
             snprintf(what, sizeof what, "%s %-4s from_float equals scalar bit for bit", K.op.name, wt->name);
             check(memcmp(r_ref, r_got, row_bytes(type, n)) == 0, what);
         }
-        /* the dot product, and each tile against the scalar dot of every (row, token) it covers */
+        /* the dot product, and each tile against the scalar dot of every (row, token) it covers: over N
+           and over a row one block shorter (an odd number of blocks, or of 8 floats, for the kernels that
+           take two at a time) */
         size_t rb = row_bytes(type, N), xs = wt->act == ACT_F32 ? sizeof x[0] : sizeof xq[0][0];
         const uint8_t *act = wt->act == ACT_F32 ? (const uint8_t *)x : xq[wt->act][0];
-        double mag = 0, worst = 0; /* sum of |terms| bounds the rounding error of either order */
-        for (int i = 0; i < N; i++) mag += 3;
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < TOKS; t++)
-                worst = fmax(worst, fabs(ref->dot(w + r * rb, act + t * xs, N) - k->dot(w + r * rb, act + t * xs, N)) / mag);
-        snprintf(what, sizeof what, "%s %-4s dot vs scalar: worst |diff| / sum|x| = %.2e", K.op.name, wt->name, worst);
-        check(worst < 1e-6, what);
-        Tile tiles[2] = {k->gemv, k->tile};
-        for (int which = 0; which < 2; which++) {
-            Tile tile = tiles[which];
-            if (!tile.fn) continue;
-            float out[MAX_TILE];
-            worst = 0;
-            check(tile.rows <= ROWS && tile.toks <= TOKS && tile.rows * tile.toks <= MAX_TILE && N % tile.cols == 0,
-                  "tile fits the test's buffers");
-            tile.fn(w, rb, act, xs, N, out);
-            for (int r = 0; r < tile.rows; r++)
-                for (int t = 0; t < tile.toks; t++)
-                    worst = fmax(worst, fabs(out[r * tile.toks + t] - ref->dot(w + r * rb, act + t * xs, N)) / mag);
-            snprintf(what, sizeof what, "%s %-4s %s (%dx%d) vs scalar dot: worst |diff| / sum|x| = %.2e", K.op.name,
-                     wt->name, which ? "tile" : "gemv", tile.rows, tile.toks, worst);
+        const int lens[2] = {N, N - (wt->block == 1 ? 8 : wt->block)};
+        for (int li = 0; li < 2; li++) {
+            int len = lens[li];
+            double mag = 3.0 * len, worst = 0; /* sum of |terms| bounds the rounding error of either order */
+            for (int r = 0; r < ROWS; r++)
+                for (int t = 0; t < TOKS; t++)
+                    worst = fmax(worst, fabs(ref->dot(w + r * rb, act + t * xs, len) - k->dot(w + r * rb, act + t * xs, len)) / mag);
+            snprintf(what, sizeof what, "%s %-4s dot (n %d) vs scalar: worst |diff| / sum|x| = %.2e", K.op.name, wt->name, len, worst);
             check(worst < 1e-6, what);
+            Tile tiles[2] = {k->gemv, k->tile};
+            for (int which = 0; which < 2; which++) {
+                Tile tile = tiles[which];
+                if (!tile.fn || len % tile.cols) continue;
+                float out[MAX_TILE];
+                worst = 0;
+                check(tile.rows <= ROWS && tile.toks <= TOKS && tile.rows * tile.toks <= MAX_TILE, "tile fits the test's buffers");
+                tile.fn(w, rb, act, xs, len, out);
+                for (int r = 0; r < tile.rows; r++)
+                    for (int t = 0; t < tile.toks; t++)
+                        worst = fmax(worst, fabs(out[r * tile.toks + t] - ref->dot(w + r * rb, act + t * xs, len)) / mag);
+                snprintf(what, sizeof what, "%s %-4s %s (%dx%d, n %d) vs scalar dot: worst |diff| / sum|x| = %.2e", K.op.name,
+                         wt->name, which ? "tile" : "gemv", tile.rows, tile.toks, len, worst);
+                check(worst < 1e-6, what);
+            }
         }
-        /* exact_tiles: the tile adds each output's products as the GEMV does (verify_step relies on it) */
-        if (K.op.exact_tiles && k->tile.fn && k->gemv.fn) {
+        /* exact_tile: a tile that adds each output's products as the GEMV does (verify_step relies on it) */
+        if (k->exact_tile.fn && k->gemv.fn) {
+            Tile et = k->exact_tile;
             float tile_out[MAX_TILE], gemv_out[GEMV_ROWS];
-            int same = 1;
-            k->tile.fn(w, rb, act, xs, N, tile_out);
-            for (int t = 0; t < k->tile.toks; t++)
-                for (int r0 = 0; r0 < k->tile.rows; r0 += GEMV_ROWS) {
+            int same = et.rows <= GEMV_ROWS || et.rows % GEMV_ROWS == 0;
+            et.fn(w, rb, act, xs, N, tile_out);
+            for (int t = 0; t < et.toks; t++)
+                for (int r0 = 0; r0 < et.rows; r0 += GEMV_ROWS) {
                     k->gemv.fn(w + r0 * rb, rb, act + t * xs, xs, N, gemv_out);
-                    for (int r = r0; r < r0 + GEMV_ROWS && r < k->tile.rows; r++)
-                        same &= memcmp(&tile_out[r * k->tile.toks + t], &gemv_out[r - r0], sizeof(float)) == 0;
+                    for (int r = r0; r < r0 + GEMV_ROWS && r < et.rows; r++)
+                        same &= memcmp(&tile_out[r * et.toks + t], &gemv_out[r - r0], sizeof(float)) == 0;
                 }
-            snprintf(what, sizeof what, "%s %-4s tile outputs bit for bit the GEMV's (exact tiles)", K.op.name, wt->name);
+            snprintf(what, sizeof what, "%s %-4s exact tile outputs bit for bit the GEMV's", K.op.name, wt->name);
             check(same, what);
         }
     }
@@ -398,7 +403,8 @@ static void test_gates(void)
     }
 }
 
-#ifdef HAVE_AVX2
+#ifdef HAVE_X86_SETS
+TARGET_BEGIN(ISA_AVX2)
 /* The AVX2 set's exp alone against expf on [-100, 100]: within a few ulp
    on [-87.3, 88.3], 0 below, inf above. */
 static void test_exp_avx2(void)
@@ -416,6 +422,7 @@ static void test_exp_avx2(void)
     snprintf(what, sizeof what, "avx2 vector exp on [-87.3, 88.3] vs expf: worst relative diff %.2e; 0 below, inf above", worst);
     check(worst < 5e-7 && ends_ok, what);
 }
+TARGET_END
 #endif
 
 int main(void)
@@ -437,7 +444,7 @@ int main(void)
         test_softmax();
         test_gates();
     }
-#ifdef HAVE_AVX2
+#ifdef HAVE_X86_SETS
     if (kernel_set_available(KSET_AVX2)) test_exp_avx2();
 #endif
     printf("%d kernel sets tested\n%s\n", ran, failures ? "FAILED" : "all kernel checks passed");

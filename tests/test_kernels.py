@@ -1,38 +1,82 @@
 """Scalar reference kernels vs their SIMD versions (tests/test_kernels.c)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 
-from common import ROOT, SCRATCH
+from common import DEFAULT_MODEL, ROOT, SCRATCH, require, run
 
 
-def build_and_run(name: str, flags: list[str]) -> str:
+def build_and_run(name: str, flags: list[str], compiler: str = "cc", runner: tuple[str, ...] = ()) -> str:
     exe = SCRATCH / name
-    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", *flags, f"-I{ROOT}",
+    cc = subprocess.run([compiler, "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", *flags, f"-I{ROOT}",
                          str(ROOT / "tests/test_kernels.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True)
     assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
     return out.stdout
 
 
-def cpu_has_avx2() -> bool:
-    flags = open("/proc/cpuinfo").read()
-    return all(f in flags.split() for f in ("avx2", "fma", "f16c"))
+def cpu_sets() -> list[str]:
+    """The x86 kernel sets this CPU can run, from the kernel's own report (/proc/cpuinfo)."""
+    flags = set(open("/proc/cpuinfo").read().split())
+    sets = ["scalar"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        sets.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags:
+            sets.append("avx512")
+    return sets
 
 
-def test_simd_kernels_match_scalar():
-    out = build_and_run("test_kernels_native", ["-march=native"])
-    if cpu_has_avx2():
-        assert "kernels: avx2" in out, "this CPU has AVX2 but the native build tested no AVX2 kernel set:\n" + out
+def check_sets(out: str) -> None:
+    """Every set the CPU runs was tested, and the others were reported as skipped."""
+    tested = [line.split()[1] for line in out.splitlines() if line.startswith("kernels:")]
+    assert tested == cpu_sets(), f"sets tested {tested}, this CPU runs {cpu_sets()}:\n{out}"
+    assert f"{len(tested)} kernel sets tested" in out, out
     print("".join(line + "\n" for line in out.splitlines() if line.startswith(("kernels:", "skip"))), end="")
 
 
-def test_scalar_build_kernels():
-    out = build_and_run("test_kernels_portable", [])
-    assert "kernels: scalar" in out and "1 kernel sets tested" in out, out
+def test_simd_kernels_match_scalar():
+    check_sets(build_and_run("test_kernels_native", ["-march=native"]))
+
+
+def test_portable_build_tests_every_set():
+    """Without -march the x86 sets are still compiled in (target attributes) and all run."""
+    check_sets(build_and_run("test_kernels_portable", []))
+
+
+def test_portable_engine_uses_the_best_set():
+    """`make portable` (no -march): the engine still picks the best set this CPU runs, and runs every
+    one of them when asked; an unavailable or unknown set is a usage error listing the available ones."""
+    require(DEFAULT_MODEL, "run `make model`")
+    build = subprocess.run(["make", "-C", str(ROOT), "portable"], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    exe = ROOT / "run-portable"
+    r = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is"], binary=exe)
+    assert r.returncode == 0 and f"{cpu_sets()[-1]} kernels" in r.stderr.decode(), r.stderr.decode()
+    for k in cpu_sets():
+        forced = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is", "--kernels", k], binary=exe)
+        assert forced.returncode == 0 and f"{k} kernels" in forced.stderr.decode(), forced.stderr.decode()
+        assert forced.stdout.strip(), f"{k}: no text"
+    bad = run([DEFAULT_MODEL, "--kernels", "sse9"], binary=exe)
+    err = bad.stderr.decode()
+    assert bad.returncode == 2 and f"available: {', '.join(cpu_sets())})" in err and len(err.splitlines()) <= 2, err
 
 
 def test_kernels_under_sanitizers():
     build_and_run("test_kernels_asan", ["-march=native", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"])
+
+
+def test_neon_kernels_under_qemu():
+    """The NEON sets, cross-compiled for aarch64 (Debian's gcc-aarch64-linux-gnu, static) and run under
+    qemu-aarch64 (qemu-user): correctness only. `make test` installs both (cross-deps)."""
+    missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if not shutil.which(t)]
+    assert not missing, f"{missing} not installed: run `make cross-deps`"
+    # qemu's default CPU ("max") has the dot-product extension; a Cortex-A53 (ARMv8.0-A) has not, so
+    # there the sdot set must be found missing in the hwcaps and skipped
+    for cpu, sets in ((), ["scalar", "neon", "neon-dot"]), (("-cpu", "cortex-a53"), ["scalar", "neon"]):
+        out = build_and_run("test_kernels_aarch64", ["-static"], "aarch64-linux-gnu-gcc", ("qemu-aarch64", *cpu))
+        tested = [line.split()[1] for line in out.splitlines() if line.startswith("kernels:")]
+        assert tested == sets and f"{len(sets)} kernel sets tested" in out, out
+        print(" ".join(cpu) or "max", "".join(line + "\n" for line in out.splitlines() if line.startswith(("kernels:", "skip"))), end="")

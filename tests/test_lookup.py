@@ -38,6 +38,15 @@ def dump(path: Path, ids: list[int], extra: list[str]) -> bytes:
     return out.read_bytes()
 
 
+@functools.cache
+def kernel_sets() -> tuple[str, ...]:
+    """The kernel sets this build runs on this CPU, as ./run lists them for an unknown --kernels name."""
+    p = run([require(DEFAULT_MODEL, "run `make model`"), "--kernels", "none", "-i", "x"])
+    m = re.search(rb"available: ([^)]*)\)", p.stderr)
+    assert p.returncode == 2 and m, f"--kernels none should list the sets: {p.stderr!r}"
+    return tuple(m.group(1).decode().split(", "))
+
+
 def test_verify_pass_logits_equal_decode_steps():
     checked = 0
     # the tied model has GQA 6:2 and head_dim 16, the untied one MQA and head_dim 32 (a q8 KV cache needs 32)
@@ -45,7 +54,7 @@ def test_verify_pass_logits_equal_decode_steps():
         ids = ts.token_ids(kind, 40, seed=5)
         for dtype in ("f32", "f16", "q8_0", "q4_1"):
             path = ts.exported(kind, "f32", dtype)
-            for kernels, kv in ((k, v) for k in ([], ["--scalar"]) for v in kvs):
+            for kernels, kv in ((["--kernels", k], v) for k in kernel_sets() for v in kvs):
                 ref = dump(path, ids, ["--no-batch", "--kv", kv, *kernels])
                 for k in (2, 5, 16):
                     got = dump(path, ids, ["--exact-batch", str(k), "--kv", kv, *kernels])
@@ -55,8 +64,10 @@ def test_verify_pass_logits_equal_decode_steps():
     # the real model's q4_1 / q8_0 blocks and its shapes
     real = require(DEFAULT_MODEL, "run `make model`")
     ids = [int(t) for t in run([real, "--tokenize", "-i", "In the beginning God created the heaven and the earth."]).stdout.split()]
-    assert dump(real, ids, ["--exact-batch", "7"]) == dump(real, ids, ["--no-batch"]), "SmolLM2: verification != decode"
-    print(f"{checked + 1} configurations bit-identical")
+    for k in kernel_sets():
+        assert dump(real, ids, ["--exact-batch", "7", "--kernels", k]) == dump(real, ids, ["--no-batch", "--kernels", k]), (
+            f"SmolLM2, {k} kernels: verification passes differ from decode steps")
+    print(f"{checked + len(kernel_sets())} configurations bit-identical; kernel sets {', '.join(kernel_sets())}")
 
 
 COPY = "Repeat the following sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the old river bank."

@@ -28,13 +28,25 @@ def logits(args: list[str], binary=None) -> np.ndarray:
     return np.fromfile(out, dtype=np.float32)
 
 
+def kernel_sets() -> list[str]:
+    """The kernel sets this build runs on this CPU, as its usage error lists them."""
+    r = run([DEFAULT_MODEL, "--kernels", "none"])
+    assert r.returncode == 2 and b"available: " in r.stderr, r.stderr.decode()
+    return r.stderr.decode().split("available: ")[1].split(")")[0].split(", ")
+
+
 def test_logits_identical_across_thread_counts_and_builds():
+    """For every kernel set: each one is identical to itself, whatever the split."""
     require(DEFAULT_MODEL, "run `make model`")
-    one, two = logits(["--threads", "1"]), logits(["--threads", "2"])
-    plain = logits([], binary=noomp())
-    assert one.size > 0 and np.isfinite(one).all()
-    assert np.array_equal(one, two), f"1 vs 2 threads: max diff {np.abs(one - two).max()}"
-    assert np.array_equal(one, plain), f"OpenMP vs no-OpenMP build: max diff {np.abs(one - plain).max()}"
+    sets = kernel_sets()
+    assert "scalar" in sets, sets
+    for k in sets:
+        one, two = logits(["--threads", "1", "--kernels", k]), logits(["--threads", "2", "--kernels", k])
+        plain = logits(["--kernels", k], binary=noomp())
+        assert one.size > 0 and np.isfinite(one).all()
+        assert np.array_equal(one, two), f"{k}: 1 vs 2 threads: max diff {np.abs(one - two).max()}"
+        assert np.array_equal(one, plain), f"{k}: OpenMP vs no-OpenMP build: max diff {np.abs(one - plain).max()}"
+    print("kernel sets checked:", ", ".join(sets))
 
 
 def test_greedy_text_identical_across_thread_counts_and_builds():
