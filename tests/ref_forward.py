@@ -274,12 +274,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, n_kv_he
 
 
 def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjacent_pairs: bool = False,
-            full_attention: bool = False) -> np.ndarray:
+            full_attention: bool = False, positions: list[int] | None = None) -> np.ndarray:
     """Logits [len(tokens), vocab] (float64) for the token sequence starting at position 0.
 
     adjacent_pairs: see apply_rope (for llama GGUF-order Q/K weights only).
     full_attention: ignore the sliding window (every layer sees every earlier key) - a wrong
     model, used to show that a test's prompt depends on the window.
+    positions: return only these rows (the output head over a large vocabulary is the costly part).
     """
     c = config_values(cfg)
     w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
@@ -328,7 +329,7 @@ def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjace
         if c["post_norms"]:
             f = norm(f, p + "post_feedforward_layernorm.weight")
         x = x + f
-    x = norm(x, "model.norm.weight")
+    x = norm(x if positions is None else x[np.asarray(positions)], "model.norm.weight")
     head = w["model.embed_tokens.weight"] if c["tied"] or "lm_head.weight" not in w else w["lm_head.weight"]
     return x @ head.T
 

@@ -54,6 +54,11 @@ GEMMA_TOL_MAX = 2e-2        # max |diff| at llama.cpp's top-10 ids, every positi
 GEMMA_TOL_MEAN = 2e-3       # mean of the same
 GEMMA_CTX = 1024
 MIN_CHECKED = 300           # the top-1 test must compare at least this many positions
+GEMMA_WINDOW = 512
+GEMMA_BOS = 2
+GEMMA_REF_LEN = 600
+GEMMA_REF_POSITIONS = [0, 1, 5, 100, 300, 511, 512, 513, 550, 599]
+GEMMA_REF_TOL = 1e-4        # relative per position: ~50x a float32 numpy run of ref_forward.py (2.3e-6 max over 10 positions)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -269,10 +274,17 @@ def gemma_golden() -> dict:
 
 @functools.cache
 def gemma_model() -> Path:
+    """The real Gemma exported --dtype f32 (the goldens' file: checked by sha256 when goldens are used)."""
     require(GEMMA_GGUF, "the Gemma 3 270M GGUF; `make test` downloads it")
-    want = gemma_golden()["meta"]["source_gguf_sha256"]
-    assert sha256_file(GEMMA_GGUF) == want, f"{GEMMA_GGUF} is not the file the goldens were made from ({want})"
     return exported(GEMMA_GGUF, "f32")
+
+
+@functools.cache
+def gemma_golden_model() -> Path:
+    want = gemma_golden()["meta"]["source_gguf_sha256"]
+    assert sha256_file(require(GEMMA_GGUF, "the Gemma 3 270M GGUF")) == want, \
+        f"{GEMMA_GGUF} is not the file the goldens were made from ({want})"
+    return gemma_model()
 
 
 def gemma_runs() -> list[dict]:
@@ -282,7 +294,28 @@ def gemma_runs() -> list[dict]:
 @functools.cache
 def gemma_ours(name: str) -> np.ndarray:
     e = next(e for e in gemma_runs() if e["name"] == name)
-    return dumped_logits(gemma_model(), e["prompt_ids"] + e["continuation_ids"], GEMMA_CTX)
+    return dumped_logits(gemma_golden_model(), e["prompt_ids"] + e["continuation_ids"], GEMMA_CTX)
+
+
+@functools.cache
+def gemma_reference() -> tuple[dict, dict]:
+    return rf.load_gguf(require(GEMMA_GGUF, "the Gemma 3 270M GGUF; `make test` downloads it"))
+
+
+def test_gemma3_270m_matches_reference():
+    """The exported real model against ref_forward.py on the GGUF's own (dequantized) weights, for
+    600 fixed pseudo-random ids: positions inside the 512-token window and beyond it, where the
+    same model without the window is shown to be far off (so the mask is what is being checked)."""
+    cfg, weights = gemma_reference()
+    rng = np.random.default_rng(14)
+    ids = [GEMMA_BOS] + rng.integers(200, 30000, GEMMA_REF_LEN - 1).tolist()
+    want = rf.forward(cfg, weights, ids, positions=GEMMA_REF_POSITIONS)
+    unwindowed = rf.forward(cfg, weights, ids, positions=GEMMA_REF_POSITIONS, full_attention=True)
+    beyond = [i for i, pos in enumerate(GEMMA_REF_POSITIONS) if pos >= GEMMA_WINDOW]
+    effect = np.abs(unwindowed - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert effect[beyond].min() > 10 * GEMMA_REF_TOL, f"the window barely matters here ({effect[beyond].min():.3g})"
+    got = dumped_logits(gemma_model(), ids, GEMMA_CTX)[GEMMA_REF_POSITIONS]
+    rel_close(got, want, GEMMA_REF_TOL, "Gemma 3 270M vs float64 reference")
 
 
 def test_gemma3_270m_goldens_consistent():
@@ -302,7 +335,7 @@ def test_gemma3_270m_goldens_consistent():
 
 
 def test_gemma3_270m_tokenize_matches_llamacpp():
-    model = gemma_model()
+    model = gemma_golden_model()
     failures = []
     for e in gemma_golden()["entries"]:
         p = run([model, "--tokenize", "-i", e["text"]] + (["--special"] if e["special"] else []))
@@ -365,7 +398,7 @@ def check_gemma_greedy(entry: dict, args: list) -> str:
     (llama.cpp's top1-top2 gap <= GEMMA_MARGIN, where either token is right); else the failure."""
     cont = entry["continuation_ids"]
     pieces = [bytes.fromhex(h) for h in entry["continuation_pieces_hex"]]
-    p = run([gemma_model(), *args, "-t", 0, "-n", len(cont), "--threads", THREADS, "--ctx", GEMMA_CTX, "--kv", "f32"],
+    p = run([gemma_golden_model(), *args, "-t", 0, "-n", len(cont), "--threads", THREADS, "--ctx", GEMMA_CTX, "--kv", "f32"],
             timeout=900)
     if p.returncode != 0:
         return f"{entry['name']}: exit {p.returncode}: {p.stderr.decode(errors='replace')}"
