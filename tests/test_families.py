@@ -41,17 +41,24 @@ WORK = SCRATCH / "families"
 THREADS = 2
 
 # --- Tolerances (see meta.measured_noise in tests/golden/tiny_*.json and gemma3_270m_f32.json) ----------
-# Tiny models, F32 weights, logits of std ~1.1: llama.cpp fed one token at a time and the float64
-# reference differ from the llama.cpp goldens by <= TINY_NOISE_SEEN (all four families). The bounds
-# are ~100x that, and ~100x below the effect of a missing switch (a dropped Q/K bias, norm, +1, window
-# or frequency factor moves logits by 0.1 .. 6; measured with ref_forward.py).
-TINY_NOISE_SEEN = 2e-6
+# Tiny models, F32 weights, logits of std ~1.1 (|logit| up to ~5). A float32 run against the float64
+# reference differs by ~2e-7 (measured on every family with make_family_goldens.py's smoke run); the
+# tolerances sit ~500x above that and far below the effect of a wrong switch, measured with
+# ref_forward.py on the 80-id sequence (relative change per position, median): no Q/K/V bias 0.91,
+# no Q/K norm 0.86, no Llama 3 frequency factors 0.39, no sliding window 1.1, window 17 instead of 16
+# 0.60, local RoPE base = global 0.87, no embedding scale 0.96, no post norms 1.0, SiLU for GELU 0.31,
+# attention scale 1/sqrt(dim/n_heads) 0.54, no linear RoPE scaling 0.26; even RMSNorm eps 1e-5 for
+# 1e-6 moves them by 7e-4 (max 1.5e-3). TINY_LLAMACPP_TOL is provisional until the goldens' measured
+# noise (llama.cpp fed one token at a time vs batched) is in: it only has to separate rounding from bugs.
 TINY_REF_TOL = 1e-4         # relative, per position (as tests/test_synthetic.py's F32_TOL)
 TINY_LLAMACPP_TOL = 5e-4    # absolute, every logit of every position
-# Gemma 3 270M, F32 weights, |logit| up to ~30, 18 layers, vocabulary 262,144: see the goldens' meta.
-GEMMA_MARGIN = 0.05         # compare top-1 / greedy only where llama.cpp's top1-top2 gap exceeds this
-GEMMA_TOL_MAX = 2e-2        # max |diff| at llama.cpp's top-10 ids, every position
-GEMMA_TOL_MEAN = 2e-3       # mean of the same
+# Gemma 3 270M, F32 weights, |logit| up to ~36, 18 layers, vocabulary 262,144. A float32 numpy run of
+# ref_forward.py differs from float64 by <= 6.6e-5 (relative 2.3e-6) over 600 ids. PROVISIONAL (as for
+# SmolLM2, ~25x the float noise, ~10x below an eps-sized bug) until the goldens' meta.measured_noise
+# (llama.cpp one token per decode, float64 reference vs llama.cpp) is in; then set from it.
+GEMMA_MARGIN = 0.02         # compare top-1 / greedy only where llama.cpp's top1-top2 gap exceeds this
+GEMMA_TOL_MAX = 2e-3        # max |diff| at llama.cpp's top-10 ids, every position
+GEMMA_TOL_MEAN = 2e-4       # mean of the same
 GEMMA_CTX = 1024
 MIN_CHECKED = 300           # the top-1 test must compare at least this many positions
 GEMMA_WINDOW = 512
