@@ -51,7 +51,7 @@ Sources a reader can open:
   * README.md, "The model file": the engine stores Q/K rows in Hugging Face order (half-split).
 
 Two uses: the synthetic-model, family and perplexity tests (tests/test_synthetic.py,
-tests/test_families.py, tests/test_quant.py) compare the engine with it, and
+tests/test_family_oracles.py, tests/test_quant.py) compare the engine with it, and
 tests/oracle/make_goldens.py / make_family_goldens.py use it as a float64 measuring stick for the
 test tolerances (how far two float32 implementations may be from exact arithmetic).
 

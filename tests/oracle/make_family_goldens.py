@@ -2,7 +2,7 @@
 """Goldens for the model families of issue 14 (Gemma 3, Qwen 2, Qwen 3, Llama 3) from llama.cpp.
 
 Run once by a developer (needs `pip install llama-cpp-python` and the `gguf` package); the output
-in tests/golden/ is checked in and tests/test_families.py only reads it.
+in tests/golden/ is checked in and tests/test_family_oracles.py only reads it.
 
 Two kinds of golden:
 
@@ -28,7 +28,7 @@ implementations - llama.cpp fed one token per decode call, and the float64 refer
     python3 tests/oracle/make_family_goldens.py                # everything (about 15 minutes on 2 cores)
     python3 tests/oracle/make_family_goldens.py --only tiny    # or --only gemma
 
-The tiny-model writer (tiny_model and below) needs only numpy and `gguf`; tests/test_families.py
+The tiny-model writer (tiny_model and below) needs only numpy and `gguf`; tests/test_family_oracles.py
 imports it to recreate the same files, and checks their sha256 against the goldens.
 """
 from __future__ import annotations
@@ -393,16 +393,21 @@ def top_summary(logits: np.ndarray) -> dict:
             "top10_ids": order.tolist(), "top10_logits": [[round(float(v), 4) for v in r] for r in vals]}
 
 
-def noise_stats(golden: list[dict], others: list[np.ndarray]) -> dict:
-    """What tests/test_families.py measures, for another valid implementation: |diff| at the golden's
-    top-10 ids, how much the top1-top2 gap moves, top-1 disagreements (with the golden's margin there)."""
+def at_golden_ids(entry: dict, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Another implementation's logits reduced to what noise_stats needs (keeps memory small with a
+    262,144-entry vocabulary): its values at the golden's top-10 ids, and its own top-1."""
+    return np.take_along_axis(logits.astype(np.float64), np.asarray(entry["top10_ids"]), axis=1), logits.argmax(axis=1)
+
+
+def noise_stats(golden: list[dict], others: list[tuple[np.ndarray, np.ndarray]]) -> dict:
+    """What tests/test_family_oracles.py measures, for another valid implementation (at_golden_ids of its
+    logits): |diff| at the golden's top-10 ids, how much the top1-top2 gap moves, top-1 disagreements
+    (with the golden's margin there)."""
     at_top, gap_moves, flips = [], [], []
-    for g, o in zip(golden, others):
-        ids = np.asarray(g["top10_ids"])
-        theirs = np.take_along_axis(o.astype(np.float64), ids, axis=1)
+    for g, (theirs, their_top1) in zip(golden, others):
         at_top.append(np.abs(theirs - np.asarray(g["top10_logits"])).reshape(-1))
         gap_moves.append(np.abs((theirs[:, 0] - theirs[:, 1]) - np.asarray(g["margin"])))
-        flips += [m for m, t, a in zip(g["margin"], g["top1"], o.argmax(axis=1)) if a != t]
+        flips += [m for m, t, a in zip(g["margin"], g["top1"], their_top1) if a != t]
     at_top, gap_moves = np.concatenate(at_top), np.concatenate(gap_moves)
     return {"top10_max": float(at_top.max()), "top10_mean": float(at_top.mean()),
             "top10_p99_9": float(np.quantile(at_top, 0.999)),
@@ -599,7 +604,7 @@ def gemma_goldens(scratch: Path, out: Path) -> None:
     print("F32 conversion:", conversion, flush=True)
     llm, llm_one = open_llama(f32, GEMMA_CTX, GEMMA_CTX), open_llama(f32, GEMMA_CTX, 1)
     cfg, weights = rf.load_gguf(GEMMA_GGUF)
-    entries, tfs, one, ref = [], [], [], []
+    entries, one, ref = [], [], []
     window_effect = None
     for name, text, special, run_it in GEMMA_PROMPTS:
         t0 = time.time()
@@ -621,10 +626,9 @@ def gemma_goldens(scratch: Path, out: Path) -> None:
             "greedy_vs_teacher_forced_top1_mismatch_positions":
                 [n_p - 1 + i for i, t in enumerate(cont) if int(np.argmax(tf[n_p - 1 + i])) != t],
             **top_summary(tf)})
-        tfs.append(tf)
-        one.append(teacher_forced(llm_one, seq))
+        one.append(at_golden_ids(entry, teacher_forced(llm_one, seq)))
         r = rf.forward(cfg, weights, seq)
-        ref.append(r.astype(np.float32))
+        ref.append(at_golden_ids(entry, r))
         if len(seq) > GEMMA_WINDOW:
             # The same sequence without the sliding window: at the golden's top-10 ids, positions >= window.
             nw = rf.forward(cfg, weights, seq, full_attention=True)

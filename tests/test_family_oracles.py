@@ -37,7 +37,7 @@ import ref_forward as rf  # noqa: E402
 
 GOLDEN = TESTS / "golden"
 EXPORT = ROOT / "export.py"
-WORK = SCRATCH / "families"
+WORK = SCRATCH / "family_oracles"
 THREADS = 2
 
 # --- Tolerances (see meta.measured_noise in tests/golden/tiny_*.json and gemma3_270m_f32.json) ----------
@@ -118,7 +118,7 @@ def exported(src: Path, dtype: str = "f32") -> Path:
 def dumped_logits(model: Path, ids: list[int], ctx: int | None = None, extra: tuple[str, ...] = ()) -> np.ndarray:
     """./run MODEL --ids ... --dump-logits F --kv f32 [extra] -> float64 [len(ids), vocab]."""
     require(RUN, "the engine binary; build it with `make`")
-    fd, out = tempfile.mkstemp(suffix=".f32", prefix="families-", dir=SCRATCH)
+    fd, out = tempfile.mkstemp(suffix=".f32", prefix="family-oracles-", dir=SCRATCH)
     os.close(fd)
     args = [model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--kv", "f32", "--threads", THREADS]
     args += (["--ctx", ctx] if ctx else []) + list(extra)
