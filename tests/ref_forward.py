@@ -205,8 +205,8 @@ def config_values(cfg: dict) -> dict:
     divisors, linear = None, 1.0
     if cfg.get("rope_freq_factors") is not None:
         divisors = tuple(float(f) for f in cfg["rope_freq_factors"])
-    elif rope["rope_type"] == "llama3" and family == "llama":
-        divisors = llama3_divisors(rope, rope["theta"], head_dim)
+    if rope["rope_type"] == "llama3" and family == "llama":
+        divisors = divisors or llama3_divisors(rope, rope["theta"], head_dim)
     elif rope["rope_type"] == "linear":
         linear = float(rope["factor"])
     elif rope["rope_type"] != "default":
@@ -477,11 +477,16 @@ def load_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
     }
     if factors is not None:
         cfg["rope_freq_factors"] = factors
+    # llama.cpp (llama-model.cpp, load_hparams): scaling type "linear" unless the file says otherwise,
+    # factor from rope.scaling.factor or the older rope.scale_linear; Gemma 3's local layers ignore it.
+    scaling_type = reader.fields.get(f"{arch}.rope.scaling.type")
+    scaling_type = "linear" if scaling_type is None else scaling_type.contents()
+    factor = field("rope.scaling.factor", field("rope.scale_linear", 0.0))
+    if factor not in (0.0, 1.0) and scaling_type != "none":
+        if scaling_type != "linear":
+            raise ValueError(f"{path}: rope scaling {scaling_type} not modelled")
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
     if arch == "gemma3":
-        scaling_type = reader.fields.get(f"{arch}.rope.scaling.type")
-        factor = field("rope.scaling.factor", 1.0)
-        if scaling_type is not None and scaling_type.contents() == "linear" and factor != 1.0:
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
         big = cfg["num_hidden_layers"] == GEMMA3_27B_LAYERS
         cfg.update({
             "hidden_activation": "gelu_pytorch_tanh",
