@@ -188,6 +188,28 @@ def check_tiny_llamacpp(name: str) -> None:
     print(f"    tiny {name} vs llama.cpp: " + ", ".join(report))
 
 
+def test_tiny_goldens_consistent():
+    """Every tiny golden is complete, and the tolerance sits well above the noise it measured (the
+    bounds above were set before the goldens existed: this fails if they are tighter than measured)."""
+    for name in mg.TINY:
+        golden, rows = tiny_golden(name)
+        n_rows = 0
+        for e in golden["entries"]:
+            assert len(e["top1"]) == len(e["margin"]) == len(e["ids"]), f"{name}/{e['name']}: lengths"
+            assert e["row_offset"] == n_rows, f"{name}/{e['name']}: row_offset {e['row_offset']}, want {n_rows}"
+            n_rows += len(e["stored_positions"])
+            assert rows[e["row_offset"]:n_rows].argmax(axis=1).tolist() == [e["top1"][i] for i in e["stored_positions"]]
+        assert n_rows == rows.shape[0], f"{name}: {rows.shape[0]} stored rows, {n_rows} referenced"
+        assert rows.shape[1] == golden["meta"]["spec"]["vocab_size"], f"{name}: vocabulary"
+        for who, stats in golden["meta"]["measured_noise"].items():
+            if isinstance(stats, dict):
+                assert stats["max_abs"] * 3 < TINY_LLAMACPP_TOL, f"{name}: {who} scored {stats['max_abs']:.3g}"
+                assert stats["top1_disagreements"] == 0, f"{name}: {who} disagrees on top-1"
+        if "float64_reference_without_sliding_window" in golden["meta"]:
+            effect = golden["meta"]["float64_reference_without_sliding_window"]["max_abs"]
+            assert effect > 100 * TINY_LLAMACPP_TOL, f"{name}: the window changes llama.cpp's logits by only {effect:.3g}"
+
+
 def test_tiny_qwen2_gguf_matches_reference():
     check_tiny_reference("qwen2", "gguf")
 
@@ -339,6 +361,12 @@ def test_gemma3_270m_goldens_consistent():
         assert all(e["prompt_ids"][0] == 2 for e in g["entries"]), "every prompt starts with <bos> (id 2)"
     longest = max(len(e["prompt_ids"]) for e in runs)
     assert longest > g["meta"]["window"] + 100, f"longest prompt {longest} tokens: not beyond the window"
+    # The bounds above must sit well above what other correct implementations scored.
+    for who in ("llamacpp_one_token_per_decode", "float64_reference_same_weights"):
+        stats = g["meta"]["measured_noise"][who]
+        assert stats["top10_max"] * 3 < GEMMA_TOL_MAX, f"{who} scored max {stats['top10_max']:.3g}: GEMMA_TOL_MAX too tight"
+        assert stats["top10_mean"] * 3 < GEMMA_TOL_MEAN, f"{who} scored mean {stats['top10_mean']:.3g}: GEMMA_TOL_MEAN too tight"
+        assert stats["margin_change_max"] < GEMMA_MARGIN, f"{who} moved a top1-top2 gap by {stats['margin_change_max']:.3g}"
 
 
 def test_gemma3_270m_tokenize_matches_llamacpp():
