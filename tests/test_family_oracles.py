@@ -11,7 +11,7 @@ their Hugging Face directory with `--dtype f32`, run with `--ids ... --dump-logi
   - with ref_forward.py on the same weights: max |diff| per position / max |logit| <= TINY_REF_TOL
     (both routes; float32 against float64 arithmetic);
   - with llama.cpp's logits (GGUF route): max |diff| <= TINY_LLAMACPP_TOL over the stored rows (every
-    third position) and equal top-1 at every position (where llama.cpp's margin exceeds that tolerance).
+    fourth position) and equal top-1 at every position (where llama.cpp's margin exceeds that tolerance).
 Gemma 3 270M (models/gemma3-270m-q4_k_m.gguf) is exported with `--dtype f32` (the dequantized
 weights, the numbers llama.cpp ran in F32) and checked for tokenization, teacher-forced top-1 and
 logits, the sliding window (positions beyond 512 tokens), and greedy text, as test_oracle.py does
@@ -168,7 +168,7 @@ def check_tiny_reference(name: str, route: str) -> None:
 
 def check_tiny_llamacpp(name: str) -> None:
     """The GGUF export against llama.cpp's logits on the same file: every logit of the stored rows
-    (every third position), and top-1 at every position where llama.cpp's margin exceeds the noise."""
+    (every fourth position), and top-1 at every position where llama.cpp's margin exceeds the noise."""
     golden, rows = tiny_golden(name)
     model = exported(tiny_golden_gguf(name))
     report = []

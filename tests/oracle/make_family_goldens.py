@@ -19,7 +19,7 @@ Two kinds of golden:
   tiny_<family>.json + tiny_<family>_logits.npy   Small random-weight models written here as GGUF
         and as a Hugging Face directory (tiny_model() below; deterministic, the GGUF's sha256 is
         recorded): llama.cpp's logits for two fixed random token sequences (48 and 80 ids): top-1
-        and top1-top2 margin at every position, the whole row (vocabulary ~300) at every third.
+        and top1-top2 margin at every position, the whole row (vocabulary ~300) at every fourth.
 
 Both record meta.measured_noise: the statistics the test computes, for other valid
 implementations - llama.cpp fed one token per decode call, and the float64 reference
@@ -427,9 +427,9 @@ def write_json(path: Path, meta: dict, entries: list[dict]) -> None:
 # Tiny-model goldens
 
 def stored_positions(n: int) -> list[int]:
-    """Positions of a tiny sequence whose whole logit row is stored: every third and the last
+    """Positions of a tiny sequence whose whole logit row is stored: every fourth and the last
     (all would take ~190 KB per model; tests/golden stays small)."""
-    return sorted(set(range(0, n, 3)) | {n - 1})
+    return sorted(set(range(0, n, 4)) | {n - 1})
 
 
 def row_stats(entries: list[dict], rows: np.ndarray, others: list[np.ndarray]) -> dict:
