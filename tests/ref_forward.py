@@ -238,7 +238,7 @@ def config_values(cfg: dict) -> dict:
         "theta_local": rope["theta"],
     }
     if gemma and cfg.get("sliding_window"):
-        local = cfg.get("rope_parameters", {}).get("sliding_attention", {})
+        local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
         out["window"] = int(cfg["sliding_window"])
         out["sliding"] = sliding_layers(cfg, n_layers)
         out["theta_local"] = float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
