@@ -334,7 +334,9 @@ def gemma_reference() -> tuple[dict, dict]:
 def test_gemma3_270m_matches_reference():
     """The exported real model against ref_forward.py on the GGUF's own (dequantized) weights, for
     600 fixed pseudo-random ids: positions inside the 512-token window and beyond it, where the
-    same model without the window is shown to be far off (so the mask is what is being checked)."""
+    same model without the window is shown to be far off (so the mask is what is being checked).
+    (The reference is the model as trained: on make_family_goldens.LONG_PROSE, 733 tokens, its
+    perplexity is 24.4, and 16.5 over the positions >= 512; without the window 39.8 and 83.6.)"""
     cfg, weights = gemma_reference()
     rng = np.random.default_rng(14)
     ids = [GEMMA_BOS] + rng.integers(200, 30000, GEMMA_REF_LEN - 1).tolist()
