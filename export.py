@@ -6,18 +6,35 @@ library and numpy are used: GGUF and safetensors are parsed here, and every
 ggml block type found in real model files is dequantized here.
 
 Output types (--dtype):
-  f32   every matrix as F32 (default)
-  f16   every matrix as F16
-  q8_0  every matrix as ggml Q8_0
-  q4_1  every matrix as ggml Q4_1, EXCEPT the token embedding and the output
-        head (the tied output head is the token embedding): those stay Q8_0,
-        because they are the most quantization-sensitive tensors (llama.cpp
-        keeps them at higher precision too). They are copied when the source
-        already holds Q8_0 blocks, else quantized to Q8_0.
-Norm vectors are always F32. When the source tensor already has the requested
-block type (e.g. Q4_1 -> q4_1, Q8_0 -> q8_0) its blocks are copied bit for bit,
-never dequantized and requantized. A matrix whose row length is not a multiple
-of 32 cannot be block-quantized and is written as F32 (with a warning).
+  keep    every tensor keeps the source's type and its blocks are copied bit for
+          bit (default for a GGUF input). Types the engine does not run (Q2_K,
+          Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
+          another --dtype to convert them. Our file stores Q|K|V (wqkv) and
+          gate|up (w13) as one tensor of one type: when the GGUF gives the parts
+          different types, the fused tensor takes the one with the most bits per
+          weight and the other parts are re-quantized to it (with a warning).
+  f32     every matrix as F32 (default for a Hugging Face directory)
+  f16     every matrix as F16
+  q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
+          every matrix in that ggml type
+  q4_0, q4_1
+          every matrix in that type EXCEPT the token embedding and the output
+          head (the tied output head is the token embedding): those stay Q8_0,
+          the most quantization-sensitive tensors
+  q4_k_m, q5_k_m
+          llama.cpp's mixes (src/llama-quant.cpp, llama_tensor_get_type, no
+          importance matrix): Q4_K (Q5_K) everywhere, except Q6_K for the output
+          head (or the tied token embedding) and for wqkv and w2 on the layers
+          where use_more_bits holds (first and last eighth, every third between).
+          llama.cpp applies that rule to attn_v and to a fused attn_qkv; for us
+          the whole fused wqkv gets it, so Q and K rows are Q6_K on those layers
+          too, where a llama.cpp file with separate Q/K/V keeps them Q4_K.
+A K type on a row length that is not a multiple of 256 falls back as in
+llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0. A matrix whose row length
+is not a multiple of 32 is written as F32 (with a warning). Norm vectors are
+always F32. When the source tensor already has the chosen type its blocks are
+copied bit for bit, never dequantized and re-quantized. The quantizers are
+numpy ports of ggml's reference ones (ggml-quants.c, quantize_row_*_ref).
 
 --tokenizer-only writes a valid file holding the header and the tokenizer
 section but no tensors (n_tensors = 0); it works for any architecture in the
@@ -85,7 +102,18 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
 QK = 32        # elements per legacy block
 QK_K = 256     # elements per K-quant super-block
 
-OUTPUT_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_1": Q4_1}
+# --dtype: "keep" (every tensor keeps the source's type), a plain type (every matrix of that type) or a
+# llama.cpp-style mix (per-tensor types, see mix_type).
+PLAIN_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1,
+                "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
+MIX_DTYPES = {"q4_k_m": Q4_K, "q5_k_m": Q5_K}
+DTYPE_CHOICES = ["keep", *PLAIN_DTYPES, *MIX_DTYPES]
+EMBEDDING_AT_Q8_0 = ("q4_0", "q4_1")    # plain 4-bit types whose token embedding / output head stay Q8_0
+# The weight types the engine runs as they are (README.md, "The model file").
+NATIVE_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): a K type on a row length that is not a
+# multiple of 256 becomes the 32-element type of about the same size.
+K_FALLBACK = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 
 def type_name(t: int) -> str:
@@ -281,6 +309,235 @@ def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     return np.concatenate([d.astype(np.float16).view(np.uint8), lo.astype(np.float16).view(np.uint8), packed], axis=1)
 
 
+def _amax_signed(blocks: np.ndarray) -> np.ndarray:
+    """The value of largest magnitude in each row, the first one on ties (ggml's `if (amax < fabsf(v))`); (n, 1)."""
+    idx = np.abs(blocks).argmax(axis=1)
+    return blocks[np.arange(blocks.shape[0]), idx][:, None]
+
+
+def _pack_high_bits(q: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1: bit 4 of element j goes to bit j of the u32 qh; (n, 32) -> (n, 4) bytes."""
+    qh = (((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+    return qh.astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """Legacy layout: element j in the low nibble of byte j, element j+16 in its high nibble."""
+    return (q[:, :16] & 0x0F) | ((q[:, 16:] & 0x0F) << 4)
+
+
+def _f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, dtype=np.float32).astype("<f2").reshape(-1, 1).view(np.uint8)
+
+
+def quantize_q4_0(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 32) -> Q4_0 blocks (n, 18): d = max / -8 (max: the value of largest
+    magnitude), q = min(15, (int8)(x * (1/d) + 8.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-8)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(8.5)), 15).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_0(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_0 blocks (n, 22): d = max / -16, q = min(31, (int8)(x * (1/d) + 16.5))."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    d = (_amax_signed(blocks) / np.float32(-16)).astype(np.float32)
+    q = np.minimum(np.trunc(blocks * _inverse_scale(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """float32 values -> Q5_1 blocks (n, 24): d = (max - min) / 31, m = min, q = (uint8)((x - min) * (1/d) + 0.5)."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK)
+    lo = blocks.min(axis=1, keepdims=True)
+    d = ((blocks.max(axis=1, keepdims=True) - lo) / np.float32(31)).astype(np.float32)
+    q = np.trunc((blocks - lo) * _inverse_scale(d) + np.float32(0.5)).astype(np.uint8)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q)], axis=1)
+
+
+# K-quants (ggml-quants.c: quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref, with make_qkx2_quants and
+# make_qx_quants). Every sub-block is searched at once, held as a column: arrays are (elements, sub-blocks),
+# so the sums over a sub-block run left to right in float32 like the C loops, one vector add per element.
+# The float results match a build of ggml that does not contract a*b+c into FMA.
+
+def _seq_sum(a: np.ndarray) -> np.ndarray:
+    """Sum over axis 0, left to right in float32, as `for (i...) s += a[i]` does."""
+    s = a[0].astype(np.float32, copy=True)
+    for row in a[1:]:
+        s += row
+    return s
+
+
+def _nearest_int(a: np.ndarray) -> np.ndarray:
+    """ggml's nearest_int (the 1.5 * 2^23 trick): round half to even, as np.rint."""
+    with np.errstate(invalid="ignore"):
+        return np.rint(a)
+
+
+def _make_qkx2_quants(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float,
+                      nstep: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-blocks as columns x (32, n) with weights w -> (scale (n,), min (n,) >= 0, levels L (32, n) in 0..nmax).
+
+    x ~ scale * L - min. The search tries nstep + 1 inverse scales and keeps the least weighted squared
+    error of a least-squares (scale, min) fit; as in ggml, an accepted fit's min is the one the later
+    trials quantize against."""
+    f = np.float32
+    lo = np.minimum(x.min(axis=0), f(0))
+    hi = x.max(axis=0)
+    flat = hi == lo
+    sum_w, sum_x = _seq_sum(w), _seq_sum(w * x)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = f(nmax) / (hi - lo)
+        scale = f(1) / iscale
+        levels = np.clip(_nearest_int(iscale * (x - lo)), 0, nmax).astype(np.float32)
+        diff = scale * levels + lo - x
+        best = _seq_sum(w * (diff * diff))
+        mn = lo
+        for step in range(nstep + 1):
+            iscale = (f(rmin) + f(rdelta) * f(step) + f(nmax)) / (hi - mn)
+            trial = np.clip(_nearest_int(iscale * (x - mn)), 0, nmax).astype(np.float32)
+            wl = w * trial
+            sum_l, sum_l2, sum_xl = _seq_sum(wl), _seq_sum(wl * trial), _seq_sum(wl * x)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            pos = this_min > 0
+            this_scale = np.where(pos, sum_xl / sum_l2, this_scale)
+            this_min = np.where(pos, f(0), this_min)
+            diff = this_scale * trial + this_min - x
+            error = _seq_sum(w * (diff * diff))
+            better = (det > 0) & (error < best) & ~flat
+            levels = np.where(better, trial, levels)
+            best = np.where(better, error, best)
+            scale = np.where(better, this_scale, scale)
+            mn = np.where(better, this_min, mn)
+    levels = np.where(flat, f(0), levels)
+    return np.where(flat, f(0), scale).astype(np.float32), (-mn).astype(np.float32), levels
+
+
+def _quantize_k_scale_min(x: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+    """Q4_K/Q5_K common part: super-blocks x (n, 256) -> (d f16 (n,), dmin f16 (n,), 12 scale bytes (n, 12),
+    levels (n, 256) in 0..nmax)."""
+    f = np.float32
+    n = x.shape[0]
+    sub = x.reshape(n * 8, 32)
+    cols = np.ascontiguousarray(sub.T)
+    av_x = np.sqrt(_seq_sum(cols * cols) / f(32))
+    w = av_x + np.abs(cols)
+    scales, mins, levels = _make_qkx2_quants(cols, w, nmax, rmin, rdelta, nstep)
+    levels = levels.T
+    scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+    max_scale = np.maximum(scales.max(axis=1), f(0))
+    max_min = np.maximum(mins.max(axis=1), f(0))
+    with np.errstate(divide="ignore"):
+        inv_scale = np.where(max_scale > 0, f(63) / max_scale, f(0)).astype(np.float32)
+        inv_min = np.where(max_min > 0, f(63) / max_min, f(0)).astype(np.float32)
+    ls = np.minimum(_nearest_int(inv_scale[:, None] * scales).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(_nearest_int(inv_min[:, None] * mins).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    packed = np.concatenate([ls[:, :4] | ((ls[:, 4:] >> 4) << 6), lm[:, :4] | ((lm[:, 4:] >> 4) << 6),
+                             (ls[:, 4:] & 0x0F) | ((lm[:, 4:] & 0x0F) << 4)], axis=1)
+    d16 = (max_scale / f(63)).astype(np.float16)
+    dmin16 = (max_min / f(63)).astype(np.float16)
+    d = d16.astype(np.float32)[:, None] * ls.astype(np.float32)
+    dm = dmin16.astype(np.float32)[:, None] * lm.astype(np.float32)
+    sub = sub.reshape(n, 8, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        requant = np.clip(_nearest_int((sub + dm[:, :, None]) / d[:, :, None]), 0, nmax)
+    levels = np.where((d != 0)[:, :, None], requant, levels.reshape(n, 8, 32)).astype(np.uint8)
+    return d16, dmin16, packed, levels.reshape(n, QK_K)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q4_K blocks (n, 144): d, dmin, 12 scale bytes, 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 15, -1.0, 0.1, 20)
+    pairs = levels.reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, qs], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q5_K blocks (n, 176): d, dmin, 12 scale bytes, 32 high-bit bytes
+    (bit k of qh[j]: element 32k + j), 128 nibble bytes."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    d, dmin, scales, levels = _quantize_k_scale_min(blocks, 31, -0.5, 0.1, 15)
+    high = ((levels.reshape(-1, 8, 32) >> 4) << np.arange(8, dtype=np.uint8).reshape(1, 8, 1)).sum(axis=1, dtype=np.uint8)
+    pairs = (levels & 0x0F).reshape(-1, 4, 2, 32)
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    return np.concatenate([_f16_bytes(d), _f16_bytes(dmin), scales, high, qs], axis=1)
+
+
+def _make_qx_quants_q6(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """make_qx_quants(16, 32, x, L, rmse_type 1, no weights) for sub-blocks x (n, 16) -> (scale (n,), L in 0..63).
+
+    Starts from -32 / max, then tries 18 nearby inverse scales and keeps the best weighted (x^2) fit."""
+    f, nmax = np.float32, 32
+    mx = _amax_signed(x)[:, 0]
+    zero = np.abs(mx) < f(1e-15)
+    cols = np.ascontiguousarray(x.T)   # (16, n): one column per sub-block
+    w = cols * cols
+    wx = w * cols   # `w*x[i]*l` groups as (w * x) * l
+
+    def fit(iscale: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lv = np.clip(_nearest_int(iscale * cols), -nmax, nmax - 1).astype(np.float32)
+        return lv, _seq_sum(wx * lv), _seq_sum(w * lv * lv)
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        lv, sumlx, suml2 = fit(f(-nmax) / mx)
+        scale = np.where(suml2 != 0, sumlx / suml2, f(0)).astype(np.float32)
+        best = scale * sumlx
+        levels = lv
+        for step in (*range(-9, 0), *range(1, 10)):
+            lv, sumlx, suml2 = fit(-(f(nmax) + f(0.1) * f(step)) / mx)
+            better = (suml2 > 0) & (sumlx * sumlx > best * suml2) & ~zero
+            levels = np.where(better, lv, levels)
+            scale = np.where(better, sumlx / suml2, scale)
+            best = np.where(better, scale * sumlx, best)
+    levels = np.where(zero, f(-nmax), levels)
+    return np.where(zero, f(0), scale).astype(np.float32), (levels.T + nmax).astype(np.uint8)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    """float32 values (a multiple of 256) -> Q6_K blocks (n, 210): 128 low-nibble bytes, 64 high-2-bit bytes,
+    16 int8 scales, d."""
+    f = np.float32
+    blocks = np.asarray(x, dtype=np.float32).reshape(-1, QK_K)
+    n = blocks.shape[0]
+    sub = blocks.reshape(n * 16, 16)
+    scales, levels = _make_qx_quants_q6(sub)
+    scales, levels = scales.reshape(n, 16), levels.reshape(n, 16, 16)
+    max_scale = _amax_signed(scales)[:, 0]
+    empty = np.abs(max_scale) < f(1e-15)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        iscale = f(-128) / max_scale
+        d16 = np.where(empty, f(0), f(1) / iscale).astype(np.float16)
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127)
+        sc = np.where(empty[:, None], 0, sc).astype(np.int8)
+        d = d16.astype(np.float32)[:, None] * sc.astype(np.float32)
+        requant = np.clip(_nearest_int(sub.reshape(n, 16, 16) / d[:, :, None]), -32, 31) + 32
+    levels = np.where((d != 0)[:, :, None], requant, levels).astype(np.uint8)
+    levels = np.where(empty[:, None, None], 0, levels).reshape(n, 2, 4, 32)
+    ql = np.concatenate([levels[:, :, 0] & 0x0F | ((levels[:, :, 2] & 0x0F) << 4),
+                         levels[:, :, 1] & 0x0F | ((levels[:, :, 3] & 0x0F) << 4)], axis=2).reshape(n, 128)
+    qh = ((levels >> 4) << (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)).sum(axis=2, dtype=np.uint8)
+    return np.concatenate([ql, qh.reshape(n, 64), sc.view(np.uint8), d16.astype("<f2").reshape(-1, 1).view(np.uint8)],
+                          axis=1)
+
+
+def encode_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (ggml's GGML_FP32_TO_BF16: round to nearest even, NaN kept quiet)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + (np.uint32(0x7FFF) + ((u >> 16) & 1))) >> 16).astype(np.uint16)
+    return np.where(np.isnan(x), ((u >> 16) | 64).astype(np.uint16), rounded).astype("<u2")
+
+
+ENCODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
+    Q4_0: quantize_q4_0, Q4_1: quantize_q4_1, Q5_0: quantize_q5_0, Q5_1: quantize_q5_1, Q8_0: quantize_q8_0,
+    Q4_K: quantize_q4_k, Q5_K: quantize_q5_k, Q6_K: quantize_q6_k,
+}
+
+
 def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     """float32 rows (rows, cols) -> bytes (rows, row_bytes) of out_type."""
     rows, cols = x.shape
@@ -289,10 +546,11 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
     if out_type == F16:
         with np.errstate(over="ignore"):
             return x.astype("<f2").view(np.uint8).reshape(rows, cols * 2)
-    if out_type == Q8_0:
-        return quantize_q8_0(x).reshape(rows, -1)
-    if out_type == Q4_1:
-        return quantize_q4_1(x).reshape(rows, -1)
+    if out_type == BF16:
+        return encode_bf16(x).view(np.uint8).reshape(rows, cols * 2)
+    if out_type in ENCODERS:
+        with np.errstate(all="ignore"):   # inf/NaN weights give inf/NaN scales, as in ggml: no warning noise
+            return ENCODERS[out_type](x).reshape(rows, -1)
     raise ExportError(f"cannot encode ggml type {type_name(out_type)}")
 
 
@@ -632,8 +890,12 @@ class HFCheckpoint:
 
 
 # ---------------------------------------------------------------------------------------------
-# Architecture families: one table of names per family. Adding qwen2/qwen3/gemma3 weights means
-# filling in their names, hparams quirks and extra tensors; their tokenizers work already.
+# Architecture families: one table of names per family, and the flags (README "The model file",
+# header offset 56) that say which extra tensors every model of the family has.
+
+FLAG_TIED, FLAG_QKV_BIAS, FLAG_QK_NORM, FLAG_POST_NORMS, FLAG_ROPE_FREQS = 1, 2, 4, 8, 16
+ACT_SILU, ACT_GELU_TANH = 0, 1
+
 
 @dataclass(frozen=True)
 class Family:
@@ -646,6 +908,10 @@ class Family:
     hf_names: dict[str, str] = field(default_factory=dict)
     hf_ignored: tuple[str, ...] = ()      # regexes of HF tensors that carry nothing we need
     layout: Callable[[Hyper], Iterator[tuple[str, list[tuple[str, int, int]]]]] | None = None   # output tensors
+    flags: int = 0                        # FLAG_QKV_BIAS / FLAG_QK_NORM / FLAG_POST_NORMS: tensors every model has
+    hf_tied_default: bool = False         # tie_word_embeddings when config.json omits it (the transformers default)
+    hf_norm_shift: float = 0.0            # added to every norm weight read from HF (Gemma computes x_hat * (1 + w))
+    chat_without_template: int = 0        # chat template kind when the file has no template text (see vocab_*)
 
 
 LLAMA_GGUF_NAMES = {
@@ -653,6 +919,7 @@ LLAMA_GGUF_NAMES = {
     "attn_norm": "blk.{n}.attn_norm.weight", "wq": "blk.{n}.attn_q.weight", "wk": "blk.{n}.attn_k.weight",
     "wv": "blk.{n}.attn_v.weight", "wo": "blk.{n}.attn_output.weight", "ffn_norm": "blk.{n}.ffn_norm.weight",
     "w1": "blk.{n}.ffn_gate.weight", "w3": "blk.{n}.ffn_up.weight", "w2": "blk.{n}.ffn_down.weight",
+    "rope_freqs": "rope_freqs.weight",
 }
 LLAMA_HF_NAMES = {
     "tok_embeddings": "model.embed_tokens.weight", "norm": "model.norm.weight", "output": "lm_head.weight",
@@ -661,13 +928,84 @@ LLAMA_HF_NAMES = {
     "wo": "model.layers.{n}.self_attn.o_proj.weight", "ffn_norm": "model.layers.{n}.post_attention_layernorm.weight",
     "w1": "model.layers.{n}.mlp.gate_proj.weight", "w3": "model.layers.{n}.mlp.up_proj.weight",
     "w2": "model.layers.{n}.mlp.down_proj.weight",
+    "rope_freqs": "rope_freqs (computed from config.json rope_scaling)",   # not a file tensor: see export()
 }
+BIAS_GGUF_NAMES = {"bq": "blk.{n}.attn_q.bias", "bk": "blk.{n}.attn_k.bias", "bv": "blk.{n}.attn_v.bias"}
+BIAS_HF_NAMES = {"bq": "model.layers.{n}.self_attn.q_proj.bias", "bk": "model.layers.{n}.self_attn.k_proj.bias",
+                 "bv": "model.layers.{n}.self_attn.v_proj.bias"}
+QK_NORM_GGUF_NAMES = {"q_norm": "blk.{n}.attn_q_norm.weight", "k_norm": "blk.{n}.attn_k_norm.weight"}
+QK_NORM_HF_NAMES = {"q_norm": "model.layers.{n}.self_attn.q_norm.weight",
+                    "k_norm": "model.layers.{n}.self_attn.k_norm.weight"}
+# Gemma 3's sandwich norms. In its GGUF, ffn_norm is the norm BEFORE the FFN (llama.cpp's gemma3 graph applies
+# attn_norm, attention, post_attention_norm, residual, ffn_norm, FFN, post_ffw_norm, residual); in Hugging Face's
+# modeling_gemma3 that one is pre_feedforward_layernorm and post_attention_layernorm is the norm AFTER attention.
+GEMMA3_GGUF_NAMES = {**LLAMA_GGUF_NAMES, **QK_NORM_GGUF_NAMES, "post_attn_norm": "blk.{n}.post_attention_norm.weight",
+                     "post_ffn_norm": "blk.{n}.post_ffw_norm.weight"}
+GEMMA3_HF_NAMES = {**LLAMA_HF_NAMES, **QK_NORM_HF_NAMES,
+                   "ffn_norm": "model.layers.{n}.pre_feedforward_layernorm.weight",
+                   "post_attn_norm": "model.layers.{n}.post_attention_layernorm.weight",
+                   "post_ffn_norm": "model.layers.{n}.post_feedforward_layernorm.weight"}
+
+
+def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
+    """(output name, [(part key, rows, cols)]) in file order (the README's tensor table).
+
+    Every family shares this layout; the flags add their tensors. A vector made of several
+    parts (bqkv) concatenates them. A generator, so a corrupt layer count fails at the first
+    missing tensor instead of building a huge list."""
+    d, hd = hp.dim, hp.head_dim
+    q_dim, kv_dim = hp.n_heads * hd, hp.n_kv_heads * hd
+    yield "tok_embeddings", [("tok_embeddings", hp.vocab_size, d)]
+    if hp.flags & FLAG_ROPE_FREQS:
+        yield "rope_freqs", [("rope_freqs", 1, hp.rope_dim // 2)]
+    for n in range(hp.n_layers):
+        p = f"layers.{n}."
+        yield p + "attn_norm", [(f"attn_norm@{n}", 1, d)]
+        yield p + "wqkv", [(f"wq@{n}", q_dim, d), (f"wk@{n}", kv_dim, d), (f"wv@{n}", kv_dim, d)]
+        if hp.flags & FLAG_QKV_BIAS:
+            yield p + "bqkv", [(f"bq@{n}", 1, q_dim), (f"bk@{n}", 1, kv_dim), (f"bv@{n}", 1, kv_dim)]
+        if hp.flags & FLAG_QK_NORM:
+            yield p + "q_norm", [(f"q_norm@{n}", 1, hd)]
+            yield p + "k_norm", [(f"k_norm@{n}", 1, hd)]
+        yield p + "wo", [(f"wo@{n}", d, q_dim)]
+        if hp.flags & FLAG_POST_NORMS:
+            yield p + "post_attn_norm", [(f"post_attn_norm@{n}", 1, d)]
+        yield p + "ffn_norm", [(f"ffn_norm@{n}", 1, d)]
+        yield p + "w13", [(f"w1@{n}", hp.hidden_dim, d), (f"w3@{n}", hp.hidden_dim, d)]
+        yield p + "w2", [(f"w2@{n}", d, hp.hidden_dim)]
+        if hp.flags & FLAG_POST_NORMS:
+            yield p + "post_ffn_norm", [(f"post_ffn_norm@{n}", 1, d)]
+    yield "norm", [("norm", 1, d)]
+    if not hp.tied:
+        yield "output", [("output", hp.vocab_size, d)]
+
+
+# Norm vectors (a Gemma HF checkpoint's get +1) and the other vectors; all are written as F32.
+NORM_PARTS = {"attn_norm", "ffn_norm", "norm", "q_norm", "k_norm", "post_attn_norm", "post_ffn_norm"}
+VECTOR_PARTS = NORM_PARTS | {"bq", "bk", "bv", "rope_freqs"}
+
+FAMILIES = {
+    "llama": Family("llama", 1, ("LlamaForCausalLM",), ACT_SILU, gguf_qk_interleaved=True,
+                    gguf_names=LLAMA_GGUF_NAMES, hf_names=LLAMA_HF_NAMES,
+                    hf_ignored=(r".*\.rotary_emb\.inv_freq$",), layout=llama_layout),
+    "qwen2": Family("qwen2", 2, ("Qwen2ForCausalLM",), ACT_SILU, gguf_names={**LLAMA_GGUF_NAMES, **BIAS_GGUF_NAMES},
+                    hf_names={**LLAMA_HF_NAMES, **BIAS_HF_NAMES}, hf_ignored=(r".*\.rotary_emb\.inv_freq$",),
+                    layout=llama_layout, flags=FLAG_QKV_BIAS),
+    "qwen3": Family("qwen3", 3, ("Qwen3ForCausalLM",), ACT_SILU, gguf_names={**LLAMA_GGUF_NAMES, **QK_NORM_GGUF_NAMES},
+                    hf_names={**LLAMA_HF_NAMES, **QK_NORM_HF_NAMES}, hf_ignored=(r".*\.rotary_emb\.inv_freq$",),
+                    layout=llama_layout, flags=FLAG_QK_NORM),
+    # Gemma 3 GGUFs often carry no chat template (the 270M one does not); <start_of_turn>/<end_of_turn>
+    # exist only for Gemma's own template, so that is used when they are in the vocabulary.
+    "gemma3": Family("gemma3", 4, ("Gemma3ForCausalLM",), ACT_GELU_TANH, gguf_names=GEMMA3_GGUF_NAMES,
+                     hf_names=GEMMA3_HF_NAMES, layout=llama_layout, flags=FLAG_QK_NORM | FLAG_POST_NORMS,
+                     hf_tied_default=True, hf_norm_shift=1.0, chat_without_template=2),
+}
+
 
 def family_for_gguf(arch: str, tokenizer_only: bool) -> Family:
     fam = FAMILIES.get(arch)
     if fam is None or not (fam.layout or tokenizer_only):
-        raise ExportError(f"unsupported architecture '{show(arch)}' (supported: llama"
-                          f"{'; with --tokenizer-only also ' + ', '.join(FAMILIES) if not tokenizer_only else ''})")
+        raise ExportError(f"unsupported architecture '{show(arch)}' (supported: {', '.join(FAMILIES)})")
     return fam
 
 
@@ -677,7 +1015,8 @@ def family_for_hf(archs: Any, tokenizer_only: bool) -> Family:
     for fam in FAMILIES.values():
         if archs[0] in fam.hf_architectures and (fam.layout or tokenizer_only):
             return fam
-    raise ExportError(f"unsupported architecture '{show(archs[0])}' (supported: LlamaForCausalLM)")
+    supported = ", ".join(a for fam in FAMILIES.values() for a in fam.hf_architectures)
+    raise ExportError(f"unsupported architecture '{show(archs[0])}' (supported: {supported})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -710,11 +1049,21 @@ class Hyper:
     norm_eps: float
     rope_dim: int
     tied: bool
+    # The model-family fields (README "The model file"); 0 means "not used" as in the header.
+    flags: int = 0                # FLAG_QKV_BIAS | FLAG_QK_NORM | FLAG_POST_NORMS | FLAG_ROPE_FREQS (not FLAG_TIED)
+    activation: int = ACT_SILU
+    embed_scale: float = 0.0      # each embedding row times this (0: 1)
+    attn_scale: float = 0.0       # q.k times this (0: 1/sqrt(head_dim))
+    window: int = 0               # sliding window of the local layers (0: no local layers)
+    window_pattern: int = 0       # layer l is global when (l + 1) % pattern == 0 (0: every layer local)
+    rope_theta_local: float = 0.0  # RoPE base of local layers (0: rope_theta)
+    rope_scale_global: float = 0.0  # linear RoPE scaling of global layers (0: 1)
+    rope_freqs: np.ndarray | None = None   # per-pair factors computed from an HF config (a GGUF has a tensor)
 
     def check(self, where: str, keys: dict[str, str]) -> None:
         """Refuse what the engine would refuse in the header; `keys` names each field's source key."""
         def bad(name: str, why: str) -> ExportError:
-            return ExportError(f"{where}: {keys[name]} = {getattr(self, name)!r} {why}")
+            return ExportError(f"{where}: {keys.get(name, name)} = {getattr(self, name)!r} {why}")
 
         for name, limit in ENGINE_LIMITS.items():
             if not 1 <= getattr(self, name) <= limit:
@@ -732,6 +1081,39 @@ class Hyper:
             raise bad("rope_theta", "is not a finite number > 1 as float32")
         if not (math.isfinite(eps) and eps > 0):
             raise bad("norm_eps", "is not a finite number > 0 as float32")
+        if not 0 <= self.window_pattern < 2**32:
+            raise bad("window_pattern", "does not fit the header's u32 field")
+        if self.window > self.max_seq_len:
+            raise bad("window", f"is larger than the context ({keys['max_seq_len']} = {self.max_seq_len})")
+        for name in ("embed_scale", "attn_scale", "rope_scale_global"):
+            v = as_float32(getattr(self, name))
+            if v != 0 and not (math.isfinite(v) and v > 0):
+                raise bad(name, "is not a finite number > 0 as float32")
+        local = as_float32(self.rope_theta_local)
+        if local != 0 and not (math.isfinite(local) and local > 1):
+            raise bad("rope_theta_local", "is not a finite number > 1 as float32")
+        if self.rope_freqs is not None:
+            check_rope_factors(self.rope_freqs, f"{where}: {keys.get('rope_freqs', 'rope_freqs')}")
+
+
+def check_rope_factors(factors: np.ndarray, what: str) -> None:
+    """RoPE frequency factors divide a frequency: each must be a finite number > 0 (as the engine checks)."""
+    bad = np.flatnonzero(~(np.isfinite(factors) & (factors > 0)))
+    if bad.size:
+        raise ExportError(f"{what}: factor {bad[0]} = {float(factors[bad[0]])!r} is not a finite number > 0")
+
+
+def swa_pattern(is_local: list[bool], what: str) -> int:
+    """The header's pattern p for a list of per-layer "local" flags: layer l is global exactly when
+    (l + 1) % p == 0 (p = 0: every layer local). Refuses a list no such p describes."""
+    n = len(is_local)
+    if all(is_local):
+        return 0
+    for p in range(1, n + 1):
+        if all(is_local[l] == ((l + 1) % p != 0) for l in range(n)):
+            return p
+    raise ExportError(f"{what}: the local/global layer list {['L' if x else 'G' for x in is_local]} is not "
+                      f"'every p-th layer global', the only arrangement the model file can describe")
 
 
 def check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
@@ -741,6 +1123,81 @@ def check_rope_scaling(kind: Any, factor: Any, where: str) -> None:
     if not (kind_ok and factor_ok):
         raise ExportError(f"{where}: rope scaling type '{kind}' with factor {factor} is not supported "
                           f"(only no scaling / linear with factor 1)")
+
+
+def family_fields(read: Callable[[], None], hp: Hyper, strict: bool) -> None:
+    """Fill hp's family fields with `read`. --tokenizer-only (not strict) writes no tensors, so a
+    problem with the model's structure is no reason to refuse it: the fields then stay 0."""
+    hp.flags, hp.activation = hp.family.flags, hp.family.activation
+    try:
+        read()
+    except ExportError:
+        if strict:
+            raise
+        hp.flags, hp.embed_scale, hp.attn_scale, hp.rope_freqs = 0, 0.0, 0.0, None
+        hp.window, hp.window_pattern, hp.rope_theta_local, hp.rope_scale_global = 0, 0, 0.0, 0.0
+
+
+# The local RoPE base and sliding-window pattern llama.cpp uses for gemma3 when the GGUF does not say
+# (llama-model.cpp, LLM_ARCH_GEMMA3: set_swa_pattern(6), rope_freq_base_train_swa = 10000).
+GEMMA3_DEFAULT_PATTERN = 6
+GEMMA3_DEFAULT_LOCAL_THETA = 10000.0
+GEMMA3_27B_LAYERS = 62   # llama.cpp's LLM_TYPE_27B: attention scale 1/sqrt(dim / n_heads) instead of 1/sqrt(head_dim)
+
+
+def gguf_family_fields(g: GGUFFile, a: str, hp: Hyper, keys: dict[str, str]) -> None:
+    """The family fields and flags of a GGUF (llama.cpp's metadata keys and tensor names)."""
+    fam, where = hp.family, str(g.path)
+    scale_type = g.kv.get(f"{a}.rope.scaling.type")
+    factor_key = f"{a}.rope.scaling.factor" if f"{a}.rope.scaling.factor" in g.kv else f"{a}.rope.scale_linear"
+    factor = g.kv.get(factor_key)
+    linear = scale_type == "linear" or (scale_type is None and factor_key.endswith("scale_linear"))
+    if fam.name == "gemma3" and linear and isinstance(factor, (int, float)) and factor not in (0, 1):
+        hp.rope_scale_global = float(factor)   # llama.cpp: freq_scale applies to the non-SWA layers only
+        keys["rope_scale_global"] = factor_key
+    else:
+        check_rope_scaling(scale_type, factor, where)
+    if "rope_freqs.weight" in g.tensors:
+        if fam.name != "llama":
+            raise ExportError(f"{where}: rope_freqs.weight in a {fam.name} GGUF is not supported")
+        hp.flags |= FLAG_ROPE_FREQS   # the factors are checked when the tensor is read (build_plan)
+    check_bias_presence(g.tensors, fam.gguf_names, hp.n_layers, where)
+    if fam.name != "gemma3":
+        return
+    for key in (f"{a}.final_logit_softcapping", f"{a}.attn_logit_softcapping"):
+        if key in g.kv:
+            raise ExportError(f"{where}: {key} is set: logit soft-capping is not supported")
+    # llama.cpp's gemma3 graph scales the embedding by sqrtf(n_embd) in float32
+    hp.embed_scale = as_float32(math.sqrt(hp.dim))
+    if hp.n_layers == GEMMA3_27B_LAYERS and hp.dim // hp.n_heads != hp.head_dim:
+        hp.attn_scale = as_float32(1 / math.sqrt(hp.dim // hp.n_heads))
+        keys["attn_scale"] = f"attention scale 1/sqrt({a}.embedding_length / head_count) (27B)"
+    hp.window = g.get(f"{a}.attention.sliding_window", int)
+    keys["window"] = f"{a}.attention.sliding_window"
+    pattern_key = f"{a}.attention.sliding_window_pattern"
+    pattern = g.kv.get(pattern_key, GEMMA3_DEFAULT_PATTERN)
+    if isinstance(pattern, np.ndarray):   # one bool per layer, true = sliding window
+        if pattern.size != hp.n_layers:
+            raise ExportError(f"{where}: {pattern_key} has {pattern.size} entries for {hp.n_layers} layers")
+        pattern = swa_pattern([bool(x) for x in pattern], f"{where}: {pattern_key}")
+    elif isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ExportError(f"{where}: {pattern_key} = {show(repr(pattern))} is not a layer count >= 0")
+    hp.window_pattern = pattern
+    hp.rope_theta_local = g.get(f"{a}.rope.freq_base_swa", float, GEMMA3_DEFAULT_LOCAL_THETA)
+    keys["rope_theta_local"] = f"{a}.rope.freq_base_swa"
+
+
+def check_bias_presence(tensors: dict[str, SourceTensor], names: dict[str, str], n_layers: int, where: str) -> None:
+    """A Q/K/V bias on some projections of a layer but not on the others is refused (never half-applied)."""
+    if "bq" not in names:
+        return   # the family has no biases: any bias tensor is refused as unexpected by build_plan
+    for n in range(n_layers):
+        have = [names[k].format(n=n) in tensors for k in ("bq", "bk", "bv")]
+        if any(have) and not all(have):
+            present = next(names[k].format(n=n) for k, h in zip(("bq", "bk", "bv"), have) if h)
+            missing = next(names[k].format(n=n) for k, h in zip(("bq", "bk", "bv"), have) if not h)
+            raise ExportError(f"{where}: layer {n} has the bias '{present}' but not '{missing}': a bias on some "
+                              f"of the Q, K, V projections only is not supported")
 
 
 def hparams_from_gguf(g: GGUFFile, fam: Family, strict: bool) -> Hyper:
@@ -773,16 +1230,12 @@ def hparams_from_gguf(g: GGUFFile, fam: Family, strict: bool) -> Hyper:
     declared = g.get(f"{a}.vocab_size", int, vocab)
     if strict and declared != vocab:
         raise ExportError(f"{g.path}: token_embd.weight has {vocab} rows but {a}.vocab_size is {declared}")
-    if strict:
-        factor = g.kv.get(f"{a}.rope.scaling.factor", g.kv.get(f"{a}.rope.scale_linear"))
-        check_rope_scaling(g.kv.get(f"{a}.rope.scaling.type"), factor, str(g.path))
-        if "rope_freqs.weight" in g.tensors:
-            raise ExportError(f"{g.path}: rope_freqs.weight (Llama-3-style rope scaling) is not supported")
     n_kv = g.get(f"{a}.attention.head_count_kv", int, n_heads)
     hp = Hyper(fam, dim, g.get(f"{a}.feed_forward_length", int), g.get(f"{a}.block_count", int), n_heads,
                n_kv, head_dim, vocab, g.get(f"{a}.context_length", int),
                g.get(f"{a}.rope.freq_base", float, 10000.0), g.get(f"{a}.attention.layer_norm_rms_epsilon", float),
                g.get(f"{a}.rope.dimension_count", int, head_dim), "output.weight" not in g.tensors)
+    family_fields(lambda: gguf_family_fields(g, a, hp, keys), hp, strict)
     hp.check(str(g.path), keys)
     if strict and fam.gguf_qk_interleaved and hp.rope_dim != hp.head_dim:
         raise ExportError(f"{g.path}: rope.dimension_count {hp.rope_dim} != head_dim {hp.head_dim} (llama requires equal)")
@@ -816,30 +1269,141 @@ def hparams_from_hf(ck: HFCheckpoint, fam: Family, strict: bool) -> Hyper:
         theta_key, theta = "rope_parameters.rope_theta", num("rope_theta", float, within=rope_params)
     else:
         theta_key, theta = "rope_theta", num("rope_theta", float, 10000.0)
-    if strict:
-        if c.get("hidden_act", "silu") != "silu":
-            raise ExportError(f"{where}: hidden_act '{c.get('hidden_act')}' is not supported (need silu)")
-        for flag in ("attention_bias", "mlp_bias"):
-            if c.get(flag):
-                raise ExportError(f"{where}: {flag} = true is not supported yet")
-        scaling = c.get("rope_scaling") or {}
-        if not isinstance(scaling, dict):
-            raise ExportError(f"{where}: rope_scaling = {scaling!r} is invalid")
-        check_rope_scaling(scaling.get("rope_type", scaling.get("type")), scaling.get("factor"), where)
-        check_rope_scaling(rope_params.get("rope_type"), rope_params.get("factor"), where)
     vocab = num("vocab_size", int)
-    tied = c.get("tie_word_embeddings", False)   # False when absent, as in transformers' LlamaConfig
+    # absent: the transformers config class's default (False for Llama/Qwen, True for Gemma 3)
+    tied = c.get("tie_word_embeddings", fam.hf_tied_default)
     if not isinstance(tied, bool):
         raise ExportError(f"{where}: tie_word_embeddings = {show(repr(tied))} is not true or false")
     hp = Hyper(fam, dim, num("intermediate_size", int), num("num_hidden_layers", int), n_heads,
                num("num_key_value_heads", int, n_heads), head_dim, vocab, num("max_position_embeddings", int),
                theta, num("rms_norm_eps", float, 1e-6), head_dim, tied)
     head_key = "head_dim" if "head_dim" in c else "head_dim (hidden_size / num_attention_heads)"
-    hp.check(where, dict(dim="hidden_size", hidden_dim="intermediate_size", n_layers="num_hidden_layers",
-                         n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim=head_key,
-                         vocab_size="vocab_size", max_seq_len="max_position_embeddings", rope_theta=theta_key,
-                         norm_eps="rms_norm_eps", rope_dim=head_key))
+    keys = dict(dim="hidden_size", hidden_dim="intermediate_size", n_layers="num_hidden_layers",
+                n_heads="num_attention_heads", n_kv_heads="num_key_value_heads", head_dim=head_key,
+                vocab_size="vocab_size", max_seq_len="max_position_embeddings", rope_theta=theta_key,
+                norm_eps="rms_norm_eps", rope_dim=head_key)
+    family_fields(lambda: hf_family_fields(c, hp, keys, where, num), hp, strict)
+    hp.check(where, keys)
     return hp
+
+
+def hf_rope_scaling(c: dict, where: str) -> tuple[str, dict]:
+    """(key name, dict) of the config's RoPE scaling: rope_scaling, or the newer rope_parameters."""
+    for key in ("rope_scaling", "rope_parameters"):
+        v = c.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, dict):
+            raise ExportError(f"{where}: {key} = {show(repr(v))} is invalid")
+        if v.get("rope_type", v.get("type")) not in (None, "default"):
+            return key, v
+    return "rope_scaling", {}
+
+
+def llama3_rope_factors(sc: dict, theta: float, rope_dim: int, key: str, where: str) -> np.ndarray:
+    """Per-pair frequency factors of rope_type "llama3" (transformers' _compute_llama3_parameters in
+    modeling_rope_utils.py): pair i's inverse frequency theta^(-2i/rope_dim) is kept when its wavelength
+    is below original_max_position_embeddings / high_freq_factor, divided by `factor` when above
+    original_max_position_embeddings / low_freq_factor, and in between divided by 1/((1-s)/factor + s)
+    with s = (original_max_position_embeddings / wavelength - low_freq_factor) / (high - low).
+    The header's rope_freqs tensor holds these divisors (llama.cpp's convert_hf_to_gguf.py writes the same)."""
+    def need(name: str) -> float:
+        v = sc.get(name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ExportError(f"{where}: {key}.{name} = {show(repr(v))} is missing or not a number > 0")
+        return float(v)
+
+    factor, low, high = need("factor"), need("low_freq_factor"), need("high_freq_factor")
+    old_ctx = need("original_max_position_embeddings")
+    if high <= low:
+        raise ExportError(f"{where}: {key}.high_freq_factor = {high} is not larger than low_freq_factor = {low}")
+    inv_freq = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    medium = 1.0 / ((1 - smooth) / factor + smooth)
+    out = np.where(wavelen < old_ctx / high, 1.0, np.where(wavelen > old_ctx / low, factor, medium))
+    return out.astype(np.float32)
+
+
+def hf_family_fields(c: dict, hp: Hyper, keys: dict[str, str], where: str, num: Callable[..., Any]) -> None:
+    """The family fields and flags of a Hugging Face config.json (transformers' config classes)."""
+    fam = hp.family
+    for key in ("mlp_bias", "use_sliding_window", "use_bidirectional_attention"):
+        if c.get(key):
+            raise ExportError(f"{where}: {key} = true is not supported")
+    if c.get("attention_bias") and fam.name != "qwen2":   # Qwen 2's q/k/v biases are always there
+        raise ExportError(f"{where}: attention_bias = true is not supported for {fam.name}")
+    if fam.name == "gemma3":
+        gemma3_hf_fields(c, hp, keys, where, num)
+        return
+    act = c.get("hidden_act", "silu")
+    if act != "silu":
+        raise ExportError(f"{where}: hidden_act '{show(str(act))}' is not supported (need silu)")
+    key, sc = hf_rope_scaling(c, where)
+    kind = sc.get("rope_type", sc.get("type"))
+    if kind == "llama3" and fam.name == "llama":
+        hp.rope_freqs = llama3_rope_factors(sc, hp.rope_theta, hp.rope_dim, key, where)
+        hp.flags |= FLAG_ROPE_FREQS
+        keys["rope_freqs"] = f"{key} (llama3)"
+    else:
+        check_rope_scaling(kind, sc.get("factor"), f"{where}: {key}")
+
+
+def gemma3_hf_fields(c: dict, hp: Hyper, keys: dict[str, str], where: str, num: Callable[..., Any]) -> None:
+    """Gemma 3 (transformers' Gemma3TextConfig, modeling_gemma3.py)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if c.get(key) is not None:
+            raise ExportError(f"{where}: {key} = {show(repr(c.get(key)))}: logit soft-capping is not supported")
+    act_key = "hidden_activation" if "hidden_activation" in c else "hidden_act"
+    act = c.get(act_key, "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ExportError(f"{where}: {act_key} '{show(str(act))}' is not supported (need gelu_pytorch_tanh)")
+    # Written as llama.cpp does (sqrtf(n_embd) in float32); modeling_gemma3 rounds it to the weights' dtype.
+    hp.embed_scale = as_float32(math.sqrt(hp.dim))
+    qpas = num("query_pre_attn_scalar", float, float(hp.head_dim))
+    if qpas != hp.head_dim:
+        hp.attn_scale = as_float32(qpas ** -0.5)
+        keys["attn_scale"] = "query_pre_attn_scalar^-0.5"
+    types = c.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != hp.n_layers or \
+                not all(t in ("sliding_attention", "full_attention") for t in types):
+            raise ExportError(f"{where}: layer_types is not a list of {hp.n_layers} 'sliding_attention' / "
+                              f"'full_attention' entries")
+        is_local = [t == "sliding_attention" for t in types]
+        pattern = swa_pattern(is_local, f"{where}: layer_types")
+    else:
+        pattern = num("sliding_window_pattern", int, GEMMA3_DEFAULT_PATTERN)
+        if pattern < 0:
+            raise ExportError(f"{where}: sliding_window_pattern = {pattern} is negative")
+        is_local = [pattern == 0 or (l + 1) % pattern != 0 for l in range(hp.n_layers)]
+    params = c.get("rope_parameters")
+    per_type = params if isinstance(params, dict) and "full_attention" in params else None
+    if per_type is not None:   # newer transformers: one RoPE dict per layer type
+        full, local = per_type.get("full_attention"), per_type.get("sliding_attention", {})
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ExportError(f"{where}: rope_parameters.full_attention / sliding_attention is not an object")
+        hp.rope_theta = num("rope_theta", float, 1e6, within=full)
+        keys["rope_theta"] = "rope_parameters.full_attention.rope_theta"
+        local_theta = num("rope_theta", float, GEMMA3_DEFAULT_LOCAL_THETA, within=local)
+        keys["rope_theta_local"] = "rope_parameters.sliding_attention.rope_theta"
+        check_rope_scaling(local.get("rope_type"), local.get("factor"), f"{where}: rope_parameters.sliding_attention")
+        scale_key, sc = "rope_parameters.full_attention", full
+    else:
+        if c.get("rope_theta") is None:
+            hp.rope_theta = 1e6   # Gemma3TextConfig's default
+        local_theta = num("rope_local_base_freq", float, GEMMA3_DEFAULT_LOCAL_THETA)
+        keys["rope_theta_local"] = "rope_local_base_freq"
+        scale_key, sc = hf_rope_scaling(c, where)
+    kind, factor = sc.get("rope_type", sc.get("type")), sc.get("factor")
+    if kind == "linear" and isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor != 1:
+        hp.rope_scale_global = float(factor)   # modeling_gemma3: the scaled RoPE is the global layers' only
+        keys["rope_scale_global"] = f"{scale_key}.factor"
+    else:
+        check_rope_scaling(kind, factor, f"{where}: {scale_key}")
+    if any(is_local):
+        hp.window, hp.window_pattern, hp.rope_theta_local = num("sliding_window", int), pattern, local_theta
+        keys["window"] = "sliding_window"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -851,6 +1415,7 @@ class Part:
     rows: int
     cols: int
     perm_heads: int = 0          # >0: undo llama.cpp's Q/K row interleave with this many heads
+    shift: float = 0.0           # added to every value (Gemma HF norms: 1 + w)
 
 
 @dataclass
@@ -867,58 +1432,86 @@ class OutTensor:
         return self.rows * row_bytes(self.out_type, self.cols)
 
 
-VECTOR_PARTS = {"attn_norm", "ffn_norm", "norm"}
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's use_more_bits (llama_tensor_get_type): the first and last eighth of the layers, and every
+    third layer in between, get the larger type in the _M mixes."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
-    """(output name, [(part key, rows, cols)]) in file order (the README's tensor table).
-
-    A generator, so a corrupt layer count fails at the first missing tensor instead of
-    building a huge list."""
-    d, hd = hp.dim, hp.head_dim
-    q_dim, kv_dim = hp.n_heads * hd, hp.n_kv_heads * hd
-    yield "tok_embeddings", [("tok_embeddings", hp.vocab_size, d)]
-    for n in range(hp.n_layers):
-        p = f"layers.{n}."
-        yield p + "attn_norm", [(f"attn_norm@{n}", 1, d)]
-        yield p + "wqkv", [(f"wq@{n}", q_dim, d), (f"wk@{n}", kv_dim, d), (f"wv@{n}", kv_dim, d)]
-        yield p + "wo", [(f"wo@{n}", d, q_dim)]
-        yield p + "ffn_norm", [(f"ffn_norm@{n}", 1, d)]
-        yield p + "w13", [(f"w1@{n}", hp.hidden_dim, d), (f"w3@{n}", hp.hidden_dim, d)]
-        yield p + "w2", [(f"w2@{n}", d, hp.hidden_dim)]
-    yield "norm", [("norm", 1, d)]
-    if not hp.tied:
-        yield "output", [("output", hp.vocab_size, d)]
+def mix_type(out_name: str, n_layers: int, tied: bool, base: int) -> int:
+    """Q4_K_M / Q5_K_M as llama.cpp's llama_tensor_get_type picks them without an importance matrix
+    (no experts, not Falcon): the output head, or the token embedding when it is also the head, Q6_K;
+    attn_v and ffn_down Q6_K on use_more_bits layers; everything else the base type. Our wqkv is
+    llama.cpp's fused attn_qkv, which that function treats as attn_v, so the whole fused tensor gets
+    attn_v's type; w13 (gate|up) keeps the base type as gate and up do."""
+    if out_name == "output" or (tied and out_name == "tok_embeddings"):
+        return Q6_K
+    if out_name.endswith((".wqkv", ".w2")) and use_more_bits(int(out_name.split(".")[1]), n_layers):
+        return Q6_K
+    return base
 
 
-# Weights are exported for families with a layout; the others only have --tokenizer-only for now.
-FAMILIES = {
-    "llama": Family("llama", 1, ("LlamaForCausalLM",), 0, gguf_qk_interleaved=True,
-                    gguf_names=LLAMA_GGUF_NAMES, hf_names=LLAMA_HF_NAMES,
-                    hf_ignored=(r".*\.rotary_emb\.inv_freq$",), layout=llama_layout),
-    "qwen2": Family("qwen2", 2, ("Qwen2ForCausalLM",), 0),
-    "qwen3": Family("qwen3", 3, ("Qwen3ForCausalLM",), 0),
-    "gemma3": Family("gemma3", 4, ("Gemma3ForCausalLM",), 1),
-}
+def bits_per_weight(t: int) -> float:
+    _, block, size = GGML_TYPES[t]
+    return 8 * size / block
 
 
-def choose_out_type(out_name: str, cols: int, is_vector: bool, dtype: str, unblockable: list[str]) -> int:
+@dataclass
+class TypeNotes:
+    """What choose_out_type did that the user should hear about, one warning line each."""
+    unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F32
+    fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
+    promoted: list[str] = field(default_factory=list)      # keep: fused parts of different types
+
+
+def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
+    """--dtype keep: the source type, refused when the engine cannot run it. Our file fuses Q|K|V and
+    gate|up into one tensor of one type; when the parts differ (a Q4_K_M file's attn_v is often Q6_K
+    while attn_q is Q4_K), the fused tensor takes the part type with the most bits per weight, so the
+    other parts are dequantized and rounded onto that finer grid."""
+    for p in parts:
+        t = p.tensor
+        if t.ggml_type not in NATIVE_TYPES:
+            raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
+                              f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
+    types = sorted({p.tensor.ggml_type for p in parts}, key=bits_per_weight)
+    if len(types) > 1:
+        notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in types)} -> {type_name(types[-1])})")
+    return types[-1]
+
+
+def choose_out_type(out_name: str, parts: list[Part], is_vector: bool, dtype: str, hp: Hyper, notes: TypeNotes) -> int:
+    """The type of one output tensor for --dtype `dtype` (see the module docstring)."""
     if is_vector:
         return F32
-    want = OUTPUT_DTYPES[dtype]
-    if dtype == "q4_1" and out_name in ("tok_embeddings", "output"):
-        want = Q8_0
+    cols = parts[0].cols
+    if dtype == "keep":
+        return keep_type(out_name, parts, notes)
+    if dtype in MIX_DTYPES:
+        want = mix_type(out_name, hp.n_layers, hp.tied, MIX_DTYPES[dtype])
+    else:
+        want = PLAIN_DTYPES[dtype]
+        if dtype in EMBEDDING_AT_Q8_0 and out_name in ("tok_embeddings", "output"):
+            want = Q8_0
+    if want in K_FALLBACK and cols % QK_K:
+        notes.fallback.append(f"{out_name} ({cols}: {type_name(want)} -> {type_name(K_FALLBACK[want])})")
+        want = K_FALLBACK[want]
     if GGML_TYPES[want][1] > 1 and cols % GGML_TYPES[want][1]:
-        unblockable.append(f"{out_name} ({cols})")
+        notes.unblockable.append(f"{out_name} ({cols})")
         want = F32
     return want
+
+
+def warn_list(items: list[str], what: str) -> None:
+    if items:
+        warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
                dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
     used: set[str] = set()
     plan = []
-    unblockable: list[str] = []
+    notes = TypeNotes()
     for out_name, parts in hp.family.layout(hp):
         srcs = []
         for key, rows, cols in parts:
@@ -942,10 +1535,11 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
                 perm = hp.n_heads if base == "wq" else hp.n_kv_heads
                 if hp.head_dim % 2:
                     raise ExportError(f"head_dim {hp.head_dim} is odd; cannot undo the Q/K row permutation")
-            srcs.append(Part(t, rows, cols, perm))
-        rows = sum(p.rows for p in srcs)
-        cols = srcs[0].cols
-        out_type = choose_out_type(out_name, cols, parts[0][0].split("@")[0] in VECTOR_PARTS, dtype, unblockable)
+            shift = hp.family.hf_norm_shift if not from_gguf and base in NORM_PARTS else 0.0
+            srcs.append(Part(t, rows, cols, perm, shift))
+        is_vector = parts[0][0].split("@")[0] in VECTOR_PARTS
+        rows, cols = (1, sum(p.cols for p in srcs)) if is_vector else (sum(p.rows for p in srcs), srcs[0].cols)
+        out_type = choose_out_type(out_name, srcs, is_vector, dtype, hp, notes)
         for p in srcs:
             if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
                 raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
@@ -957,9 +1551,11 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         if not from_gguf and hp.tied and name == names["output"]:
             continue   # tied checkpoints may still carry a copy of the embedding as lm_head
         raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
-    if unblockable:
-        warn(f"{len(unblockable)} matrices have a row length that is not a multiple of 32 and are written as F32: "
-             f"{', '.join(unblockable[:3])}{' ...' if len(unblockable) > 3 else ''}")
+    warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F32")
+    warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
+                              "fallback for the K type")
+    warn_list(notes.promoted, "fused tensors have parts of different types (one type per tensor in our file): "
+                              "parts of the finest type are copied, the others re-quantized to it")
     return plan
 
 
@@ -982,10 +1578,12 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
     for r0 in range(0, part.rows, step):
         r1 = min(part.rows, r0 + step)
         chunk = src[perm[r0:r1]] if perm is not None else src[r0:r1]
-        if src_type == out_type:
+        if src_type == out_type and not part.shift:
             write(chunk)   # same block type: bit-for-bit copy of whole rows
         else:
             values = DECODERS[src_type](chunk.reshape(-1, GGML_TYPES[src_type][2])).reshape(r1 - r0, part.cols)
+            if part.shift:
+                values = values + np.float32(part.shift)   # float32, as convert_hf_to_gguf.py's Gemma3Model does
             write(encode_rows(values, out_type))
 
 
@@ -998,8 +1596,12 @@ KIND_BYTE_BPE, KIND_SPM = 1, 2
 PRE_NONE, PRE_GPT2, PRE_SMOLLM, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3, 4
 GGUF_PRE = {"gpt-2": PRE_GPT2, "smollm": PRE_SMOLLM, "llama3": PRE_LLAMA3, "llama-bpe": PRE_LLAMA3,
             "llama-v3": PRE_LLAMA3, "qwen2": PRE_QWEN2}
-CHAT_NONE, CHAT_CHATML, CHAT_GEMMA = 0, 1, 2
-EOT_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>")
+CHAT_NONE, CHAT_CHATML, CHAT_GEMMA, CHAT_LLAMA3 = 0, 1, 2, 3
+# the end-of-turn token of each template kind; without a template, the first one in the vocabulary
+EOT_TEXTS = {CHAT_CHATML: "<|im_end|>", CHAT_GEMMA: "<end_of_turn>", CHAT_LLAMA3: "<|eot_id|>"}
+# the turn tokens each kind's template needs
+CHAT_TOKENS = {CHAT_CHATML: ("<|im_start|>", "<|im_end|>"), CHAT_GEMMA: ("<start_of_turn>", "<end_of_turn>"),
+               CHAT_LLAMA3: ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")}
 SPM_SPACE = "\u2581"
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                 r"\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -1072,7 +1674,24 @@ def chat_kind(template: str | None) -> int:
         return CHAT_CHATML
     if "<start_of_turn>" in template:
         return CHAT_GEMMA
+    if "<|start_header_id|>" in template:
+        return CHAT_LLAMA3
     return CHAT_NONE
+
+
+def choose_chat(template: str | None, fam: Family, ids: dict[str, int]) -> tuple[int, int, str]:
+    """(template kind, end-of-turn id or -1, default system prompt) from the file's own template text.
+
+    A file without template text (the Gemma 3 270M GGUF has none) gets its family's own template
+    when that template's turn tokens are in the vocabulary (Family.chat_without_template)."""
+    chat = chat_kind(template)
+    if chat == CHAT_NONE and not template and fam.chat_without_template and \
+            all(t in ids for t in CHAT_TOKENS[fam.chat_without_template]):
+        chat = fam.chat_without_template
+    eot_text = EOT_TEXTS.get(chat) if chat in EOT_TEXTS and EOT_TEXTS[chat] in ids else None
+    eot_text = eot_text or next((t for t in EOT_TEXTS.values() if t in ids), None)
+    system = chatml_default_system(template) if chat == CHAT_CHATML and template else ""
+    return chat, ids[eot_text] if eot_text else -1, system
 
 
 def chatml_default_system(template: str) -> str:
@@ -1144,7 +1763,7 @@ def decode_spm_text(text: str, ttype: int, where: str, idx: int) -> bytes:
     return text.encode("utf-8", "surrogateescape")   # control, user-defined, unknown: literal
 
 
-def vocab_from_gguf(g: GGUFFile) -> Vocab:
+def vocab_from_gguf(g: GGUFFile, fam: Family) -> Vocab:
     where = str(g.path)
     if "tokenizer.ggml.model" not in g.kv:
         raise ExportError(f"{where}: no tokenizer in the GGUF (tokenizer.ggml.model missing)")
@@ -1187,14 +1806,8 @@ def vocab_from_gguf(g: GGUFFile) -> Vocab:
             raise ExportError(f"{where}: {key} = {v} is out of range for {n} tokens")
         return -1 if v == 2**32 - 1 else v
 
-    eot = tid("tokenizer.ggml.eot_token_id", -1)
-    if eot < 0:
-        eot = next((ids[t] for t in EOT_TEXTS[:2] if t in ids), -1)
-    template = g.get("tokenizer.chat_template", str, None)
-    chat = chat_kind(template)
-    if chat == CHAT_NONE and "<start_of_turn>" in ids and "<end_of_turn>" in ids:
-        chat = CHAT_GEMMA  # Gemma GGUFs often omit the template; these turn tokens only exist for it
-    system = chatml_default_system(template) if chat == CHAT_CHATML else ""
+    chat, eot, system = choose_chat(g.get("tokenizer.chat_template", str, None), fam, ids)
+    eot = tid("tokenizer.ggml.eot_token_id", eot)
     return Vocab(kind, pre, texts, types.tolist(), scores if kind == KIND_SPM else np.zeros(n, np.float32), merges,
                  tid("tokenizer.ggml.bos_token_id", defaults["bos"]), tid("tokenizer.ggml.eos_token_id", defaults["eos"]),
                  eot, tid("tokenizer.ggml.unknown_token_id", defaults["unk"]),
@@ -1251,16 +1864,164 @@ def _template_adds(post: Any, which: str) -> bool | None:
     return None
 
 
-def vocab_from_hf(ck: HFCheckpoint) -> Vocab:
-    tj_path = ck.path / "tokenizer.json"
-    if not tj_path.is_file():
-        raise ExportError(f"{ck.path}: no tokenizer.json (needed for the tokenizer section)")
-    tj = read_json(tj_path, "tokenizer")
-    where = str(tj_path)
+# SentencePiece's tokenizer.model: a ModelProto message (sentencepiece_model.proto) in protobuf's
+# wire format (protobuf.dev, "Encoding"). Only these fields are read:
+SP_MODEL_PIECES, SP_MODEL_NORMALIZER = 1, 3             # ModelProto: repeated SentencePiece, NormalizerSpec
+SP_PIECE_TEXT, SP_PIECE_SCORE, SP_PIECE_TYPE = 1, 2, 3  # SentencePiece: string, float, enum (1 NORMAL .. 6 BYTE)
+SP_NORM_ADD_DUMMY_PREFIX = 3                            # NormalizerSpec: bool
+
+
+def proto_fields(buf: bytes, where: str) -> Iterator[tuple[int, int, Any]]:
+    """(field number, wire type, value) of each field of one protobuf message: a varint as int,
+    fixed32 / fixed64 / length-delimited as bytes."""
+    pos, end = 0, len(buf)
+
+    def varint() -> int:
+        nonlocal pos
+        value = shift = 0
+        while True:
+            if pos >= end or shift > 63:
+                raise ExportError(f"{where}: truncated or corrupt protobuf (varint at byte {pos})")
+            byte = buf[pos]
+            pos += 1
+            value |= (byte & 0x7F) << shift
+            shift += 7
+            if byte < 0x80:
+                return value
+
+    widths = {1: 8, 5: 4}
+    while pos < end:
+        key = varint()
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            yield number, wire, varint()
+            continue
+        if wire == 2:
+            size = varint()
+        elif wire in widths:
+            size = widths[wire]
+        else:
+            raise ExportError(f"{where}: protobuf wire type {wire} at byte {pos} is not supported (corrupt file?)")
+        if pos + size > end:
+            raise ExportError(f"{where}: protobuf field {number} runs past the end of its message: truncated or corrupt")
+        yield number, wire, buf[pos:pos + size]
+        pos += size
+
+
+def read_sentencepiece(path: Path) -> tuple[list[tuple[str, float, int]], bool]:
+    """([(piece, score, type)], normalizer add_dummy_prefix) of a tokenizer.model."""
+    where = str(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ExportError(f"cannot read {path}: {e.strerror or e}") from None
+    pieces, dummy_prefix = [], True
+    for number, wire, value in proto_fields(data, where):
+        if number == SP_MODEL_PIECES and wire == 2:
+            text, score, ptype = "", 0.0, TOKEN_NORMAL
+            for n2, w2, v2 in proto_fields(value, where):
+                if n2 == SP_PIECE_TEXT and w2 == 2:
+                    text = bytes(v2).decode("utf-8", "surrogateescape")
+                elif n2 == SP_PIECE_SCORE and w2 == 5:
+                    score = struct.unpack("<f", v2)[0]
+                elif n2 == SP_PIECE_TYPE and w2 == 0:
+                    ptype = v2
+            if not TOKEN_NORMAL <= ptype <= TOKEN_BYTE:
+                raise ExportError(f"{where}: piece {len(pieces)} has invalid type {ptype}")
+            pieces.append((text, score, ptype))
+        elif number == SP_MODEL_NORMALIZER and wire == 2:
+            for n2, w2, v2 in proto_fields(value, where):
+                if n2 == SP_NORM_ADD_DUMMY_PREFIX and w2 == 0:
+                    dummy_prefix = bool(v2)
+    if not pieces:
+        raise ExportError(f"{where}: no vocabulary pieces (not a SentencePiece model?)")
+    if len(pieces) > ENGINE_LIMITS["vocab_size"]:
+        raise ExportError(f"{where}: {len(pieces)} pieces is more than the engine holds ({ENGINE_LIMITS['vocab_size']})")
+    return pieces, dummy_prefix
+
+
+def vocab_from_sentencepiece(ck: HFCheckpoint, fam: Family, sp_path: Path) -> Vocab:
+    """A SentencePiece vocabulary, read as llama.cpp's converter reads it (_create_vocab_sentencepiece in
+    convert_hf_to_gguf.py), so that the HF directory and its GGUF export to the same section: unknown,
+    control, unused and byte pieces keep their type and every other piece is normal; then each token of
+    tokenizer_config.json's added_tokens_decoder becomes control (when special, or when it looks special)
+    or user-defined (its U+2581 replaced by spaces), with score -1000."""
+    where = str(sp_path)
+    pieces, dummy_prefix = read_sentencepiece(sp_path)
+    keep = (TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_UNUSED, TOKEN_BYTE)
+    tokens = [p[0] for p in pieces]
+    scores = [p[1] for p in pieces]
+    types = [p[2] if p[2] in keep else TOKEN_NORMAL for p in pieces]
+    cfg_path = ck.path / "tokenizer_config.json"
+    tc = read_json(cfg_path, "tokenizer config") if cfg_path.is_file() else {}
+    if not isinstance(tc, dict):
+        raise ExportError(f"{cfg_path}: not a JSON object")
+    added = tc.get("added_tokens_decoder") or {}
+    if not isinstance(added, dict):
+        raise ExportError(f"{cfg_path}: added_tokens_decoder is not an object")
+    for key, data in added.items():
+        text = data.get("content") if isinstance(data, dict) else None
+        if not key.isdigit() or not isinstance(text, str):
+            raise ExportError(f"{cfg_path}: added token {show(key)} is malformed")
+        i = int(key)
+        if i >= len(tokens):
+            warn(f"{cfg_path}: added token {i} is beyond the {len(tokens)} pieces: ignored (as llama.cpp's converter does)")
+            continue
+        special = bool(data.get("special")) or looks_special(text)
+        tokens[i] = text if special else text.replace(SPM_SPACE, " ")
+        types[i] = TOKEN_CONTROL if special else TOKEN_USER
+        scores[i] = -1000.0
+    n_config = ck.config.get("vocab_size")
+    if isinstance(n_config, int) and len(tokens) < n_config <= ENGINE_LIMITS["vocab_size"]:   # the converter's padding
+        pads = range(1, n_config - len(tokens) + 1)
+        tokens, scores = tokens + [f"[PAD{k}]" for k in pads], scores + [-1000.0] * len(pads)
+        types = types + [TOKEN_UNUSED] * len(pads)
+    texts = [decode_spm_text(t, ty, where, i) for i, (t, ty) in enumerate(zip(tokens, types))]
+    ids = {t: i for i, t in enumerate(tokens)}
+
+    def special_id(name: str, config_key: str, default: int) -> int:
+        tid = _token_id(ids, _special_text(tc.get(name)))
+        v = ck.config.get(config_key)
+        v = v[0] if isinstance(v, list) and v else v
+        if tid < 0 and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < len(tokens):
+            tid = v
+        return tid if tid >= 0 else default
+
+    unk = next((i for i, ty in enumerate(types) if ty == TOKEN_UNKNOWN), -1)
+    chat, eot, system = choose_chat(hf_chat_template(ck, tc), fam, ids)
+    add_bos, add_eos = tc.get("add_bos_token", True), tc.get("add_eos_token", False)
+    # llama.cpp's Gemma 3 converter writes add_space_prefix false whatever the normalizer says
+    space = False if fam.name == "gemma3" else dummy_prefix
+    return Vocab(KIND_SPM, PRE_NONE, texts, types, np.asarray(scores, np.float32), np.zeros((0, 3), np.int32),
+                 special_id("bos_token", "bos_token_id", -1), special_id("eos_token", "eos_token_id", -1), eot,
+                 special_id("unk_token", "unk_token_id", unk), add_bos if isinstance(add_bos, bool) else True,
+                 add_eos if isinstance(add_eos, bool) else False, space, chat, system.encode("utf-8", "surrogateescape"))
+
+
+def hf_chat_template(ck: HFCheckpoint, tc: dict) -> str | None:
+    """The chat template text of a HF directory: tokenizer_config.json's chat_template (a string, or a
+    list of named templates: "default"), else chat_template.jinja."""
+    template = tc.get("chat_template")
+    if isinstance(template, list):   # named templates: take "default"
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(template, str) and (ck.path / "chat_template.jinja").is_file():
+        template = (ck.path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
+    return template if isinstance(template, str) else None
+
+
+def vocab_from_hf(ck: HFCheckpoint, fam: Family) -> Vocab:
+    tj_path, sp_path = ck.path / "tokenizer.json", ck.path / "tokenizer.model"
+    tj = read_json(tj_path, "tokenizer") if tj_path.is_file() else None
     model = tj.get("model") if isinstance(tj, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE" or model.get("byte_fallback"):
+    byte_level = isinstance(model, dict) and model.get("type") == "BPE" and not model.get("byte_fallback")
+    if not byte_level and sp_path.is_file():   # a SentencePiece vocabulary (Gemma, Llama 2): its own file
+        return vocab_from_sentencepiece(ck, fam, sp_path)
+    if tj is None:
+        raise ExportError(f"{ck.path}: no tokenizer.json or tokenizer.model (needed for the tokenizer section)")
+    where = str(tj_path)
+    if not byte_level:
         kind = model.get("type") if isinstance(model, dict) else None
-        raise ExportError(f"{where}: unsupported tokenizer model {kind!r} (only byte-level BPE is supported for HF dirs)")
+        raise ExportError(f"{where}: unsupported tokenizer model {kind!r} (a HF directory needs a byte-level BPE tokenizer.json or a SentencePiece tokenizer.model)")
     pre = hf_pre_kind(tj.get("pre_tokenizer"), where)
     vocab = model.get("vocab")
     merges = model.get("merges", [])
@@ -1318,21 +2079,13 @@ def vocab_from_hf(ck: HFCheckpoint) -> Vocab:
     unk = _token_id(ids, _special_text(tc.get("unk_token")))
     if unk < 0 and isinstance(model.get("unk_token"), str):
         unk = ids.get(model["unk_token"], -1)
-    template = tc.get("chat_template")
-    if isinstance(template, list):   # named templates: take "default"
-        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-    if not isinstance(template, str) and (ck.path / "chat_template.jinja").is_file():
-        template = (ck.path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")
-    template = template if isinstance(template, str) else None
-    chat = chat_kind(template)
+    chat, eot, system = choose_chat(hf_chat_template(ck, tc), fam, ids)
     add_bos = tc.get("add_bos_token")
     if not isinstance(add_bos, bool):
         add_bos = bool(_template_adds(tj.get("post_processor"), "bos"))
     add_eos = tc.get("add_eos_token")
     if not isinstance(add_eos, bool):
         add_eos = bool(_template_adds(tj.get("post_processor"), "eos"))
-    eot = next((ids[t] for t in EOT_TEXTS if t in ids), -1)
-    system = chatml_default_system(template) if chat == CHAT_CHATML else ""
     return Vocab(KIND_BYTE_BPE, pre, texts, types, np.zeros(n, np.float32), merge_ids,
                  special_id("bos_token", "bos_token_id"), special_id("eos_token", "eos_token_id"), eot, unk,
                  add_bos, add_eos, False, chat, system.encode("utf-8", "surrogateescape"))
@@ -1346,7 +2099,6 @@ SECTION_ALIGN = 64
 TABLE_ENTRY = 80
 NAME_FIELD = 48
 FORMAT_VERSION = 1
-FLAG_TIED = 1
 
 
 def pack_header(hp: Hyper, n_tensors: int, tok_off: int, tok_size: int, table_off: int, file_size: int) -> bytes:
@@ -1356,11 +2108,15 @@ def pack_header(hp: Hyper, n_tensors: int, tok_off: int, tok_size: int, table_of
     for k, v in u32_fields.items():
         if not 0 <= v < 2**32:
             raise ExportError(f"{k} = {v} does not fit the header's u32 field")
+    flags = (FLAG_TIED if hp.tied else 0) | hp.flags
     head = struct.pack("<4sIIIIIIIIIIIffIIIIQQQQ", b"LLMF", FORMAT_VERSION, HEADER_SIZE, hp.family.arch_id,
                        hp.dim, hp.hidden_dim, hp.n_layers, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.vocab_size,
-                       hp.max_seq_len, hp.rope_theta, hp.norm_eps, FLAG_TIED if hp.tied else 0,
-                       hp.family.activation, hp.rope_dim, n_tensors, tok_off, tok_size, table_off, file_size)
-    return head.ljust(HEADER_SIZE, b"\0")
+                       hp.max_seq_len, hp.rope_theta, hp.norm_eps, flags,
+                       hp.activation, hp.rope_dim, n_tensors, tok_off, tok_size, table_off, file_size)
+    # offset 104: the model-family fields (0 = not used)
+    family = struct.pack("<ffIIff", hp.embed_scale, hp.attn_scale, hp.window, hp.window_pattern,
+                         hp.rope_theta_local, hp.rope_scale_global)
+    return (head + family).ljust(HEADER_SIZE, b"\0")
 
 
 class Progress:
@@ -1398,9 +2154,22 @@ class Stopped(BaseException):
         self.signum = signum
 
 
+class _Held:
+    """Stop signals held back by stop_signals_blocked: how deep, and the one that arrived meanwhile.
+
+    Blocking the signals in the main thread is not enough: the kernel then delivers them to another
+    thread (numpy's BLAS workers), and Python runs the handler in the main thread all the same. So the
+    handler itself defers while a held section runs."""
+    depth = 0
+    signum: int | None = None
+
+
 def _on_stop_signal(signum: int, frame: Any) -> None:
     for s in STOP_SIGNALS:   # a second signal must not interrupt the cleanup
         signal.signal(s, signal.SIG_IGN)
+    if _Held.depth:
+        _Held.signum = signum
+        return
     raise Stopped(signum)
 
 
@@ -1408,10 +2177,15 @@ def _on_stop_signal(signum: int, frame: Any) -> None:
 def stop_signals_blocked() -> Iterator[None]:
     """Hold stop signals back for a few statements (they are delivered afterwards)."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    _Held.depth += 1
     try:
         yield
     finally:
+        _Held.depth -= 1
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        if not _Held.depth and _Held.signum is not None:
+            signum, _Held.signum = _Held.signum, None
+            raise Stopped(signum)
 
 
 def file_kind(mode: int) -> str:
@@ -1506,6 +2280,14 @@ def _remove(path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # Driver
 
+def check_rope_freqs_tensor(plan: list[OutTensor], where: str) -> None:
+    """A GGUF's rope_freqs tensor: the engine divides by its values, so each must be finite and > 0."""
+    for ot in plan:
+        if ot.name == "rope_freqs":
+            t = ot.parts[0].tensor
+            check_rope_factors(dequantize(t.raw(), t.ggml_type), f"{where}: {t.name}")
+
+
 def same_file(a: Path, b: Path) -> bool:
     try:
         return os.path.samefile(a, b)
@@ -1518,6 +2300,7 @@ def export(args: argparse.Namespace) -> None:
     src, out = Path(args.input), Path(args.output)
     if not src.exists():
         raise ExportError(f"input {src} does not exist")
+    dtype = args.dtype or ("f32" if src.is_dir() else "keep")
 
     if src.is_dir():
         ck = HFCheckpoint(src)
@@ -1526,7 +2309,7 @@ def export(args: argparse.Namespace) -> None:
             raise ExportError(f"output {out} is the same file as an input file")
         check_output(out)
         hp = hparams_from_hf(ck, fam, strict=not args.tokenizer_only)
-        vocab = vocab_from_hf(ck)
+        vocab = vocab_from_hf(ck, fam)
         plan: list[OutTensor] = []
         if not args.tokenizer_only:
             ck.load_tensors()
@@ -1534,10 +2317,16 @@ def export(args: argparse.Namespace) -> None:
             if emb is not None and emb.rows_cols[0] != hp.vocab_size:
                 raise ExportError(f"tensor '{emb.name}' has {emb.rows_cols[0]} rows but config vocab_size is {hp.vocab_size}")
             if not hp.tied and fam.hf_names["output"] not in ck.tensors:
-                said = "is false" if "tie_word_embeddings" in ck.config else "is absent (false for llama)"
+                said = "is false" if "tie_word_embeddings" in ck.config else f"is absent (false for {fam.name})"
                 raise ExportError(f"{src / 'config.json'}: tie_word_embeddings {said} but there is no tensor "
                                   f"'{fam.hf_names['output']}'; set it to true if the token embedding is the output head")
-            plan = build_plan(hp, ck.tensors, fam.hf_names, False, args.dtype, fam.hf_ignored)
+            check_bias_presence(ck.tensors, fam.hf_names, hp.n_layers, str(src))
+            tensors = dict(ck.tensors)
+            if hp.rope_freqs is not None:   # computed from config.json, read like a file tensor
+                name = fam.hf_names["rope_freqs"]
+                data = hp.rope_freqs.astype("<f4").tobytes()
+                tensors[name] = SourceTensor(name, F32, "F32", hp.rope_freqs.shape, data, 0, len(data), "config.json")
+            plan = build_plan(hp, tensors, fam.hf_names, False, dtype, fam.hf_ignored)
     else:
         if same_file(out, src):
             raise ExportError(f"output {out} is the same file as the input")
@@ -1545,12 +2334,13 @@ def export(args: argparse.Namespace) -> None:
         g = GGUFFile(src)
         fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
         hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
-        vocab = vocab_from_gguf(g)
-        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, args.dtype, ())
+        vocab = vocab_from_gguf(g, fam)
+        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, dtype, ())
+        check_rope_freqs_tensor(plan, str(src))
 
     size = write_model(out, hp, vocab, plan)
     params = sum(ot.rows * ot.cols for ot in plan)
-    what = "tokenizer only" if args.tokenizer_only else args.dtype
+    what = "tokenizer only" if args.tokenizer_only else f"--dtype {dtype}"
     print(f"{PROG}: wrote {out}: {len(plan)} tensors, {params:,} parameters, {size:,} bytes ({what}), "
           f"{len(vocab.texts)} tokens, {len(vocab.merges)} merges in {time.time() - t0:.2f} s", file=sys.stderr)
 
@@ -1560,9 +2350,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
     ap.add_argument("output", help="the model file to write: a new file or a regular file to replace (never a device, "
                                    "FIFO or symbolic link); written to OUTPUT.tmp-PID, then renamed")
-    ap.add_argument("--dtype", choices=list(OUTPUT_DTYPES), default="f32",
-                    help="type of the weight matrices (default f32); with q4_1 the token embedding / output head "
-                         "stay Q8_0; norms are always F32")
+    ap.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                    help="type of the weight matrices (default: keep for a GGUF input, f32 for a Hugging Face "
+                         "directory); see 'Output types' above")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write the header and tokenizer section only (no tensors); any architecture in the table")
     return ap.parse_args(argv)

@@ -1,8 +1,8 @@
-/* run.c — inference for llama-architecture language models in one C file.
+/* run.c — inference for transformer language models in one C file.
 
    USAGE
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
-                 [--threads N] [--ctx N] [-v]
+                 [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
      echo "PROMPT" | ./run MODEL
 
    MODEL is a file written by export.py (format: README.md, "The model file").
@@ -11,18 +11,30 @@
 
    HOW IT WORKS (the file reads top to bottom in this order)
      1. model file   mmap the file, validate every size and offset, point the
-                     weight structs straight into the mapping (no copy).
-     2. kernels      RMSNorm, RoPE, softmax, and the matrix products: one dot
-                     product per weight type (f32, f16, bf16, q8_0, q4_1), each
-                     with a plain scalar reference and an AVX2 version beside it.
-     3. forward      prefill pushes the whole prompt through each layer as one
-                     batch (matrix x matrix); decode_step pushes one token
-                     (matrix x vector). Both attend over the cached K/V in
+                     weight structs straight into the mapping (no copy). The
+                     header says which optional steps the model's family takes
+                     (Q/K/V biases, Q/K norms, post-norms, GELU, sliding window).
+     2. kernels      the scalar definitions of every step: row conversions,
+                     activation quantization, the dot product of each weight
+                     type (f32, f16, bf16, and ggml's blocks q4_0 q4_1 q5_0
+                     q5_1 q8_0 q4_k q5_k q6_k), SwiGLU/GeGLU, attention's small
+                     kernels, RMSNorm, RoPE, softmax; then the weight-type table,
+                     one row per type, and the kernel sets (scalar, AVX2), one
+                     of which is chosen at start-up.
+     3. forward      prefill pushes the prompt through each layer as batches
+                     (matrix x matrix); decode_step pushes one token (matrix x
+                     vector); verify_step checks drafted tokens, each computed
+                     exactly as a decode step. All attend over the cached K/V in
                      blocks with a running softmax (flash-attention style).
-     4. sampling     greedy, temperature, top-k, top-p, seeded RNG.
-     5. generation   tokenize -> prefill -> decode loop -> detokenize, streamed
-                     to stdout UTF-8-safely.
-     6. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
+     4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
+                     with a drafted token that keeps the distribution.
+     5. measurement  the roofline probe and the -v statistics.
+     6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
+                     -> detokenize, streamed to stdout UTF-8-safely; chat;
+                     perplexity and logits tools.
+     7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
+     appendix        the AVX2 kernel set, each kernel tested against its
+                     scalar definition (tests/test_kernels.c).
 
    WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
      Each weight matrix must stream from memory once per forward pass. In
@@ -30,15 +42,18 @@
      bytes per weight read, far below what the cores could compute, so decode
      speed is set by memory bandwidth (bytes of weights / GB/s). Prefill
      reuses each weight tile across every prompt token in the batch, so the
-     same bytes feed hundreds of times more arithmetic and the limit becomes
-     the cores' FLOP rate. That is why prefill tokens/s is many times decode
-     tokens/s, and why quantization (fewer bytes) speeds decode the most.
+     same bytes feed a batch's worth (72 tokens) more arithmetic and the limit
+     becomes the cores' FLOP rate. That is why prefill tokens/s is many times
+     decode tokens/s, why quantization (fewer bytes) speeds decode the most,
+     and why checking several guessed tokens in one pass (lookup decoding)
+     costs about one decode step.
 
    LIMITS
-     Architecture llama (RMSNorm, RoPE, GQA, SwiGLU). One sequence at a time.
+     Families llama (incl. Llama 3.x RoPE scaling), Qwen 2/2.5, Qwen 3 and
+     Gemma 3 (what README.md's format describes). One sequence at a time.
      Build without OpenMP for a single-threaded binary with the same results.
 */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -55,6 +70,7 @@
 #include <time.h>
 #include <unistd.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -72,9 +88,17 @@
 #define TENSOR_ENTRY_BYTES 80
 #define TENSOR_NAME_BYTES 48
 #define TENSOR_ALIGN 64
-#define ARCH_LLAMA 1
-#define FLAG_TIED_EMBEDDINGS 1u
-#define QK 32          /* elements per quantization block (q8_0, q4_1, activations) */
+#define ARCH_LLAMA 1  /* architecture ids; 2 qwen2, 3 qwen3 between them */
+#define ARCH_GEMMA3 4
+#define FLAG_TIED_EMBEDDINGS 1u /* header flags (README, "The model file") */
+#define FLAG_QKV_BIAS 2u
+#define FLAG_QK_NORM 4u
+#define FLAG_POST_NORMS 8u
+#define FLAG_ROPE_FREQS 16u
+#define N_FLAGS 5
+#define FLAG_NAMES "tied, qkv_bias, qk_norm, post_norms, rope_freqs"
+#define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
+#define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
                           one-token path (measured: +5-7% float prefill against 64) */
@@ -88,13 +112,17 @@
 _Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= MAX_TILE, "tile outputs");
 _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, "batch of whole tiles");
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
+#define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
-#define SPINS_BEFORE_YIELD 20000 /* ~100 us of spinning at a barrier, then yield the core */
+#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
+#define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
+#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
+#define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
@@ -103,6 +131,7 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define MAX_SEQ (1 << 20)
 #define MAX_TENSORS (1 << 20)
 #define ERR_BYTES 256
+#define MSG_BYTES 4200 /* an error message: room for a path of PATH_MAX (4096) bytes */
 
 /* ----------------------------------------------------------------------------
    Errors. A failure anywhere in loading or running prints one line to stderr
@@ -112,13 +141,56 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE 2
 
+#define LINE_BYTES (4 * MSG_BYTES + 8) /* a message with every byte escaped */
+
+/* Formats "run: MESSAGE\n" into out (LINE_BYTES) with control characters
+   escaped as Python's repr shows them (\n, \x1b; C1 controls in UTF-8
+   too), so that a message quoting a hostile argument, path or file byte
+   stays one plain line and cannot colour the terminal. */
+static void format_error(char *out, const char *fmt, va_list ap)
+{
+    char msg[MSG_BYTES];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t k = sprintf(out, "run: ");
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        int c1 = p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f; /* U+0080..U+009F */
+        unsigned c = c1 ? *++p : *p;
+        if (c == '\n') k += sprintf(out + k, "\\n");
+        else if (c == '\t') k += sprintf(out + k, "\\t");
+        else if (c == '\r') k += sprintf(out + k, "\\r");
+        else if (c < 0x20 || c == 0x7f || c1) k += sprintf(out + k, "\\x%02x", c);
+        else out[k++] = (char)c;
+    }
+    sprintf(out + k, "\n");
+}
+
+static void print_error(const char *fmt, va_list ap)
+{
+    char line[LINE_BYTES];
+    format_error(line, fmt, ap);
+    fputs(line, stderr);
+}
+
+/* format_error with arguments. */
+static void format_line(char *out, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    format_error(out, fmt, ap);
+    va_end(ap);
+}
+
+/* A file this run is writing under a temporary name (--dump-logits), or
+   "": removed by die() and by the fatal-signal handlers, so that no partial
+   file outlives the run. */
+static char temp_path[MSG_BYTES];
+
 static _Noreturn void die(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    fputs("run: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
+    if (temp_path[0]) unlink(temp_path);
+    print_error(fmt, ap);
     va_end(ap);
     exit(code);
 }
@@ -160,7 +232,28 @@ static double now_ms(void)
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
-enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q8_0 = 8, T_BF16 = 30, N_TYPES };
+enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, N_TYPES };
+
+/* Byte offsets of the header's fields (README.md, "The model file"). */
+enum {
+    HDR_MAGIC = 0, HDR_VERSION = 4, HDR_SIZE = 8, HDR_ARCH = 12,
+    HDR_DIM = 16,   /* dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, */
+                    /* max_seq_len: HDR_SHAPE_FIELDS consecutive u32s from HDR_DIM */
+    HDR_ROPE_THETA = 48, HDR_NORM_EPS = 52, HDR_FLAGS = 56, HDR_ACTIVATION = 60, HDR_ROPE_DIM = 64,
+    HDR_N_TENSORS = 68, HDR_TOK_OFFSET = 72, HDR_TOK_SIZE = 80, HDR_TABLE_OFFSET = 88, HDR_FILE_SIZE = 96,
+    HDR_EMBED_SCALE = 104, HDR_ATT_SCALE = 108, HDR_WINDOW = 112, HDR_WINDOW_PATTERN = 116,
+    HDR_ROPE_THETA_LOCAL = 120, HDR_ROPE_SCALE = 124, /* the family's fields (read_family) */
+    HDR_RESERVED = 128 /* up to HEADER_BYTES: zero */
+};
+#define HDR_SHAPE_FIELDS 8
+/* ... of a tensor table entry (TENSOR_ENTRY_BYTES long) */
+enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_RESERVED = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
+/* ... of the tokenizer section's header: the counts that size its arrays
+   (tokenizer.c reads the rest), and its reserved bytes */
+enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44, TOKS_RESERVED = 48,
+       TOKS_HEADER_BYTES = 64 };
+#define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
+#define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
 
 typedef struct {
     uint16_t d;      /* scale, fp16 */
@@ -168,9 +261,51 @@ typedef struct {
 } BlockQ8_0;         /* 34 bytes */
 
 typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_0;            /* 18 bytes: value = (nibble - 8) * d */
+
+typedef struct {
     uint16_t d, m;      /* scale and minimum, fp16 */
     uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
 } BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qh[4];      /* bit j (little-endian): bit 4 of element j */
+    uint8_t qs[QK / 2]; /* the low 4 bits, laid out as q4_0's nibbles */
+} BlockQ5_0;            /* 22 bytes: value = (q - 16) * d, q = 0..31 */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2]; /* as q5_0 */
+} BlockQ5_1;            /* 24 bytes: value = q * d + m */
+
+/* The K types: super-blocks of QK_K = 256 elements in sub-blocks, each
+   sub-block with its own small integer scale (and minimum) under the
+   super-block's fp16 ones. */
+typedef struct {
+    uint16_t d, dmin;       /* fp16 scales of the sub-block scales and of the minimums */
+    uint8_t scales[12];     /* 8 six-bit scales and 8 six-bit minimums, packed (k4_scale_min) */
+    uint8_t qs[QK_K / 2];   /* 64 elements per 32 bytes: the low nibbles, then the high ones */
+} BlockQ4K;                 /* 144 bytes: value = d * sc_j * q - dmin * m_j in sub-block j of 32 */
+
+typedef struct {
+    uint16_t d, dmin;       /* as q4_k */
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];   /* bit j of qh[l]: bit 4 of element l of sub-block j */
+    uint8_t qs[QK_K / 2];   /* the low 4 bits, as q4_k */
+} BlockQ5K;                 /* 176 bytes: value = d * sc_j * q - dmin * m_j, q = 0..31 */
+
+typedef struct {
+    uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
+                                 bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
+    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
+    int8_t scales[QK_K / 16]; /* one per 16 elements */
+    uint16_t d;               /* fp16 */
+} BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
+_Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml's K block sizes");
 
 typedef struct {
     const char *name;
@@ -191,16 +326,45 @@ typedef struct {
     int max_seq_len;  /* context length the model was trained for */
     float rope_theta;
     float norm_eps;
+    /* What sets a model family apart from llama, read from the header's flags
+       and fields (README, "The model file"); zero/one values are llama's.
+       layer_forward takes each optional step when its switch is on. */
+    int arch;         /* 1 llama, 2 qwen2, 3 qwen3, 4 gemma3: for -v; the switches below say what runs */
+    uint32_t flags;   /* FLAG_* bits, as the header has them */
     int tied;         /* output head = token embedding */
+    int qkv_bias;     /* Q, K, V projections add a bias (Qwen 2) */
+    int qk_norm;      /* per-head RMSNorm of Q and K before RoPE (Qwen 3, Gemma 3) */
+    int post_norms;   /* RMSNorm of the attention and FFN outputs before the residual adds (Gemma 3) */
+    int rope_freqs;   /* per-pair RoPE frequency factors (Llama 3.x "llama3" scaling) */
+    int gate;         /* the FFN gate's activation: GATE_SILU (SwiGLU) or GATE_GELU (GeGLU, tanh form) */
+    float embed_scale; /* embedding rows are multiplied by it (Gemma 3: sqrt(dim)) */
+    float att_scale;  /* q.k is multiplied by it (usually 1/sqrt(head_dim)) */
+    int window;       /* local layers: a query sees keys less than `window` positions back (0 = none) */
+    int window_pattern; /* layer l is global when (l + 1) % pattern == 0, else local (when window > 0) */
+    float rope_theta_local; /* RoPE base of local layers */
+    float rope_scale;  /* global layers: positions are divided by it (linear RoPE scaling) */
 } Config;
+
+enum { GATE_SILU, GATE_GELU };
+
+/* A local (sliding-window) layer attends to the last c->window positions only. */
+static int is_local(const Config *c, int l)
+{
+    return c->window > 0 && (c->window_pattern == 0 || (l + 1) % c->window_pattern != 0);
+}
 
 typedef struct {
     Tensor attn_norm; /* [1, dim] */
     Tensor wqkv;      /* [q_dim + 2*kv_dim, dim]: Q rows, K rows, V rows */
+    Tensor bqkv;      /* [1, q_dim + 2*kv_dim] their biases (qkv_bias) */
+    Tensor q_norm;    /* [1, head_dim] (qk_norm) */
+    Tensor k_norm;    /* [1, head_dim] (qk_norm) */
     Tensor wo;        /* [dim, q_dim] */
+    Tensor post_attn_norm; /* [1, dim] (post_norms) */
     Tensor ffn_norm;  /* [1, dim] */
     Tensor w13;       /* [2*hidden_dim, dim]: gate rows, then up rows */
     Tensor w2;        /* [dim, hidden_dim] */
+    Tensor post_ffn_norm;  /* [1, dim] (post_norms) */
 } Layer;
 
 typedef struct {
@@ -209,6 +373,7 @@ typedef struct {
     Layer *layers;         /* [n_layers] */
     Tensor norm;           /* [1, dim] */
     Tensor output;         /* [vocab, dim]; the embedding itself when tied */
+    Tensor rope_freqs;     /* [1, rope_dim/2] frequency divisors (rope_freqs) */
     tok_tokenizer *tok;
     const uint8_t *map;    /* the whole file, read-only */
     size_t map_size;
@@ -233,39 +398,48 @@ static const uint8_t *tensor_row(const Tensor *t, int r)
     return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
 }
 
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
+static size_t nonzero_at(const uint8_t *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
 /* Reads and bounds-checks the header into c. The file is untrusted: every
    field is checked before anything is sized by it. */
 static int read_config(Model *m, char *err)
 {
     const uint8_t *h = m->map;
     Config *c = &m->c;
-    if (m->map_size < HEADER_BYTES || memcmp(h, FILE_MAGIC, 4) != 0)
+    if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
         LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
-    if (rd_u32(h + 4) != FILE_VERSION)
-        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + 4), FILE_VERSION);
-    if (rd_u32(h + 8) < HEADER_BYTES || rd_u32(h + 8) > m->map_size)
-        LOAD_FAIL("bad header size %u", rd_u32(h + 8));
-    if (rd_u64(h + 96) != m->map_size)
+    if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
+        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + HDR_VERSION), FILE_VERSION);
+    if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
+        LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
+    if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
         LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
-            m->map_size, (unsigned long long)rd_u64(h + 96));
-    if (rd_u32(h + 12) != ARCH_LLAMA)
-        LOAD_FAIL("unsupported architecture id %u (this build runs llama = %d)", rd_u32(h + 12), ARCH_LLAMA);
-    uint32_t v[9];
-    for (int i = 0; i < 9; i++) v[i] = rd_u32(h + 16 + 4 * i);
+            m->map_size, (unsigned long long)rd_u64(h + HDR_FILE_SIZE));
+    if (rd_u32(h + HDR_ARCH) < ARCH_LLAMA || rd_u32(h + HDR_ARCH) > ARCH_GEMMA3)
+        LOAD_FAIL("unsupported architecture id %u (this build knows 1 llama, 2 qwen2, 3 qwen3, 4 gemma3)", rd_u32(h + HDR_ARCH));
+    c->arch = rd_u32(h + HDR_ARCH);
+    size_t z = HDR_RESERVED + nonzero_at(h + HDR_RESERVED, HEADER_BYTES - HDR_RESERVED);
+    if (z < HEADER_BYTES) LOAD_FAIL("header: reserved byte %zu is 0x%02x, not zero", z, h[z]);
+    uint32_t v[HDR_SHAPE_FIELDS];
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++) v[i] = rd_u32(h + HDR_DIM + 4 * i);
     c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
     c->n_kv_heads = v[4]; c->head_dim = v[5]; c->vocab_size = v[6]; c->max_seq_len = v[7];
-    c->rope_theta = rd_f32(h + 48);
-    c->norm_eps = rd_f32(h + 52);
-    uint32_t flags = rd_u32(h + 56), act = rd_u32(h + 60);
-    c->rope_dim = rd_u32(h + 64);
-    c->tied = flags & FLAG_TIED_EMBEDDINGS;
-    if (flags & ~FLAG_TIED_EMBEDDINGS) LOAD_FAIL("unsupported feature flags 0x%x", flags);
-    if (act != 0) LOAD_FAIL("unsupported activation %u", act);
+    c->rope_theta = rd_f32(h + HDR_ROPE_THETA);
+    c->norm_eps = rd_f32(h + HDR_NORM_EPS);
+    c->rope_dim = rd_u32(h + HDR_ROPE_DIM);
     /* one check per field, so that the message names the field that is wrong */
-    static const char *const field[] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                                        "vocab_size", "context length"};
-    const uint32_t max[] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
-    for (size_t i = 0; i < sizeof field / sizeof *field; i++)
+    static const char *const field[HDR_SHAPE_FIELDS] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
+                                                        "head_dim", "vocab_size", "context length"};
+    const uint32_t max[HDR_SHAPE_FIELDS] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++)
         if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
     if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
     if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
@@ -277,87 +451,275 @@ static int read_config(Model *m, char *err)
     return 0;
 }
 
-/* Finds tensor `name` in the table and checks its shape; every entry was
-   validated against the file size when the table was read. */
-static int find_tensor(Tensor *out, const Tensor *table, int n, const char *name, int rows, int cols, char *err)
-{
-    for (int i = 0; i < n; i++) {
-        if (strcmp(table[i].name, name) != 0) continue;
-        if (table[i].rows != rows || table[i].cols != cols)
-            LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", name, table[i].rows, table[i].cols, rows, cols);
-        *out = table[i];
-        return 0;
-    }
-    LOAD_FAIL("model file has no tensor %s", name);
-}
-
-/* Reads the tensor table: each entry's name, type, shape, offset and size
-   must describe bytes that lie inside the file. */
-static int read_tensor_table(const Model *m, Tensor **out, int *n_out, char *err)
+/* Reads the family's switches (README, "The model file": flags and the
+   fields from offset 104; zero means llama's behaviour) into c, after
+   read_config has read and checked the shape. */
+static int read_family(Model *m, char *err)
 {
     const uint8_t *h = m->map;
-    uint32_t n = rd_u32(h + 68);
-    uint64_t off = rd_u64(h + 88);
-    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
-        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
-    Tensor *t = *out = xcalloc(n, sizeof *t);
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (memchr(e, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
-        for (const uint8_t *c = e; *c; c++)
-            if (*c <= ' ' || *c >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *c);
-        t[i].name = (const char *)e;
-        t[i].type = rd_u32(e + 48);
-        uint32_t rows = rd_u32(e + 52), cols = rd_u32(e + 56);
-        uint64_t data = rd_u64(e + 64), size = rd_u64(e + 72);
-        if (!type_name(t[i].type)) LOAD_FAIL("tensor %s has unsupported type %d", t[i].name, t[i].type);
-        size_t rb = row_bytes(t[i].type, cols);
-        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
-            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", t[i].name, rows, cols, type_name(t[i].type));
-        if (size != (uint64_t)rb * rows)
-            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", t[i].name,
-                      (unsigned long long)size, rows, cols, type_name(t[i].type), (unsigned long long)rb * rows);
-        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
-            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
-                      t[i].name, (unsigned long long)size, (unsigned long long)data);
-        t[i].rows = rows;
-        t[i].cols = cols;
-        t[i].data = m->map + data;
-    }
-    *n_out = (int)n;
+    Config *c = &m->c;
+    uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
+    float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
+    float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
+    for (int bit = 0; bit < 32; bit++)
+        if (flags >> bit & 1 && bit >= N_FLAGS)
+            LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, FLAG_NAMES);
+    c->flags = flags;
+    c->tied = !!(flags & FLAG_TIED_EMBEDDINGS);
+    c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
+    c->qk_norm = !!(flags & FLAG_QK_NORM);
+    c->post_norms = !!(flags & FLAG_POST_NORMS);
+    c->rope_freqs = !!(flags & FLAG_ROPE_FREQS);
+    if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
+    c->gate = gate;
+    c->window = rd_u32(h + HDR_WINDOW);
+    c->window_pattern = rd_u32(h + HDR_WINDOW_PATTERN);
+    if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
+    if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
+    /* scales: 0 means the usual value; anything else must be a finite positive number */
+    const float *f[] = {&embed_scale, &att_scale, &theta_local, &rope_scale};
+    static const char *const fname[] = {"embedding scale", "attention scale", "local rope_theta", "rope scaling factor"};
+    for (int i = 0; i < 4; i++)
+        if (*f[i] != 0 && (!isfinite(*f[i]) || *f[i] <= 0)) LOAD_FAIL("header: %s %g is not a finite number > 0", fname[i], *f[i]);
+    c->embed_scale = embed_scale ? embed_scale : 1;
+    c->att_scale = att_scale ? att_scale : 1 / sqrtf((float)c->head_dim);
+    c->rope_theta_local = theta_local ? theta_local : c->rope_theta;
+    c->rope_scale = rope_scale ? rope_scale : 1;
+    if (c->rope_theta_local <= 1) LOAD_FAIL("header: local rope_theta %g is not > 1", c->rope_theta_local);
     return 0;
 }
 
-/* Binds the layer structs to the tensors of the table (n entries). */
-static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
+/* Where the tokenizer section's last array ends (README.md, "Tokenizer
+   section"): text offsets, types, scores, merges, default system prompt,
+   text blob, each from a 4-byte boundary. Called once tok_create has
+   checked that they fit; it does not check that nothing follows them. */
+static size_t tok_section_end(const uint8_t *sec)
+{
+    size_t n = rd_u32(sec + TOKS_N_VOCAB);
+    size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
+                      rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
+    size_t end = TOKS_HEADER_BYTES;
+    for (size_t i = 0; i < sizeof bytes / sizeof *bytes; i++) end = align_up(end, TOKS_ALIGN) + bytes[i];
+    return end;
+}
+
+/* The tokenizer section: right after the header, exactly as long as its
+   arrays, its reserved header bytes zero. */
+static int read_tokenizer(Model *m, char *err)
+{
+    uint64_t off = rd_u64(m->map + HDR_TOK_OFFSET), size = rd_u64(m->map + HDR_TOK_SIZE);
+    if (off % TOKS_ALIGN || off > m->map_size || m->map_size - off < size)
+        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
+    if (off != HEADER_BYTES) LOAD_FAIL("tokenizer section at offset %llu, not right after the header (%d)", (unsigned long long)off, HEADER_BYTES);
+    const uint8_t *sec = m->map + off;
+    char why[ERR_BYTES];
+    if (tok_create(&m->tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
+    if (tok_section_end(sec) != size)
+        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu",
+                  (unsigned long long)size, tok_section_end(sec));
+    size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
+    if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
+    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
+        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
+    return 0;
+}
+
+/* The tensors a model of the header's shape has, by slot: the three below
+   (no output when the embeddings are tied), then per layer these six. */
+enum { SLOT_TOK_EMBEDDINGS, SLOT_NORM, SLOT_OUTPUT, SLOT_ROPE_FREQS, SLOT_LAYERS };
+/* Every tensor a model file can hold, and the header flag that makes it
+   present (0: always; the output head is there unless tied). */
+static const struct {
+    const char *name;
+    uint32_t flag;
+} global_tensor[SLOT_LAYERS] = {{"tok_embeddings", 0}, {"norm", 0}, {"output", 0}, {"rope_freqs", FLAG_ROPE_FREQS}};
+enum { LT_ATTN_NORM, LT_WQKV, LT_BQKV, LT_Q_NORM, LT_K_NORM, LT_WO, LT_POST_ATTN_NORM, LT_FFN_NORM, LT_W13, LT_W2,
+       LT_POST_FFN_NORM, LAYER_TENSORS };
+static const struct {
+    const char *name;
+    uint32_t flag;
+} layer_tensor[LAYER_TENSORS] = {
+    {"attn_norm", 0}, {"wqkv", 0}, {"bqkv", FLAG_QKV_BIAS}, {"q_norm", FLAG_QK_NORM}, {"k_norm", FLAG_QK_NORM},
+    {"wo", 0}, {"post_attn_norm", FLAG_POST_NORMS}, {"ffn_norm", 0}, {"w13", 0}, {"w2", 0}, {"post_ffn_norm", FLAG_POST_NORMS},
+};
+
+/* Does a model with the header's flags hold the tensor of this slot? */
+static int slot_present(const Config *c, int slot)
+{
+    if (slot == SLOT_OUTPUT) return !c->tied;
+    uint32_t flag = slot < SLOT_LAYERS ? global_tensor[slot].flag : layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].flag;
+    return (c->flags & flag) == flag;
+}
+
+static int n_slots(const Config *c) { return SLOT_LAYERS + LAYER_TENSORS * c->n_layers; }
+
+/* The slot of tensor `name` in a model of shape c, or -1 when it has none
+   such ("layers.30.wo" in a 30-layer model, "output" when tied, "layers.01.wo"). */
+static int tensor_slot(const Config *c, const char *name)
+{
+    for (int i = 0; i < SLOT_LAYERS; i++)
+        if (!strcmp(name, global_tensor[i].name)) return slot_present(c, i) ? i : -1;
+    const char *p = name + strlen("layers.");
+    if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
+    char *end;
+    unsigned long l = strtoul(p, &end, 10);
+    if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
+    for (int i = 0; i < LAYER_TENSORS; i++)
+        if (!strcmp(end + 1, layer_tensor[i].name))
+            return slot_present(c, SLOT_LAYERS + i) ? SLOT_LAYERS + LAYER_TENSORS * (int)l + i : -1;
+    return -1;
+}
+
+static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
+{
+    if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
+    else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
+                  layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
+}
+
+/* Which section before the tensor data holds byte `off`. */
+static const char *section_at(uint64_t off, uint64_t tok_end)
+{
+    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
+}
+
+/* Padding bytes [from, to) of the file, before `what`, must be zero. */
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
+{
+    size_t z = nonzero_at(m->map + from, to - from);
+    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
+    return 0;
+}
+
+/* Reads the tensor table into slots (n_slots entries, by tensor_slot; a
+   NULL name marks a slot without a tensor). The table must list exactly
+   the tensors the header's shape implies, and their data must tile the
+   rest of the file in table order: each tensor at the first TENSOR_ALIGN
+   boundary after the previous one (the first after the table), padding
+   zero, the file ending with the last tensor. So no tensor overlaps
+   another or the sections before it, and no byte goes unchecked. */
+static int read_tensor_table(const Model *m, Tensor **out, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    uint32_t n = rd_u32(h + HDR_N_TENSORS);
+    uint64_t off = rd_u64(h + HDR_TABLE_OFFSET), tok_end = HEADER_BYTES + rd_u64(h + HDR_TOK_SIZE);
+    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
+    if (off != align_up(tok_end, TENSOR_ALIGN))
+        LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
+                  (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
+    if (check_padding(m, tok_end, off, "the tensor table", err)) return -1;
+    int want = 0;
+    for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
+    if ((int)n != want)
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors", n, c->n_layers,
+                  c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "", want);
+    Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
+    const char *stray = NULL, *prev = "the tensor table";
+    uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
+        if (memchr(e + ENT_NAME, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+        for (const uint8_t *p = e + ENT_NAME; *p; p++)
+            if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+        const char *name = (const char *)e + ENT_NAME;
+        if (!*name) LOAD_FAIL("tensor %u has an empty name", i);
+        int type = rd_u32(e + ENT_TYPE);
+        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), reserved = rd_u32(e + ENT_RESERVED);
+        uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
+        if (reserved) LOAD_FAIL("tensor %s: reserved field is %u, not zero", name, reserved);
+        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %d", name, type);
+        size_t rb = row_bytes(type, cols);
+        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
+            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
+        if (size != (uint64_t)rb * rows)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", name,
+                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)rb * rows);
+        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
+                      name, (unsigned long long)size, (unsigned long long)data);
+        if (data < table_end)
+            LOAD_FAIL("tensor %s's data (offset %llu) lies in %s", name, (unsigned long long)data, section_at(data, tok_end));
+        if (data < end)
+            LOAD_FAIL("tensor %s's data (offset %llu) overlaps the tensors before it, up to %s's end at %llu",
+                      name, (unsigned long long)data, prev, (unsigned long long)end);
+        if (data != align_up(end, TENSOR_ALIGN))
+            LOAD_FAIL("tensor %s is at offset %llu, not at the first %d-byte boundary after %s (%llu)", name,
+                      (unsigned long long)data, TENSOR_ALIGN, prev, (unsigned long long)align_up(end, TENSOR_ALIGN));
+        if (check_padding(m, end, data, name, err)) return -1;
+        int slot = tensor_slot(c, name);
+        if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
+        if (slot < 0 && !stray) stray = name;
+        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, m->map + data};
+        prev = name;
+        end = data + size;
+    }
+    if (end != m->map_size)
+        LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
+    for (int s = 0; s < n_slots(c); s++) {
+        if (t[s].name || !slot_present(c, s)) continue;
+        char name[TENSOR_NAME_BYTES];
+        slot_name(name, s);
+        if (stray) LOAD_FAIL("model file has no tensor %s (but a tensor %s that a %d-layer model %s embeddings has not)",
+                             name, stray, c->n_layers, c->tied ? "with tied" : "with untied");
+        LOAD_FAIL("model file has no tensor %s", name);
+    }
+    return 0;
+}
+
+/* Checks that tensor t (from read_tensor_table) has the shape the header
+   implies, and takes it. */
+static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *err)
+{
+    if (t->rows != rows || t->cols != cols)
+        LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
+    *out = *t;
+    return 0;
+}
+
+/* Binds the layer structs to the tensors of the table (by slot). */
+static int bind_weights(Model *m, const Tensor *tab, char *err)
 {
     Config *c = &m->c;
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim;
-    char name[TENSOR_NAME_BYTES];
-    if (find_tensor(&m->tok_embeddings, tab, n, "tok_embeddings", c->vocab_size, c->dim, err) ||
-        find_tensor(&m->norm, tab, n, "norm", 1, c->dim, err))
+    if (take_tensor(&m->tok_embeddings, &tab[SLOT_TOK_EMBEDDINGS], c->vocab_size, c->dim, err) ||
+        take_tensor(&m->norm, &tab[SLOT_NORM], 1, c->dim, err))
         return -1;
     if (c->tied) m->output = m->tok_embeddings;
-    else if (find_tensor(&m->output, tab, n, "output", c->vocab_size, c->dim, err)) return -1;
+    else if (take_tensor(&m->output, &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
     if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
+    if (c->rope_freqs) {
+        if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err)) return -1;
+        if (m->rope_freqs.type != T_F32) LOAD_FAIL("rope_freqs must be f32");
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            float f = ((const float *)m->rope_freqs.data)[i];
+            if (!isfinite(f) || f <= 0) LOAD_FAIL("rope_freqs[%d] = %g is not a finite number > 0", i, f);
+        }
+    }
     m->layers = xcalloc(c->n_layers, sizeof(Layer));
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
-#define BIND(field, rows, cols) \
-        snprintf(name, sizeof name, "layers.%d." #field, l); \
-        if (find_tensor(&L->field, tab, n, name, rows, cols, err)) return -1;
-        BIND(attn_norm, 1, c->dim);
-        BIND(wqkv, q_dim + 2 * kv_dim, c->dim);
-        BIND(wo, c->dim, q_dim);
-        BIND(ffn_norm, 1, c->dim);
-        BIND(w13, 2 * c->hidden_dim, c->dim);
-        BIND(w2, c->dim, c->hidden_dim);
-#undef BIND
-        if (L->attn_norm.type != T_F32 || L->ffn_norm.type != T_F32) LOAD_FAIL("layer %d norm weights must be f32", l);
+        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
+        /* each tensor's field and shape; vectors (norms, biases) are f32 */
+        struct { Tensor *field; int rows, cols; } want[LAYER_TENSORS] = {
+            [LT_ATTN_NORM] = {&L->attn_norm, 1, c->dim}, [LT_WQKV] = {&L->wqkv, q_dim + 2 * kv_dim, c->dim},
+            [LT_BQKV] = {&L->bqkv, 1, q_dim + 2 * kv_dim}, [LT_Q_NORM] = {&L->q_norm, 1, c->head_dim},
+            [LT_K_NORM] = {&L->k_norm, 1, c->head_dim}, [LT_WO] = {&L->wo, c->dim, q_dim},
+            [LT_POST_ATTN_NORM] = {&L->post_attn_norm, 1, c->dim}, [LT_FFN_NORM] = {&L->ffn_norm, 1, c->dim},
+            [LT_W13] = {&L->w13, 2 * c->hidden_dim, c->dim}, [LT_W2] = {&L->w2, c->dim, c->hidden_dim},
+            [LT_POST_FFN_NORM] = {&L->post_ffn_norm, 1, c->dim},
+        };
+        for (int i = 0; i < LAYER_TENSORS; i++) {
+            if (!slot_present(c, SLOT_LAYERS + i)) continue;
+            if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err)) return -1;
+            if (want[i].rows == 1 && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
+        }
     }
     /* Parameter count and the type holding the most weight bytes, for -v. */
     size_t bytes_by_type[T_BF16 + 1] = {0};
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n_slots(c); i++) {
+        if (!tab[i].name) continue;
         m->n_params += (double)tab[i].rows * tab[i].cols;
         bytes_by_type[tab[i].type] += row_bytes(tab[i].type, tab[i].cols) * tab[i].rows;
     }
@@ -383,7 +745,9 @@ static int bind_weights(Model *m, const Tensor *tab, int n, char *err)
 static int build_model(Model *m, const char *path, char *err)
 {
     memset(m, 0, sizeof *m);
-    int fd = open(path, O_RDONLY);
+    /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
+       regular file is refused before a byte of it is read */
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
     if (fd < 0) LOAD_FAIL("cannot open: %s", strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); LOAD_FAIL("not a regular file"); }
@@ -393,16 +757,9 @@ static int build_model(Model *m, const char *path, char *err)
     if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
     m->map_size = st.st_size;
-    if (read_config(m, err)) return -1;
-    uint64_t tok_off = rd_u64(m->map + 72), tok_size = rd_u64(m->map + 80);
-    if (tok_off % 4 || tok_off > m->map_size || m->map_size - tok_off < tok_size)
-        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
-    char why[ERR_BYTES];
-    if (tok_create(&m->tok, m->map + tok_off, tok_size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
-    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
-        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     Tensor *tab = NULL;
-    int n = 0, rc = read_tensor_table(m, &tab, &n, err) || bind_weights(m, tab, n, err) ? -1 : 0;
+    int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
+             bind_weights(m, tab, err) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }
@@ -413,6 +770,47 @@ static void free_model(Model *m)
     free(m->layers);
     if (m->map) munmap((void *)m->map, m->map_size);
     memset(m, 0, sizeof *m);
+}
+
+/* The mapping watched by on_sigbus, and the line it prints. */
+static struct {
+    const uint8_t *lo, *hi;
+    char msg[LINE_BYTES];
+    size_t len;
+} watched;
+
+/* A read of the mapping past the end of a file that shrank (or that was
+   replaced in place) raises SIGBUS: say so in one line instead of dying of
+   the signal. Only write(2) and _exit(2) here: a signal handler may call
+   nothing else that matters; when several threads fault at once, one
+   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+static void on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    (void)uc;
+    const uint8_t *at = si->si_addr;
+    if (at >= watched.lo && at < watched.hi) {
+        static atomic_flag reported = ATOMIC_FLAG_INIT;
+        if (atomic_flag_test_and_set(&reported)) /* another thread of the team: it prints and ends the run */
+            for (;;) pause();
+        if (temp_path[0]) unlink(temp_path);
+        ssize_t w = write(STDERR_FILENO, watched.msg, watched.len);
+        (void)w;
+        _exit(EXIT_RUNTIME);
+    }
+    signal(sig, SIG_DFL); /* the faulting access repeats and ends the run with the signal */
+}
+
+/* Installs on_sigbus for the model m mapped from path. */
+static void watch_model_file(const Model *m, const char *path)
+{
+    format_line(watched.msg, "%s: the model file changed or shrank while in use", path);
+    watched.len = strlen(watched.msg);
+    watched.lo = m->map;
+    watched.hi = m->map + m->map_size;
+    struct sigaction sa = {0};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
 }
 
 /* ============================================================================
@@ -467,12 +865,22 @@ static uint16_t f32_to_fp16(float f)
 }
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
-   with scale d = max|x|/127; s = d * sum(qs) lets q4_1's minimum term cost
-   one multiply per block. Quantized once per matmul, reused by every row. */
+   with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
+   (q4_1, q5_1) add it with one multiply per block. Quantized once per
+   matmul, reused by every row. */
 typedef struct {
     float d, s;
     int8_t qs[QK];
 } BlockQ8A;
+
+/* The K types' activations: int8 per 256 with one scale, and the sum of
+   each 16 (the K types' minimums and q6_k's offset of 32 are multiples of
+   them: one multiply-add per 16 or 32 elements, not one per element). */
+typedef struct {
+    float d;
+    int8_t qs[QK_K];
+    int16_t bsums[QK_K / 16];
+} BlockQ8K;
 
 /* round(x) to int8 for |x| <= 127. NaN or inf activations (weights that
    overflow) give a defined 0 or +-127 instead of undefined behaviour. */
@@ -481,55 +889,44 @@ static int8_t round_i8(float x)
     return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
 }
 
+/* n floats to int8 q with one scale d = max|x| / 127, returned. */
+static float quantize_i8(int8_t *q, const float *x, int n)
+{
+    float amax = 0;
+    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    float d = amax / 127, id = d ? 1 / d : 0;
+    for (int i = 0; i < n; i++) q[i] = round_i8(x[i] * id);
+    return d;
+}
+
 static void quantize_act_scalar(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
+        out[b].d = quantize_i8(out[b].qs, x, QK);
         int sum = 0;
-        for (int i = 0; i < QK; i++) sum += out[b].qs[i] = round_i8(x[i] * id);
-        out[b].d = d;
-        out[b].s = d * sum;
+        for (int i = 0; i < QK; i++) sum += out[b].qs[i];
+        out[b].s = out[b].d * sum;
     }
 }
 
-#ifdef HAVE_AVX2
-/* Same results as the scalar version, bit for bit: roundf's half-away-from-
-   zero is rebuilt from truncation, and the scale is computed in scalar. */
-static void quantize_act_avx2(void *blocks, const float *x, int n)
+static void q8k_bsums(BlockQ8K *b)
 {
-    BlockQ8A *out = blocks;
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j] = _mm256_loadu_ps(x + 8 * j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        __m256i q[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 y = _mm256_mul_ps(v[j], _mm256_set1_ps(id));
-            __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
-            t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
-            q[j] = _mm256_cvtps_epi32(t);
-        }
-        __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        /* the packs interleave 128-bit lanes: restore element order */
-        q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)out[b].qs, q8);
-        __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
-        out[b].d = d;
-        out[b].s = d * _mm_cvtsi128_si32(s4);
+    for (int g = 0; g < QK_K / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += b->qs[16 * g + i];
+        b->bsums[g] = (int16_t)sum;
     }
 }
-#endif
+
+static void quantize_act_k_scalar(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        out[b].d = quantize_i8(out[b].qs, x, QK_K);
+        q8k_bsums(&out[b]);
+    }
+}
 
 /* --- row conversions: one row of n elements to and from floats ----------
    to_float serves embedding lookups and attention's reads of the KV cache;
@@ -565,12 +962,27 @@ static void to_float_q8_0_scalar(float *out, const void *row, int n)
 static void from_float_q8_0_scalar(void *row, const float *x, int n)
 {
     BlockQ8_0 *out = row;
+    for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
+}
+
+/* The int4 KV cache: q4_0 blocks as ggml's quantize_row_q4_0_ref makes
+   them: d = -x_m / 8 for the element x_m of largest magnitude, so x_m
+   itself lands exactly on -8; q = x/d + 8.5 truncated, at most 15 (NaN
+   and inf give 0, where a cast would be undefined). */
+static void from_float_q4_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ4_0 *out = row;
     for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(x[i]));
-        float d = amax / 127, id = d ? 1 / d : 0;
-        for (int i = 0; i < QK; i++) out[b].qs[i] = round_i8(x[i] * id);
+        float amax = 0, xm = 0;
+        for (int i = 0; i < QK; i++)
+            if (amax < fabsf(x[i])) amax = fabsf(x[i]), xm = x[i];
+        float d = xm / -8, id = d ? 1 / d : 0;
         out[b].d = f32_to_fp16(d);
+        for (int j = 0; j < QK / 2; j++) {
+            int lo = (int)fminf(15.0f, fmaxf(0.0f, x[j] * id + 8.5f));
+            int hi = (int)fminf(15.0f, fmaxf(0.0f, x[j + QK / 2] * id + 8.5f));
+            out[b].qs[j] = (uint8_t)(lo | hi << 4);
+        }
     }
 }
 
@@ -580,6 +992,96 @@ static void to_float_q4_1_scalar(float *out, const void *row, int n)
         const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
         int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
         out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+static void to_float_q4_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_0 *b = (const BlockQ4_0 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = (q - 8) * fp16_to_f32(b->d);
+    }
+}
+
+/* Element j (0..31) of a 5-bit block: its nibble, and bit j of qh as bit 4. */
+static int q5_int(const uint8_t *qs, const uint8_t *qh, int j)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return (j < QK / 2 ? qs[j] & 0xf : qs[j - QK / 2] >> 4) | ((h >> j) & 1) << 4;
+}
+
+static void to_float_q5_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_0 *b = (const BlockQ5_0 *)row + i / QK;
+        out[i] = (q5_int(b->qs, b->qh, i % QK) - 16) * fp16_to_f32(b->d);
+    }
+}
+
+static void to_float_q5_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_1 *b = (const BlockQ5_1 *)row + i / QK;
+        out[i] = q5_int(b->qs, b->qh, i % QK) * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+/* --- the K types' integers (ggml-quants.c, dequantize_row_q4_K and kin) --- */
+
+/* Sub-block j's 6-bit scale and minimum in a q4_k/q5_k block's 12 bytes:
+   j < 4 in the low 6 bits of bytes j and j+4; j >= 4 in the nibbles of
+   byte j+4 with their top 2 bits in the spare bits of bytes j-4 and j. */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
+/* Element i (0..255) of a q4_k block, of a q5_k block: 0..15, 0..31. */
+static int q4_k_int(const uint8_t *block, int i)
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    return b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf;
+}
+
+static int q5_k_int(const uint8_t *block, int i)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    return (b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf) | (b->qh[i % 32] >> (i / 32) & 1) << 4;
+}
+
+/* Element i (0..255) of a q6_k block, 0..63 (the offset 32 not taken). */
+static int q6_k_int(const BlockQ6K *b, int i)
+{
+    int h = i / 128, g = i % 128 / 32, l = i % 32;
+    int low = b->ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0xf;
+    return low | (b->qh[32 * h + l] >> (2 * g) & 3) << 4;
+}
+
+/* q4_k and q5_k share their header (d, dmin, scales): bb bytes a block. */
+static void to_float_k4(float *out, const uint8_t *row, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    for (int i = 0; i < n; i++) {
+        const uint8_t *blk = row + i / QK_K * bb;
+        const BlockQ4K *b = (const BlockQ4K *)blk;
+        int sc, m;
+        k4_scale_min(b->scales, i % QK_K / 32, &sc, &m);
+        float d = fp16_to_f32(b->d) * sc, dm = fp16_to_f32(b->dmin) * m;
+        out[i] = d * q(blk, i % QK_K) - dm;
+    }
+}
+
+static void to_float_q4_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ4K), q4_k_int); }
+static void to_float_q5_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ5K), q5_k_int); }
+
+static void to_float_q6_k_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ6K *b = (const BlockQ6K *)row + i / QK_K;
+        float d = fp16_to_f32(b->d) * b->scales[i % QK_K / 16];
+        out[i] = d * (q6_k_int(b, i % QK_K) - 32);
     }
 }
 
@@ -638,6 +1140,89 @@ static float dot_q4_1_scalar(const void *w, const void *x, int n)
     return sum;
 }
 
+static float dot_q4_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ4_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK / 2; j++)
+            isum += ((a[k].qs[j] & 0xf) - 8) * b[k].qs[j] + ((a[k].qs[j] >> 4) - 8) * b[k].qs[j + QK / 2];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+static float dot_q5_0_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_0 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += (q5_int(a[k].qs, a[k].qh, j) - 16) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
+/* The minimum enters through the activation block's s = d * sum(qs). */
+static float dot_q5_1_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ5_1 *a = w;
+    const BlockQ8A *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK; k++) {
+        int isum = 0;
+        for (int j = 0; j < QK; j++) isum += q5_int(a[k].qs, a[k].qh, j) * b[k].qs[j];
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
+    }
+    return sum;
+}
+
+/* The K types against int8 activations per 256: integer sums per
+   sub-block times its integer scale, one float multiply per super-block;
+   the minimums (q4_k, q5_k) and q6_k's offset come from the activation's
+   sums of 16. */
+static float dot_k4(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++, w += bb, x++) {
+        const BlockQ4K *b = (const BlockQ4K *)w;
+        int isum = 0, msum = 0;
+        for (int j = 0; j < QK_K / 32; j++) {
+            int sc, m, s = 0;
+            k4_scale_min(b->scales, j, &sc, &m);
+            for (int l = 0; l < 32; l++) s += q(w, 32 * j + l) * x->qs[32 * j + l];
+            isum += sc * s;
+            msum += m * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
+        }
+        sum += fp16_to_f32(b->d) * x->d * isum - fp16_to_f32(b->dmin) * x->d * msum;
+    }
+    return sum;
+}
+
+static float dot_q4_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ4K), q4_k_int); }
+static float dot_q5_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ5K), q5_k_int); }
+
+static float dot_q6_k_scalar(const void *w, const void *x, int n)
+{
+    const BlockQ6K *a = w;
+    const BlockQ8K *b = x;
+    float sum = 0;
+    for (int k = 0; k < n / QK_K; k++) {
+        int isum = 0;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int s = 0;
+            for (int l = 0; l < 16; l++) s += q6_k_int(&a[k], 16 * g + l) * b[k].qs[16 * g + l];
+            isum += a[k].scales[g] * (s - 32 * b[k].bsums[g]);
+        }
+        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
+    }
+    return sum;
+}
+
 /* Decode reads each weight once, in order. One core's hardware prefetcher
    keeps too few cache misses in flight to reach DRAM bandwidth (here 6.7 of
    the two cores' 21 GB/s), so ask for the lines PREFETCH_AHEAD bytes ahead
@@ -648,272 +1233,6 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
 }
 
-/* --- AVX2 versions ------------------------------------------------------ */
-#ifdef HAVE_AVX2
-static float hsum256(__m256 v)
-{
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static float dot_f32_avx2(const void *w, const void *x, int n)
-{
-    const float *a = w, *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    float sum = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-static float dot_f16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
-        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-static float dot_bf16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
-        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-/* Sum of the 32 int8 products of a and b, as 8 int32 lanes. maddubs needs
-   an unsigned left operand, so take |a| and move a's sign onto b. */
-static __m256i dot_i8x32(__m256i a, __m256i b)
-{
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-/* One block's contribution added to acc. The SIMD dot products below keep
-   two accumulators so that consecutive blocks do not wait on each other's
-   FMA latency. */
-static __m256 q8_0_block(const BlockQ8_0 *a, const BlockQ8A *b, __m256 acc)
-{
-    __m256i wa = _mm256_loadu_si256((const __m256i *)a->qs);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256 p = _mm256_cvtepi32_ps(dot_i8x32(wa, xb));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), p, acc);
-}
-
-static float dot_q8_0_avx2(const void *w, const void *x, int n)
-{
-    const BlockQ8_0 *a = w;
-    const BlockQ8A *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = q8_0_block(a + k, b + k, acc0);
-        acc1 = q8_0_block(a + k + 1, b + k + 1, acc1);
-    }
-    if (k < nb) acc0 = q8_0_block(a + k, b + k, acc0);
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
-/* A q4_1 block's 32 nibbles as bytes, in element order. */
-static __m256i q4_1_nibbles(const BlockQ4_1 *b)
-{
-    __m128i q = _mm_loadu_si128((const __m128i *)b->qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
-}
-
-/* Nibbles are unsigned 0..15, so they feed maddubs's unsigned operand
-   directly; the minimum m enters through the activation sum s. */
-static __m256 q4_1_block(const BlockQ4_1 *a, const BlockQ8A *b, __m256 acc)
-{
-    __m256i nib = q4_1_nibbles(a);
-    __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-    __m256i p32 = _mm256_madd_epi16(_mm256_maddubs_epi16(nib, xb), _mm256_set1_epi16(1));
-    return _mm256_fmadd_ps(_mm256_set1_ps(_cvtsh_ss(a->d) * b->d), _mm256_cvtepi32_ps(p32), acc);
-}
-
-static float dot_q4_1_avx2(const void *w, const void *x, int n)
-{
-    const BlockQ4_1 *a = w;
-    const BlockQ8A *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float mins0 = 0, mins1 = 0;
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        acc1 = q4_1_block(a + k + 1, b + k + 1, acc1);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-        mins1 += _cvtsh_ss(a[k + 1].m) * b[k + 1].s;
-    }
-    if (k < nb) {
-        acc0 = q4_1_block(a + k, b + k, acc0);
-        mins0 += _cvtsh_ss(a[k].m) * b[k].s;
-    }
-    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
-}
-
-/* --- AVX2 register tiles for prefill --------------------------------------
-   A tile computes a small block of out[t][r] at once: each weight block it
-   loads serves several tokens and each activation block several rows, and
-   the accumulators are independent, so the batch costs far fewer loads and
-   no FMA waits on another. out is [rows][tokens] row-major; the results
-   equal the dot products above up to summation order. */
-
-static void tile_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's quants and their magnitudes */
-        float d[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ8_0 *wr = (const BlockQ8_0 *)(w + r * ws) + k;
-            q[r] = _mm256_loadu_si256((const __m256i *)wr->qs);
-            mag[r] = _mm256_sign_epi8(q[r], q[r]);
-            d[r] = _cvtsh_ss(wr->d);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], _mm256_sign_epi8(xb, q[r])), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
-}
-
-/* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
-   loaded once for all the rows, and the rows' independent accumulators
-   keep the FMA unit busy where one row would wait on its own sums: in
-   cache this is 2.7x the dot product's speed. From DRAM both run at the
-   memory's pace, as long as the stream is prefetched well: the rows are
-   one contiguous stretch of memory read four places at once, which the
-   hardware prefetcher follows poorly, so each block prefetches its share
-   of the stretch in address order (one burst per call instead would fill
-   the miss buffers and stall the loads: 40 % slower). */
-static void gemv_q8_0_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    (void)xs;
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ8_0), GEMV_ROWS * sizeof(BlockQ8_0));
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = q8_0_block((const BlockQ8_0 *)(w + r * ws) + k, (const BlockQ8A *)x + k, acc[r]);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-static void tile_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i nib[TILE_ROWS];
-        float d[TILE_ROWS], m[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            const BlockQ4_1 *wr = (const BlockQ4_1 *)(w + r * ws) + k;
-            nib[r] = q4_1_nibbles(wr);
-            d[r] = _cvtsh_ss(wr->d);
-            m[r] = _cvtsh_ss(wr->m);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(nib[r], xb), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-                mins[r][t] += m[r] * b->s;
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
-}
-
-static void gemv_q4_1_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out)
-{
-    (void)xs;
-    __m256 acc[GEMV_ROWS];
-    float mins[GEMV_ROWS] = {0};
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        const BlockQ8A *b = (const BlockQ8A *)x + k;
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * sizeof(BlockQ4_1), GEMV_ROWS * sizeof(BlockQ4_1));
-        for (int r = 0; r < GEMV_ROWS; r++) {
-            const BlockQ4_1 *a = (const BlockQ4_1 *)(w + r * ws) + k;
-            acc[r] = q4_1_block(a, b, acc[r]);
-            mins[r] += _cvtsh_ss(a->m) * b->s;
-        }
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
-}
-
-/* GCC likes to fold a loaded vector into every FMA that uses it as a memory
-   operand, which costs one load per FMA and makes the tile load-bound; an
-   empty asm that "changes" the value pins it in a register. */
-#if defined(__GNUC__)
-#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
-#else
-#define KEEP_IN_REGISTER(v) (void)0
-#endif
-
-/* Float weights: 8 weights per FMA; a weight vector is loaded once and
-   used for every token of the tile. load8 turns 8 stored weights into floats. */
-#define FLOAT_TILE(name, load8)                                                                          \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                    \
-        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
-        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
-        for (int i = 0; i < n; i += 8) {                                                                 \
-            __m256 xv[FTILE_TOKS];                                                                       \
-            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
-            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
-            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
-                __m256 wv = load8(w + r * ws, i);                                                        \
-                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
-            }                                                                                            \
-        }                                                                                                \
-        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
-            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
-    }
-
-static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
-static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
-static __m256 load8_bf16(const uint8_t *row, int i)
-{
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-FLOAT_TILE(f32, load8_f32)
-FLOAT_TILE(f16, load8_f16)
-FLOAT_TILE(bf16, load8_bf16)
-#endif
-
 /* --- SwiGLU, the feed-forward's activation -----------------------------
    g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
 static void swiglu_scalar(float *g, const float *u, int n)
@@ -921,44 +1240,17 @@ static void swiglu_scalar(float *g, const float *u, int n)
     for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-#ifdef HAVE_AVX2
-/* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
-   with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
-   a minimax polynomial (Cephes' coefficients), times 2^n built in the
-   exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
-   no softmax weight notices); above 88.3 it is +inf (expf overflows at
-   88.7). */
-static __m256 exp_avx2(__m256 x)
+/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
+   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+static void geglu_scalar(float *g, const float *u, int n)
 {
-    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
-    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
-}
-
-static void swiglu_avx2(float *g, const float *u, int n)
-{
-    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 x = _mm256_loadu_ps(g + i), e = exp_avx2(_mm256_xor_ps(x, sign));
-        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    for (int i = 0; i < n; i++) {
+        float x = g[i];
+        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
     }
-    swiglu_scalar(g + i, u + i, n - i);
 }
-#endif
 
 /* --- attention kernels -----------------------------------------------------
    Attention works on blocks of ATT_KTILE cached positions held as floats.
@@ -1009,148 +1301,6 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     return sum;
 }
 
-#ifdef HAVE_AVX2
-static float hmax256(__m256 v)
-{
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* max_ps(score, mx) keeps mx when a score is NaN, as the scalar compare does. */
-static float att_softmax_avx2(float *sc, int n, float scale, float *m)
-{
-    __m256 vmax = _mm256_set1_ps(*m), vs = _mm256_set1_ps(scale), vsum = _mm256_setzero_ps();
-    int j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs);
-        _mm256_storeu_ps(sc + j, v);
-        vmax = _mm256_max_ps(v, vmax);
-    }
-    float mx = hmax256(vmax), sum = 0;
-    for (int i = j; i < n; i++) {
-        sc[i] *= scale;
-        mx = sc[i] > mx ? sc[i] : mx;
-    }
-    __m256 vm = _mm256_set1_ps(mx);
-    for (int i = 0; i < j; i += 8) {
-        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
-        _mm256_storeu_ps(sc + i, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    for (int i = j; i < n; i++) sum += sc[i] = expf(sc[i] - mx);
-    *m = mx;
-    return hsum256(vsum) + sum;
-}
-
-/* Keys in groups of 32 (four vectors of 8); the columns past n are
-   computed from whatever the block holds and never read. */
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j += 32) {
-        /* two elements of q per step into separate sums: one chain of FMAs
-           per accumulator would wait on its own latency */
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= hd; i += 2) {
-            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
-            const float *k = kt + i * ATT_KTILE + j;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
-            }
-        }
-        for (; i < hd; i++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-}
-
-/* Eight keys at a time: eight independent sums, reduced together by a
-   tree of horizontal adds instead of one reduction per key. */
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
-{
-    int j = 0, vec = hd / 8 * 8;
-    for (; j + 8 <= n; j += 8) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int i = 0; i < vec; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
-        }
-        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
-        for (int r = 0; r < 8; r++)
-            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
-    }
-    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
-}
-
-/* 32 output elements at a time in registers, two positions per step into
-   separate sums; then 8 at a time, then a scalar tail. */
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
-{
-    int i = 0;
-    for (; i + 32 <= hd; i += 32) {
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 2 <= n; j += 2) {
-            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-            const float *r = v + (size_t)j * hd + i;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
-            }
-        }
-        for (; j < n; j++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-    for (; i + 8 <= hd; i += 8) {
-        __m256 a = _mm256_loadu_ps(o + i);
-        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
-        _mm256_storeu_ps(o + i, a);
-    }
-    for (; i < hd; i++)
-        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
-#endif
-
-#ifdef HAVE_AVX2
-/* The KV cache's types, 8 elements per step: attention converts every
-   cached row it reads, so at long context this is decode's inner loop. */
-static void to_float_f16_avx2(float *out, const void *row, int n)
-{
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
-    to_float_f16_scalar(out + i, (const uint16_t *)row + i, n - i);
-}
-
-static void from_float_f16_avx2(void *row, const float *x, int n)
-{
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
-}
-
-static void to_float_q8_0_avx2(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i += QK) {
-        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-        __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < QK; j += 8) {
-            __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + j)));
-            _mm256_storeu_ps(out + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
-        }
-    }
-}
-#endif
-
 /* ============================================================================
    THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
    Everything the engine knows about a tensor type is one row of TYPES:
@@ -1188,13 +1338,14 @@ typedef struct {
 } TypeKernels;
 
 /* Activation formats: what a matrix product reads as its input rows. */
-enum { ACT_F32, ACT_Q8, N_ACTS };
+enum { ACT_F32, ACT_Q8, ACT_Q8K, N_ACTS };
 static const struct {
     int block;          /* elements per block */
     size_t block_bytes; /* bytes per block */
 } ACT_FORMATS[N_ACTS] = {
     [ACT_F32] = {1, sizeof(float)},
     [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d and d*sum */
+    [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
 enum { KSET_SCALAR, KSET_AVX2, N_KSETS };
@@ -1214,27 +1365,87 @@ typedef struct {
 #define AVX2(...) {0}
 #endif
 #define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
+#define FLOAT_GEMV_SHAPE GEMV_ROWS, 1, 8
 #define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
 #define GEMV_SHAPE GEMV_ROWS, 1, QK
+#define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
+#define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
+
+/* The AVX2 kernel set, defined in the appendix at the end of the file: the
+   same kernels as the scalar definitions above, eight floats or 32 int8
+   products per instruction, in register tiles for the matrix products. */
+#ifdef HAVE_AVX2
+#define AVX2_BLOCK_KERNELS(t)                                                                                   \
+    static float dot_##t##_avx2(const void *w, const void *x, int n);                                          \
+    static void gemv_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);  \
+    static void tile_##t##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
+AVX2_BLOCK_KERNELS(f32) AVX2_BLOCK_KERNELS(f16) AVX2_BLOCK_KERNELS(bf16)
+AVX2_BLOCK_KERNELS(q4_0) AVX2_BLOCK_KERNELS(q4_1) AVX2_BLOCK_KERNELS(q5_0) AVX2_BLOCK_KERNELS(q5_1) AVX2_BLOCK_KERNELS(q8_0)
+AVX2_BLOCK_KERNELS(q4_k) AVX2_BLOCK_KERNELS(q5_k) AVX2_BLOCK_KERNELS(q6_k)
+#undef AVX2_BLOCK_KERNELS
+static void to_float_f16_avx2(float *out, const void *row, int n);
+static void from_float_f16_avx2(void *row, const float *x, int n);
+static void to_float_q4_0_avx2(float *out, const void *row, int n);
+static void to_float_q4_1_avx2(float *out, const void *row, int n);
+static void to_float_q5_0_avx2(float *out, const void *row, int n);
+static void to_float_q5_1_avx2(float *out, const void *row, int n);
+static void to_float_q8_0_avx2(float *out, const void *row, int n);
+static void quantize_act_avx2(void *blocks, const float *x, int n);
+static void quantize_act_k_avx2(void *blocks, const float *x, int n);
+static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n);
+static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n);
+static float att_softmax_avx2(float *sc, int n, float scale, float *m);
+static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n);
+static void swiglu_avx2(float *g, const float *u, int n);
+static void geglu_avx2(float *g, const float *u, int n);
+static int cpu_has_avx2(void);
+static float hsum256(__m256 v);
+#endif
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
    blocks are copied from GGUF files bit for bit. */
 static const WeightType TYPES[N_TYPES] = {
+#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .dot = dot_##t##_scalar}
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
-               {{to_float_f32_scalar, from_float_f32_scalar, dot_f32_scalar},
-                AVX2({.dot = dot_f32_avx2, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
+               {SCALAR(f32, from_float_f32_scalar),
+                AVX2({.dot = dot_f32_avx2, .gemv = {gemv_f32_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}})}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
-               {{to_float_f16_scalar, from_float_f16_scalar, dot_f16_scalar},
-                AVX2({to_float_f16_avx2, from_float_f16_avx2, dot_f16_avx2, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
-    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
-                {{to_float_bf16_scalar, NULL, dot_bf16_scalar},
-                 AVX2({.dot = dot_bf16_avx2, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
-    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
-                {{to_float_q8_0_scalar, from_float_q8_0_scalar, dot_q8_0_scalar},
-                 AVX2({to_float_q8_0_avx2, NULL, dot_q8_0_avx2, {gemv_q8_0_avx2, GEMV_SHAPE}, {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+               {SCALAR(f16, from_float_f16_scalar),
+                AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
+                      .gemv = {gemv_f16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}})}},
+    [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
+                {SCALAR(q4_0, from_float_q4_0_scalar),
+                 AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}})}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
-                {{to_float_q4_1_scalar, NULL, dot_q4_1_scalar},
-                 AVX2({.dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE}, .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+                {SCALAR(q4_1, NULL),
+                 AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
+                       .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
+                {SCALAR(q5_0, NULL),
+                 AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
+                {SCALAR(q5_1, NULL),
+                 AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
+                       .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
+                {SCALAR(q8_0, from_float_q8_0_scalar),
+                 AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
+                       .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}})}},
+    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
+                {SCALAR(q4_k, NULL),
+                 AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K,
+                {SCALAR(q5_k, NULL),
+                 AVX2({.dot = dot_q5_k_avx2, .gemv = {gemv_q5_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q5_k_avx2, K_TILE_SHAPE}})}},
+    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K,
+                {SCALAR(q6_k, NULL),
+                 AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}})}},
+    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
+                {SCALAR(bf16, NULL),
+                 AVX2({.dot = dot_bf16_avx2, .gemv = {gemv_bf16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}})}},
+#undef SCALAR
 };
 
 /* The kernels that do not depend on a weight type, per kernel set. */
@@ -1247,23 +1458,19 @@ typedef struct {
     float (*att_softmax)(float *sc, int n, float scale, float *m);
     void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*swiglu)(float *g, const float *u, int n);
+    void (*geglu)(float *g, const float *u, int n);
+    int exact_tiles; /* every type's prefill tile adds each output's products in its GEMV's order, so a
+                        verification pass may use the tiles and stay bit for bit a decode step (verify_step) */
 } OpKernels;
 
 static int always(void) { return 1; }
-#ifdef HAVE_AVX2
-static int cpu_has_avx2(void)
-{
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-#endif
 
 static const OpKernels OPS[N_KSETS] = {
-    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar}, att_scores_scalar, att_scores_rows_scalar,
-                     att_softmax_scalar, att_accum_scalar, swiglu_scalar},
+    [KSET_SCALAR] = {"scalar", always, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_scores_scalar,
+                     att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar, geglu_scalar},
 #ifdef HAVE_AVX2
-    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2}, att_scores_avx2, att_scores_rows_avx2,
-                   att_softmax_avx2, att_accum_avx2, swiglu_avx2},
+    [KSET_AVX2] = {"avx2", cpu_has_avx2, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_scores_avx2,
+                   att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2, 1},
 #endif
 };
 
@@ -1287,7 +1494,7 @@ static void select_kernels(int set)
     K.op = *o;
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
     for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu);
+    FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu); FILL(geglu);
 #undef FILL
     for (int t = 0; t < N_TYPES; t++) {
         const TypeKernels *r = &TYPES[t].k[KSET_SCALAR];
@@ -1331,11 +1538,7 @@ static void att_scores_rows(float *out, const float *q, const float *k, int hd, 
 static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
 static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
 static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
-
-/* Set by --ignore-eos: generate -n tokens whatever is sampled (benchmarks). */
-static int ignore_eos;
-/* Set by --print-prompt-ids: each prefilled block's token ids go to stderr. */
-static int print_ids;
+static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
@@ -1381,6 +1584,7 @@ static void softmax(float *x, int n)
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
+    atomic_long long_wait_us; /* time spent in waits that outlasted SPINS_BEFORE_YIELD, since adapt_team looked */
 } Barrier;
 
 static void cpu_relax(void)
@@ -1400,9 +1604,15 @@ static void barrier(Barrier *b, int nth)
     } else {
         /* spin; if the wait is long the cores are oversubscribed (another
            program is running), and yielding lets the late thread run */
-        for (long spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) == phase; spins++)
-            if (spins < SPINS_BEFORE_YIELD) cpu_relax();
-            else sched_yield();
+        long spins = 0;
+        double long_since = 0;
+        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
+            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
+            else {
+                if (!long_since) long_since = now_ms();
+                sched_yield();
+            }
+        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
     }
 }
 
@@ -1438,12 +1648,17 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 
 /* ----- the forward pass ----------------------------------------------------- */
 
+enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
+
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
-    int n_threads;
+    int n_threads;  /* the full team */
+    int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
+    int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
-    int kv_type;    /* T_F32, T_F16 or T_Q8_0 */
+    int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
+    int exact;      /* this pass computes each token exactly as decode_step would (verify_step) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -1452,22 +1667,36 @@ typedef struct {
     float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds silu(gate) * up */
     uint8_t *hq;    /* [chunk, act_bytes(hidden_dim)] silu(gate) * up in W2's activation format: apart
                        from xq because other threads may still be reading xq in W13 */
-    float *rope_cos, *rope_sin; /* [chunk, rope_dim/2] */
-    float *inv_freq;            /* [rope_dim/2] */
+    float *xo;      /* [chunk, dim] an attention or FFN output waiting for its post-norm (post_norms) */
+    float *rope_cos[N_ROPE], *rope_sin[N_ROPE]; /* [chunk, rope_dim/2] each position's angles, per RoPE kind */
+    float *inv_freq[N_ROPE];                    /* [rope_dim/2] */
+    int *kv_cap;    /* [n_layers] positions a layer's cache holds: seq_len, or for a local layer
+                       a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
+    size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
     float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
     float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
                        prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
     float *vrow;    /* [n_threads, head_dim] a K row as floats */
     float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    uint8_t *key_cache;   /* [layer, kv_head, seq_len, kv_row bytes] */
-    uint8_t *value_cache; /* [layer, kv_head, seq_len, kv_row bytes] */
+    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
+    uint8_t *value_cache; /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
     float *logits;  /* [chunk, vocab] */
 } RunState;
 
-static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type)
+/* Positions layer l's cache holds for a context of seq_len. */
+static int kv_positions(const Config *c, int l, int seq_len)
 {
-    return 2 * (size_t)c->n_layers * c->n_kv_heads * seq_len * row_bytes(kv_type, c->head_dim);
+    return is_local(c, l) ? min_i(seq_len, c->window + CHUNK_TOKENS) : seq_len;
+}
+
+/* Bytes of the K and V caches for a context of seq_len; with full = 1 as
+   if every layer were global (what ring buffers save, for -v). */
+static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full)
+{
+    size_t rows = 0;
+    for (int l = 0; l < c->n_layers; l++) rows += (size_t)c->n_kv_heads * (full ? seq_len : kv_positions(c, l, seq_len));
+    return 2 * rows * row_bytes(kv_type, c->head_dim);
 }
 
 /* Bytes that hold a row of up to cols activations in any format but floats. */
@@ -1481,12 +1710,14 @@ static size_t act_room(int cols)
     return most;
 }
 
-static void build_state(RunState *s, const Config *c, int seq_len, int n_threads, int kv_type)
+static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type)
 {
+    const Config *c = &m->c;
     memset(s, 0, sizeof *s);
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
     int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
-    s->n_threads = n_threads;
+    s->n_threads = s->team = n_threads;
+    s->backoff = TEAM_RETRY;
     s->seq_len = seq_len;
     s->kv_type = kv_type;
     s->kv_row = row_bytes(kv_type, c->head_dim);
@@ -1496,29 +1727,68 @@ static void build_state(RunState *s, const Config *c, int seq_len, int n_threads
     s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
     s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
     s->hq = xcalloc((size_t)T, act_room(c->hidden_dim));
-    s->rope_cos = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-    s->rope_sin = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-    s->inv_freq = xcalloc(c->rope_dim / 2, sizeof(float));
-    for (int i = 0; i < c->rope_dim / 2; i++) s->inv_freq[i] = (float)pow(c->rope_theta, -2.0 * i / c->rope_dim);
+    if (c->post_norms) s->xo = xcalloc((size_t)T * c->dim, sizeof(float));
+    /* pair i turns by pos * theta^(-2i/rope_dim), divided by its frequency
+       factor (rope_freqs) and, on global layers, by the linear scaling */
+    for (int k = 0; k < N_ROPE; k++) {
+        double theta = k == ROPE_LOCAL ? c->rope_theta_local : c->rope_theta, scale = k == ROPE_LOCAL ? 1 : c->rope_scale;
+        s->rope_cos[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->rope_sin[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->inv_freq[k] = xcalloc(c->rope_dim / 2, sizeof(float));
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            double factor = c->rope_freqs ? ((const float *)m->rope_freqs.data)[i] : 1;
+            s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
+        }
+    }
     s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) * group * (c->head_dim + 2),
-                         sizeof(float));
+    s->partial = xcalloc((size_t)max_i(VERIFY_MAX_TOKENS * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
+                             group * (c->head_dim + 2), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
-    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
-    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type) / 2, 1);
+    s->kv_cap = xcalloc(c->n_layers, sizeof(int));
+    s->kv_off = xcalloc(c->n_layers, sizeof(size_t));
+    for (int l = 0; l < c->n_layers; l++) {
+        s->kv_cap[l] = kv_positions(c, l, seq_len);
+        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->kv_cap[l];
+    }
+    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
     s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
 }
 
 static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
-    free(s->rope_cos); free(s->rope_sin); free(s->inv_freq); free(s->scores); free(s->partial); free(s->vrow);
+    for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
+    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
     free(s->key_cache); free(s->value_cache); free(s->logits);
+}
+
+/* Sizes the team of the next forward pass. When other programs take the
+   cores, a thread of the team is descheduled for whole timeslices and every
+   barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
+   than with one thread. A pass (pass_ms long) whose threads spent more than
+   1/CONTENDED_SHARE of their time in long waits halves the team; the full team is tried again
+   after s->backoff passes, which doubles while the retries find the cores
+   still contended. On cores of its own a pass waits long rarely, and
+   briefly (a prefill step's uneven split). Results do not depend on the
+   team size (see split), so it may change between passes. */
+static void adapt_team(RunState *s, double pass_ms)
+{
+    double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
+    if (s->team > 1 && waited_ms * CONTENDED_SHARE > pass_ms * s->team) {
+        s->team /= 2;
+        s->retry_in = s->backoff;
+        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
+    } else if (s->team > 1 && s->team == s->n_threads) {
+        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
+    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
+        s->team = s->n_threads;
+    }
 }
 
 /* A matmul's input rows as its weights read them: floats, or int8 blocks
@@ -1583,23 +1853,33 @@ static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Til
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
    n_tok input rows in = x. Weight rows are taken ROW_TILE at a time and
    applied to every token while they sit in cache: prefill reads each
-   weight byte from memory once per batch, decode once per token. */
-static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
+   weight byte from memory once per batch, decode once per token. With
+   exact, every token takes decode's kernels (see verify_step). */
+static void matmul_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
+                        int exact)
 {
     Tile tile = prefill_tile(w), gemv = decode_tile(w);
+    /* A verification pass (exact) computes each token as decode does: on the
+       rows decode's GEMV covers, the tile may stand in for it, since a kernel
+       set's tile adds each output's products in its GEMV's order (exact_tiles);
+       the rows decode leaves to dot products take them here too. */
+    if (exact && !(K.op.exact_tiles && tile.fn && gemv.fn && gemv.rows % tile.rows == 0)) tile.fn = NULL;
     for (int a = r0; a < r1; a += ROW_TILE) {
-        int b = min_i(a + ROW_TILE, r1), t = 0;
-        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) matmul_tile(out, out_stride, w, in, tile, t, a, b, accumulate);
+        int b = min_i(a + ROW_TILE, r1), t = 0, tb = exact && tile.fn ? a + (b - a) / gemv.rows * gemv.rows : b;
+        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) {
+            matmul_tile(out, out_stride, w, in, tile, t, a, tb, accumulate);
+            if (tb < b) matmul_tile(out, out_stride, w, in, (Tile){NULL, 1, tile.toks, 1}, t, tb, b, accumulate);
+        }
         for (; t < n_tok; t++) matmul_tile(out, out_stride, w, in, gemv, t, a, b, accumulate); /* decode, tokens left over */
     }
 }
 
 /* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int me, int nth)
+static void matmul_part(float *out, const Tensor *w, Act in, int n_tok, int accumulate, int exact, int me, int nth)
 {
     int r0, r1;
     split(w->rows, ROW_TILE, me, nth, &r0, &r1);
-    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate);
+    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate, exact);
 }
 
 /* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
@@ -1620,18 +1900,21 @@ static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Ten
 
 /* Cached row of layer l, KV head h, position pos. The cache is laid out
    [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
-   attention streams them in order. */
+   attention streams them in order. A local layer keeps the last kv_cap
+   positions only, as a ring: position pos lives in slot pos % kv_cap. */
 static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int l, int h, int pos)
 {
-    return cache + (((size_t)l * c->n_kv_heads + h) * s->seq_len + pos) * s->kv_row;
+    (void)c;
+    return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
 }
 
 /* Stores one head_dim row of K or V at the cache's precision. */
 static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K.type[s->kv_type].from_float(dst, x, n); }
 
 /* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
-   then V heads) for some tokens, RoPE on their Q and K heads, and their K
-   and V rows stored in the cache at positions pos0 + t. A batch is split
+   then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
+   each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
+   rows stored in the cache at positions pos0 + t. A batch is split
    by tokens, in whole register tiles so that no result depends on the
    thread count: the rows split by heads would leave one thread a head
    more than the other (15 heads for SmolLM2). One token is split by heads. */
@@ -1642,18 +1925,23 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
     int unit = prefill_tile(w).toks;
-    if (n >= nth * unit) {
+    if (!s->exact && n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
     } else {
         split(heads, 1, me, nth, &h0, &h1);
     }
-    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
+    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0, s->exact);
+    const Layer *L = &m->layers[l];
+    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
     for (int t = t0; t < t1; t++)
         for (int h = h0; h < h1; h++) {
             float *x = s->qkv + (size_t)t * w->rows + h * hd;
             int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
-            if (kv < c->n_kv_heads) rope(x, s->rope_cos + t * half, s->rope_sin + t * half, c->rope_dim);
+            if (c->qkv_bias)
+                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
+            if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
+            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
             if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, l, kv, pos0 + t), x, hd);
             if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, l, kv - c->n_kv_heads, pos0 + t), x, hd);
         }
@@ -1694,7 +1982,7 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
     int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
     float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
     float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
-    float scale = 1.0f / sqrtf((float)hd);
+    int window = is_local(c, l) ? c->window : 0;
     for (int k = 0; k < nq; k++) {
         float *p = part + (size_t)k * (hd + 2);
         p[0] = -INFINITY, p[1] = 0;
@@ -1717,11 +2005,14 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
         }
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
-            if (n <= 0) continue; /* the whole block lies in this token's future */
+            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
+            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
+            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
             float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
             if (transpose) att_scores(sc, q, kt, hd, n);
             else att_scores_rows(sc, q, kt, hd, n);
-            float sum = att_softmax(sc, n, scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
+            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
+            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
             if (rescale != 1.0f)
                 for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
             p[1] = p[1] * rescale + sum;
@@ -1749,51 +2040,84 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
    KV head) jobs round-robin, each over all the positions its tokens see.
    Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
    jobs, so that even one KV head's long context is spread over every
-   thread, then merges the chunks. Either way the jobs do not depend on the
+   thread, then merges the chunks; a verification batch (s->exact) does
+   the same for each of its tokens. Either way the jobs do not depend on the
    thread count, so neither do the results. */
 static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int fmt, int me, int nth)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1;
-    if (n > 1) {
+    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
+    if (n > 1 && !s->exact) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
         float *parts = s->partial + (size_t)me * ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
-            attend_tile(s, c, l, g, t0, t1, pos0, 0, pos0 + t1, parts, me);
+            int first = window ? max_i(0, pos0 + t0 - window + 1) : 0; /* the tile's oldest visible key */
+            attend_tile(s, c, l, g, t0, t1, pos0, first, pos0 + t1, parts, me);
             for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
         }
         return;
     }
-    int n_chunks = pos0 / ATT_CHUNK + 1;
-    for (int job = me; job < c->n_kv_heads * n_chunks; job += nth) {
-        int g = job / n_chunks, k = job % n_chunks;
-        attend_tile(s, c, l, g, 0, 1, pos0, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, s->partial + ((size_t)g * max_chunks + k) * part, me);
+    /* decode: each token (one, or a verification batch's few) on its own */
+    for (int t = 0, job = 0; t < n; t++) {
+        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        for (int g = 0; g < c->n_kv_heads; g++)
+            for (int k = 0; k < n_chunks; k++, job++) {
+                if (job % nth != me) continue;
+                int j0 = (k0 + k) * ATT_CHUNK;
+                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + k) * part;
+                attend_tile(s, c, l, g, t, t + 1, pos0, j0, j0 + ATT_CHUNK, dst, me);
+            }
     }
     barrier(&s->bar, nth);
-    for (int g = me; g < c->n_kv_heads; g += nth) attention_out(s, c, s->partial + (size_t)g * max_chunks * part, n_chunks, g, 0, fmt);
+    for (int job = me; job < n * c->n_kv_heads; job += nth) {
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        attention_out(s, c, s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part, n_chunks, g, t, fmt);
+    }
 }
 
 /* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
-   of 32: the gate and up rows of those units (one matrix W13, the two
+   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
    halves stacked), then, as the epilogue of the same step, SwiGLU
    silu(gate) * up written over the gate half and quantized for W2. A
    thread owns whole int8 blocks of the result, so no barrier separates
    the matmul, the activation and the quantization. */
-static void ffn_up_part(RunState *s, const Layer *L, int hid, int n, int i0, int i1)
+static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
 {
-    int fmt = act_format(L->w2.type);
+    int fmt = act_format(L->w2.type), hid = c->hidden_dim;
     Act in = act_xb(s, &L->w13);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0, s->exact);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0, s->exact);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        swiglu(gate + i0, up + i0, i1 - i0);
+        if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
+        else swiglu(gate + i0, up + i0, i1 - i0);
         if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
     }
 }
 
-/* One layer for n tokens, run by every thread of the team. */
+/* The residual add that ends a block, for every thread of the team:
+   x += W . in, or with post_norms x += RMSNorm(W . in) * post. The plain
+   add is fused into the matmul; the post-norm needs whole output rows, so
+   the matmul writes s->xo and each thread then norms and adds its tokens
+   [t0, t1). Ends at a barrier. */
+static void add_output(const Model *m, RunState *s, const Tensor *w, Act in, const Tensor *post, int n, int t0, int t1,
+                       int me, int nth)
+{
+    const Config *c = &m->c;
+    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, s->exact, me, nth);
+    barrier(&s->bar, nth);
+    if (!c->post_norms) return;
+    for (int t = t0; t < t1; t++) {
+        float *o = s->xo + (size_t)t * c->dim, *x = s->x + (size_t)t * c->dim;
+        rmsnorm(o, o, post->data, c->dim, c->norm_eps);
+        for (int i = 0; i < c->dim; i++) x[i] += o[i];
+    }
+    barrier(&s->bar, nth);
+}
+
+/* One transformer block for n tokens, run by every thread of the team. */
 static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
 {
     const Config *c = &m->c;
@@ -1802,7 +2126,8 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
     /* attention converts its output for Wo itself when its slices are whole blocks */
     int wo_fmt = act_format(L->wo.type), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
     split(n, 1, me, nth, &t0, &t1);
-    /* attention block: x += Wo . attn(RoPE(Wq.h), RoPE(Wk.h), Wv.h), h = norm(x) */
+    /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
+       q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
     norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
     qkv_part(m, s, l, n, pos0, me, nth);
@@ -1813,34 +2138,39 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
         prepare_act(s, &L->wo, t0, t1);
         barrier(&s->bar, nth);
     }
-    matmul_part(s->x, &L->wo, act_xb(s, &L->wo), n, 1, me, nth);
-    barrier(&s->bar, nth);
-    /* feed-forward block: x += W2 . (silu(Wgate.h) * (Wup.h)), h = norm(x) */
+    add_output(m, s, &L->wo, act_xb(s, &L->wo), &L->post_attn_norm, n, t0, t1, me, nth);
+    /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = norm(x), act SiLU or
+       GELU; W2's output post-normed (post_norms) */
     norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
-    /* whole blocks of W2's activations per thread, so SwiGLU can convert them */
+    /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
     split(hid, max_i(QK, ACT_FORMATS[act_format(L->w2.type)].block), me, nth, &i0, &i1);
-    ffn_up_part(s, L, hid, n, i0, i1);
+    ffn_up_part(s, c, L, n, i0, i1);
     barrier(&s->bar, nth);
-    matmul_part(s->x, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, 1, me, nth);
-    barrier(&s->bar, nth);
+    add_output(m, s, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), &L->post_ffn_norm, n, t0, t1, me, nth);
 }
 
 /* The embedding step for the batch's tokens [t0, t1): each token id
    selects its row of the embedding table, which starts the residual
-   stream. Positions enter later, through RoPE on the queries and keys:
-   here each position's rotation angles pos * theta^(-2i/rope_dim) are
-   computed once for every layer. */
+   stream (scaled by embed_scale). Positions enter later, through RoPE on
+   the queries and keys: here each position's rotation angles
+   pos * theta^(-2i/rope_dim) are computed once for every layer (for each
+   RoPE base the model's layers use). */
 static void embed(const Model *m, RunState *s, const int *tokens, int pos0, int t0, int t1)
 {
-    int dim = m->c.dim, half = m->c.rope_dim / 2;
+    const Config *c = &m->c;
+    int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
     for (int t = t0; t < t1; t++) {
-        to_float(s->x + (size_t)t * dim, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
-        for (int i = 0; i < half; i++) {
-            double angle = (double)(pos0 + t) * s->inv_freq[i];
-            s->rope_cos[t * half + i] = (float)cos(angle);
-            s->rope_sin[t * half + i] = (float)sin(angle);
-        }
+        float *x = s->x + (size_t)t * dim;
+        to_float(x, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
+        if (c->embed_scale != 1)
+            for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
+        for (int k = 0; k < kinds; k++)
+            for (int i = 0; i < half; i++) {
+                double angle = (double)(pos0 + t) * s->inv_freq[k][i];
+                s->rope_cos[k][t * half + i] = (float)cos(angle);
+                s->rope_sin[k][t * half + i] = (float)sin(angle);
+            }
     }
 }
 
@@ -1852,7 +2182,8 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
 {
     const Config *c = &m->c;
     int dim = c->dim;
-    #pragma omp parallel num_threads(s->n_threads)
+    double t0 = now_ms();
+    #pragma omp parallel num_threads(s->team)
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
         split(n, 1, me, nth, &t0, &t1);
@@ -1866,9 +2197,10 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
                 rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
             prepare_act(s, &m->output, t0, t1);
             barrier(&s->bar, nth);
-            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
+            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, s->exact, me, nth);
         }
     }
+    adapt_team(s, now_ms() - t0);
 }
 
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
@@ -1888,6 +2220,20 @@ static void prefill(const Model *m, RunState *s, const int *tokens, int n, int p
 static void decode_step(const Model *m, RunState *s, int token, int pos)
 {
     forward_chunk(m, s, &token, 1, pos, 0);
+}
+
+/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
+   positions pos0.. in one pass, with the logits of every one in
+   s->logits. Each token is computed exactly as decode_step would compute
+   it at its position (decode's GEMV kernels and attention, the same work
+   splits), so its logits are bit for bit those of a decode step, however
+   many tokens share the pass; the weights are still read once for all of
+   them, which is what makes checking k drafts cost about one decode step. */
+static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
+{
+    s->exact = 1;
+    forward_chunk(m, s, tokens, n, pos0, 0);
+    s->exact = 0;
 }
 
 /* ============================================================================
@@ -1929,9 +2275,11 @@ static int by_prob_desc(const void *a, const void *b)
     return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
-/* Samples from softmax(logits / T) restricted to the top-k, then to the
-   top-p nucleus. cand is scratch for n candidates. */
-static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
+/* The distribution the sampler draws from: softmax(logits / T) restricted
+   to the top-k, then to the top-p nucleus, as cand[0..keep) by falling
+   probability (keep is returned; the kept probabilities sum to *total,
+   the normalizer). cand is scratch for n candidates. */
+static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *cand, float *total)
 {
     /* (l - max) / T: the largest logit becomes exactly 0, so no temperature,
        however small, can overflow it to inf (inf - inf = NaN in softmax) */
@@ -1944,30 +2292,70 @@ static int sample_topp(Sampler *sm, float *logits, int n, Candidate *cand)
     for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
     qsort(cand, nc, sizeof *cand, by_prob_desc);
     if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
-    float total = 0;
     int keep = nc;
+    *total = 0;
     for (int i = 0; i < nc; i++) {
-        total += cand[i].p;
-        if (total >= sm->top_p) { keep = i + 1; break; }
+        *total += cand[i].p;
+        if (*total >= sm->top_p) { keep = i + 1; break; }
     }
-    float r = random_f32(&sm->rng) * total, acc = 0;
-    for (int i = 0; i < keep; i++) {
-        acc += cand[i].p;
-        if (r < acc) return cand[i].id;
-    }
-    return cand[keep - 1].id;
+    return keep;
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+/* One draw from cand[0..keep) weighted by p, leaving out token `skip` (-1:
+   none); total is the sum of the probabilities drawn from. */
+static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int skip)
+{
+    float r = random_f32(&sm->rng) * total, acc = 0;
+    int last = -1;
+    for (int i = 0; i < keep; i++) {
+        if (cand[i].id == skip) continue;
+        acc += cand[i].p;
+        last = cand[i].id;
+        if (r < acc) return last;
+    }
+    return last;
+}
+
+static void check_logits(const float *logits, int n)
 {
     for (int i = 0; i < n; i++)
         if (!isfinite(logits[i]))
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
-    return sm->temperature == 0 ? sample_argmax(logits, n) : sample_topp(sm, logits, n, cand);
 }
 
-/* ----- roofline ---------------------------------------------------------------
-   How fast could this machine go? Small probes (--probe) measure DRAM read
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+{
+    check_logits(logits, n);
+    if (sm->temperature == 0) return sample_argmax(logits, n);
+    float total;
+    int keep = sampling_dist(sm, logits, n, cand, &total);
+    return draw(sm, cand, keep, total, -1);
+}
+
+/* Samples the token that follows, given a drafted guess d (lookup
+   decoding): d stands with probability p(d), the probability sample()
+   would give it; otherwise the token is drawn from p with d left out,
+   renormalized. The result is distributed exactly as sample()'s (for any
+   x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
+   changes what is generated, only how many forward passes it takes. With
+   -t 0 it is the argmax, which stands for d exactly when it equals it. */
+static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d)
+{
+    check_logits(logits, n);
+    if (sm->temperature == 0) return sample_argmax(logits, n);
+    float total;
+    int keep = sampling_dist(sm, logits, n, cand, &total), at = -1;
+    for (int i = 0; i < keep; i++) if (cand[i].id == d) at = i;
+    if (at < 0) return draw(sm, cand, keep, total, -1); /* p(d) = 0: d never stands */
+    if (random_f32(&sm->rng) * total < cand[at].p) return d;
+    return draw(sm, cand, keep, total - cand[at].p, d);
+}
+
+/* ============================================================================
+   5. MEASUREMENT: ROOFLINE AND STATISTICS
+   ========================================================================= */
+
+/* How fast could this machine go? Small probes (--probe) measure DRAM read
    bandwidth and the f32 and int8 arithmetic peaks with the same thread
    team; -v then puts each phase next to its own limit: decode against
    bandwidth (bytes of weights and KV cache read per token), prefill against
@@ -2082,9 +2470,243 @@ static double decode_bytes(const Model *m, const RunState *s, int pos)
     return m->weight_bytes + 2.0 * m->c.n_layers * m->c.n_kv_heads * (pos + 1) * s->kv_row;
 }
 
+/* Per-request numbers for -v: what the user waits for before the first
+   token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
+   memory bandwidth in decode). */
+typedef struct {
+    int pos0;       /* tokens already cached before this request */
+    int n_prompt, n_gen;
+    double prefill_ms;
+    double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
+    int n_itl;
+    int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
+} Stats;
+
+static int by_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The -v lines of one request: speed, achieved GFLOP/s (prefill) and GB/s
+   (decode), and with --probe the fraction of the machine's limit and which
+   limit binds. */
+static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
+{
+    double pre = st->prefill_ms, itl_sum = 0;
+    int k = min_i(st->n_itl, st->n_gen > 1 ? st->n_gen - 1 : 0);
+    for (int i = 0; i < k; i++) itl_sum += st->itl[i];
+    qsort(st->itl, k, sizeof(double), by_double);
+    double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
+    double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
+    /* each forward pass reads the weights once, whatever number of tokens it yields (lookup decoding) */
+    int passes = st->passes ? min_i(st->passes, k) : k;
+    double gbps = k ? bytes * passes / (itl_sum / 1e3) / 1e9 : 0;
+    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
+            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
+    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
+            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (st->drafted)
+        fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
+                100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
+    if (!mc) return;
+    int int8 = act_format(m->layers[0].w2.type) != ACT_F32;
+    double peak = int8 ? mc->i8_gops : mc->f32_gflops;
+    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
+            "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",
+            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / mc->gbps, bytes / 1e6, mc->gbps,
+            bytes / (mc->gbps * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? "memory" : "compute");
+}
+
 /* ============================================================================
-   5. GENERATION
+   6. GENERATION
    ========================================================================= */
+
+/* What the generation loop takes from the command line. */
+typedef struct {
+    int n_predict;      /* -n: tokens to generate at most */
+    int lookup;         /* --lookup N: longest draft of lookup decoding (0 = off) */
+    int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
+    int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
+    int verbose;        /* -v: statistics per request */
+    const char *system; /* -y: the system prompt (NULL: the template's own) */
+} GenOpts;
+
+/* Why an answer ended (generate's result). */
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
+
+/* Set by SIGINT in chat mode: ends the current answer. */
+static volatile sig_atomic_t interrupted, answering;
+
+/* The tokens of a conversation in order; the first `pos` of them are in
+   the KV cache. */
+typedef struct {
+    int *ids;
+    int n, cap;
+} Tokens;
+
+static void push(Tokens *t, int id)
+{
+    if (t->n == t->cap) {
+        t->cap = t->cap ? 2 * t->cap : 256;
+        t->ids = realloc(t->ids, t->cap * sizeof(int));
+        if (!t->ids) die(EXIT_RUNTIME, "out of memory");
+    }
+    t->ids[t->n++] = id;
+}
+
+/* ----- tokenization ----------------------------------------------------------- */
+
+/* Appends text, tokenized with tok_encode's flags, to t. Without
+   TOK_PARSE_SPECIAL control-token look-alikes inside it stay text, so a
+   message cannot inject template tokens. Returns the number of ids added. */
+static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t len, int flags)
+{
+    int *ids;
+    size_t n;
+    if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+    for (size_t i = 0; i < n; i++) push(t, ids[i]);
+    free(ids);
+    return n;
+}
+
+/* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
+static void push_text(const Model *m, Tokens *t, const char *text, size_t len) { push_encoded(m, t, text, len, 0); }
+
+/* The id of a control token given by its text, or -1. */
+static int special_id(const Model *m, const char *text)
+{
+    int *ids, id = -1;
+    size_t n;
+    if (tok_encode(m->tok, text, strlen(text), TOK_PARSE_SPECIAL, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory");
+    if (n == 1 && tok_is_control(m->tok, ids[0])) id = ids[0];
+    free(ids);
+    return id;
+}
+
+/* ----- chat templates ----------------------------------------------------- */
+
+/* The chat templates, reduced to what the generation loop needs. A turn is
+   START ROLE [HEADER_END] SEP TEXT END AFTER; START, HEADER_END and END are
+   control tokens, the rest text:
+   ChatML:  <|im_start|>ROLE\nTEXT<|im_end|>\n
+   Gemma:   <bos> <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (the assistant is
+            "model"; the system text opens the first user message)
+   Llama 3: <|begin_of_text|> <|start_header_id|>ROLE<|end_header_id|>\n\nTEXT<|eot_id|> */
+static const struct {
+    const char *start, *header_end, *end; /* control tokens (header_end NULL: none) */
+    const char *sep, *after;              /* text after the role, after the turn */
+    const char *assistant;                /* the answering role */
+    int bos;                              /* the conversation opens with BOS */
+    int system_in_user;                   /* no system turn: the system text opens the first user message */
+} TEMPLATES[] = {
+    [TOK_CHAT_CHATML] = {"<|im_start|>", NULL, "<|im_end|>", "\n", "\n", "assistant", 0, 0},
+    [TOK_CHAT_GEMMA] = {"<start_of_turn>", NULL, "<end_of_turn>", "\n", "\n", "model", 1, 1},
+    [TOK_CHAT_LLAMA3] = {"<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "\n\n", "", "assistant", 1, 0},
+};
+
+typedef struct {
+    int kind;            /* TOK_CHAT_*: the row of TEMPLATES */
+    int start, header_end, end; /* their token ids (header_end -1: none) */
+    const char *system;  /* system prompt (-y, else the template's default) */
+    size_t system_len;
+    int system_pending;  /* system_in_user: not yet folded into a user message */
+    int system_turn;     /* otherwise: open with a system turn */
+} Chat;
+
+static void build_chat(Chat *ch, const Model *m, const char *system)
+{
+    const tok_info *ti = tok_get_info(m->tok);
+    memset(ch, 0, sizeof *ch);
+    ch->kind = ti->chat_template;
+    if (ch->kind <= TOK_CHAT_NONE || ch->kind >= (int)(sizeof TEMPLATES / sizeof *TEMPLATES))
+        die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
+    ch->start = special_id(m, TEMPLATES[ch->kind].start);
+    ch->end = special_id(m, TEMPLATES[ch->kind].end);
+    ch->header_end = TEMPLATES[ch->kind].header_end ? special_id(m, TEMPLATES[ch->kind].header_end) : -2;
+    if (ch->start < 0 || ch->end < 0 || ch->header_end == -1)
+        die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
+    ch->system = system ? system : ti->default_system;
+    ch->system_len = system ? strlen(system) : ti->default_system_len;
+    ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
+    /* An explicit -y "" is an empty system message: the turn is still
+       rendered (templates add their default only without one). */
+    ch->system_turn = !TEMPLATES[ch->kind].system_in_user && (ch->system_len || system);
+}
+
+/* START ROLE [HEADER_END] SEP: a turn's opening. */
+static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char *role)
+{
+    push(t, ch->start);
+    push_text(m, t, role, strlen(role));
+    if (ch->header_end >= 0) push(t, ch->header_end);
+    push_text(m, t, TEMPLATES[ch->kind].sep, strlen(TEMPLATES[ch->kind].sep));
+}
+
+/* END AFTER: a turn's close. */
+static void chat_turn_close(const Chat *ch, const Model *m, Tokens *t)
+{
+    push(t, ch->end);
+    push_text(m, t, TEMPLATES[ch->kind].after, strlen(TEMPLATES[ch->kind].after));
+}
+
+/* The tokens that open a conversation: BOS if the template has one, and
+   the system turn, unless the template folds the system text into the
+   first user message. */
+static void chat_open(const Chat *ch, const Model *m, Tokens *t)
+{
+    const tok_info *ti = tok_get_info(m->tok);
+    if (TEMPLATES[ch->kind].bos && ti->bos >= 0) push(t, ti->bos);
+    if (ch->system_turn) {
+        chat_turn_open(ch, m, t, "system");
+        push_text(m, t, ch->system, ch->system_len);
+        chat_turn_close(ch, m, t);
+    }
+}
+
+/* A user turn followed by the assistant's opening, e.g.
+   <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
+static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
+{
+    size_t sys = ch->system_pending ? ch->system_len + 2 : 0;
+    char *buf = xmalloc(len + sys + 1);
+    if (sys) { memcpy(buf, ch->system, ch->system_len); memcpy(buf + ch->system_len, "\n\n", 2); }
+    memcpy(buf + sys, text, len);
+    chat_turn_open(ch, m, t, "user");
+    push_text(m, t, buf, sys + len);
+    chat_turn_close(ch, m, t);
+    chat_turn_open(ch, m, t, TEMPLATES[ch->kind].assistant);
+    ch->system_pending = 0;
+    free(buf);
+}
+
+/* After an answer: the last sampled token, if it was text, goes into the
+   conversation, then the turn is closed (<|im_end|>\n). */
+static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
+{
+    if (why != STOP_END && last >= 0) push(conv, last);
+    chat_turn_close(ch, m, conv);
+}
+
+/* Tokenization, where generation starts: the prompt's text becomes token
+   ids, either wrapped in the chat template as one user turn (chat_wrap,
+   with the template's or -y's system text) or as plain text to continue,
+   with BOS where the model wants one and control-token texts parsed only
+   with `special`. */
+static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
+                            Tokens *t)
+{
+    if (chat_wrap) {
+        Chat ch;
+        build_chat(&ch, m, system);
+        chat_open(&ch, m, t);
+        chat_user_turn(&ch, m, t, text, len);
+    } else {
+        push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (special ? TOK_PARSE_SPECIAL : 0));
+    }
+}
+
+/* ----- streaming --------------------------------------------------------------- */
 
 /* Streams token texts to stdout so that a UTF-8 character split across
    tokens is written whole: bytes of an unfinished character wait for the
@@ -2099,10 +2721,23 @@ static int utf8_len(unsigned char lead)
     return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
 }
 
-/* stdout went away (e.g. `| head`): stop quietly, like other filters. */
+/* stdout must take every byte. A reader that went away (EPIPE, e.g.
+   `| head`) ends the run quietly with status 0, like other filters; any
+   other failure (a full disk, a closed stdout) is an error. */
 static void check_stdout(void)
 {
-    if (fflush(stdout) != 0 || ferror(stdout)) exit(errno == EPIPE ? EXIT_SUCCESS : EXIT_RUNTIME);
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    if (errno == EPIPE) exit(EXIT_SUCCESS);
+    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Before a successful exit: all of stdout written, and closed without
+   error (some file systems report a failed write only at close). */
+static void close_stdout(void)
+{
+    check_stdout();
+    errno = 0;
+    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
 }
 
 static void emit(Utf8Stream *u, const char *p, size_t n)
@@ -2124,82 +2759,119 @@ static void emit_flush(Utf8Stream *u)
     check_stdout();
 }
 
-/* Per-request numbers for -v: what the user waits for before the first
-   token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
-   memory bandwidth in decode). */
+/* ----- lookup decoding --------------------------------------------------------
+   Decode reads every weight once per token, but checking k guessed tokens
+   costs about the same weight reads as producing one (verify_step). Text
+   that copies from its input (summaries, extractions, edits, code) often
+   continues with tokens the context already holds, so the guesses come
+   from the context itself: the latest earlier occurrence of the longest
+   suffix n-gram proposes the tokens that followed it. Greedy output stays
+   byte for byte what plain decoding gives, because the verification pass
+   computes each position exactly as a decode step; sampled output keeps
+   its distribution (sample_with_draft). */
+
+#define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
+#define LOOKUP_COOLDOWN 16 /* plain decode steps before drafting again after drafts kept failing */
+#define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
+
 typedef struct {
-    int pos0;       /* tokens already cached before this request */
-    int n_prompt, n_gen;
-    double prefill_ms;
-    double *itl; /* [n_gen - 1] gaps between streamed tokens, ms */
-} Stats;
+    int max;  /* --lookup: longest draft (0 = off) */
+    int len;  /* current draft length, adapted to how many drafts stand */
+    int idle; /* plain steps since drafting stopped (len 0) */
+} Lookup;
 
-enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
-
-/* Set by SIGINT in chat mode: ends the current answer. */
-static volatile sig_atomic_t interrupted, answering;
-
-static int by_double(const void *a, const void *b)
+/* Up to k tokens that followed the latest earlier occurrence of the longest
+   suffix n-gram (n = LOOKUP_NGRAM down to 1) of ids[0..n) into draft;
+   returns how many (0: no n-gram of the suffix occurred before). */
+static int lookup_draft(const int *ids, int n, int k, int *draft)
 {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
+    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= 1; g--)
+        for (int i = n - g - 1; i >= 0; i--)
+            if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
+                int c = min_i(k, n - (i + g));
+                memcpy(draft, ids + i + g, c * sizeof *ids);
+                return c;
+            }
+    return 0;
 }
 
-/* The -v lines of one request: speed, achieved GFLOP/s (prefill) and GB/s
-   (decode), and with --probe the fraction of the machine's limit and which
-   limit binds. */
-static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
+/* After a verification that kept `kept` of k drafts: all stood, so guess
+   further next time; none, so halve the guess, down to not drafting at all
+   (open-ended text then pays nothing but a probe every LOOKUP_COOLDOWN
+   tokens); some, so guess one more than stood. */
+static void lookup_adapt(Lookup *lk, int kept, int k)
 {
-    double pre = st->prefill_ms, itl_sum = 0;
-    int k = st->n_gen > 1 ? st->n_gen - 1 : 0;
-    for (int i = 0; i < k; i++) itl_sum += st->itl[i];
-    qsort(st->itl, k, sizeof(double), by_double);
-    double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
-    double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
-    double gbps = k ? bytes / (itl / 1e3) / 1e9 : 0;
-    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
-            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
-    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
-            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
-    if (!mc) return;
-    int int8 = act_format(m->layers[0].w2.type) != ACT_F32;
-    double peak = int8 ? mc->i8_gops : mc->f32_gflops;
-    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
-            "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",
-            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / mc->gbps, bytes / 1e6, mc->gbps,
-            bytes / (mc->gbps * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? "memory" : "compute");
+    if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
+    else if (kept == 0) lk->len /= 2;
+    else lk->len = min_i(lk->max, kept + 1);
+    lk->idle = 0;
 }
 
-/* The tokens of a conversation in order; the first `pos` of them are in
-   the KV cache. */
-typedef struct {
-    int *ids;
-    int n, cap;
-} Tokens;
-
-static void push(Tokens *t, int id)
+/* Takes the sampled token: an end token stops (never printed, never fed
+   back); otherwise it is streamed and counted, and the limits are checked
+   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
+static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
 {
-    if (t->n == t->cap) {
-        t->cap = t->cap ? 2 * t->cap : 256;
-        t->ids = realloc(t->ids, t->cap * sizeof(int));
-        if (!t->ids) die(EXIT_RUNTIME, "out of memory");
+    if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
+    size_t len;
+    const char *piece = tok_piece(m->tok, token, &len);
+    if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
+    if (++st->n_gen >= n_predict) return STOP_LIMIT;
+    if (pos >= seq_len) return STOP_CONTEXT;
+    if (interrupted) return STOP_INTERRUPT;
+    return -1;
+}
+
+/* One step of the decode loop: feeds `token` (taken, at position *pos) and
+   returns the next sampled token. With lookup, drafts follow it in one
+   verification pass; each draft that stands is taken on the spot (and may
+   stop generation: then *why is set). conv receives every token fed, so
+   conv->n == *pos after the step. */
+static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Lookup *lk, Candidate *cand, Tokens *conv,
+                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
+{
+    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
+    push(conv, token);
+    if (lk->max && !lk->len && ++lk->idle >= LOOKUP_COOLDOWN) lk->len = 1;
+    int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
+    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, batch + 1);
+    st->passes++;
+    if (k == 0) {
+        decode_step(m, s, token, (*pos)++);
+        return sample(sm, s->logits, vocab, cand);
     }
-    t->ids[t->n++] = id;
+    batch[0] = token;
+    verify_step(m, s, batch, k + 1, *pos);
+    st->drafted += k;
+    int i = 0, kept = 0, next;
+    for (;; i++) { /* row i holds the logits after batch[0..i] */
+        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
+        if (i == k || next != batch[i + 1]) break;
+        kept++;
+        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
+        push(conv, next);
+    }
+    st->accepted += kept;
+    lookup_adapt(lk, kept, k);
+    *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
+    return next;
 }
 
 /* Prefills the tokens of conv not yet cached (from *pos), then samples,
    streams and decodes until an end token (never printed, never fed back),
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
    model is appended to conv, so conv->n == *pos on return. Returns why it
-   stopped and, in *last, the last token sampled (not fed). */
-static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int *pos, int n_predict,
+   stopped and, in *last, the last token sampled (not fed; -1 when
+   n_predict is 0: then nothing is sampled or printed). */
+static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
-    int n = conv->n - *pos, why;
+    Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0};
+    int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
-    if (print_ids) {
+    if (o->print_ids) {
         fputs("ids:", stderr);
         for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
         fputc('\n', stderr);
@@ -2207,129 +2879,25 @@ static int generate(const Model *m, RunState *s, Sampler *sm, Tokens *conv, int 
     double t0 = now_ms();
     prefill(m, s, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = sample(sm, s->logits, m->c.vocab_size, cand);
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
-    while (1) {
+    *last = token;
+    while (n_predict > 0) {
+        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
+        int before = st->n_gen, stop = -1;
+        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
         *last = token;
-        if (tok_is_eog(m->tok, token) && !ignore_eos) { why = STOP_END; break; }
-        size_t len;
-        const char *piece = tok_piece(m->tok, token, &len);
-        if (piece && !tok_is_control(m->tok, token)) emit(&u, piece, len);
-        if (++st->n_gen >= n_predict) { why = STOP_LIMIT; break; }
-        if (*pos >= s->seq_len) { why = STOP_CONTEXT; break; }
-        if (interrupted) { why = STOP_INTERRUPT; break; }
-        push(conv, token);
-        decode_step(m, s, token, (*pos)++);
-        token = sample(sm, s->logits, m->c.vocab_size, cand);
+        /* the pass yielded the drafts taken and the new token: they share its time */
         double t = now_ms();
-        st->itl[st->n_gen - 1] = t - t_prev;
+        int yielded = st->n_gen - before + 1;
+        for (int i = 0; i < yielded && st->n_itl <= n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
         t_prev = t;
+        if (stop >= 0) { why = stop; break; }
     }
     emit_flush(&u);
     free(cand);
     return why;
-}
-
-/* ----- chat templates ----------------------------------------------------- */
-
-/* Appends text tokenized as plain text: control-token look-alikes inside it
-   stay text, so a message cannot inject template tokens. */
-static void push_text(const Model *m, Tokens *t, const char *text, size_t len)
-{
-    int *ids;
-    size_t n;
-    if (tok_encode(m->tok, text, len, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
-    for (size_t i = 0; i < n; i++) push(t, ids[i]);
-    free(ids);
-}
-
-/* The id of a control token given by its text, or -1. */
-static int special_id(const Model *m, const char *text)
-{
-    int *ids, id = -1;
-    size_t n;
-    if (tok_encode(m->tok, text, strlen(text), TOK_PARSE_SPECIAL, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory");
-    if (n == 1 && tok_is_control(m->tok, ids[0])) id = ids[0];
-    free(ids);
-    return id;
-}
-
-/* The model's chat template, reduced to what the generation loop needs:
-   ChatML:  <|im_start|>ROLE\nTEXT<|im_end|>\n
-   Gemma:   <start_of_turn>ROLE\nTEXT<end_of_turn>\n  (assistant is "model",
-            the system text opens the first user message; BOS first). */
-typedef struct {
-    int kind;            /* 1 ChatML, 2 Gemma */
-    int start, end;      /* turn delimiter token ids */
-    const char *system;  /* system prompt (-y, else the template's default) */
-    size_t system_len;
-    int system_pending;  /* Gemma: not yet folded into a user message */
-    int system_turn;     /* ChatML: open with a system turn */
-} Chat;
-
-static void build_chat(Chat *ch, const Model *m, const char *system)
-{
-    const tok_info *ti = tok_get_info(m->tok);
-    memset(ch, 0, sizeof *ch);
-    ch->kind = ti->chat_template;
-    if (ch->kind == 1) { ch->start = special_id(m, "<|im_start|>"); ch->end = special_id(m, "<|im_end|>"); }
-    else if (ch->kind == 2) { ch->start = special_id(m, "<start_of_turn>"); ch->end = special_id(m, "<end_of_turn>"); }
-    else die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
-    if (ch->start < 0 || ch->end < 0) die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
-    ch->system = system ? system : ti->default_system;
-    ch->system_len = system ? strlen(system) : ti->default_system_len;
-    ch->system_pending = ch->kind == 2 && ch->system_len;
-    /* An explicit -y "" is an empty system message: ChatML still renders
-       its turn (the template adds its default only without one). */
-    ch->system_turn = ch->system_len || system;
-}
-
-/* The tokens that open a conversation: BOS if the template has one, and
-   the system turn (ChatML) — Gemma folds the system text into the first
-   user message instead. */
-static void chat_open(const Chat *ch, const Model *m, Tokens *t)
-{
-    const tok_info *ti = tok_get_info(m->tok);
-    if (ch->kind == 2 && ti->bos >= 0) push(t, ti->bos);
-    if (ch->kind == 1 && ch->system_turn) {
-        push(t, ch->start);
-        char *buf = xmalloc(ch->system_len + 8);
-        int k = sprintf(buf, "system\n");
-        memcpy(buf + k, ch->system, ch->system_len);
-        push_text(m, t, buf, k + ch->system_len);
-        free(buf);
-        push(t, ch->end);
-        push_text(m, t, "\n", 1);
-    }
-}
-
-/* A user turn followed by the assistant's opening, e.g.
-   <|im_start|>user\nTEXT<|im_end|>\n<|im_start|>assistant\n */
-static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text, size_t len)
-{
-    size_t sys = ch->kind == 2 && ch->system_pending ? ch->system_len + 2 : 0;
-    char *buf = xmalloc(len + sys + 8);
-    int k = sprintf(buf, "user\n");
-    if (sys) { memcpy(buf + k, ch->system, ch->system_len); memcpy(buf + k + ch->system_len, "\n\n", 2); k += sys; }
-    memcpy(buf + k, text, len);
-    push(t, ch->start);
-    push_text(m, t, buf, k + len);
-    push(t, ch->end);
-    push_text(m, t, "\n", 1);
-    push(t, ch->start);
-    push_text(m, t, ch->kind == 2 ? "model\n" : "assistant\n", ch->kind == 2 ? 6 : 10);
-    ch->system_pending = 0;
-    free(buf);
-}
-
-/* After an answer: the last sampled token, if it was text, goes into the
-   conversation, then the turn is closed (<|im_end|>\n). */
-static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
-{
-    if (why != STOP_END) push(conv, last);
-    push(conv, ch->end);
-    push_text(m, conv, "\n", 1);
 }
 
 /* When the conversation plus room for an answer no longer fits, drops the
@@ -2361,44 +2929,79 @@ static void on_sigint(int sig)
     else _exit(130);
 }
 
-typedef struct {
-    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *system, *mode;
-    int n_predict, top_k, threads, ctx, verbose, special, tokenize, no_batch, seed_set, chat_wrap, kv_type, probe;
-    float temperature, top_p;
-    unsigned long long seed;
-} Args;
+/* ----- input ------------------------------------------------------------------ */
+
+/* Reads f up to its end, or with `line` up to the next newline (dropped),
+   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
+   NULL at the end of input when a line was asked and nothing was read. A
+   read error, running out of memory, or more than max bytes (why_max says
+   where that bound comes from) ends the run with a message naming `what`:
+   /dev/zero must not fill the memory. */
+static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
+{
+    size_t cap = 4096, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    errno = 0;
+    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
+        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
+        buf[n++] = (char)c;
+    }
+    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
+    if (line && c == EOF && n == 0) { free(buf); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The most bytes of text that can fit in ctx tokens: a token stands for
+   at most as many input bytes as its text holds (BOS and EOS for none,
+   bytes without a token for none, but those make no prompt). Reading
+   stops there; why gets the reason, for the error message. */
+static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
+{
+    size_t longest = 1, len;
+    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
+        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
+    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
+    return (size_t)ctx * longest;
+}
 
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
    Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, const Machine *mc)
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
 {
     Chat ch;
-    build_chat(&ch, m, a->system);
+    build_chat(&ch, m, o->system);
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
     int *exch = NULL;
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t len;
+    char why_max[ERR_BYTES];
+    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
-    int reserve = a->n_predict < s->seq_len / 4 ? a->n_predict : s->seq_len / 4;
+    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
     while (1) {
         if (tty) fputs("> ", stderr);
-        if ((len = getline(&line, &cap, stdin)) < 0) break;
-        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
-        if (!len) continue;
+        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
+        if (!line) break;
+        while (len && line[len - 1] == '\r') line[--len] = 0;
+        if (!len) { free(line); continue; }
         exch = realloc(exch, (n_exch + 1) * sizeof *exch);
         if (!exch) die(EXIT_RUNTIME, "out of memory");
         int before = conv.n, system_pending = ch.system_pending;
         exch[n_exch++] = conv.n;
         chat_user_turn(&ch, m, &conv, line, len);
+        free(line);
         if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
-            fprintf(stderr, "run: message too long: %d tokens, the context holds %d\n", conv.n - before, s->seq_len);
+            int msg = conv.n - before;
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             conv.n = before;
             n_exch--;
             ch.system_pending = system_pending;
@@ -2406,27 +3009,76 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const Args *a, c
             check_stdout();
             continue;
         }
-        if (a->verbose)
+        if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         Stats st;
         int last;
         interrupted = 0;
         answering = 1;
-        int why = generate(m, s, sm, &conv, &pos, a->n_predict, &st, &last);
+        int why = generate(m, s, sm, o, &conv, &pos, o->n_predict, &st, &last);
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (a->verbose) report_stats(m, s, mc, &st);
+        if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
-    free(line);
     free(exch);
     free(conv.ids);
 }
 
+/* ----- all logits --------------------------------------------------------------- */
+
+/* Receives the logits of positions off .. off+k-1, rows 0 .. k-1 of s->logits. */
+typedef void (*LogitsFn)(void *ctx, const RunState *s, int off, int k);
+
+/* Runs ids[0, n) through the model from position 0, CHUNK_TOKENS at a time
+   (batched prefill, exact = 0), or exact tokens at a time computed as
+   decode steps would compute them (1: decode steps; more: lookup
+   decoding's verification passes), computing the logits of every position
+   and handing each block to use. */
+static void each_logits(const Model *m, RunState *s, const int *ids, int n, int exact, LogitsFn use, void *ctx)
+{
+    for (int off = 0; off < n;) {
+        int k = min_i(n - off, exact ? exact : CHUNK_TOKENS);
+        if (exact == 1) decode_step(m, s, ids[off], off);
+        else if (exact) verify_step(m, s, ids + off, k, off);
+        else prefill(m, s, ids + off, k, off, 1);
+        use(ctx, s, off, k);
+        off += k;
+    }
+}
+
 /* ----- perplexity ------------------------------------------------------------ */
+
+#define PPL_MAX_BYTES (64u << 20) /* the text --ppl reads: ~16M tokens, hours of prefill */
+#define PPL_MIN_CTX 3             /* the smallest window whose second half scores a token */
+
+/* One window's score: the negative log-likelihood of each token at
+   positions [first, ctx) given those before it. */
+typedef struct {
+    const int *win;
+    int first, ctx, vocab;
+    double nll;
+    long scored;
+} Score;
+
+static void score_block(void *ctx, const RunState *s, int off, int k)
+{
+    Score *sc = ctx;
+    for (int t = 0; t < k; t++) {
+        int p = off + t;
+        if (p < sc->first || p >= sc->ctx - 1) continue;
+        const float *lg = s->logits + (size_t)t * sc->vocab;
+        float mx = lg[0];
+        for (int i = 1; i < sc->vocab; i++) mx = fmaxf(mx, lg[i]);
+        double sum = 0;
+        for (int i = 0; i < sc->vocab; i++) sum += exp(lg[i] - mx);
+        sc->nll += mx + log(sum) - lg[sc->win[p + 1]];
+        sc->scored++;
+    }
+}
 
 /* Perplexity of a text file. The tokens are cut into windows of ctx tokens
    (no overlap); each window is prefilled from position 0 (batched, logits
@@ -2438,59 +3090,49 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 {
     FILE *f = fopen(path, "rb");
     if (!f) die(EXIT_RUNTIME, "cannot open %s: %s", path, strerror(errno));
+    size_t n;
+    char *buf = read_stream(f, path, 0, PPL_MAX_BYTES, "--ppl reads at most 64 MiB (score a part of the text)", &n);
+    fclose(f);
     Tokens text = {0};
-    {
-        size_t cap = 1 << 16, n = 0, got;
-        char *buf = xmalloc(cap);
-        while ((got = fread(buf + n, 1, cap - n, f)) > 0)
-            if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", path);
-        fclose(f);
-        int *ids;
-        size_t n_ids; /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
-        if (tok_encode(m->tok, buf, n, TOK_ADD_SPECIAL, &ids, &n_ids) != 0) die(EXIT_RUNTIME, "out of memory tokenizing %s", path);
-        for (size_t i = 0; i < n_ids; i++) push(&text, ids[i]);
-        free(ids);
-        free(buf);
-    }
+    push_encoded(m, &text, buf, n, TOK_ADD_SPECIAL); /* with BOS in front for add-BOS models, as llama.cpp tokenizes it */
+    free(buf);
     const tok_info *ti = tok_get_info(m->tok);
-    int n_win = text.n / ctx, vocab = m->c.vocab_size, first = ctx / 2;
+    int n_win = text.n / ctx;
     if (n_win < 1) die(EXIT_RUNTIME, "%s has %d tokens, fewer than one window of %d (lower --ctx)", path, text.n, ctx);
-    double nll = 0, t0 = now_ms();
-    long scored = 0;
+    Score sc = {.first = ctx / 2, .ctx = ctx, .vocab = m->c.vocab_size};
+    double t0 = now_ms();
     for (int w = 0; w < n_win; w++) {
         int *win = text.ids + (size_t)w * ctx, saved = win[0];
         if (ti->add_bos && ti->bos >= 0) win[0] = ti->bos;
-        for (int off = 0; off < ctx; off += CHUNK_TOKENS) {
-            int k = ctx - off < CHUNK_TOKENS ? ctx - off : CHUNK_TOKENS;
-            prefill(m, s, win + off, k, off, 1);
-            for (int t = 0; t < k; t++) {
-                int p = off + t;
-                if (p < first || p >= ctx - 1) continue;
-                const float *lg = s->logits + (size_t)t * vocab;
-                float mx = lg[0];
-                for (int i = 1; i < vocab; i++) mx = fmaxf(mx, lg[i]);
-                double sum = 0;
-                for (int i = 0; i < vocab; i++) sum += exp(lg[i] - mx);
-                nll += mx + log(sum) - lg[win[p + 1]];
-                scored++;
-            }
-        }
+        sc.win = win;
+        each_logits(m, s, win, ctx, 0, score_block, &sc);
         win[0] = saved;
-        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(nll / scored));
+        if (isatty(STDERR_FILENO)) fprintf(stderr, "\r[%d/%d] ppl %.4f", w + 1, n_win, exp(sc.nll / sc.scored));
     }
     double sec = (now_ms() - t0) / 1e3;
     if (isatty(STDERR_FILENO)) fputc('\n', stderr);
     printf("perplexity: %.4f over %ld tokens (%d windows of %d, second half scored), %.0f tok/s\n",
-           exp(nll / scored), scored, n_win, ctx, (double)n_win * ctx / sec);
+           exp(sc.nll / sc.scored), sc.scored, n_win, ctx, (double)n_win * ctx / sec);
     free(text.ids);
 }
 
+
 /* ============================================================================
-   6. COMMAND LINE
+   7. COMMAND LINE
    ========================================================================= */
 
-/* Set by --scalar: run the reference kernels (slow; for checking). */
-static int force_scalar;
+/* The command line. */
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
+    int top_k, threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
+    float temperature, top_p;
+    unsigned long long seed;
+    const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+} Args;
+
+
 
 static void usage(FILE *f)
 {
@@ -2498,10 +3140,13 @@ static void usage(FILE *f)
         "usage: run MODEL [options]\n"
         "Generates text with a model file written by export.py. The prompt comes\n"
         "from -i, or from stdin when stdin is not a terminal (one trailing newline\n"
-        "is dropped). Only generated text goes to stdout; errors and -v go to stderr.\n"
+        "is dropped; reading stops with an error past what the context can hold:\n"
+        "ctx x the longest token's bytes). Only generated text goes to stdout;\n"
+        "errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
-        "  -i PROMPT      prompt text (an empty prompt is an error)\n"
+        "  -i PROMPT      prompt text (an empty prompt, or one whose bytes have no token\n"
+        "                 in the vocabulary, is an error)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
         "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
@@ -2513,33 +3158,51 @@ static void usage(FILE *f)
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
+        "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
-        "followed by a newline. Each turn prefills only its new tokens. When the\n"
-        "conversation plus min(-n, ctx/4) answer tokens would overflow the context,\n"
-        "the oldest exchanges are dropped (the system turn is kept) until it fills at\n"
-        "most half the context, and the rest is prefilled again. A message too long\n"
-        "to fit alone is refused (stderr) and answered with an empty line.\n"
+        "followed by a newline (-n 0: an empty line). Each turn prefills only its new\n"
+        "tokens. When the conversation plus min(-n, ctx/4) answer tokens would\n"
+        "overflow the context, the oldest exchanges are dropped (the system turn is\n"
+        "kept) until it fills at most half the context, and the rest is prefilled\n"
+        "again. A message too long to fit alone is refused (stderr) and answered with\n"
+        "an empty line; a line longer than the context could ever hold, or a read\n"
+        "error, ends the chat with an error.\n"
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
-        "  --threads N    worker threads, >= 1 (default: number of cores)\n"
-        "  --ctx N        context length in tokens (default: the model's; for --ppl 512)\n"
-        "  --kv TYPE      KV cache precision: f32, f16 or q8 (default f16)\n"
+        "  --threads N    worker threads, >= 1 (default and maximum: the CPUs this\n"
+        "                 process may use, from its affinity mask and cgroup CPU quota;\n"
+        "                 while other programs take those cores, passes run with fewer)\n"
+        "  --ctx N        context length in tokens (default: the model's; for --ppl 512,\n"
+        "                 at least 3)\n"
+        "  --kv TYPE      KV cache precision: f32, f16, q8 or q4 (default f16)\n"
+        "  --lookup N     lookup decoding: guess up to N (0-15) next tokens from the\n"
+        "                 context and check them in one pass; 0 turns it off (default\n"
+        "                 8). The output is the same as without it: greedy text byte\n"
+        "                 for byte, sampled text in distribution\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
         "  --probe        measure this machine's DRAM bandwidth and f32/int8 peaks first\n"
         "                 (~0.5 s); with -v each phase is shown against its roofline\n"
         "\n"
-        "Tools\n"
+        "Tools (each a mode of its own: --ppl, --dump-logits, --tokenize and -m chat\n"
+        "do not combine, and --ppl takes no prompt; such a combination is an error)\n"
         "  --tokenize     print the prompt's token ids on one line and exit\n"
-        "  --ppl FILE     perplexity of a text file in windows of --ctx tokens\n"
-        "  --ids \"1 2 3\"  give the prompt as token ids instead of text\n"
+        "  --ppl FILE     perplexity of a text file (at most 64 MiB) in windows of\n"
+        "                 --ctx tokens\n"
+        "  --ids \"1 2 3\"  give the prompt as token ids instead of text (not with -c)\n"
         "  --dump-logits FILE  write float32 logits [prompt tokens, vocab] of every\n"
-        "                 prompt position (batched prefill) to FILE and exit\n"
+        "                 prompt position (batched prefill) to FILE and exit; written\n"
+        "                 under a temporary name and renamed when complete, so FILE\n"
+        "                 is whole or untouched; FILE must be a regular file if it exists\n"
         "  --no-batch     with --dump-logits: feed the prompt one token at a time\n"
-        "  --scalar       use the plain scalar reference kernels (slow; for checking)\n"
+        "  --exact-batch N  with --dump-logits: N tokens per pass, each computed exactly\n"
+        "                 as a decode step (lookup decoding's verification pass)\n"
+        "  --kernels NAME the kernel set: scalar (the plain reference kernels; slow, for\n"
+        "                 checking) or one this CPU runs (default: the best; -v names it)\n"
+        "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
         "                 (\"ids: 1 2 3\"; shows what a chat template built)\n"
@@ -2547,46 +3210,90 @@ static void usage(FILE *f)
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
         "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
-        "context, ...), 2 usage error, 130 interrupted at the chat prompt.\n");
+        "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
+        "130 interrupted at the chat prompt.\n");
 }
+
+/* Flag values are plain decimal numbers: strtol and strtod would also take
+   leading spaces, and strtod hex floats, inf and nan. */
+static int is_decimal(const char *v, const char *chars) { return *v && !v[strspn(v, chars)]; }
 
 static long parse_long(const char *flag, const char *v, long lo, long hi)
 {
     char *end;
     errno = 0;
     long x = strtol(v, &end, 10);
-    if (errno || end == v || *end || x < lo || x > hi)
+    if (!is_decimal(v, "+-0123456789") || errno || end == v || *end || x < lo || x > hi)
         die(EXIT_USAGE, "%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, v);
     return x;
 }
 
+/* A number in [lo, hi] ((lo, hi] with lo_open). Parsed as a double: a
+   float's subnormals (-t 1e-38) are numbers like any other. */
 static float parse_float(const char *flag, const char *v, float lo, float hi, int lo_open)
 {
     char *end;
     errno = 0;
-    float x = strtof(v, &end);
-    if (errno || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
-        die(EXIT_USAGE, "%s expects a number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
-    return x;
+    double x = strtod(v, &end);
+    if (!is_decimal(v, "+-.0123456789eE") || end == v || *end || !isfinite(x) || x > hi || x < lo || (lo_open && x == lo))
+        die(EXIT_USAGE, "%s expects a decimal number in %c%g, %g], got '%s'", flag, lo_open ? '(' : '[', lo, hi, v);
+    if (lo_open && (float)x == lo)
+        die(EXIT_USAGE, "%s %s is too small: it is %g as a 32-bit float", flag, v, lo);
+    return (float)x;
 }
 
-static _Noreturn void usage_error(const char *fmt, const char *arg)
+static _Noreturn void usage_error(const char *fmt, ...)
 {
-    fputs("run: ", stderr);
-    fprintf(stderr, fmt, arg);
-    fputs("\nusage: run MODEL [options]   (run -h for every option)\n", stderr);
+    va_list ap;
+    va_start(ap, fmt);
+    print_error(fmt, ap);
+    va_end(ap);
+    fputs("usage: run MODEL [options]   (run -h for every option)\n", stderr);
     exit(EXIT_USAGE);
+}
+
+/* -h and --version: their text must reach stdout too. */
+static _Noreturn void exit_after_stdout(void)
+{
+    close_stdout();
+    exit(EXIT_SUCCESS);
+}
+
+/* The KV cache type --kv names: a row of the type table with a kv_name. */
+static int kv_type_named(const char *v)
+{
+    char names[MSG_BYTES] = "";
+    for (int t = 0; t < N_TYPES; t++) {
+        if (!TYPES[t].kv_name) continue;
+        if (!strcmp(v, TYPES[t].kv_name)) return t;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", TYPES[t].kv_name);
+    }
+    usage_error("--kv expects one of %s, got '%s'", names, v);
+}
+
+/* The kernel set --kernels names; one this CPU cannot run, or an unknown
+   name, is a usage error listing the sets it can. */
+static int kernel_set_named(const char *v)
+{
+    char names[MSG_BYTES] = "";
+    for (int k = 0; k < N_KSETS; k++) {
+        if (!kernel_set_available(k)) continue;
+        if (!strcmp(v, OPS[k].name)) return k;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", OPS[k].name);
+    }
+    usage_error("--kernels %s is not a kernel set this build runs on this CPU (available: %s)", v, names);
 }
 
 static void parse_args(Args *a, int argc, char **argv)
 {
-    *a = (Args){.n_predict = 256, .top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16};
+    *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
+                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", NULL};
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
-        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit(0); }
-        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit(0); }
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
+        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit_after_stdout(); }
         if (f[0] != '-' || !f[1]) {
             if (a->model_path) usage_error("unexpected argument '%s'", f);
             a->model_path = f;
@@ -2598,53 +3305,54 @@ static void parse_args(Args *a, int argc, char **argv)
                 v = argv[++i];
             }
         if (!strcmp(f, "-i")) a->prompt = v;
-        else if (!strcmp(f, "-n")) a->n_predict = parse_long(f, v, 0, MAX_SEQ);
+        else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
         else if (!strcmp(f, "-t")) a->temperature = parse_float(f, v, 0, 100, 0);
         else if (!strcmp(f, "-p")) a->top_p = parse_float(f, v, 0, 1, 1);
         else if (!strcmp(f, "-k")) a->top_k = parse_long(f, v, 0, MAX_VOCAB);
         else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
         else if (!strcmp(f, "-m")) a->mode = v;
-        else if (!strcmp(f, "-y")) a->system = v;
+        else if (!strcmp(f, "-y")) a->gen.system = v;
         else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
+        else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
         else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
         else if (!strcmp(f, "--ids")) a->ids = v;
         else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
         else if (!strcmp(f, "--ppl")) a->ppl = v;
-        else if (!strcmp(f, "--kv")) {
-            if (!strcmp(v, "f32")) a->kv_type = T_F32;
-            else if (!strcmp(v, "f16")) a->kv_type = T_F16;
-            else if (!strcmp(v, "q8")) a->kv_type = T_Q8_0;
-            else usage_error("--kv expects f32, f16 or q8, got '%s'", v);
-        }
+        else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
-        else if (!strcmp(f, "-v")) a->verbose = 1;
+        else if (!strcmp(f, "-v")) a->gen.verbose = 1;
         else if (!strcmp(f, "--special")) a->special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
-        else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
-        else if (!strcmp(f, "--scalar")) force_scalar = 1;
-        else if (!strcmp(f, "--print-prompt-ids")) print_ids = 1;
+        else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
+        else if (!strcmp(f, "--scalar")) a->kernels = OPS[KSET_SCALAR].name;
+        else if (!strcmp(f, "--kernels")) a->kernels = v;
+        else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
-        else if (!strcmp(f, "--ignore-eos")) ignore_eos = 1;
+        else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
     if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
-    if (a->prompt && a->ids) usage_error("%s", "-i and --ids are exclusive");
-    if (!strcmp(a->mode, "chat") && (a->prompt || a->ids)) usage_error("%s", "-m chat reads its messages from stdin; -i/--ids do not apply");
-}
-
-/* Reads all of stdin (the prompt when no -i is given). */
-static char *read_stdin(size_t *len)
-{
-    size_t cap = 4096, n = 0, got;
-    char *buf = xmalloc(cap);
-    while ((got = fread(buf + n, 1, cap - n, stdin)) > 0)
-        if ((n += got) == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading stdin");
-    if (ferror(stdin)) die(EXIT_RUNTIME, "cannot read stdin: %s", strerror(errno));
-    if (n && buf[n - 1] == '\n') n--;
-    if (n && buf[n - 1] == '\r') n--;
-    *len = n;
-    return buf;
+    int chat = !strcmp(a->mode, "chat");
+    /* pairs where one option would be ignored, or contradicts the other */
+    const struct { int both; const char *x, *y; } conflict[] = {
+        {a->prompt && a->ids, "-i", "--ids"},
+        {chat && a->prompt, "-m chat", "-i"},
+        {chat && a->ids, "-m chat", "--ids"},
+        {chat && a->tokenize, "-m chat", "--tokenize"},
+        {chat && a->dump_logits, "-m chat", "--dump-logits"},
+        {a->ppl && chat, "--ppl", "-m chat"},
+        {a->ppl && a->prompt, "--ppl", "-i"},
+        {a->ppl && a->ids, "--ppl", "--ids"},
+        {a->ppl && a->chat_wrap, "--ppl", "-c"},
+        {a->ppl && a->tokenize, "--ppl", "--tokenize"},
+        {a->ppl && a->dump_logits, "--ppl", "--dump-logits"},
+        {a->tokenize && a->dump_logits, "--tokenize", "--dump-logits"},
+        {a->chat_wrap && a->ids, "-c", "--ids"},
+    };
+    for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
+        if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
 }
 
 /* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
@@ -2656,92 +3364,173 @@ static void parse_ids(Tokens *t, const char *text, int vocab)
         errno = 0;
         long v = strtol(p, &end, 10);
         if (end == p) usage_error("--ids: '%s' is not a list of token ids", text);
-        if (errno || v < 0 || v >= vocab) die(EXIT_USAGE, "--ids: token id %ld is outside the vocabulary [0, %d)", v, vocab);
+        if (errno || v < 0 || v >= vocab)
+            die(EXIT_USAGE, "--ids: token id %.*s is outside the vocabulary [0, %d)", (int)(end - p), p, vocab);
         push(t, (int)v);
         p = end;
     }
 }
 
-/* The prompt as tokens, from --ids, -i or stdin; with -c wrapped in the
-   chat template. */
-static void prompt_tokens(const Model *m, const Args *a, Tokens *t)
+/* The prompt as tokens, from --ids, -i or stdin (at most what ctx tokens
+   can hold); with -c wrapped in the chat template. Returns the prompt's
+   length in bytes (0 for --ids). */
+static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
 {
-    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return; }
+    if (a->ids) { parse_ids(t, a->ids, m->c.vocab_size); return 0; }
     size_t len;
     char *text;
     if (a->prompt) text = strdup(a->prompt), len = strlen(a->prompt);
-    else if (!isatty(STDIN_FILENO)) text = read_stdin(&len);
+    else if (!isatty(STDIN_FILENO)) {
+        char why[ERR_BYTES];
+        size_t max = text_limit(m, ctx, why, sizeof why) + 2; /* + the newline dropped below */
+        text = read_stream(stdin, "the prompt on stdin", 0, max, why, &len);
+        if (len && text[len - 1] == '\n') len--;
+        if (len && text[len - 1] == '\r') len--;
+    }
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    if (a->chat_wrap) {
-        Chat ch;
-        build_chat(&ch, m, a->system);
-        chat_open(&ch, m, t);
-        chat_user_turn(&ch, m, t, text, len);
-    } else {
-        int *ids;
-        size_t n;
-        int flags = TOK_ADD_SPECIAL | (a->special ? TOK_PARSE_SPECIAL : 0);
-        if (tok_encode(m->tok, text, len, flags, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing the prompt");
-        for (size_t i = 0; i < n; i++) push(t, ids[i]);
-        free(ids);
-    }
+    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, t);
     free(text);
+    return len;
+}
+
+/* --dump-logits: where the logits go, CHUNK_TOKENS rows at a time. */
+typedef struct {
+    FILE *f;
+    const char *path;
+    size_t vocab;
+} Dump;
+
+static void write_logits(void *ctx, const RunState *s, int off, int k)
+{
+    Dump *d = ctx;
+    (void)off;
+    if (fwrite(s->logits, sizeof(float) * d->vocab, k, d->f) != (size_t)k)
+        die(EXIT_RUNTIME, "cannot write %s: %s", d->path, strerror(errno));
+}
+
+/* Ends the run on a fatal signal without leaving the temporary file. */
+static void on_fatal_signal(int sig)
+{
+    if (temp_path[0]) unlink(temp_path);
+    signal(sig, SIG_DFL);
+    raise(sig);
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
-   --no-batch), written CHUNK_TOKENS rows at a time. */
+   --no-batch), written under a temporary name in FILE's directory and
+   renamed over FILE when complete: a full disk, a file-size limit or a
+   signal leaves FILE as it was. Something other than a regular file at
+   FILE (a device, a FIFO, a symlink) is refused, not replaced. */
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a)
 {
-    size_t vocab = m->c.vocab_size;
-    FILE *f = fopen(a->dump_logits, "wb");
-    if (!f) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-    for (int off = 0; off < p->n;) {
-        int k = a->no_batch ? 1 : min_i(p->n - off, CHUNK_TOKENS);
-        if (a->no_batch) decode_step(m, s, p->ids[off], off);
-        else prefill(m, s, p->ids + off, k, off, 1);
-        if (fwrite(s->logits, sizeof(float) * vocab, k, f) != (size_t)k) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
-        off += k;
+    const char *path = a->dump_logits;
+    struct stat st;
+    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
+        die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
+    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", path, (long)getpid()) >= (int)sizeof temp_path)
+        temp_path[0] = 0, die(EXIT_RUNTIME, "cannot write %s: File name too long", path);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
+    int fd = open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    if (fd < 0) {
+        int e = errno;
+        temp_path[0] = 0; /* not ours to remove */
+        die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(e));
     }
-    if (fclose(f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", a->dump_logits, strerror(errno));
+    Dump d = {fdopen(fd, "wb"), path, m->c.vocab_size};
+    if (!d.f) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    each_logits(m, s, p->ids, p->n, a->exact_batch, write_logits, &d);
+    if (fclose(d.f) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    if (rename(temp_path, path) != 0) die(EXIT_RUNTIME, "cannot write %s: %s", path, strerror(errno));
+    temp_path[0] = 0;
+}
+
+/* Points stdin, stdout or stderr at /dev/null when it is closed, so that
+   no file this run opens takes its number (the text meant for stdout
+   would go into it). Opened for the other direction, it fails every use
+   as the closed descriptor did: a closed stdout is still an error. */
+static void reserve_std_fds(void)
+{
+    for (int fd = STDIN_FILENO; fd <= STDERR_FILENO; fd++)
+        if (fcntl(fd, F_GETFD) < 0 && errno == EBADF) {
+            int r = open("/dev/null", fd == STDIN_FILENO ? O_WRONLY : O_RDONLY);
+            if (r >= 0 && r != fd) { dup2(r, fd); close(r); }
+        }
+}
+
+/* The CPUs this process may use: the online ones, limited by its affinity
+   mask (taskset, cpusets) and by a cgroup v2 CPU quota (cpu.max "QUOTA
+   PERIOD" grants QUOTA/PERIOD CPUs' worth of time, rounded up). Threads
+   beyond them only wait at the barriers: under `taskset -c 0` two threads
+   decoded 8x slower than one. */
+static int usable_cpus(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 && CPU_COUNT(&set) < n) n = CPU_COUNT(&set);
+    /* this process's cgroup is the "0::PATH" line of /proc/self/cgroup; in a
+       container the namespace's root holds the limit */
+    char line[MSG_BYTES], path[MSG_BYTES + 64] = "/sys/fs/cgroup/cpu.max";
+    FILE *f = fopen("/proc/self/cgroup", "r");
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, "0::/", 4)) {
+            line[strcspn(line, "\n")] = 0;
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/cpu.max", line + 3);
+        }
+    if (f) fclose(f);
+    long quota, period;
+    if (!(f = fopen(path, "r"))) f = fopen("/sys/fs/cgroup/cpu.max", "r");
+    if (f && fscanf(f, "%ld %ld", &quota, &period) == 2 && quota > 0 && period > 0 && (quota + period - 1) / period < n)
+        n = (quota + period - 1) / period; /* "max PERIOD" (no quota) does not scan */
+    if (f) fclose(f);
+    return n > 0 ? (int)n : 1;
 }
 
 int main(int argc, char **argv)
 {
+    reserve_std_fds();
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
-    select_kernels(force_scalar ? KSET_SCALAR : best_kernel_set());
+    select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
+    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    watch_model_file(&m, a.model_path);
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
+    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
+    if (a.ppl && seq_len < PPL_MIN_CTX)
+        die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
 
     Tokens prompt = {0};
-    if (!chat && !a.ppl) prompt_tokens(&m, &a, &prompt);
+    size_t prompt_bytes = 0;
+    if (!chat && !a.ppl) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
     if (a.tokenize) {
         for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
         printf("\n");
-        check_stdout();
+        close_stdout();
         free(prompt.ids);
         free_model(&m);
         return 0;
     }
-    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
-    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
-    if (!chat && !a.ppl && prompt.n == 0) die(EXIT_RUNTIME, "the prompt is empty");
+    if (!chat && !a.ppl && prompt.n == 0) {
+        if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
+        die(EXIT_RUNTIME, "the prompt is empty");
+    }
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
-    int cores = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    cores = cores > 0 ? cores : 1;
+    int cores = usable_cpus();
     int threads = a.threads ? a.threads : cores;
     if (threads > cores) {
         /* the barriers spin: threads beyond the cores only wait for each other
            (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.verbose) fprintf(stderr, "note: --threads %d capped to the %d cores\n", threads, cores);
+        if (a.gen.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
         threads = cores;
     }
 #ifdef _OPENMP
@@ -2750,32 +3539,794 @@ int main(int argc, char **argv)
     threads = 1;
 #endif
     RunState s;
-    if (a.kv_type == T_Q8_0 && m.c.head_dim % QK) die(EXIT_USAGE, "--kv q8 needs a head_dim that is a multiple of %d (this model: %d)", QK, m.c.head_dim);
-    build_state(&s, &m.c, seq_len, threads, a.kv_type);
-    if (a.verbose)
-        fprintf(stderr, "model: %s, llama, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, loaded in %.1f ms\n",
-                a.model_path, m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype, seq_len,
-                kv_cache_bytes(&m.c, seq_len, a.kv_type) / 1e6, type_name(a.kv_type), threads, load_ms);
+    if (m.c.head_dim % TYPES[a.kv_type].block)
+        die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
+            TYPES[a.kv_type].block, m.c.head_dim);
+    build_state(&s, &m, seq_len, threads, a.kv_type);
+    if (a.gen.verbose) {
+        static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
+        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
+                "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
+                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
+        if (m.c.window)
+            fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
+                    m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
+    }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
     Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) chat_loop(&m, &s, &sm, &a, mcp);
-    else if (a.n_predict > 0) {
-        int n_predict = a.n_predict, pos = 0, last;
+    else if (chat) chat_loop(&m, &s, &sm, &a.gen, mcp);
+    else if (a.gen.n_predict > 0) {
+        int n_predict = a.gen.n_predict, pos = 0, last;
         if (n_predict > seq_len - prompt.n + 1) {
             n_predict = seq_len - prompt.n + 1;
-            if (a.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.n_predict, n_predict, seq_len, prompt.n);
+            if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &prompt, &pos, n_predict, &st, &last);
-        if (a.verbose) report_stats(&m, &s, mcp, &st);
+        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &st, &last);
+        if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
+    close_stdout();
     free(prompt.ids);
     free_state(&s);
     free_model(&m);
     return 0;
 }
+
+
+/* ============================================================================
+   APPENDIX: THE AVX2 KERNEL SET
+   Each function computes what its scalar definition in section 2 computes
+   (tests/test_kernels.c checks every one against it), up to summation
+   order; the row conversions, the activation quantizers and the f16 row
+   writer agree bit for bit. Compiled when the compiler targets AVX2, FMA
+   and F16C; used when the CPU has them (cpu_has_avx2) and --scalar is not
+   given.
+   ========================================================================= */
+#ifdef HAVE_AVX2
+/* max |x| over n (a multiple of 8) floats. */
+static float amax_avx2(const float *x, int n)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 mx = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+}
+
+/* 32 floats times id rounded to int8 into q exactly as round_i8 does:
+   roundf's half-away-from-zero is rebuilt from truncation. Returns the
+   sum of the 32 integers. */
+static int round_i8x32_avx2(int8_t *q, const float *x, float id)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    __m256i v[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
+        __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
+        t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));
+        v[j] = _mm256_cvtps_epi32(t);
+    }
+    __m256i q8 = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    /* the packs interleave 128-bit lanes: restore element order */
+    q8 = _mm256_permutevar8x32_epi32(q8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, q8);
+    __m256i s32 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    return _mm_cvtsi128_si32(s4);
+}
+
+/* Same results as the scalar versions, bit for bit: the scale is computed
+   in scalar from the same maximum. */
+static void quantize_act_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8A *out = blocks;
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
+    }
+}
+
+static void quantize_act_k_avx2(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
+        q8k_bsums(&out[b]);
+    }
+}
+
+static float hsum256(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static float dot_f32_avx2(const void *w, const void *x, int n)
+{
+    const float *a = w, *b = x;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    float sum = hsum256(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+static float dot_f16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+static float dot_bf16_avx2(const void *w, const void *x, int n)
+{
+    const uint16_t *a = w;
+    const float *b = x;
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
+        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
+    }
+    float sum = hsum256(acc);
+    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
+    return sum;
+}
+
+/* --- the 32-element integer types ------------------------------------------
+   Per block, every 32-element type is 32 small integers q, a scale d and,
+   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
+   kernels are written once, over a type's unpacker, which returns q as 32
+   bytes in element order with d and m; a type adds its unpacker and one
+   INT32_KERNELS line. The integers of a type with a minimum are unsigned
+   and feed maddubs's unsigned operand directly, signed ones take the sign
+   trick of isum32; the minimum's term m * sum(x) is one multiply per block
+   through the activation block's s. */
+#define INLINE static inline __attribute__((always_inline))
+typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
+
+/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
+   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
+INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
+{
+    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* One weight block times one activation block, added to acc (and the
+   minimum's term to *mins). */
+INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
+{
+    float d, m;
+    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
+    if (has_min) *mins += m * b->s;
+    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
+}
+
+/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
+   wait on each other's FMA latency. */
+INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    float mins0 = 0, mins1 = 0;
+    int k = 0, nb = n / QK;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
+    }
+    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
+    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
+}
+
+/* --- AVX2 register tiles for prefill --------------------------------------
+   A tile computes a small block of out[t][r] at once: each weight block it
+   loads serves several tokens and each activation block several rows, and
+   the accumulators are independent, so the batch costs far fewer loads and
+   no FMA waits on another. out is [rows][tokens] row-major; the results
+   equal the dot products above up to summation order. */
+
+INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
+                   Unpack32Fn unpack, int has_min)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int k = 0; k < n / QK; k++) {
+        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
+        float d[TILE_ROWS], m[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) {
+            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
+            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
+        }
+        for (int t = 0; t < TILE_TOKS; t++) {
+            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
+            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
+            for (int r = 0; r < TILE_ROWS; r++) {
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
+                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
+                if (has_min) mins[r][t] += m[r] * b->s;
+            }
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
+}
+
+/* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
+   loaded once for all the rows, and the rows' independent accumulators
+   keep the FMA unit busy where one row would wait on its own sums: in
+   cache this is 2.7x the dot product's speed. From DRAM both run at the
+   memory's pace, as long as the stream is prefetched well: the rows are
+   one contiguous stretch of memory read four places at once, which the
+   hardware prefetcher follows poorly, so each block prefetches its share
+   of the stretch in address order (one burst per call instead would fill
+   the miss buffers and stall the loads: 40 % slower). */
+INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    __m256 acc[GEMV_ROWS];
+    float mins[GEMV_ROWS] = {0};
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++)
+            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
+}
+
+/* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
+   it. For the KV cache's types, attention's inner loop at long context. */
+INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack32Fn unpack, int has_min)
+{
+    for (int i = 0; i < n; i += QK) {
+        float d, m;
+        __m256i q = unpack(row + i / QK * bb, &d, &m);
+        for (int j = 0; j < QK; j += 8) {
+            __m256i q8 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)&q + j)));
+            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q8), _mm256_set1_ps(d));
+            _mm256_storeu_ps(out + i + j, has_min ? _mm256_add_ps(v, _mm256_set1_ps(m)) : v); /* no -0 + 0 */
+        }
+    }
+}
+
+/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
+   prefill tile, from its unpacker unpack_<name>. */
+#define INT32_KERNELS(name, Block, has_min)                                                                     \
+    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
+    {                                                                                                           \
+        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
+    }                                                                                                           \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
+    }
+
+/* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
+   (byte j holds element j low, j+16 high). */
+static __m256i nibbles_32(const uint8_t *qs)
+{
+    __m128i q = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0xf));
+}
+
+static __m256i unpack_q8_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_loadu_si256((const __m256i *)b->qs);
+}
+INT32_KERNELS(q8_0, BlockQ8_0, 0)
+
+static __m256i unpack_q4_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return nibbles_32(b->qs);
+}
+INT32_KERNELS(q4_1, BlockQ4_1, 1)
+
+/* nibbles 0..15 become the signed values -8..7 */
+static __m256i unpack_q4_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(nibbles_32(b->qs), _mm256_set1_epi8(8));
+}
+INT32_KERNELS(q4_0, BlockQ4_0, 0)
+
+/* The 5-bit types' bit 4 of each element: byte i = 0x10 where bit i of
+   qh is set. Byte i first takes byte i/8 of qh, then keeps its bit i%8. */
+static __m256i high_bits_32(const uint8_t *qh)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                         _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ull);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* q = 0..31 becomes the signed value q - 16 */
+static __m256i unpack_q5_0(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
+    *d = _cvtsh_ss(b->d), *m = 0;
+    return _mm256_sub_epi8(_mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh)), _mm256_set1_epi8(16));
+}
+INT32_KERNELS(q5_0, BlockQ5_0, 0)
+
+static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
+{
+    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
+    *d = _cvtsh_ss(b->d), *m = _cvtsh_ss(b->m);
+    return _mm256_or_si256(nibbles_32(b->qs), high_bits_32(b->qh));
+}
+INT32_KERNELS(q5_1, BlockQ5_1, 1)
+
+/* --- the K types ------------------------------------------------------------
+   A super-block of 256 against an activation block of 256 (BlockQ8K). A
+   type gives two functions: prep, the block's scales, and chunk, its
+   integers 32 at a time (unsigned, so maddubs takes them as they are).
+   Every block is then, in int32 lanes until one float multiply each,
+     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
+   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
+   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
+   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
+   The kernels are written once over prep and chunk. */
+typedef struct {
+    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
+    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
+    float d, c;
+} KPrep;
+typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
+typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
+
+/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
+static __m256i each_twice(uint64_t bytes)
+{
+    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+}
+
+/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
+   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
+   stores read back as a vector would stall store forwarding. */
+static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    uint32_t s[3];
+    memcpy(s, b->scales, sizeof s);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
+    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
+    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
+    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
+    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
+}
+
+/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
+   nibbles of bytes 32 (j / 2).. */
+static __m256i k4_nibbles(const uint8_t *qs, int j)
+{
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
+    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
+}
+
+static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
+
+/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
+   keeps each byte's bit j at bit 0 for j < 8) */
+static __m256i chunk_q5_k(const uint8_t *block, int j)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
+    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
+}
+
+static void prep_q6_k(const uint8_t *block, KPrep *p)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+    _mm256_storeu_si256((__m256i *)p->sc, sc);
+    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
+    p->d = p->c = _cvtsh_ss(b->d);
+}
+
+/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
+   high 2 bits at 2g' of the half's qh bytes */
+static __m256i chunk_q6_k(const uint8_t *block, int j)
+{
+    const BlockQ6K *b = (const BlockQ6K *)block;
+    int h = j / 4, g = j % 4;
+    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
+    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
+}
+
+/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
+   lanes, the low 128 bits elements 0-15, the high 16-31. */
+static __m256i chunk_scales(const KPrep *p, int j)
+{
+    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
+}
+
+/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
+static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
+{
+    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
+    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
+}
+
+INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
+{
+    KPrep p;
+    prep(w, &p);
+    __m256i isum = _mm256_setzero_si256();
+    for (int j = 0; j < QK_K / 32; j++) {
+        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
+        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
+    }
+    return k_finish(&p, x, isum, acc);
+}
+
+/* Two accumulators, as dot32. */
+INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int k = 0, nb = n / QK_K;
+    for (; k + 1 < nb; k += 2) {
+        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
+    }
+    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
+    return hsum256(_mm256_add_ps(acc0, acc1));
+}
+
+/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
+INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
+{
+    __m256 acc[GEMV_ROWS];
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
+    }
+    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
+}
+
+/* Prefill: each row's block is prepared once and each 32 of its integers
+   unpacked once for the tile's tokens; integer sums per (row, token). */
+INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
+                   KChunkFn chunk)
+{
+    __m256 acc[TILE_ROWS][TILE_TOKS];
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        KPrep p[TILE_ROWS];
+        __m256i isum[TILE_ROWS][TILE_TOKS];
+        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
+        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
+        for (int j = 0; j < QK_K / 32; j++) {
+            __m256i q[TILE_ROWS], sc[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
+            for (int t = 0; t < TILE_TOKS; t++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
+                for (int r = 0; r < TILE_ROWS; r++)
+                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
+            }
+        }
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
+    }
+    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
+}
+
+/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
+   prep and chunk functions. */
+#define K_KERNELS(name, Block, prep)                                                                            \
+    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
+    {                                                                                                           \
+        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
+    }                                                                                                           \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        (void)xs;                                                                                               \
+        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
+    }                                                                                                           \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                           \
+        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
+    }
+K_KERNELS(q4_k, BlockQ4K, prep_k4)
+K_KERNELS(q5_k, BlockQ5K, prep_k4)
+K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
+
+/* GCC likes to fold a loaded vector into every FMA that uses it as a memory
+   operand, which costs one load per FMA and makes the tile load-bound; an
+   empty asm that "changes" the value pins it in a register. */
+#if defined(__GNUC__)
+#define KEEP_IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define KEEP_IN_REGISTER(v) (void)0
+#endif
+
+/* Float weights: 8 weights per FMA; a weight vector is loaded once and
+   used for every token of the tile. load8 turns 8 stored weights into floats. */
+#define FLOAT_TILE(name, load8)                                                                          \
+    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                    \
+        __m256 acc[FTILE_ROWS][FTILE_TOKS];                                                              \
+        for (int r = 0; r < FTILE_ROWS; r++) for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps(); \
+        for (int i = 0; i < n; i += 8) {                                                                 \
+            __m256 xv[FTILE_TOKS];                                                                       \
+            for (int t = 0; t < FTILE_TOKS; t++) xv[t] = _mm256_loadu_ps((const float *)(x + t * xs) + i); \
+            for (int t = 0; t < FTILE_TOKS; t++) KEEP_IN_REGISTER(xv[t]);                              \
+            for (int r = 0; r < FTILE_ROWS; r++) {                                                       \
+                __m256 wv = load8(w + r * ws, i);                                                        \
+                for (int t = 0; t < FTILE_TOKS; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]); \
+            }                                                                                            \
+        }                                                                                                \
+        for (int r = 0; r < FTILE_ROWS; r++)                                                             \
+            for (int t = 0; t < FTILE_TOKS; t++) out[r * FTILE_TOKS + t] = hsum256(acc[r][t]);           \
+    }
+
+static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
+static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
+static __m256 load8_bf16(const uint8_t *row, int i)
+{
+    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+/* Decode's float tile: GEMV_ROWS rows times one token, each output summed
+   as FLOAT_TILE sums it (one accumulator, 8 elements per step), so that a
+   verification pass may take the tile instead; the rows' stretch is
+   prefetched in address order as gemv32 does. eb: bytes per weight. */
+#define FLOAT_GEMV(name, load8, eb)                                                                          \
+    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
+    {                                                                                                        \
+        (void)xs;                                                                                            \
+        __m256 acc[GEMV_ROWS];                                                                               \
+        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();                                    \
+        for (int i = 0; i < n; i += 8) {                                                                     \
+            prefetch_ahead(w + (size_t)i * GEMV_ROWS * (eb), GEMV_ROWS * 8 * (eb));                          \
+            __m256 xv = _mm256_loadu_ps((const float *)x + i);                                               \
+            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_fmadd_ps(load8(w + r * ws, i), xv, acc[r]);   \
+        }                                                                                                    \
+        for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);                                        \
+    }
+
+FLOAT_TILE(f32, load8_f32)
+FLOAT_TILE(f16, load8_f16)
+FLOAT_TILE(bf16, load8_bf16)
+FLOAT_GEMV(f32, load8_f32, 4)
+FLOAT_GEMV(f16, load8_f16, 2)
+FLOAT_GEMV(bf16, load8_bf16, 2)
+
+/* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
+   with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
+   a minimax polynomial (Cephes' coefficients), times 2^n built in the
+   exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
+   no softmax weight notices); above 88.3 it is +inf (expf overflows at
+   88.7). */
+static __m256 exp_avx2(__m256 x)
+{
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
+    return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
+}
+
+/* (1 + tanh(y)) / 2 = 1 / (1 + exp(-2y)): GELU as x times a sigmoid, so
+   it shares SwiGLU's exp; both ends saturate correctly (exp gives inf or 0). */
+static void geglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), c = _mm256_set1_ps(-2 * GELU_C), a = _mm256_set1_ps(GELU_A);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), inner = _mm256_fmadd_ps(_mm256_mul_ps(a, x), _mm256_mul_ps(x, x), x);
+        __m256 e = exp_avx2(_mm256_mul_ps(c, inner));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    geglu_scalar(g + i, u + i, n - i);
+}
+
+static void swiglu_avx2(float *g, const float *u, int n)
+{
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i), e = exp_avx2(_mm256_xor_ps(x, sign));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+    }
+    swiglu_scalar(g + i, u + i, n - i);
+}
+
+static float hmax256(__m256 v)
+{
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* max_ps(score, mx) keeps mx when a score is NaN, as the scalar compare does. */
+static float att_softmax_avx2(float *sc, int n, float scale, float *m)
+{
+    __m256 vmax = _mm256_set1_ps(*m), vs = _mm256_set1_ps(scale), vsum = _mm256_setzero_ps();
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(sc + j), vs);
+        _mm256_storeu_ps(sc + j, v);
+        vmax = _mm256_max_ps(v, vmax);
+    }
+    float mx = hmax256(vmax), sum = 0;
+    for (int i = j; i < n; i++) {
+        sc[i] *= scale;
+        mx = sc[i] > mx ? sc[i] : mx;
+    }
+    __m256 vm = _mm256_set1_ps(mx);
+    for (int i = 0; i < j; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + i), vm));
+        _mm256_storeu_ps(sc + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    for (int i = j; i < n; i++) sum += sc[i] = expf(sc[i] - mx);
+    *m = mx;
+    return hsum256(vsum) + sum;
+}
+
+/* Keys in groups of 32 (four vectors of 8); the columns past n are
+   computed from whatever the block holds and never read. */
+static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
+{
+    for (int j = 0; j < n; j += 32) {
+        /* two elements of q per step into separate sums: one chain of FMAs
+           per accumulator would wait on its own latency */
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
+        int i = 0;
+        for (; i + 2 <= hd; i += 2) {
+            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
+            const float *k = kt + i * ATT_KTILE + j;
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
+            }
+        }
+        for (; i < hd; i++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
+    }
+}
+
+/* Eight keys at a time: eight independent sums, reduced together by a
+   tree of horizontal adds instead of one reduction per key. */
+static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
+{
+    int j = 0, vec = hd / 8 * 8;
+    for (; j + 8 <= n; j += 8) {
+        __m256 a[8];
+        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
+        for (int i = 0; i < vec; i += 8) {
+            __m256 qv = _mm256_loadu_ps(q + i);
+            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
+        }
+        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+        for (int r = 0; r < 8; r++)
+            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
+    }
+    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
+}
+
+/* 32 output elements at a time in registers, two positions per step into
+   separate sums; then 8 at a time, then a scalar tail. */
+static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
+{
+    int i = 0;
+    for (; i + 32 <= hd; i += 32) {
+        __m256 a[4], b[4];
+        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
+        int j = 0;
+        for (; j + 2 <= n; j += 2) {
+            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
+            const float *r = v + (size_t)j * hd + i;
+            for (int c = 0; c < 4; c++) {
+                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
+                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
+            }
+        }
+        for (; j < n; j++)
+            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
+    }
+    for (; i + 8 <= hd; i += 8) {
+        __m256 a = _mm256_loadu_ps(o + i);
+        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
+        _mm256_storeu_ps(o + i, a);
+    }
+    for (; i < hd; i++)
+        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
+}
+
+/* The KV cache's types, 8 elements per step: attention converts every
+   cached row it reads, so at long context this is decode's inner loop. */
+static void to_float_f16_avx2(float *out, const void *row, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))));
+    to_float_f16_scalar(out + i, (const uint16_t *)row + i, n - i);
+}
+
+static void from_float_f16_avx2(void *row, const float *x, int n)
+{
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)row + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
+}
+
+/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
+   1 and 7, xgetbv): what the AVX2 set's instructions need. */
+static int cpu_has_avx2(void)
+{
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+    if (!(fma && osxsave && avx && f16c)) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return b >> 5 & 1;
+}
+#endif

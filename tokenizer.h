@@ -81,7 +81,7 @@ typedef struct tok_tokenizer tok_tokenizer;
 
 enum { TOK_KIND_BPE = 1, TOK_KIND_SPM = 2 };                       /* tok_info.kind */
 enum { TOK_PRE_NONE, TOK_PRE_GPT2, TOK_PRE_SMOLLM, TOK_PRE_LLAMA3, TOK_PRE_QWEN2 };  /* tok_info.pre */
-enum { TOK_CHAT_NONE, TOK_CHAT_CHATML, TOK_CHAT_GEMMA };           /* tok_info.chat_template */
+enum { TOK_CHAT_NONE, TOK_CHAT_CHATML, TOK_CHAT_GEMMA, TOK_CHAT_LLAMA3 }; /* tok_info.chat_template */
 
 typedef struct {
     int kind, pre, n_vocab, n_merges;

@@ -11,7 +11,13 @@ roofline (decode: GB/s achieved / bandwidth; prefill: GFLOP/s / peak).
 With llama-cpp-python installed, llama.cpp runs the same GGUF in the same
 session and the ratio is printed.
 
-    python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long]
+The main table measures plain decoding (--lookup 0). The lookup section runs
+input-grounded tasks (summarize, extract, rewrite, rename in code) and an
+open-ended one, each with and without lookup decoding (greedy, so both give
+the same text), alternating the two, and prints decode tok/s and their ratio;
+with --llamacpp also llama.cpp's plain decode speed on the same prompts.
+
+    python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup]
 """
 from __future__ import annotations
 
@@ -94,14 +100,88 @@ def summary(values: list[float], fmt: str = "{:.0f}") -> str:
 def bench_dtype(dtype: str, runs: int, threads: int) -> dict:
     model = export(dtype)
     ids128, ids512 = prompt_ids(model, 128), prompt_ids(model, 512)
-    short = [run_once(model, ids128, 129, threads) for _ in range(runs)]  # 128 decoded after the first
-    long = [run_once(model, ids512, 1, threads) for _ in range(runs)]
+    plain = ["--lookup", "0"]  # plain decoding: one forward pass per token
+    short = [run_once(model, ids128, 129, threads, plain) for _ in range(runs)]  # 128 decoded after the first
+    long = [run_once(model, ids512, 1, threads, plain) for _ in range(runs)]
     col = lambda rs, k: [r[k] for r in rs]  # noqa: E731
     return {"dtype": dtype, "file_mb": model.stat().st_size / 1e6,
             "load_ms": col(short, "load_ms"), "ttft128": col(short, "ttft_ms"), "pp128": col(short, "prefill_tps"),
             "ttft512": col(long, "ttft_ms"), "pp512": col(long, "prefill_tps"), "gflops512": col(long, "gflops"),
             "tg128": col(short, "decode_tps"), "p50": col(short, "itl_p50"), "p90": col(short, "itl_p90"),
             "gbps": col(short, "gbps"), "rss": col(short, "rss_mb")}
+
+
+PARK = ("The town council met on Tuesday evening to discuss the future of Riverside Park. Residents asked for more "
+        "shade trees along the main path, a new playground near the east gate, and longer opening hours in summer. "
+        "The council's budget allows fifty new trees this spring, and the playground will be built next year if a "
+        "grant from the state arrives in time. Several speakers complained about litter near the river, and the "
+        "council agreed to add ten waste bins and to start a monthly volunteer clean-up on the first Saturday.")
+CODE = ("def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
+        "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument('--config')\n"
+        "    return parser.parse_args(argv)\n\n\ndef main(argv):\n    args = parse_args(argv)\n"
+        "    config = read_config(args.config)\n    print(config)\n")
+# (name, user message, input-grounded?)
+LOOKUP_TASKS = [
+    ("summarize", f"Summarize this passage in two sentences, using its own words:\n\n{PARK}", True),
+    ("extract", f"Copy out, word for word, every sentence of this passage that mentions the council:\n\n{PARK}", True),
+    ("rewrite", f"Rewrite this paragraph exactly, changing only 'Tuesday' to 'Thursday':\n\n{PARK}", True),
+    ("rename", f"Repeat this Python code exactly, renaming the function read_config to load_config everywhere:\n\n{CODE}",
+     True),
+    ("story", "Write a short story about a lighthouse keeper who finds a message in a bottle.", False),
+]
+
+
+def lookup_bench(dtypes: list[str], runs: int, threads: int, llamacpp: bool) -> None:
+    """Decode tok/s of each task with and without lookup decoding (same greedy text), alternating."""
+    print("\nLookup decoding (greedy, -c, 128 tokens at most; median of runs, with and without alternating):\n")
+    ref = llamacpp_tasks(threads, runs) if llamacpp else {}
+    print("| dtype | task | tokens | decode tok/s, --lookup 0 | decode tok/s, lookup | ratio | accepted | "
+          "tokens per pass | llama.cpp decode tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype in dtypes:
+        model = export(dtype)
+        grounded = []
+        for name, text, is_grounded in LOOKUP_TASKS:
+            res: dict[str, list[float]] = {"off": [], "on": []}
+            stats = ""
+            for _ in range(runs):
+                for mode, extra in (("off", ["--lookup", "0"]), ("on", [])):
+                    p = subprocess.run([str(RUN), str(model), "-c", "-t", "0", "-n", "128", "-v", "--threads",
+                                        str(threads), "-i", text, *extra], capture_output=True, text=True, check=True)
+                    m = re.search(r"decode: (\d+) tokens, ([\d.]+) tok/s", p.stderr)
+                    res[mode].append(float(m.group(2)))
+                    n_tok = int(m.group(1))
+                    lk = re.search(r"lookup: \d+ drafted, \d+ accepted \((\d+)%\), ([\d.]+) tokens per forward pass", p.stderr)
+                    if mode == "on":
+                        stats = f"{lk.group(1)}% | {lk.group(2)}" if lk else "— | 1.00"
+            ratio = statistics.median(res["on"]) / statistics.median(res["off"])
+            if is_grounded:
+                grounded.append(ratio)
+            r = ref.get(name)
+            print(f"| {dtype} | {name} | {n_tok} | {summary(res['off'], '{:.1f}')} | {summary(res['on'], '{:.1f}')} | "
+                  f"{ratio:.2f}× | {stats} | {f'{r:.1f}' if r else '—'} |", flush=True)
+        print(f"| {dtype} | median of the input-grounded tasks | | | | {statistics.median(grounded):.2f}× | | | |")
+
+
+def llamacpp_tasks(threads: int, runs: int) -> dict[str, float]:
+    """llama.cpp's plain decode tok/s on the same chat prompts (the shipped Q4_1 GGUF), from its counters."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return {}
+    llm = llama_cpp.Llama(model_path=str(GGUF), n_ctx=1024, n_threads=threads, verbose=False)
+    out = {}
+    for name, text, _ in LOOKUP_TASKS:
+        speeds = []
+        for _ in range(runs):
+            llm.reset()
+            llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
+            llm.create_chat_completion(messages=[{"role": "user", "content": text}], temperature=0, max_tokens=128)
+            d = llama_cpp.llama_perf_context(llm._ctx.ctx)
+            if d.n_eval > 1:
+                speeds.append(d.n_eval / (d.t_eval_ms / 1e3))
+        out[name] = statistics.median(speeds) if speeds else 0.0
+    return out
 
 
 def llamacpp_bench(dtypes: str, threads: int, runs: int) -> dict | None:
@@ -143,10 +223,15 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--long", action="store_true", help="also decode at 4k context (q4_1, slow)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp (llama-cpp-python) for a ratio")
+    ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
+    ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
     args = ap.parse_args()
     if not RUN.exists() or not GGUF.exists():
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)
         return 1
+    if args.lookup_only:
+        lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
+        return 0
     mc = probe(export("q4_1"), args.threads)
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; "
           f"DRAM read {mc['gbps']:.1f} GB/s, f32 {mc['f32']:.0f} GFLOP/s, int8 {mc['i8']:.0f} GOP/s (./run --probe)")
@@ -174,6 +259,8 @@ def main() -> int:
         ref = llamacpp_bench(args.dtypes, args.threads, args.runs)
         if ref:
             print_ratios(ours, ref)
+    if args.lookup:
+        lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from common import DEFAULT_MODEL, ROOT, RUN, SCRATCH, TESTS, python, require, run
 
 from fuzz import modelfile as mf
-from fuzz.make_seeds import TINY_TIED
+from fuzz.make_seeds import TINY_TIED, TINY_UNTIED
 
 WORK = SCRATCH / "bad_inputs"
 WORK.mkdir(parents=True, exist_ok=True)
@@ -48,9 +48,22 @@ def tiny_model() -> Path:
     return out
 
 
-def variant(name: str, patch) -> Path:
-    """A copy of the tiny model changed by patch(bytearray) -> bytearray|None."""
-    buf = bytearray(tiny_model().read_bytes())
+def two_layer_model() -> Path:
+    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32), rebuilt like tiny_model()."""
+    import make_synthetic as ms
+    out = WORK / "tiny-untied.f32.bin"
+    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
+    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
+        return out
+    src = ms.make_all(WORK / "src-untied", TINY_UNTIED, gguf_types=("f32",), hf=False)["gguf-f32"]
+    r = python([ROOT / "export.py", src, out])
+    assert r.returncode == 0, f"export of the 2-layer model failed:\n{r.stderr.decode()}"
+    return out
+
+
+def variant(name: str, patch, base: Path | None = None) -> Path:
+    """A copy of the tiny model (or of base) changed by patch(bytearray) -> bytearray|None."""
+    buf = bytearray((base or tiny_model()).read_bytes())
     buf = patch(buf) or buf
     path = WORK / f"{name}.bin"
     path.write_bytes(bytes(buf))
@@ -96,9 +109,10 @@ def expect_ok(args: list, stdin: bytes | None = None, timeout: float = 120) -> s
     return r
 
 
-def expect_file_error(patch, *words: str, name: str) -> str:
-    """A damaged copy of the tiny model (file `name`.bin) must be refused: exit 1, one line naming the problem."""
-    path = variant(name, patch)
+def expect_file_error(patch, *words: str, name: str, base: Path | None = None) -> str:
+    """A damaged copy of the tiny model (or of base; file `name`.bin) must be refused: exit 1, one line naming
+    the problem."""
+    path = variant(name, patch, base)
     msg = expect_error([path, "-i", "hi", "-n", "2"], 1, str(path))
     reason = msg.replace(str(path), "")      # the words must be in the reason, not in the file name
     for w in words:
@@ -151,7 +165,7 @@ def test_model_bad_version():
 
 
 def test_model_unsupported_architecture():
-    expect_file_error(lambda b: mf.put(b, "arch", 4), "architecture", "4", name="arch4")
+    expect_file_error(lambda b: mf.put(b, "arch", 5), "architecture", "5", name="arch5")
 
 
 def test_model_zero_dim():
@@ -174,11 +188,11 @@ def test_model_nan_rope_theta():
 
 
 def test_model_unknown_feature_flags():
-    expect_file_error(lambda b: mf.put(b, "flags", 0x3), "feature flags", name="flags3")
+    expect_file_error(lambda b: mf.put(b, "flags", 0x21), "feature flag bit 5", name="flags21")
 
 
 def test_model_unknown_activation():
-    expect_file_error(lambda b: mf.put(b, "activation", 1), "activation", name="act1")
+    expect_file_error(lambda b: mf.put(b, "activation", 2), "activation 2", name="act2")
 
 
 # Model files: tokenizer section
@@ -217,9 +231,15 @@ def test_tensor_count_absurd():
 
 
 def test_tensor_unsupported_type():
-    msg = expect_file_error(lambda b: mf.entry_put(b, "tok_embeddings", "type", 12), "tok_embeddings",
-                            "unsupported type", name="tensor-q4k")
-    assert "12" in msg, msg
+    """Q2_K (ggml type 10) is a real GGUF type that the engine does not run."""
+    msg = expect_file_error(lambda b: mf.entry_put(b, "tok_embeddings", "type", 10), "tok_embeddings",
+                            "unsupported type", name="tensor-q2k")
+    assert "10" in msg, msg
+
+
+def test_tensor_k_type_on_short_rows():
+    """Q4_K (type 12) runs natively, but only on rows that are whole blocks of 256: the tiny model's are not."""
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "type", 12), "layers.0.wo", "q4_k", name="tensor-q4k")
 
 
 def test_tensor_data_past_end():
@@ -265,9 +285,82 @@ def test_tensor_wrong_shape():
 
 def test_norm_not_f32():
     def patch(b):
-        mf.entry_put(b, "norm", "type", 1)      # F16, with the size an F16 vector has
-        mf.entry_put(b, "norm", "size", mf.tensor(b, "norm").cols * 2)
+        norm = mf.tensor(b, "norm")
+        assert norm.offset + norm.size == len(b), "the tiny model's norm should be its last tensor"
+        mf.entry_put(b, "norm", "type", 1)      # F16, with the size an F16 vector has; the file ends with it
+        mf.entry_put(b, "norm", "size", norm.cols * 2)
+        del b[norm.offset + norm.cols * 2:]
+        mf.put(b, "file_size", len(b))
     expect_file_error(patch, "norm", "f32", name="norm-f16")
+
+
+# Model files: layout. The sections and tensors tile the file exactly (README.md, "The model file"):
+# the old loader accepted each of these files and generated from the wrong bytes.
+
+def test_tensor_data_inside_header_tokenizer_or_table():
+    """A norm read from offset 0 printed 'ointedointed...': the data must lie after the tensor table."""
+    base = tiny_model().read_bytes()
+    table = mf.get(base, "table_offset")
+    for where, at in (("the header", 0), ("the tokenizer section", mf.HEADER_BYTES), ("the tensor table", table)):
+        expect_file_error(lambda b: mf.entry_put(b, "norm", "offset", at), "norm", f"lies in {where}",
+                          name=f"norm-in-{where.split()[-1]}")
+
+
+def test_tensor_data_overlaps_or_leaves_gaps():
+    first, second = mf.tensors(tiny_model().read_bytes())[:2]
+    expect_file_error(lambda b: mf.entry_put(b, second.name, "offset", first.offset), second.name, "overlaps",
+                      name="tensor-overlap")
+    expect_file_error(lambda b: mf.entry_put(b, first.name, "offset", first.offset + 64), first.name,
+                      "not at the first 64-byte boundary", name="tensor-gap")
+
+    def trailing(b):
+        b += bytes(64)
+        mf.put(b, "file_size", len(b))
+    expect_file_error(trailing, "64 bytes follow", name="trailing-bytes")
+
+
+def test_tensor_set_matches_header():
+    """The table lists exactly the tensors the header's shape implies: n_tensors one too many gave
+    'blank tensor type 570230918'; n_layers one short ran a 1-layer model from a 2-layer file."""
+    n = mf.get(tiny_model().read_bytes(), "n_tensors")
+    expect_file_error(lambda b: mf.put(b, "n_tensors", n + 1), f"tensor table has {n + 1} entries",
+                      f"has {n} tensors", name="ntensors-plus-one")
+    two = two_layer_model()
+    n2 = mf.get(two.read_bytes(), "n_tensors")
+    expect_file_error(lambda b: mf.put(b, "n_layers", 1), f"tensor table has {n2} entries", "1-layer",
+                      name="nlayers-short", base=two)
+
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.1.wo"), "no tensor layers.0.wo",
+                      "layers.1.wo", "1-layer", name="layer-beyond-nlayers")
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "name", b"layers.0.wqkv"), "layers.0.wqkv",
+                      "twice", name="tensor-duplicate")
+
+
+def test_sections_placed_exactly():
+    expect_file_error(lambda b: mf.put(b, "header_size", 512), "header size 512", "256", name="header-512")
+    expect_file_error(lambda b: mf.put(b, "tok_size", mf.get(b, "tok_size") + 1), "tokenizer section size",
+                      name="tok-size-plus-one")
+    expect_file_error(lambda b: mf.put(b, "tok_offset", 512), "tokenizer section", "right after the header",
+                      name="tok-moved")
+    expect_file_error(lambda b: mf.put(b, "table_offset", mf.get(b, "table_offset") + 64), "tensor table",
+                      "first 64-byte boundary", name="table-moved")
+
+
+def test_reserved_and_padding_bytes_are_zero():
+    def header_reserved(b):
+        b[200] = 1
+    expect_file_error(header_reserved, "reserved byte 200", name="header-reserved")
+
+    def tok_reserved(b):
+        b[mf.get(b, "tok_offset") + 50] = 7
+    expect_file_error(tok_reserved, "tokenizer section", "reserved byte 50", name="tok-reserved")
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "reserved", 5), "norm", "reserved", name="entry-reserved")
+    emb = mf.tensor(tiny_model().read_bytes(), "tok_embeddings")
+    assert emb.size % 64, "the test needs padding after tok_embeddings"
+
+    def padding(b):
+        b[emb.offset + emb.size] = 1
+    expect_file_error(padding, f"padding byte {emb.offset + emb.size}", name="padding")
 
 
 def test_nan_weights_give_an_error_not_garbage():
@@ -338,11 +431,13 @@ def test_empty_prompt():
 
 
 def test_prompt_of_bytes_without_tokens():
-    """SmolLM2 has no token for bytes such as 0xFF (llama.cpp drops them too): such a prompt is empty."""
+    """SmolLM2 has no token for bytes such as 0xFF (llama.cpp drops them too): such a prompt tokenizes to
+    nothing, and generation says why instead of calling it empty."""
     model = require(DEFAULT_MODEL, "make model")
     r = expect_ok([model, "--tokenize"], stdin=b"\xff\xfe\xc0")
     assert r.stdout.strip() == b"", r.stdout
-    expect_error([model], 1, "prompt is empty", stdin=b"\xff\xfe\xc0")
+    expect_error([model], 1, "prompt's 3 bytes have no token in", "vocabulary", stdin=b"\xff\xfe\xc0")
+    expect_error([model, "-i", os.fsdecode(b"\xff\xfe")], 1, "2 bytes have no token")
 
 
 def test_prompt_with_nul_and_invalid_utf8():
@@ -458,6 +553,188 @@ def test_stdout_closed_early():
     err = p.stderr.read()
     rc = p.wait(timeout=60)
     assert rc == 0 and not [ln for ln in err.decode().splitlines() if ln.strip()], f"exit {rc}, stderr {err[:300]!r}"
+
+
+def ppl_text() -> Path:
+    """A text file of a few hundred tokens for --ppl on the tiny model."""
+    path = WORK / "ppl.txt"
+    path.write_text("the small model reads the text one token at a time. " * 20)
+    return path
+
+
+def test_stdout_full_or_closed():
+    """Every mode: a stdout that cannot take the output is an error (exit 1, one line), not a lost
+    result with exit 0 (--ppl, -h) or a silent exit 1 (generate, chat, --tokenize)."""
+    model, text = tiny_model(), ppl_text()
+    modes = {"generate": ["-i", "hi", "-n", "4", "-t", "0"], "tokenize": ["--tokenize", "-i", "hi"],
+             "chat": ["-m", "chat", "-n", "3", "-t", "0"], "ppl": ["--ppl", text, "--ctx", "32"], "help": ["-h"]}
+    for mode, args in modes.items():
+        cmd = [str(RUN), str(model), *map(str, args)]
+        with open("/dev/full", "wb") as full:
+            r = subprocess.run(cmd, input=b"hi\n", stdout=full, stderr=subprocess.PIPE, timeout=120)
+        lines = stderr_lines(r)
+        assert r.returncode == 1 and lines == ["run: cannot write to stdout: No space left on device"], \
+            f"{mode} > /dev/full: exit {r.returncode}, stderr {lines}"
+        quoted = " ".join("'" + c.replace("'", "'\\''") + "'" for c in cmd)
+        r = subprocess.run(["bash", "-c", f"{quoted} >&-"], input=b"hi\n", stderr=subprocess.PIPE, timeout=120)
+        lines = stderr_lines(r)
+        assert r.returncode == 1 and len(lines) == 1 and "cannot write to stdout" in lines[0], \
+            f"{mode} with stdout closed: exit {r.returncode}, stderr {lines}"
+
+
+def test_dump_logits_never_leaves_a_partial_file():
+    """--dump-logits writes a temporary file and renames it: under a file-size limit (SIGXFSZ killed the
+    run), FILE keeps its old contents and no temporary file stays; a device or symlink is not replaced."""
+    model = tiny_model()
+    out = WORK / "dump" / "logits.bin"
+    out.parent.mkdir(exist_ok=True)
+    for f in out.parent.iterdir():
+        f.unlink()
+    out.write_bytes(b"old")
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+    expect_error([model, "-i", "the small model " * 4, "--dump-logits", out], 1, "cannot write", "file too large",
+                 preexec=small_files)
+    assert out.read_bytes() == b"old" and [f.name for f in out.parent.iterdir()] == ["logits.bin"], \
+        f"left behind: {sorted(f.name for f in out.parent.iterdir())}"
+    expect_error([model, "-i", "hi", "--dump-logits", "/dev/full"], 1, "/dev/full", "not a regular file")
+    link = out.parent / "link.bin"
+    link.symlink_to(out)
+    expect_error([model, "-i", "hi", "--dump-logits", link], 1, "not a regular file")
+    assert link.is_symlink() and out.read_bytes() == b"old"
+    expect_ok([model, "-i", "hi", "--dump-logits", out])
+    assert out.stat().st_size == len(tokens_of(model, "hi")) * 300 * 4 and len(list(out.parent.iterdir())) == 2
+
+
+def test_model_file_shrinks_while_in_use():
+    """Truncating the model between chat turns killed the run with SIGBUS (exit 135, no message)."""
+    copy = WORK / "shrinking.bin"
+    copy.write_bytes(tiny_model().read_bytes())
+    p = subprocess.Popen([str(RUN), str(copy), "-m", "chat", "-n", "4", "-t", "0"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"hi\n")
+        p.stdin.flush()
+        p.stdout.readline()                          # the first answer: the weights are in use
+        os.truncate(copy, 4096)
+        p.stdin.write(b"hello again\n")
+        p.stdin.close()
+        rc = p.wait(timeout=60)
+    finally:
+        p.kill()
+    lines = [ln for ln in p.stderr.read().decode().splitlines() if ln.strip()]
+    assert rc == 1, f"exit {rc} (" + UNUSUAL_EXIT.format(rc=rc) + f"), stderr {lines}"
+    assert lines == [f"run: {copy}: the model file changed or shrank while in use"], lines
+
+
+def test_model_is_a_fifo():
+    """A FIFO as the model path hung forever in open()."""
+    fifo = WORK / "model.fifo"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    expect_error([fifo, "-i", "hi"], 1, "not a regular file", timeout=20)
+
+
+def test_endless_input_is_capped():
+    """/dev/zero as the prompt, the --ppl text or the chat: read until memory ran out. A prompt cannot
+    exceed the context (ctx x the longest token's bytes); --ppl reads at most 64 MiB."""
+    model = tiny_model()
+    with open("/dev/zero", "rb") as zero:
+        for args, words in (([model], ["prompt on stdin", "longer than", "context of 64 tokens"]),
+                            ([model, "-m", "chat"], ["chat message", "longer than", "context of 64 tokens"])):
+            r = subprocess.run([str(RUN), *map(str, args)], stdin=zero, capture_output=True, timeout=60)
+            lines = stderr_lines(r)
+            assert r.returncode == 1 and len(lines) == 1 and all(w in lines[0] for w in words), (args, r.returncode, lines)
+    expect_error([model, "--ppl", "/dev/zero", "--ctx", "32"], 1, "/dev/zero", "longer than 67108864 bytes", "64 MiB",
+                 timeout=60)
+
+
+def test_ppl_context_too_small():
+    """--ppl --ctx 1 or 2 printed 'perplexity: -nan over 0 tokens' with exit 0."""
+    for ctx in ("1", "2"):
+        expect_error([tiny_model(), "--ppl", ppl_text(), "--ctx", ctx], 2, "--ppl needs --ctx 3")
+
+
+def test_chat_treats_input_like_generate():
+    """Chat -n 0 printed a token (generate prints none); a directory or a closed stdin ended the chat with
+    exit 0 and no message (generate reports them)."""
+    model = tiny_model()
+    r = expect_ok([model, "-m", "chat", "-n", "0", "-t", "0"], stdin=b"hi\nthere\n")
+    assert r.stdout == b"\n\n", f"-n 0 must answer with empty lines: {r.stdout!r}"
+    directory = os.open(WORK, os.O_RDONLY)
+    try:
+        r = subprocess.run([str(RUN), str(model), "-m", "chat"], stdin=directory, capture_output=True, timeout=60)
+    finally:
+        os.close(directory)
+    assert r.returncode == 1 and stderr_lines(r) == ["run: cannot read a chat message on stdin: Is a directory"], \
+        (r.returncode, stderr_lines(r))
+    r = subprocess.run(["bash", "-c", f"'{RUN}' '{model}' -m chat <&-"], capture_output=True, timeout=60)
+    assert r.returncode == 1 and stderr_lines(r) == ["run: cannot read a chat message on stdin: Bad file descriptor"], \
+        (r.returncode, stderr_lines(r))
+
+
+def test_chat_message_too_long_names_what_does_not_fit():
+    """'message too long: 10 tokens, the context holds 40' named neither the system turn nor the answer's room."""
+    model = tiny_model()
+    message = "word " * 30
+    # -c builds the same opening (system turn) and user turn as the chat's first message
+    wrapped = len(tokens_of_args(model, ["--tokenize", "-c", "-i", message]))
+    r = expect_ok([model, "-m", "chat", "--ctx", "40", "-n", "8", "-t", "0"], stdin=message.encode() + b"\n")
+    lines = stderr_lines(r)
+    assert r.stdout == b"\n" and len(lines) == 1 and "message too long" in lines[0], lines
+    m = re.search(r"system turn \((\d+) tokens\) \+ this message \((\d+)\) \+ room for the answer \((\d+)\) = (\d+) "
+                  r"tokens, but the context holds (\d+)", lines[0])
+    assert m, lines[0]
+    system, msg, answer, total, ctx = map(int, m.groups())
+    assert system + msg == wrapped and answer == 8 and total == wrapped + 8 and ctx == 40, (lines[0], wrapped)
+
+
+def tokens_of_args(model: Path, args: list) -> list[int]:
+    return [int(x) for x in expect_ok([model, *args]).stdout.split()]
+
+
+def test_conflicting_options():
+    """Combinations that used to be accepted with one option silently ignored (--ppl with -i printed a
+    perplexity; --tokenize with chat an empty line; --dump-logits with chat an empty file)."""
+    model, text = tiny_model(), str(ppl_text())
+    dump = WORK / "conflict.bin"
+    cases = [(["--ppl", text, "-i", "hi"], "--ppl", "-i"), (["--ppl", text, "-m", "chat"], "--ppl", "-m chat"),
+             (["--ppl", text, "--dump-logits", dump], "--ppl", "--dump-logits"),
+             (["--ppl", text, "--tokenize"], "--ppl", "--tokenize"),
+             (["--tokenize", "-m", "chat"], "-m chat", "--tokenize"), (["-c", "--ids", "1 2"], "-c", "--ids"),
+             (["-m", "chat", "--dump-logits", dump], "-m chat", "--dump-logits")]
+    for args, x, y in cases:
+        expect_error([model, *args], 2, x, y, "cannot be used together", stdin=b"hi\n")
+    assert not dump.exists(), "a refused --dump-logits created its file"
+
+
+def test_messages_escape_control_characters():
+    """An escape sequence or a newline in an argument was echoed raw: one error spanned two lines or
+    coloured the terminal. They are shown escaped, as export.py does."""
+    model = tiny_model()
+    line = expect_error([model, "-i", "hi", "-m", "\x1b[31mRED"], 2, "-m", "\\x1b[31mRED")
+    assert "\x1b" not in line
+    expect_error([WORK / "no\nsuch.bin", "-i", "hi"], 1, "no\\nsuch.bin", "cannot open")
+
+
+def test_flag_numbers_are_decimal():
+    """-t 1e-38 was refused as outside [0, 100]; hex floats and leading spaces were accepted."""
+    model = tiny_model()
+    expect_ok([model, "-i", "hi", "-n", "2", "-t", "1e-38", "-s", "1"])
+    for flag, value in (("-t", "0x10"), ("-t", " 1"), ("-n", " 4"), ("-p", "0x1p-1"), ("-k", "+ 4")):
+        expect_error([model, "-i", "hi", flag, value], 2, flag, f"'{value}'")
+    expect_error([model, "-i", "hi", "-p", "1e-50"], 2, "-p 1e-50", "too small")
+
+
+def test_ids_beyond_int64_named_as_given():
+    """An id past int64 was reported as 9223372036854775807."""
+    expect_error([tiny_model(), "--ids", "1 99999999999999999999999"], 2, "token id 99999999999999999999999")
+
+
+def test_ppl_on_a_directory():
+    """--ppl DIR said 'has 0 tokens'."""
+    expect_error([tiny_model(), "--ppl", WORK, "--ctx", "32"], 1, "cannot read", "is a directory")
 
 
 def test_out_of_memory():

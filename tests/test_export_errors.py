@@ -852,8 +852,11 @@ def test_hf_unsupported_architecture() -> None:
 
 
 def test_hf_rope_scaling_refused() -> None:
+    cfg = hf_config(rope_scaling={"rope_type": "yarn", "factor": 8.0})
+    expect_failure(good_hf("hf_rope", config=cfg), "rope_scaling", "yarn")
+    # llama3 scaling is computed, but needs all four of its keys
     cfg = hf_config(rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    expect_failure(good_hf("hf_rope", config=cfg), "rope scaling", "llama3")
+    expect_failure(good_hf("hf_rope3", config=cfg), "rope_scaling.low_freq_factor")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -930,5 +933,103 @@ def test_tokenizer_only_gemma3_spm() -> None:
     assert s["scores"][263:266] == [-1.0, -2.0, -3.0], s["scores"][263:266]
 
 
-def test_gemma3_weights_refused() -> None:
-    expect_failure(gemma3_gguf("gemma3_w.gguf"), "gemma3", "architecture")
+def test_gemma3_without_window_refused() -> None:
+    # a gemma3 GGUF must say its sliding window (llama.cpp requires the key too)
+    expect_failure(gemma3_gguf("gemma3_w.gguf"), "gemma3.attention.sliding_window")
+
+
+# ---------------------------------------------------------------------------------------------
+# The model families (FORMAT-FAMILIES.md): damaged versions of tests/make_synthetic.py's family models
+
+def family_model(family: str, name: str, change=None, json_changes: dict | None = None,
+                 **cfg_changes) -> tuple[Path, Path]:
+    """(GGUF, HF directory) of `family`'s test model, after change(weights) and config changes."""
+    import dataclasses
+    import make_synthetic as ms
+    cfg = dataclasses.replace(ms.family_config(family), **cfg_changes)
+    weights = ms.make_weights(cfg)
+    if change:
+        change(weights)
+    tok = ms.make_tokenizer(cfg.vocab_size, family)
+    d = WORK / name
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+    gguf = ms.write_gguf(d / "model.gguf", cfg, weights, tok)
+    hf = ms.write_hf(d / "hf", cfg, weights, tok)
+    if json_changes:
+        config = json.loads((hf / "config.json").read_text())
+        config.update(json_changes)
+        (hf / "config.json").write_text(json.dumps(config))
+    return gguf, hf
+
+
+def test_family_models_export() -> None:
+    # the undamaged models export (so the refusals below are caused by the damage)
+    for family in ("qwen2", "qwen3", "gemma3", "llama3"):
+        for src in family_model(family, f"fam_ok_{family}"):
+            expect_success(src, WORK / f"fam_ok_{family}.bin")
+
+
+def test_gemma3_missing_post_norm_refused() -> None:
+    gguf, hf = family_model("gemma3", "fam_no_post_norm",
+                            lambda w: w.pop("model.layers.3.post_feedforward_layernorm.weight"))
+    expect_failure(gguf, "blk.3.post_ffw_norm.weight", "missing")
+    expect_failure(hf, "model.layers.3.post_feedforward_layernorm.weight", "missing")
+
+
+def test_qk_norm_of_wrong_size_refused() -> None:
+    def shorten(w: dict) -> None:
+        w["model.layers.1.self_attn.k_norm.weight"] = w["model.layers.1.self_attn.k_norm.weight"][:16]
+    gguf, hf = family_model("qwen3", "fam_short_k_norm", shorten)
+    expect_failure(gguf, "blk.1.attn_k_norm.weight", "expected [32]")
+    expect_failure(hf, "model.layers.1.self_attn.k_norm.weight", "expected [32]")
+
+
+def test_window_larger_than_context_refused() -> None:
+    gguf, hf = family_model("gemma3", "fam_big_window", window=300)   # max_seq_len 256
+    expect_failure(gguf, "gemma3.attention.sliding_window = 300", "larger than the context")
+    expect_failure(hf, "sliding_window = 300", "larger than the context")
+
+
+def test_bias_on_one_projection_refused() -> None:
+    gguf, hf = family_model("qwen2", "fam_no_k_bias", lambda w: w.pop("model.layers.1.self_attn.k_proj.bias"))
+    expect_failure(gguf, "blk.1.attn_k.bias", "some of the q, k, v projections")
+    expect_failure(hf, "model.layers.1.self_attn.k_proj.bias", "some of the q, k, v projections")
+    # a llama model has no biases at all: one is an unexpected tensor
+    def add_bias(w: dict) -> None:
+        w["model.layers.0.self_attn.q_proj.bias"] = np.zeros(96, np.float32)
+    gguf, hf = family_model("llama3", "fam_llama_bias", add_bias)
+    expect_failure(gguf, "unexpected tensor 'blk.0.attn_q.bias'")
+
+
+def test_family_config_keys_refused() -> None:
+    for key, value in (("final_logit_softcapping", 30.0), ("attn_logit_softcapping", 50.0),
+                       ("hidden_activation", "gelu"), ("use_bidirectional_attention", True)):
+        _, hf = family_model("gemma3", f"fam_gemma_{key}", json_changes={key: value})
+        expect_failure(hf, key)
+    _, hf = family_model("gemma3", "fam_gemma_layers", json_changes={
+        "layer_types": ["full_attention", "sliding_attention"] * 3 + ["full_attention"]})
+    expect_failure(hf, "layer_types", "every p-th layer")
+    _, hf = family_model("qwen3", "fam_qwen3_bias", json_changes={"attention_bias": True})
+    expect_failure(hf, "attention_bias")
+    _, hf = family_model("llama3", "fam_llama3_keys", json_changes={"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}})
+    expect_failure(hf, "rope_scaling.original_max_position_embeddings")
+
+
+def test_damaged_tokenizer_model_refused() -> None:
+    # Gemma's SentencePiece tokenizer.model (a protobuf message): cut short, a bad wire type, no pieces
+    _, hf = family_model("gemma3", "fam_spm_damaged")
+    model = (hf / "tokenizer.model").read_bytes()
+    for data, words in ((model[:len(model) // 2], ("tokenizer.model", "truncated or corrupt")),
+                        (b"\x0f" + model, ("tokenizer.model", "wire type 7")),
+                        (b"", ("tokenizer.model", "no vocabulary pieces"))):
+        (hf / "tokenizer.model").write_bytes(data)
+        expect_failure(hf, *words)
+
+
+def test_rope_freqs_factors_checked() -> None:
+    # factor -1: the low-frequency pairs' divisor is -1 in the GGUF's rope_freqs tensor and in the config
+    gguf, hf = family_model("llama3", "fam_bad_factor", llama3_scaling=(-1.0, 1.0, 8.0, 128))
+    expect_failure(gguf, "rope_freqs.weight", "finite number > 0")
+    expect_failure(hf, "rope_scaling.factor")

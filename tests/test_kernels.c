@@ -40,7 +40,13 @@ static uint16_t f32_to_f16_bits(float f) /* round-to-nearest via the compiler */
    writes small finite scales. The float types are filled as floats. */
 static const struct { int type; int at[2]; } SCALES[] = {
     {T_Q8_0, {0, -1}},
+    {T_Q4_0, {0, -1}},
     {T_Q4_1, {0, 2}},
+    {T_Q5_0, {0, -1}},
+    {T_Q5_1, {0, 2}},
+    {T_Q4_K, {0, 2}},
+    {T_Q5_K, {0, 2}},
+    {T_Q6_K, {208, -1}},
 };
 
 /* n random weights of `type` per row, rows rb bytes apart: random bytes with
@@ -102,7 +108,7 @@ static void test_types(void)
         const TypeKernels *ref = &TYPES[type].k[KSET_SCALAR], *k = &K.type[type];
         random_rows(w, type, N, ROWS);
         /* to_float and from_float over a row that is not a multiple of 8 where the type allows it */
-        int n = wt->block == 1 ? CONV_N + 3 : CONV_N;
+        int n = wt->block == 1 ? CONV_N + 3 : wt->block * max_i(1, CONV_N / wt->block);
         ref->to_float(f_ref, w, n);
         k->to_float(f_got, w, n);
         snprintf(what, sizeof what, "%s %-4s to_float equals scalar bit for bit", K.op.name, wt->name);
@@ -140,6 +146,20 @@ static void test_types(void)
                      wt->name, which ? "tile" : "gemv", tile.rows, tile.toks, worst);
             check(worst < 1e-6, what);
         }
+        /* exact_tiles: the tile adds each output's products as the GEMV does (verify_step relies on it) */
+        if (K.op.exact_tiles && k->tile.fn && k->gemv.fn) {
+            float tile_out[MAX_TILE], gemv_out[GEMV_ROWS];
+            int same = 1;
+            k->tile.fn(w, rb, act, xs, N, tile_out);
+            for (int t = 0; t < k->tile.toks; t++)
+                for (int r0 = 0; r0 < k->tile.rows; r0 += GEMV_ROWS) {
+                    k->gemv.fn(w + r0 * rb, rb, act + t * xs, xs, N, gemv_out);
+                    for (int r = r0; r < r0 + GEMV_ROWS && r < k->tile.rows; r++)
+                        same &= memcmp(&tile_out[r * k->tile.toks + t], &gemv_out[r - r0], sizeof(float)) == 0;
+                }
+            snprintf(what, sizeof what, "%s %-4s tile outputs bit for bit the GEMV's (exact tiles)", K.op.name, wt->name);
+            check(same, what);
+        }
     }
 }
 
@@ -169,6 +189,44 @@ static void test_int_exact(void)
     check(K.type[T_Q8_0].dot(w8, xq, N) == (float)ref8, what);
     snprintf(what, sizeof what, "%s q4_1 integer sum exact", K.op.name);
     check(K.type[T_Q4_1].dot(w4, xq, N) == (float)ref4, what);
+}
+
+/* The K types' integer part exactly: with unit super-block scales (d = dmin
+   = 1) and small activations every term is an integer and every partial
+   sum stays below 2^24, so every set's dot product must equal the sum of
+   the scalar to_float values (checked against gguf by test_run_dequant.py)
+   times the activations, computed here in double. The activation blocks'
+   sums of 16 are computed here too. */
+static void test_int_exact_k(void)
+{
+    enum { N = 2 * QK_K };
+    static uint8_t w[N * 2];
+    static BlockQ8K xq[N / QK_K];
+    static float wf[N];
+    for (int k = 0; k < N / QK_K; k++) {
+        xq[k].d = 1;
+        for (int i = 0; i < QK_K; i++) xq[k].qs[i] = (int8_t)(random_u32(&rng) % 15) - 7;
+        for (int g = 0; g < QK_K / 16; g++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += xq[k].qs[16 * g + i];
+            xq[k].bsums[g] = (int16_t)sum;
+        }
+    }
+    const int types[] = {T_Q4_K, T_Q5_K, T_Q6_K}, one = f32_to_f16_bits(1);
+    const size_t d_at[][2] = {{0, 2}, {0, 2}, {offsetof(BlockQ6K, d), offsetof(BlockQ6K, d)}};
+    for (int ti = 0; ti < 3; ti++) {
+        int type = types[ti];
+        size_t bb = TYPES[type].block_bytes;
+        for (size_t b = 0; b < N / QK_K * bb; b++) w[b] = random_u32(&rng);
+        for (int k = 0; k < N / QK_K; k++)
+            for (int f = 0; f < 2; f++) memcpy(w + k * bb + d_at[ti][f], &one, 2);
+        TYPES[type].k[KSET_SCALAR].to_float(wf, w, N);
+        double ref = 0;
+        for (int i = 0; i < N; i++) ref += (double)wf[i] * xq[i / QK_K].qs[i % QK_K];
+        char what[96];
+        snprintf(what, sizeof what, "%s %s integer sum exact", K.op.name, TYPES[type].name);
+        check(K.type[type].dot(w, xq, N) == (float)ref && fabs(ref) < (1 << 24), what);
+    }
 }
 
 /* The f16 conversions: the scalar ones (the definitions) against the
@@ -237,6 +295,19 @@ static void test_quantize_act(int set)
         if (fabsf(q[k].s - q[k].d * sum) > 1e-6f * fabsf(q[k].d * sum) + 1e-30f) ok = 0;
     }
     check(ok, "int8 activation quantization error <= d/2 per element, s = d*sum(q)");
+    static BlockQ8K qk[N / QK_K];
+    quantize_act_k_scalar(qk, x, N);
+    ok = 1;
+    for (int i = 0; i < N; i++) {
+        const BlockQ8K *b = &qk[i / QK_K];
+        if (fabsf(x[i] - b->d * b->qs[i % QK_K]) > b->d * 0.5f * 1.0001f + 1e-30f) ok = 0;
+    }
+    for (int g = 0; g < N / 16; g++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += qk[g / (QK_K / 16)].qs[g % (QK_K / 16) * 16 + i];
+        if (sum != qk[g / (QK_K / 16)].bsums[g % (QK_K / 16)]) ok = 0;
+    }
+    check(ok, "int8 activation quantization per 256 (K types): error <= d/2 per element, bsums = sums of each 16");
 }
 
 /* Attention kernels (scores against a transposed K block, against K rows,
@@ -301,20 +372,30 @@ static void test_softmax(void)
     check(worst_e < 5e-7 && worst_s < 1e-6, what);
 }
 
-/* SwiGLU: the set's against the scalar one over gate values wide enough to
-   reach both ends of the exponential (and the scalar tail). */
-static void test_swiglu(void)
+/* The FFN gates (SwiGLU, GeGLU): the set's against the scalar ones over
+   gate values wide enough to reach both ends of the exponential (and the
+   scalar tail). GeGLU's tanh is rebuilt from exp in the SIMD versions, so
+   near 0 its error is compared to |x u| rather than to the tiny result. */
+static void test_gates(void)
 {
     enum { N = 1003 };
-    static float g[N], u[N], ref[N];
-    for (int i = 0; i < N; i++) g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
-    OPS[KSET_SCALAR].swiglu(ref, u, N);
-    K.op.swiglu(g, u, N);
-    double worst = 0;
-    for (int i = 0; i < N; i++) worst = fmax(worst, fabs(g[i] - ref[i]) / (fabs(ref[i]) + 1e-30));
-    char what[128];
-    snprintf(what, sizeof what, "%s swiglu vs scalar: worst relative diff %.2e", K.op.name, worst);
-    check(worst < 1e-6, what);
+    static float g[N], u[N], ref[N], x[N];
+    void (*const sets[2][2])(float *, const float *, int) = {{OPS[KSET_SCALAR].swiglu, K.op.swiglu},
+                                                             {OPS[KSET_SCALAR].geglu, K.op.geglu}};
+    static const char *const names[] = {"swiglu", "geglu"};
+    for (int k = 0; k < 2; k++) {
+        for (int i = 0; i < N; i++) x[i] = g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
+        sets[k][0](ref, u, N);
+        sets[k][1](g, u, N);
+        double worst = 0;
+        /* exp_avx2 reaches inf a little before expf (see it), so a gate near -88.5
+           gives 0 against expf's ~1e-36: a difference that small is no error */
+        for (int i = 0; i < N; i++)
+            if (fabs(g[i] - ref[i]) > 1e-30) worst = fmax(worst, fabs(g[i] - ref[i]) / fabs(k ? x[i] * u[i] : ref[i]));
+        char what[128];
+        snprintf(what, sizeof what, "%s %s vs scalar: worst relative diff %.2e", K.op.name, names[k], worst);
+        check(worst < 1e-6, what);
+    }
 }
 
 #ifdef HAVE_AVX2
@@ -348,12 +429,13 @@ int main(void)
         test_fp16(set);
         test_quantize_act(set);
         test_int_exact();
+        test_int_exact_k();
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
         test_attention();
         test_softmax();
-        test_swiglu();
+        test_gates();
     }
 #ifdef HAVE_AVX2
     if (kernel_set_available(KSET_AVX2)) test_exp_avx2();

@@ -3,11 +3,12 @@ thread with the same kernel whatever the split, so 1 thread, 2 threads and
 the build without OpenMP give bit-identical logits and the same greedy text."""
 from __future__ import annotations
 
+import os
 import subprocess
 
 import numpy as np
 
-from common import DEFAULT_MODEL, ROOT, SCRATCH, exported, require, run
+from common import DEFAULT_MODEL, ROOT, RUN, SCRATCH, exported, require, run
 
 PROMPT = "The quick brown fox jumps over the lazy dog. In 1905, Einstein published"
 NOOMP = ROOT / "run-noomp"
@@ -67,3 +68,15 @@ def test_long_prompt_decode_path_matches_prefill_and_thread_counts():
     rel = np.abs(batched - step1).max(axis=1) / np.abs(batched).max(axis=1)
     assert rel.max() < 1e-4, f"prefill vs decode: worst relative difference {rel.max():.2e} at position {rel.argmax()}"
     assert (batched.argmax(axis=1) == step1.argmax(axis=1)).mean() > 0.99
+
+
+def test_default_threads_follow_the_affinity_mask():
+    """The default team was the online CPU count even under `taskset -c 0`, where two threads
+    decoded 8x slower than one (issue 11). It is the CPUs the process may run on."""
+    require(DEFAULT_MODEL, "run `make model`")
+    cmd = [str(RUN), str(DEFAULT_MODEL), "-i", "hi", "-n", "2", "-t", "0", "-v"]
+    for cpus in ({0}, set(sorted(os.sched_getaffinity(0))[:2])):
+        r = subprocess.run(cmd, capture_output=True, timeout=120, preexec_fn=lambda c=cpus: os.sched_setaffinity(0, c))
+        assert r.returncode == 0, r.stderr.decode()
+        model_line = next(ln for ln in r.stderr.decode().splitlines() if ln.startswith("model:"))
+        assert f", {len(cpus)} threads," in model_line, f"affinity {sorted(cpus)}: {model_line}"

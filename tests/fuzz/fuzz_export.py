@@ -45,7 +45,7 @@ sys.path.insert(0, str(HERE))
 
 import modelfile  # noqa: E402
 
-DTYPES = ("f32", "f16", "q8_0", "q4_1")
+DTYPES = ("f32", "f16", "q8_0", "q4_1", "keep", "q5_0", "q4_k_m", "q6_k")
 MEMORY_LIMIT_MB = 2048
 
 

@@ -93,7 +93,7 @@ static void run_model(const Model *m, uint32_t variant)
     int kv = (int[]){T_F16, T_F32, T_Q8_0}[variant % 3];
     if (kv == T_Q8_0 && m->c.head_dim % QK) kv = T_F16;
     select_kernels(variant / 3 % 2 ? KSET_SCALAR : best_kernel_set());
-    build_state(&s, &m->c, seq_len, 1, kv);
+    build_state(&s, m, seq_len, 1, kv);
     if (seq_len >= 2) fuzz_prompt(m, &prompt, seq_len);
     else push(&prompt, 0);
     int vocab = m->c.vocab_size;

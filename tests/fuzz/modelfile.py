@@ -20,7 +20,11 @@ HEADER = {
     "rope_theta": (48, "<f"), "norm_eps": (52, "<f"), "flags": (56, "<I"), "activation": (60, "<I"),
     "rope_dim": (64, "<I"), "n_tensors": (68, "<I"), "tok_offset": (72, "<Q"), "tok_size": (80, "<Q"),
     "table_offset": (88, "<Q"), "file_size": (96, "<Q"),
+    # the model-family fields (README "The model file"; 0 = not used)
+    "embed_scale": (104, "<f"), "attn_scale": (108, "<f"), "window": (112, "<I"), "window_pattern": (116, "<I"),
+    "rope_theta_local": (120, "<f"), "rope_scale_global": (124, "<f"),
 }
+HEADER_RESERVED = 128  # header bytes from here to HEADER_BYTES are zero
 # tokenizer section header field -> (offset within the section, format)
 TOKENIZER = {
     "kind": (0, "<I"), "pre": (4, "<I"), "n_vocab": (8, "<I"), "n_merges": (12, "<I"), "bos": (16, "<i"),
@@ -100,11 +104,16 @@ def fill_f32(buf: bytearray, name: str, value: float) -> bytearray:
 BLOCK = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 3: (32, 20)}   # type -> (elements, bytes) per block
 
 
+def align64(x: int) -> int:
+    return (x + 63) // 64 * 64
+
+
 def problems(buf: bytes) -> list[str]:
     """What makes buf an invalid model file by README.md ("The model file")'s layout rules (empty list: none).
 
-    Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts), the
-    rules every file export.py writes must satisfy whatever its input was."""
+    Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts, the sections and
+    tensors following each other exactly, reserved and padding bytes zero), the rules every file
+    export.py writes must satisfy whatever its input was."""
     out: list[str] = []
     if len(buf) < HEADER_BYTES or buf[:4] != b"LLMF":
         return ["no LLMF header"]
@@ -112,12 +121,17 @@ def problems(buf: bytes) -> list[str]:
         out.append("bad version or header size")
     if get(buf, "file_size") != len(buf):
         out.append(f"header file_size {get(buf, 'file_size')} != actual {len(buf)}")
+    if any(buf[HEADER_RESERVED:HEADER_BYTES]):
+        out.append("nonzero reserved header bytes")
     tok_off, tok_size = get(buf, "tok_offset"), get(buf, "tok_size")
-    if tok_off % 64 or tok_off + tok_size > len(buf):
+    if tok_off != HEADER_BYTES or tok_off + tok_size > len(buf):
         out.append("tokenizer section misplaced")
+    elif any(buf[tok_off + 48:tok_off + 64]):
+        out.append("nonzero reserved tokenizer header bytes")
     table, n = get(buf, "table_offset"), get(buf, "n_tensors")
-    if table % 64 or table + n * TABLE_ENTRY > len(buf):
+    if table != align64(tok_off + tok_size) or table + n * TABLE_ENTRY > len(buf):
         return out + ["tensor table misplaced"]
+    end = table + n * TABLE_ENTRY
     for t in tensors(buf):
         if t.type not in BLOCK:
             out.append(f"{t.name}: unknown type {t.type}")
@@ -125,6 +139,11 @@ def problems(buf: bytes) -> list[str]:
         elems, nbytes = BLOCK[t.type]
         if t.cols % elems or t.size != t.rows * t.cols // elems * nbytes:
             out.append(f"{t.name}: size {t.size} does not match {t.rows}x{t.cols} of type {t.type}")
-        if t.offset % 64 or t.offset + t.size > len(buf):
-            out.append(f"{t.name}: data misplaced")
+        if t.offset != align64(end) or t.offset + t.size > len(buf):
+            out.append(f"{t.name}: data misplaced (at {t.offset}, expected {align64(end)})")
+        elif any(buf[end:t.offset]):
+            out.append(f"nonzero padding before {t.name}")
+        end = t.offset + t.size
+    if n and end != len(buf):
+        out.append(f"{len(buf) - end} bytes after the last tensor")
     return out

@@ -1,0 +1,426 @@
+"""Issue 13, export side: --dtype keep, the new --dtype values, llama.cpp's mix rules and the quantizers.
+
+* keep (the default for a GGUF) copies every tensor's blocks bit for bit: checked on the real SmolLM2
+  GGUF (Q4_1 + Q8_0) and on synthetic GGUFs whose tensors are Q4_0 .. Q6_K, F16 and BF16 blocks; the
+  expected bytes are read from the GGUF by the `gguf` package and un-permuted (Q/K rows) here, and our
+  file is read by tests/fuzz/modelfile.py (both independent of export.py).
+  The Gemma 3 GGUF (models/gemma3-270m-q4_k_m.gguf) waits for the Gemma family in export.py: it only
+  has --tokenizer-only today.
+* A type the engine does not run (Q3_K) is refused under keep: exit 1, one line naming the tensor, its
+  type and --dtype q8_0, no output file.
+* Per-tensor types of q4_k_m / q5_k_m: expected sets written out by hand from llama.cpp's rules
+  (src/llama-quant.cpp: llama_tensor_get_type, use_more_bits, tensor_type_fallback), and the types
+  llama.cpp's quantizer itself chose in models/gemma3-270m-q4_k_m.gguf.
+* The 32-element quantizers give the `gguf` package's bytes (its numpy ports of ggml's
+  quantize_row_*_ref), in unit tests and whole exported files. The K quantizers (not in the `gguf`
+  package) give the bytes of tests/kquant_ref.py, a scalar line-by-line transcription of ggml's C, and
+  stay within ggml's own round-trip bound (tests/test-quantize-fns.cpp: data 0.1 + 2 cos(i), 4096
+  values, sqrt(sum of squared errors) / n < 0.002), dequantized by the `gguf` package.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import kquant_ref  # noqa: E402
+import make_synthetic as ms  # noqa: E402
+import modelfile  # noqa: E402
+from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require  # noqa: E402
+
+try:
+    from gguf import GGUFReader
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+    from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+except ImportError as e:  # a missing prerequisite is a failure, never a skip
+    raise AssertionError(f"the gguf package is needed for these tests: pip install gguf ({e})")
+
+EXPORT = ROOT / "export.py"
+WORK = SCRATCH / "export_types"
+WORK.mkdir(parents=True, exist_ok=True)
+
+# Every row length a multiple of 256, so each K type covers every matrix; 8 layers so that
+# use_more_bits picks a non-trivial set.
+K_CONFIG = ms.SynthConfig(dim=256, hidden_dim=512, n_layers=8, n_heads=4, n_kv_heads=2, head_dim=64,
+                          vocab_size=397, tied=False, seed=77)
+# use_more_bits(i, 8) = i < 1 || i >= 7 || (i - 1) % 3 == 2, worked out by hand: layers 0, 3, 6, 7.
+MORE_BITS_8 = {0, 3, 6, 7}
+# The default synthetic model: 3 layers (use_more_bits(i, 3) = i >= 2 || i % 3 == 2: layer 2 only),
+# dim 96 and hidden 160, neither a multiple of 256, so every K type falls back.
+MORE_BITS_3 = {2}
+
+# f16 fields of each block (ggml-common.h's block_* structs), filled with sane finite values in random blocks.
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q3_K": [108],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def _load_export():
+    spec = importlib.util.spec_from_file_location("export_types_under_test", EXPORT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod   # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+export = _load_export()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers: GGUF tensors, our file's tensors, synthetic GGUFs
+
+def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks of a ggml type for a rows x cols matrix: random bits, finite small scales."""
+    if type_name in ("F16", "BF16"):
+        vals = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+        if type_name == "F16":
+            return vals.astype("<f2").view(np.uint8)
+        return ms.bf16_bits(vals).astype("<u2").view(np.uint8)
+    block, size = GGML_QUANT_SIZES[QT[type_name]]
+    n = rows * cols // block
+    b = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    for at in F16_FIELDS[type_name]:
+        b[:, at:at + 2] = (rng.uniform(1e-4, 1e-2, (n, 1))).astype("<f2").view(np.uint8)
+    return b.reshape(rows, -1)
+
+
+def gguf_rows(path: Path) -> dict[str, tuple[str, np.ndarray]]:
+    """GGUF tensor name -> (type name, raw bytes as (rows, row bytes)), read by the `gguf` package."""
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+        out[t.name] = (QT(t.tensor_type).name, np.asarray(t.data).view(np.uint8).reshape(rows, -1))
+    return out
+
+
+def unpermute(rows: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order: HF row h*hd + s*hd/2 + i is GGUF row h*hd + 2i + s."""
+    hd = rows.shape[0] // n_heads
+    half = hd // 2
+    src = []
+    for r in range(rows.shape[0]):
+        h, rem = divmod(r, hd)
+        s, i = divmod(rem, half)
+        src.append(h * hd + 2 * i + s)
+    return rows[src]
+
+
+def our_tensors(path: Path) -> dict[str, tuple[int, bytes]]:
+    buf = path.read_bytes()
+    return {t.name: (t.type, buf[t.offset:t.offset + t.size]) for t in modelfile.tensors(buf)}
+
+
+def expected_parts(cfg: ms.SynthConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our tensor name -> [(GGUF name, heads to un-permute or 0)] (README.md's tensor table)."""
+    out = {"tok_embeddings": [("token_embd.weight", 0)], "norm": [("output_norm.weight", 0)]}
+    for n in range(cfg.n_layers):
+        b = f"blk.{n}."
+        out[f"layers.{n}.attn_norm"] = [(b + "attn_norm.weight", 0)]
+        out[f"layers.{n}.wqkv"] = [(b + "attn_q.weight", cfg.n_heads), (b + "attn_k.weight", cfg.n_kv_heads),
+                                   (b + "attn_v.weight", 0)]
+        out[f"layers.{n}.wo"] = [(b + "attn_output.weight", 0)]
+        out[f"layers.{n}.ffn_norm"] = [(b + "ffn_norm.weight", 0)]
+        out[f"layers.{n}.w13"] = [(b + "ffn_gate.weight", 0), (b + "ffn_up.weight", 0)]
+        out[f"layers.{n}.w2"] = [(b + "ffn_down.weight", 0)]
+    if not cfg.tied:
+        out["output"] = [("output.weight", 0)]
+    return out
+
+
+def check_keep(gguf: Path, model: Path, cfg: ms.SynthConfig) -> int:
+    """Every tensor of `model` has its GGUF parts' type and bytes (Q/K rows un-permuted); returns the count."""
+    src = gguf_rows(gguf)
+    ours = our_tensors(model)
+    parts = expected_parts(cfg)
+    assert set(ours) == set(parts), f"tensor names differ: {sorted(set(ours) ^ set(parts))[:5]}"
+    for name, plist in parts.items():
+        types = {src[g][0] for g, _ in plist}
+        assert len(types) == 1, f"{name}: the GGUF parts have several types {types}; pick a file without"
+        want_type = int(QT[types.pop()])
+        data = b"".join((unpermute(src[g][1], h) if h else src[g][1]).tobytes() for g, h in plist)
+        got_type, got = ours[name]
+        assert got_type == want_type, f"{name}: type {got_type}, GGUF has {want_type}"
+        assert got == data, f"{name}: bytes differ from the GGUF's ({len(got)} vs {len(data)} bytes)"
+    return len(parts)
+
+
+def run_export(src: Path, out: Path, *extra: str):
+    out.unlink(missing_ok=True)
+    return python([EXPORT, src, out, *extra], timeout=600)
+
+
+def export_ok(src: Path, out: Path, *extra: str) -> Path:
+    r = run_export(src, out, *extra)
+    assert r.returncode == 0, f"export.py {src.name} {' '.join(extra)} failed ({r.returncode}): {r.stderr[-600:].decode(errors='replace')}"
+    return out
+
+
+def synthetic_gguf(name: str, cfg: ms.SynthConfig, types: dict[str, str] | None = None) -> Path:
+    """A synthetic GGUF; `types` maps a GGUF tensor-name pattern ('attn_v', 'token_embd', ...) to a ggml type
+    whose blocks are random (F32 weights where no pattern matches)."""
+    rng = np.random.default_rng(cfg.seed)
+
+    def override(gname: str, arr: np.ndarray):
+        if arr.ndim != 2 or not types:
+            return None
+        for pat, t in types.items():
+            if pat in gname:
+                return random_blocks(arr.shape[0], arr.shape[1], t, rng), t
+        return None
+
+    path = WORK / f"{name}.gguf"
+    ms.write_gguf(path, cfg, ms.make_weights(cfg), ms.make_tokenizer(cfg.vocab_size), "f32", override)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantizers
+
+def _test_data(rng: np.random.Generator) -> np.ndarray:
+    """Rows of 256 with awkward blocks: zeros, a constant, all-positive, all-negative, exact ties, tiny values."""
+    x = (rng.standard_normal((24, 256)) * 0.03).astype(np.float32)
+    x[1] = np.abs(x[1])
+    x[2] = 0
+    x[3, :128] = 0
+    x[4] = 0.5
+    x[5, 7] = 3.0
+    x[6] = -np.abs(x[6])
+    x[7] = np.round(x[7] * 100) / 100
+    x[8] = rng.integers(-8, 8, 256) * 0.01
+    x[9] = rng.standard_normal(256) * 1e-6
+    x[10, ::2] = -x[10, 1::2]
+    return x
+
+
+def test_legacy_quantizers_match_gguf_package():
+    rng = np.random.default_rng(13)
+    x = np.concatenate([_test_data(rng), (rng.standard_normal((64, 256)) * 0.02).astype(np.float32)])
+    for name, fn in [("Q4_0", export.quantize_q4_0), ("Q4_1", export.quantize_q4_1), ("Q5_0", export.quantize_q5_0),
+                     ("Q5_1", export.quantize_q5_1), ("Q8_0", export.quantize_q8_0)]:
+        ours = fn(x).reshape(-1)
+        ref = gguf_quantize(x, QT[name]).reshape(-1)
+        diff = np.flatnonzero(ours != ref)
+        assert diff.size == 0, f"{name}: {diff.size} bytes differ from gguf's quantizer, first at byte {diff[0]}"
+
+
+def test_k_quantizers_match_scalar_transcription():
+    rng = np.random.default_rng(14)
+    gauss = rng.standard_normal((16, 256)) * np.exp2(rng.uniform(-12, 2, (16, 1)))
+    x = np.concatenate([_test_data(rng)[:12], gauss.astype(np.float32)])
+    for name, fn, ref in [("Q4_K", export.quantize_q4_k, kquant_ref.q4k), ("Q5_K", export.quantize_q5_k, kquant_ref.q5k),
+                          ("Q6_K", export.quantize_q6_k, kquant_ref.q6k)]:
+        ours = fn(x)
+        bad = [i for i in range(x.shape[0]) if ours[i].tobytes() != ref([np.float32(v) for v in x[i]])]
+        assert not bad, f"{name}: blocks {bad} differ from the scalar transcription of ggml's reference"
+
+
+def test_k_quantizers_error_within_ggml_bound():
+    """ggml's tests/test-quantize-fns.cpp: 0.1 + 2 cos(i), 4096 values, sqrt(sum sq err) / n < 0.002.
+    Also, on Gaussian rows, the K search must beat plain min/max rounding with float scales."""
+    x = (0.1 + 2 * np.cos(np.arange(4096, dtype=np.float32))).astype(np.float32)
+    rng = np.random.default_rng(15)
+    g = (rng.standard_normal((128, 256)) * 0.02).astype(np.float32)
+    for name, fn, sub, naive_levels in [("Q4_K", export.quantize_q4_k, 32, 15), ("Q5_K", export.quantize_q5_k, 32, 31),
+                                        ("Q6_K", export.quantize_q6_k, 16, None)]:
+        y = gguf_dequantize(fn(x).reshape(1, -1), QT[name]).reshape(-1)
+        err = float(np.sqrt(np.sum((y.astype(np.float64) - x) ** 2)) / x.size)
+        assert err < 0.002, f"{name}: ggml's total quantization error {err:.5f} >= 0.002"
+        yg = gguf_dequantize(fn(g).reshape(g.shape[0], -1), QT[name])
+        s = g.reshape(-1, sub)
+        if naive_levels is None:   # symmetric 6-bit: levels -32..31 of max|x| / 31.5
+            d = np.abs(s).max(axis=1, keepdims=True) / 31.5
+            naive = np.clip(np.round(s / d), -32, 31) * d
+        else:
+            lo = s.min(axis=1, keepdims=True)
+            d = (s.max(axis=1, keepdims=True) - lo) / naive_levels
+            naive = np.round((s - lo) / d) * d + lo
+        ours_rms = float(np.sqrt(np.mean((yg - g) ** 2)))
+        naive_rms = float(np.sqrt(np.mean((naive.reshape(g.shape) - g) ** 2)))
+        assert ours_rms < naive_rms, f"{name}: RMS error {ours_rms:.3g} not below plain rounding's {naive_rms:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --dtype keep
+
+def test_keep_is_the_gguf_default_and_copies_smollm2_bit_for_bit():
+    gguf = require(DEFAULT_GGUF, "the SmolLM2 GGUF (make models)")
+    out = export_ok(gguf, WORK / "smollm2_keep.bin")   # no --dtype: keep
+    meta = {k: export.GGUFFile(gguf).get(k, int) for k in ("llama.block_count", "llama.attention.head_count",
+                                                           "llama.attention.head_count_kv")}
+    cfg = ms.SynthConfig(n_layers=meta["llama.block_count"], n_heads=meta["llama.attention.head_count"],
+                         n_kv_heads=meta["llama.attention.head_count_kv"], tied=True)
+    n = check_keep(gguf, out, cfg)
+    assert n == 2 + 6 * cfg.n_layers + 0, n
+
+
+def test_keep_copies_every_native_type_bit_for_bit():
+    types = {"token_embd": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_K",
+             "ffn_gate": "Q5_0", "ffn_up": "Q5_0", "ffn_down": "Q4_0", "output.weight": "Q5_1"}
+    gguf = synthetic_gguf("keep_k", K_CONFIG, types)
+    check_keep(gguf, export_ok(gguf, WORK / "keep_k.bin"), K_CONFIG)
+    types = {"token_embd": "BF16", "attn_q": "F16", "attn_k": "F16", "attn_v": "F16", "attn_output": "Q8_0",
+             "ffn_gate": "Q4_1", "ffn_up": "Q4_1", "ffn_down": "Q6_K", "output.weight": "Q4_K"}
+    gguf = synthetic_gguf("keep_mixed", K_CONFIG, types)
+    check_keep(gguf, export_ok(gguf, WORK / "keep_mixed.bin", "--dtype", "keep"), K_CONFIG)
+
+
+def test_keep_fused_parts_of_different_types():
+    """attn_v Q6_K beside attn_q/attn_k Q4_K (as in llama.cpp's Q4_K_M files): wqkv is one tensor of one type,
+    so it becomes Q6_K; the V rows are copied, the Q/K rows re-quantized close to their Q4_K values."""
+    gguf = synthetic_gguf("keep_fused", K_CONFIG, {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K"})
+    r = run_export(gguf, WORK / "keep_fused.bin")
+    assert r.returncode == 0, r.stderr[-600:].decode(errors="replace")
+    err = r.stderr.decode(errors="replace")
+    assert "fused tensors have parts of different types" in err, err[-600:]
+    src = gguf_rows(gguf)
+    ours = our_tensors(WORK / "keep_fused.bin")
+    hd = K_CONFIG.head_dim
+    q_rows, kv_rows = K_CONFIG.n_heads * hd, K_CONFIG.n_kv_heads * hd
+    row_q6 = 210 * K_CONFIG.dim // 256
+    for n in range(K_CONFIG.n_layers):
+        t, data = ours[f"layers.{n}.wqkv"]
+        assert t == int(QT.Q6_K), f"layers.{n}.wqkv: type {t}, expected Q6_K"
+        rows = np.frombuffer(data, np.uint8).reshape(-1, row_q6)
+        assert rows[q_rows + kv_rows:].tobytes() == src[f"blk.{n}.attn_v.weight"][1].tobytes(), "V rows not copied"
+        want = gguf_dequantize(unpermute(src[f"blk.{n}.attn_q.weight"][1], K_CONFIG.n_heads), QT.Q4_K)
+        got = gguf_dequantize(rows[:q_rows], QT.Q6_K)
+        rel = np.sqrt(np.mean((got - want) ** 2) / np.mean(want ** 2))
+        assert rel < 0.03, f"layers.{n}: Q rows moved by {rel:.3f} (relative RMS) when re-quantized to Q6_K"
+
+
+def test_keep_refuses_a_type_the_engine_does_not_run():
+    gguf = synthetic_gguf("keep_q3k", K_CONFIG, {"blk.2.ffn_down": "Q3_K"})
+    out = WORK / "keep_q3k.bin"
+    r = run_export(gguf, out)
+    lines = r.stderr.decode(errors="replace").strip().splitlines()
+    assert r.returncode == 1, f"exit {r.returncode}: {r.stderr[-400:].decode(errors='replace')}"
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    for word in ("blk.2.ffn_down.weight", "Q3_K", "--dtype q8_0"):
+        assert word in lines[0], f"'{word}' missing from: {lines[0]}"
+    assert not out.exists(), "an output file was written"
+    assert not list(WORK.glob("keep_q3k.bin.tmp-*")), "a temporary file was left behind"
+    export_ok(gguf, out, "--dtype", "q8_0")   # the flag the message names does convert it
+
+
+def test_hf_default_stays_f32():
+    d = WORK / "hf_default"
+    ms.write_hf(d, ms.SynthConfig(), ms.make_weights(ms.SynthConfig()), ms.make_tokenizer(ms.SynthConfig().vocab_size))
+    types = {t for t, _ in our_tensors(export_ok(d, WORK / "hf_default.bin")).values()}
+    assert types == {int(QT.F32)}, types
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The mixes and the plain types
+
+def _types(model: Path) -> dict[str, str]:
+    return {name: QT(t).name for name, (t, _) in our_tensors(model).items()}
+
+
+def _mix_expectation(cfg: ms.SynthConfig, more_bits: set[int], base: str, big: str, head: str) -> dict[str, str]:
+    want = {"tok_embeddings": head if cfg.tied else base, "norm": "F32"}
+    if not cfg.tied:
+        want["output"] = head
+    for n in range(cfg.n_layers):
+        p = f"layers.{n}."
+        want.update({p + "attn_norm": "F32", p + "ffn_norm": "F32", p + "wo": base, p + "w13": base,
+                     p + "wqkv": big if n in more_bits else base, p + "w2": big if n in more_bits else base})
+    return want
+
+
+def test_mix_rules_k_types():
+    gguf = synthetic_gguf("mix_f32", K_CONFIG)
+    for dtype, base in (("q4_k_m", "Q4_K"), ("q5_k_m", "Q5_K")):
+        got = _types(export_ok(gguf, WORK / f"mix_{dtype}.bin", "--dtype", dtype))
+        want = _mix_expectation(K_CONFIG, MORE_BITS_8, base, "Q6_K", "Q6_K")
+        bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+        assert not bad, f"{dtype}: (got, expected) {bad}"
+    tied = replace(K_CONFIG, tied=True, seed=78)
+    got = _types(export_ok(synthetic_gguf("mix_tied", tied), WORK / "mix_tied.bin", "--dtype", "q4_k_m"))
+    assert got["tok_embeddings"] == "Q6_K", got["tok_embeddings"]
+
+
+def test_mix_rules_fall_back_when_rows_are_not_multiples_of_256():
+    cfg = ms.SynthConfig()   # dim 96, hidden 160, 3 layers, tied
+    gguf = synthetic_gguf("mix_small", cfg)
+    for dtype, base, big in (("q4_k_m", "Q5_0", "Q8_0"), ("q5_k_m", "Q5_1", "Q8_0")):
+        got = _types(export_ok(gguf, WORK / f"small_{dtype}.bin", "--dtype", dtype))
+        want = _mix_expectation(cfg, MORE_BITS_3, base, big, "Q8_0")
+        bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
+        assert not bad, f"{dtype}: (got, expected) {bad}"
+    got = _types(export_ok(gguf, WORK / "small_q6_k.bin", "--dtype", "q6_k"))
+    assert set(got.values()) == {"F32", "Q8_0"}, set(got.values())
+
+
+def test_plain_32_element_types_are_byte_identical_to_gguf_quantizers():
+    """Whole files: every matrix equals the `gguf` package's quantization of the weights (HF row order);
+    q4_0 / q4_1 keep the (tied) embedding at Q8_0."""
+    cfg = ms.SynthConfig()
+    weights = ms.make_weights(cfg)
+    gguf = synthetic_gguf("plain_f32", cfg)
+    by_ours = {"tok_embeddings": "model.embed_tokens.weight"}
+    for n in range(cfg.n_layers):
+        p = f"model.layers.{n}."
+        by_ours[f"layers.{n}.wqkv"] = [p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                                       p + "self_attn.v_proj.weight"]
+        by_ours[f"layers.{n}.wo"] = p + "self_attn.o_proj.weight"
+        by_ours[f"layers.{n}.w13"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        by_ours[f"layers.{n}.w2"] = p + "mlp.down_proj.weight"
+    for dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
+        ours = our_tensors(export_ok(gguf, WORK / f"plain_{dtype}.bin", "--dtype", dtype))
+        for name, hf in by_ours.items():
+            t = "Q8_0" if name == "tok_embeddings" and dtype in ("q4_0", "q4_1") else dtype.upper()
+            w = np.concatenate([weights[h] for h in hf]) if isinstance(hf, list) else weights[hf]
+            want = gguf_quantize(w, QT[t]).tobytes()
+            got_type, got = ours[name]
+            assert QT(got_type).name == t, f"{dtype} {name}: type {QT(got_type).name}, expected {t}"
+            assert got == want, f"{dtype} {name}: bytes differ from gguf's {t} quantizer"
+
+
+def test_plain_k_types_match_the_transcription():
+    """--dtype q4_k / q5_k / q6_k on 256-multiple rows: every matrix of that type; the first row of each
+    equals tests/kquant_ref.py's blocks for the source weights."""
+    weights = ms.make_weights(K_CONFIG)
+    gguf = synthetic_gguf("plain_k_f32", K_CONFIG)
+    first_rows = {"tok_embeddings": weights["model.embed_tokens.weight"][0],
+                  "layers.0.wo": weights["model.layers.0.self_attn.o_proj.weight"][0],
+                  "layers.1.w2": weights["model.layers.1.mlp.down_proj.weight"][0],
+                  "output": weights["lm_head.weight"][0]}
+    for dtype, ref in (("q4_k", kquant_ref.q4k), ("q5_k", kquant_ref.q5k), ("q6_k", kquant_ref.q6k)):
+        ours = our_tensors(export_ok(gguf, WORK / f"plain_{dtype}.bin", "--dtype", dtype))
+        kinds = {QT(t).name for name, (t, _) in ours.items() if not name.endswith("norm")}
+        assert kinds == {dtype.upper()}, f"{dtype}: matrix types {kinds}"
+        for name, row in first_rows.items():
+            want = b"".join(ref([np.float32(v) for v in row[c:c + 256]]) for c in range(0, row.size, 256))
+            assert ours[name][1][:len(want)] == want, f"{dtype} {name}: first row differs from the transcription"
+
+
+def test_mix_rules_reproduce_llama_cpp_gemma3_q4_k_m():
+    """models/gemma3-270m-q4_k_m.gguf was written by llama.cpp's quantizer: its per-tensor types are the
+    oracle for q4_k_m's rules (18 layers, row lengths 640 and 1024 and 2048, so both the Q6_K layers and the
+    fallbacks show). attn_v and ffn_down map to our wqkv and w2, attn_output to wo, gate/up to w13; attn_q and
+    attn_k are left out: in our fused wqkv they follow attn_v's rule (the stated difference)."""
+    gguf = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make models)")
+    src = {t.name: (QT(t.tensor_type).name, int(t.shape[0])) for t in GGUFReader(str(gguf)).tensors}  # shape[0]: row length
+    n_layers = 1 + max(int(name.split(".")[1]) for name in src if name.startswith("blk."))
+    ours = {"attn_v": "wqkv", "ffn_down": "w2", "attn_output": "wo", "ffn_gate": "w13", "ffn_up": "w13"}
+    checked, bad = 0, []
+    for name, (gtype, cols) in src.items():
+        parts = name.split(".")
+        if name == "token_embd.weight":
+            our_name = "tok_embeddings"
+        elif len(parts) == 4 and parts[2] in ours:
+            our_name = f"layers.{parts[1]}.{ours[parts[2]]}"
+        else:
+            continue
+        want = export.mix_type(our_name, n_layers, True, int(QT.Q4_K))
+        if cols % 256:
+            want = export.K_FALLBACK[want]
+        checked += 1
+        if QT(want).name != gtype:
+            bad.append(f"{name}: ours {QT(want).name}, llama.cpp {gtype}")
+    assert checked == 1 + 5 * n_layers, checked
+    assert not bad, f"{len(bad)} tensors differ: {bad[:4]}"

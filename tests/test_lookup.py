@@ -1,0 +1,214 @@
+"""Lookup decoding (./run --lookup N, on by default): the output must be what plain decoding gives.
+
+1. The verification pass computes each position exactly as a decode step: `--dump-logits
+   --exact-batch K` (K tokens per pass, the verification kernel) must give logits bit for bit
+   equal to `--no-batch` (one decode step per token), for every weight type, kernel set and KV
+   cache type. Expected values: the engine's own decode steps, the path lookup must not change.
+2. Greedy text with lookup equals greedy text without it, byte for byte, on the real model in
+   plain generation, `-c` and chat mode, on prompts that copy from their input (where drafts
+   stand) and open-ended ones; the copy prompts must actually draft and accept (else the test
+   checks nothing).
+3. Sampling keeps its distribution: a tiny model designed so that its next token is one of three
+   with probabilities near 0.5 / 0.3 / 0.2 (so lookup's drafts both stand and fall), many seeds
+   with and without lookup, and a chi-square test of homogeneity per generated position. The
+   same test must detect a small real change (temperature 1.0 vs 1.6): it has the power to fail.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DEFAULT_MODEL, SCRATCH, model, require, run  # noqa: E402
+import test_synthetic as ts  # noqa: E402
+
+WORK = SCRATCH / "lookup"
+WORK.mkdir(parents=True, exist_ok=True)
+
+
+def dump(path: Path, ids: list[int], extra: list[str]) -> bytes:
+    out = WORK / "logits.bin"
+    p = run([path, "--ids", " ".join(map(str, ids)), "--dump-logits", out, *extra], timeout=300)
+    assert p.returncode == 0, f"./run {' '.join(extra)}: exit {p.returncode}\n{p.stderr.decode(errors='replace')}"
+    return out.read_bytes()
+
+
+def test_verify_pass_logits_equal_decode_steps():
+    checked = 0
+    # the tied model has GQA 6:2 and head_dim 16, the untied one MQA and head_dim 32 (a q8 KV cache needs 32)
+    for kind, kvs in (("tied", ("f32", "f16")), ("untied", ("f32", "f16", "q8"))):
+        ids = ts.token_ids(kind, 40, seed=5)
+        for dtype in ("f32", "f16", "q8_0", "q4_1"):
+            path = ts.exported(kind, "f32", dtype)
+            for kernels, kv in ((k, v) for k in ([], ["--scalar"]) for v in kvs):
+                ref = dump(path, ids, ["--no-batch", "--kv", kv, *kernels])
+                for k in (2, 5, 16):
+                    got = dump(path, ids, ["--exact-batch", str(k), "--kv", kv, *kernels])
+                    assert got == ref, (f"{kind} {dtype} {' '.join(kernels) or 'default kernels'} --kv {kv}: "
+                                        f"verification passes of {k} tokens differ from decode steps")
+                    checked += 1
+    # the real model's q4_1 / q8_0 blocks and its shapes
+    real = require(DEFAULT_MODEL, "run `make model`")
+    ids = [int(t) for t in run([real, "--tokenize", "-i", "In the beginning God created the heaven and the earth."]).stdout.split()]
+    assert dump(real, ids, ["--exact-batch", "7"]) == dump(real, ids, ["--no-batch"]), "SmolLM2: verification != decode"
+    print(f"{checked + 1} configurations bit-identical")
+
+
+COPY = "Repeat the following sentence exactly, word for word: The quick brown fox jumps over the lazy dog near the old river bank."
+SUMMARY = ("Summarize in one sentence: The city council met on Tuesday to discuss the new park. Residents asked for "
+           "more trees, a playground and longer opening hours. The council agreed to plant fifty trees this spring.")
+CODE = ("Rename the function add to sum in this code and print the whole code:\n"
+        "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n")
+STORY = "Once upon a time"
+
+
+def lookup_stats(stderr: bytes) -> tuple[int, int]:
+    m = re.search(rb"lookup: (\d+) drafted, (\d+) accepted", stderr)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def test_greedy_text_identical_with_and_without_lookup():
+    m = model()
+    accepted_total = 0
+    cases = [(COPY, ["-c"], "f16", ("8", "15", "1")), (SUMMARY, ["-c"], "f16", ("8",)), (CODE, ["-c"], "q8", ("8",)),
+             (STORY, [], "f16", ("8",)), (COPY, [], "q8", ("15",))]
+    for prompt, args, kv, lookups in cases:
+        base = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", "0", "-i", prompt, *args])
+        assert base.returncode == 0, base.stderr.decode(errors="replace")
+        for n in lookups:
+            p = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", n, "-v", "-i", prompt, *args])
+            assert p.returncode == 0, p.stderr.decode(errors="replace")
+            assert p.stdout == base.stdout, (f"--lookup {n} --kv {kv} {args} changed the greedy text:\n"
+                                             f"without: {base.stdout!r}\nwith:    {p.stdout!r}")
+            accepted_total += lookup_stats(p.stderr)[1]
+    assert accepted_total > 30, f"only {accepted_total} drafts stood over the copy prompts: lookup hardly ran"
+    # chat mode: the whole conversation is the lookup source
+    msgs = f"{COPY}\nNow repeat it once more.\n".encode()
+    base = run([m, "-m", "chat", "-t", "0", "-n", "48", "--lookup", "0"], stdin=msgs)
+    p = run([m, "-m", "chat", "-t", "0", "-n", "48", "-v"], stdin=msgs)
+    assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
+    assert p.stdout == base.stdout, f"chat with lookup differs:\n{base.stdout!r}\n{p.stdout!r}"
+    assert lookup_stats(p.stderr)[1] > 0, "chat: no draft stood"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sampling
+
+FAVOURITES = "xyz"  # the designed model's three likely tokens (byte tokens: one character each)
+RUNS = 1000
+
+
+@functools.cache
+def concentrated_model() -> Path:
+    """A tiny model whose next token is x, y or z with probabilities near 0.5, 0.3, 0.2 whatever the
+    context (with small context-dependent changes): the embedding carries a large constant in dimension 0,
+    the layers add little, and the output head reads dimension 0 mostly for those three rows. Its text is
+    made of x, y and z, so lookup always finds n-grams and its drafts are among the sampler's top 3:
+    they stand about as often as they fall."""
+    import make_synthetic as ms
+    cfg = ms.untied_config(seed=77)
+    w = ms.make_weights(cfg)
+    w["model.embed_tokens.weight"] *= 0.1
+    w["model.embed_tokens.weight"][:, 0] = 10.0
+    for name in w:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w[name] *= 0.05
+    w["model.norm.weight"][:] = 1.0
+    head = w["lm_head.weight"]
+    head *= 0.02
+    ids = [3 + ord(c) for c in FAVOURITES]  # byte tokens follow the 3 control tokens (make_synthetic.make_tokenizer)
+    head[ids, 0] = (0.30, 0.25, 0.21)
+    gguf = WORK / "concentrated.gguf"
+    ms.write_gguf(gguf, cfg, w, ms.make_tokenizer(cfg.vocab_size), "f32")
+    out = WORK / "concentrated.bin"
+    p = ts.python([ts.EXPORT, gguf, out])
+    assert p.returncode == 0, p.stderr.decode(errors="replace")
+    return out
+
+
+def sample_counts(temperature: str, lookup: str, runs: int = RUNS) -> tuple[list[dict[str, int]], int, int]:
+    """Per generated position, how often each character came out over `runs` seeds."""
+    counts: list[dict[str, int]] = [dict() for _ in range(8)]
+    drafted = accepted = 0
+    for seed in range(runs):
+        p = run([concentrated_model(), "-i", "xyzzy", "-n", "8", "-t", temperature, "-k", "3", "-p", "1", "-s", str(seed),
+                 "--lookup", lookup, "-v", "--threads", "1"])
+        assert p.returncode == 0, p.stderr.decode(errors="replace")
+        text = p.stdout.decode(errors="replace")
+        assert len(text) == 8 and set(text) <= set(FAVOURITES), f"unexpected text {text!r}: the model is not as designed"
+        for i, ch in enumerate(text):
+            counts[i][ch] = counts[i].get(ch, 0) + 1
+        d, a = lookup_stats(p.stderr)
+        drafted, accepted = drafted + d, accepted + a
+    return counts, drafted, accepted
+
+
+def combined_p_value(a: list[dict[str, int]], b: list[dict[str, int]]) -> float:
+    """One chi-square test of homogeneity over all positions: the positions' statistics and degrees of
+    freedom added (the designed model's next token hardly depends on the context, so the positions are
+    nearly independent samples)."""
+    stat = dof = 0.0
+    for x, y in zip(a, b):
+        s_, d_ = chi_square_stat(x, y)
+        stat, dof = stat + s_, dof + d_
+    return chi2_sf(stat, int(dof))
+
+
+def chi_square_stat(a: dict, b: dict) -> tuple[float, int]:
+    """Pearson's chi-square statistic of the test that two samples come from one distribution (categories
+    with an expected count below 5 pooled), and its degrees of freedom."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    na, nb = sum(a.values()), sum(b.values())
+    rows, pool = [], [0, 0]
+    for k in keys:
+        ca, cb = a.get(k, 0), b.get(k, 0)
+        if (ca + cb) * min(na, nb) / (na + nb) < 5:
+            pool[0] += ca
+            pool[1] += cb
+        else:
+            rows.append((ca, cb))
+    if sum(pool):
+        rows.append(tuple(pool))
+    stat = 0.0
+    for ca, cb in rows:
+        tot = ca + cb
+        for c, n in ((ca, na), (cb, nb)):
+            e = tot * n / (na + nb)
+            stat += (c - e) ** 2 / e
+    return stat, len(rows) - 1
+
+
+def chi2_sf(x: float, k: int) -> float:
+    """Survival function of the chi-square distribution (regularized upper incomplete gamma Q(k/2, x/2)),
+    by its series for the lower part; exact enough for a test threshold."""
+    if k <= 0:
+        return 1.0
+    s, xh = k / 2.0, x / 2.0
+    term = total = 1.0 / s
+    n = 1
+    while term > 1e-15 * total and n < 10000:
+        term *= xh / (s + n)
+        total += term
+        n += 1
+    lower = math.exp(s * math.log(xh) - xh - math.lgamma(s)) * total if xh > 0 else 0.0
+    return max(0.0, 1.0 - lower)
+
+
+def test_sampled_distribution_unchanged_by_lookup():
+    plain, _, _ = sample_counts("1", "0")
+    looked, drafted, accepted = sample_counts("1", "8")
+    assert accepted > 0.2 * drafted and drafted - accepted > 0.2 * drafted, (
+        f"drafts must both stand and fall often to test both paths (drafted {drafted}, stood {accepted})")
+    p = combined_p_value(plain, looked)
+    print(f"{RUNS} seeds each, 8 positions x 3 tokens; drafts {drafted}, stood {accepted}; chi-square p = {p:.3f}")
+    assert p > 1e-3, f"lookup changed the sampled distribution (p = {p:.2e})"
+    # power: the same test tells a small real change of the distribution (x: 0.50 -> 0.43)
+    warmer, _, _ = sample_counts("1.6", "0")
+    p2 = combined_p_value(plain, warmer)
+    print(f"temperature 1.0 vs 1.6: p = {p2:.2e}")
+    assert p2 < 1e-3, f"the test cannot tell temperature 1.0 from 1.6 (p = {p2:.3f}): it has no power"
