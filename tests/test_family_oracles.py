@@ -48,10 +48,14 @@ THREADS = 2
 # no Q/K norm 0.86, no Llama 3 frequency factors 0.39, no sliding window 1.1, window 17 instead of 16
 # 0.60, local RoPE base = global 0.87, no embedding scale 0.96, no post norms 1.0, SiLU for GELU 0.31,
 # attention scale 1/sqrt(dim/n_heads) 0.54, no linear RoPE scaling 0.26; even RMSNorm eps 1e-5 for
-# 1e-6 moves them by 7e-4 (max 1.5e-3). TINY_LLAMACPP_TOL is provisional until the goldens' measured
-# noise (llama.cpp fed one token at a time vs batched) is in: it only has to separate rounding from bugs.
+# 1e-6 moves them by 7e-4 (max 1.5e-3).
+# llama.cpp (goldens' meta.measured_noise, max |diff| over the stored rows): for qwen2, qwen3 and llama3 its
+# one-token-per-decode run scores <= 9.0e-6 and the float64 reference <= 5.9e-6; bound 5e-4 (55x). For
+# gemma3 llama.cpp is coarser: one token per decode 1.8e-3, float64 reference 5.9e-3 (mean 7e-4), from
+# its GELU - rounding GELU's input and output to fp16 in the reference (ggml-cpu's GGML_GELU_FP16 lookup
+# table) brings the reference within 2.2e-3 of it; bound 2e-2 (3.4x), still ~50x below a wrong switch.
 TINY_REF_TOL = 1e-4         # relative, per position (as tests/test_synthetic.py's F32_TOL)
-TINY_LLAMACPP_TOL = 5e-4    # absolute, every logit of every position
+TINY_LLAMACPP_TOL = {"qwen2": 5e-4, "qwen3": 5e-4, "llama3": 5e-4, "gemma3": 2e-2}   # absolute, every stored logit
 # Gemma 3 270M, F32 weights, |logit| up to ~36, 18 layers, vocabulary 262,144. A float32 numpy run of
 # ref_forward.py differs from float64 by <= 6.6e-5 (relative 2.3e-6) over 600 ids. PROVISIONAL (as for
 # SmolLM2, ~25x the float noise, ~10x below an eps-sized bug) until the goldens' meta.measured_noise
@@ -180,10 +184,11 @@ def check_tiny_llamacpp(name: str) -> None:
         d = np.abs(got[keep] - want)
         pos = keep[int(d.max(axis=1).argmax())]
         report.append(f"{e['name']} max {d.max():.2e}")
-        assert d.max() <= TINY_LLAMACPP_TOL, (f"tiny {name}/{e['name']}: logits differ from llama.cpp by {d.max():.3g} "
-                                              f"at position {pos} (tolerance {TINY_LLAMACPP_TOL})")
+        tol = TINY_LLAMACPP_TOL[name]
+        assert d.max() <= tol, (f"tiny {name}/{e['name']}: logits differ from llama.cpp by {d.max():.3g} "
+                                f"at position {pos} (tolerance {tol})")
         flips = [(i, m) for i, (t, m, a) in enumerate(zip(e["top1"], e["margin"], got.argmax(axis=1)))
-                 if a != t and m > TINY_LLAMACPP_TOL]
+                 if a != t and m > tol]
         assert not flips, f"tiny {name}/{e['name']}: top-1 differs from llama.cpp at (position, margin) {flips[:12]}"
     print(f"    tiny {name} vs llama.cpp: " + ", ".join(report))
 
@@ -203,11 +208,12 @@ def test_tiny_goldens_consistent():
         assert rows.shape[1] == golden["meta"]["spec"]["vocab_size"], f"{name}: vocabulary"
         for who, stats in golden["meta"]["measured_noise"].items():
             if isinstance(stats, dict):
-                assert stats["max_abs"] * 3 < TINY_LLAMACPP_TOL, f"{name}: {who} scored {stats['max_abs']:.3g}"
-                assert stats["top1_disagreements"] == 0, f"{name}: {who} disagrees on top-1"
+                assert stats["max_abs"] * 3 < TINY_LLAMACPP_TOL[name], f"{name}: {who} scored {stats['max_abs']:.3g}"
+                assert stats["largest_margin_with_top1_disagreement"] < TINY_LLAMACPP_TOL[name], \
+                    f"{name}: {who} disagrees on top-1 at margin {stats['largest_margin_with_top1_disagreement']}"
         if "float64_reference_without_sliding_window" in golden["meta"]:
             effect = golden["meta"]["float64_reference_without_sliding_window"]["max_abs"]
-            assert effect > 100 * TINY_LLAMACPP_TOL, f"{name}: the window changes llama.cpp's logits by only {effect:.3g}"
+            assert effect > 100 * TINY_LLAMACPP_TOL[name], f"{name}: the window changes llama.cpp's logits by only {effect:.3g}"
 
 
 def test_tiny_qwen2_gguf_matches_reference():
