@@ -56,13 +56,15 @@ THREADS = 2
 # table) brings the reference within 2.2e-3 of it; bound 2e-2 (3.4x), still ~50x below a wrong switch.
 TINY_REF_TOL = 1e-4         # relative, per position (as tests/test_synthetic.py's F32_TOL)
 TINY_LLAMACPP_TOL = {"qwen2": 5e-4, "qwen3": 5e-4, "llama3": 5e-4, "gemma3": 2e-2}   # absolute, every stored logit
-# Gemma 3 270M, F32 weights, |logit| up to ~36, 18 layers, vocabulary 262,144. A float32 numpy run of
-# ref_forward.py differs from float64 by <= 6.6e-5 (relative 2.3e-6) over 600 ids. PROVISIONAL (as for
-# SmolLM2, ~25x the float noise, ~10x below an eps-sized bug) until the goldens' meta.measured_noise
-# (llama.cpp one token per decode, float64 reference vs llama.cpp) is in; then set from it.
-GEMMA_MARGIN = 0.02         # compare top-1 / greedy only where llama.cpp's top1-top2 gap exceeds this
-GEMMA_TOL_MAX = 2e-3        # max |diff| at llama.cpp's top-10 ids, every position
-GEMMA_TOL_MEAN = 2e-4       # mean of the same
+# Gemma 3 270M, F32 weights, |logit| up to ~36, 18 layers, vocabulary 262,144; 1,220 positions. Measured
+# (gemma3_270m_f32.json meta.measured_noise), at llama.cpp's top-10 ids: llama.cpp fed one token per decode
+# max 0.011 (mean 1.1e-3, top1-top2 gap moved <= 0.0082); the float64 reference max 0.027 (mean 1.6e-3, gap
+# moved <= 0.016) - llama.cpp's fp16 GELU table again (see the tiny gemma3). Neither disagrees on top-1.
+# Our engine is within 1e-4 of the float64 reference (test_gemma3_270m_matches_reference), so it scores
+# about what the reference does. Bounds ~3.7x the reference's; the window alone moves logits by up to 23.
+GEMMA_MARGIN = 0.05         # compare top-1 / greedy only where llama.cpp's top1-top2 gap exceeds this (3x 0.016)
+GEMMA_TOL_MAX = 0.1         # max |diff| at llama.cpp's top-10 ids, every position
+GEMMA_TOL_MEAN = 6e-3       # mean of the same
 GEMMA_CTX = 1024
 MIN_CHECKED = 300           # the top-1 test must compare at least this many positions
 GEMMA_WINDOW = 512
