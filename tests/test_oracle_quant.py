@@ -151,7 +151,7 @@ def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
 def synthetic_f32_gguf() -> Path:
     """The synthetic model's F32 GGUF (deterministic: seeded weights, tokenizer trained on fixed text)."""
     out = WORK / "synth" / "model.f32.gguf"
-    if not out.exists():
+    if not out.exists() or out.stat().st_mtime < (TESTS / "make_synthetic.py").stat().st_mtime:
         ms.make_all(out.parent, SYNTH_CONFIG, gguf_types=("f32",), hf=False)
     return out
 
@@ -165,15 +165,18 @@ def source_gguf(model: str) -> Path:
 
 @lru_cache(maxsize=None)
 def replica_gguf(model: str, qtype: str) -> Path:
-    """The rebuilt llama.cpp file (see the module docstring); built once per test run."""
+    """The rebuilt llama.cpp file (see the module docstring), kept in WORK while newer than its inputs
+    (check_weights verifies its digest on every run)."""
     meta = load_golden(f"{model}_{qtype}")[0]["meta"]
     src = source_gguf(model)
     if sha256_file(src) != meta["source_sha256"]:
         raise AssertionError(f"{src} is not the file the goldens were made from (sha256 {meta['source_sha256']})")
     out = WORK / f"{model}-{qtype}.gguf"
-    tmp = out.with_suffix(f".tmp{os.getpid()}")
-    write_replica(src, {k: int(v) for k, v in meta["tensor_types"].items()}, tmp)
-    tmp.replace(out)
+    inputs = (src, EXPORT, GOLDEN / f"{model}_{qtype}.json")
+    if not out.exists() or out.stat().st_mtime < max(p.stat().st_mtime for p in inputs):
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        write_replica(src, {k: int(v) for k, v in meta["tensor_types"].items()}, tmp)
+        tmp.replace(out)
     return out
 
 
