@@ -34,7 +34,7 @@ file's decoded weights (tests/ref_forward.py), and llama.cpp on the replica when
     change any noise source showed; at least MIN_CHECKED positions must be compared;
   * |logit difference| at llama.cpp's top-10 ids of every position and over the stored full rows
     below TOL_FACTOR x the largest measured, and its mean over full rows below TOL_FACTOR x the
-    largest measured mean;
+    largest measured mean (TOL_FACTOR_ONE_TOKEN_ONLY when the float64 source was not measured);
   * greedy text (`./run --ids PROMPT -t 0 -n N`, the one-token decode path) reproduces
     llama.cpp's continuation, and may leave it only at a token where llama.cpp's own gap is
     below that margin (a near-tie).
@@ -80,7 +80,15 @@ MODELS = ("smollm2", "synth")
 SYNTH_CONFIG = ms.SynthConfig(dim=256, hidden_dim=512, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=64,
                               vocab_size=397, max_seq_len=CTX, tied=False, seed=2561)
 
-TOL_FACTOR = 2.0             # logit bounds: this times the largest difference a correct implementation showed
+# Logit bounds: this times the largest difference a correct implementation showed. Our rounding of
+# activations is independent of llama.cpp's, so we sit ~sqrt(2) x one rounding noise from the goldens
+# (tests/test_oracle.py measured that on Q4_1). The float64 reference carries one full rounding
+# noise; llama.cpp one token per call shares llama.cpp's rounding for the first positions and
+# understates it (Q4_1 goldens: top-10 max 0.80 vs the float64's 1.67, mean 0.12 vs 0.20 over all
+# logits), so without the float64 source (SmolLM2, whose reference was skipped as too slow) the
+# factor is larger.
+TOL_FACTOR = 2.0
+TOL_FACTOR_ONE_TOKEN_ONLY = 3.0
 MARGIN_FACTOR = 1.5          # top-1 / greedy: compared where llama.cpp's gap exceeds this times the largest gap change
 MIN_CHECKED = 50             # a top-1 test must compare at least this many positions
 GOLDEN_BYTES_LIMIT = 3_000_000
@@ -239,9 +247,10 @@ def tolerances(meta: dict) -> dict[str, float]:
     if not sources:
         raise AssertionError("golden has no measured noise")
     worst = {k: max(s[k] for s in sources) for k in ("margin_change_max", "top10_max", "full_rows_max", "full_rows_mean")}
+    factor = TOL_FACTOR if "float64_numpy_same_weights" in meta["measured_noise"] else TOL_FACTOR_ONE_TOKEN_ONLY
     return {"margin": MARGIN_FACTOR * worst["margin_change_max"],
-            "max": TOL_FACTOR * max(worst["top10_max"], worst["full_rows_max"]),
-            "mean": TOL_FACTOR * worst["full_rows_mean"]}
+            "max": factor * max(worst["top10_max"], worst["full_rows_max"]),
+            "mean": factor * worst["full_rows_mean"]}
 
 
 def first_divergence(pieces: list[bytes], text: bytes) -> int | None:
