@@ -108,6 +108,7 @@ def tiny_golden_gguf(name: str) -> Path:
 def exported(src: Path, dtype: str = "f32") -> Path:
     """export.py run as a black box on `src` (re-exported when export.py or src is newer)."""
     require(EXPORT, "export.py")
+    WORK.mkdir(parents=True, exist_ok=True)
     out = WORK / f"{src.name}.{dtype}.llm"
     newest = max(EXPORT.stat().st_mtime, src.stat().st_mtime)
     if not out.exists() or out.stat().st_mtime < newest:
