@@ -33,8 +33,10 @@
                      -> detokenize, streamed to stdout UTF-8-safely; chat;
                      perplexity and logits tools.
      7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
-     appendix        the AVX2 kernel set, each kernel tested against its
-                     scalar definition (tests/test_kernels.c).
+     appendices      the AVX2, AVX-512 (VNNI) and NEON kernel sets, each
+                     kernel tested against its scalar definition
+                     (tests/test_kernels.c); select_kernels picks the best
+                     set the CPU runs at start-up.
 
    WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
      Each weight matrix must stream from memory once per forward pass. In
@@ -3851,7 +3853,7 @@ int main(int argc, char **argv)
 
 
 /* ============================================================================
-   APPENDIX: THE AVX2 KERNEL SET
+   APPENDIX A: THE AVX2 KERNEL SET
    Each function computes what its scalar definition in section 2 computes
    (tests/test_kernels.c checks every one against it), up to summation
    order; the row conversions, the activation quantizers and the f16 row
