@@ -9,6 +9,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 MODELS = ROOT / "models"
@@ -82,3 +84,25 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def dumped_logits(model: Path, ids, args: list[str]) -> np.ndarray:
+    """./run MODEL --ids IDS --dump-logits TMP [args] -> float32 [len(ids), vocab]: the engine's logits of
+    every position; a failed run, a short file or a non-finite logit fails the calling test."""
+    require(RUN, "the engine binary; build it with `make`")
+    fd, out = tempfile.mkstemp(suffix=".f32", prefix="logits-", dir=SCRATCH)
+    os.close(fd)
+    try:
+        p = run([model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, *args], timeout=900)
+        if p.returncode != 0:
+            raise AssertionError(f"./run {Path(model).name} --dump-logits ({len(ids)} ids) failed ({p.returncode}): "
+                                 f"{p.stderr.decode(errors='replace')[-2000:]}")
+        logits = np.fromfile(out, dtype="<f4")
+    finally:
+        os.unlink(out)
+    if logits.size % len(ids):
+        raise AssertionError(f"--dump-logits wrote {logits.size} floats, not a multiple of {len(ids)} positions")
+    logits = logits.reshape(len(ids), -1)
+    if not np.isfinite(logits).all():
+        raise AssertionError(f"--dump-logits: {np.count_nonzero(~np.isfinite(logits))} logits are NaN or infinite")
+    return logits

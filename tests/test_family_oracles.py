@@ -23,11 +23,11 @@ import functools
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+import common  # noqa: E402
 from common import ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
 from test_oracle import first_divergence
 
@@ -124,25 +124,8 @@ def exported(src: Path, dtype: str = "f32") -> Path:
 
 def dumped_logits(model: Path, ids: list[int], ctx: int | None = None, extra: tuple[str, ...] = ()) -> np.ndarray:
     """./run MODEL --ids ... --dump-logits F --kv f32 [extra] -> float64 [len(ids), vocab]."""
-    require(RUN, "the engine binary; build it with `make`")
-    fd, out = tempfile.mkstemp(suffix=".f32", prefix="family-oracles-", dir=SCRATCH)
-    os.close(fd)
-    args = [model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--kv", "f32", "--threads", THREADS]
-    args += (["--ctx", ctx] if ctx else []) + list(extra)
-    try:
-        p = run(args, timeout=900)
-        if p.returncode != 0:
-            raise AssertionError(f"./run {model.name} --dump-logits ({len(ids)} ids) failed ({p.returncode}): "
-                                 f"{p.stderr.decode(errors='replace')[-2000:]}")
-        logits = np.fromfile(out, dtype="<f4")
-    finally:
-        os.unlink(out)
-    if logits.size % len(ids):
-        raise AssertionError(f"--dump-logits wrote {logits.size} floats, not a multiple of {len(ids)} positions")
-    logits = logits.reshape(len(ids), -1)
-    if not np.isfinite(logits).all():
-        raise AssertionError(f"--dump-logits: {np.count_nonzero(~np.isfinite(logits))} logits are NaN or infinite")
-    return logits.astype(np.float64)
+    args = ["--kv", "f32", "--threads", THREADS] + (["--ctx", ctx] if ctx else []) + list(extra)
+    return common.dumped_logits(model, ids, args).astype(np.float64)
 
 
 def rel_close(got: np.ndarray, ref: np.ndarray, tol: float, what: str) -> None:

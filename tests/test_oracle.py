@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+import common  # noqa: E402
 from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
 
 GOLDEN = TESTS / "golden"
@@ -108,22 +108,7 @@ def require_run() -> None:
 def dumped_logits(dtype: str, ids: tuple[int, ...], kv: str) -> np.ndarray:
     """Our logits for every position of `ids` from the batched prefill, shape (len(ids), vocab)."""
     require_run()
-    model = model_file(dtype)
-    fd, out = tempfile.mkstemp(suffix=".f32", prefix=f"oracle-{dtype}-", dir=SCRATCH)
-    os.close(fd)
-    try:
-        p = run([model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--threads", THREADS, "--ctx", CTX, "--kv", kv])
-        if p.returncode != 0:
-            raise AssertionError(f"./run --dump-logits failed ({p.returncode}): {p.stderr.decode(errors='replace')}")
-        logits = np.fromfile(out, dtype="<f4")
-    finally:
-        os.unlink(out)
-    if logits.size % len(ids):
-        raise AssertionError(f"--dump-logits wrote {logits.size} floats, not a multiple of {len(ids)} positions")
-    logits = logits.reshape(len(ids), -1)
-    if not np.isfinite(logits).all():
-        raise AssertionError(f"--dump-logits: {np.count_nonzero(~np.isfinite(logits))} logits are NaN or infinite")
-    return logits
+    return common.dumped_logits(model_file(dtype), ids, ["--threads", THREADS, "--ctx", CTX, "--kv", kv])
 
 
 @lru_cache(maxsize=None)

@@ -49,12 +49,12 @@ import importlib.util
 import json
 import os
 import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
+import common  # noqa: E402
 from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
 
 try:
@@ -214,23 +214,7 @@ def engine_file(model: str, qtype: str) -> Path:
 
 def dumped_logits(model: Path, ids: list[int]) -> np.ndarray:
     """Our logits for every position of `ids` from the batched prefill, shape (len(ids), vocab)."""
-    require(RUN, "the engine binary; build it with `make`")
-    fd, out = tempfile.mkstemp(suffix=".f32", prefix="oracle-quant-", dir=WORK)
-    os.close(fd)
-    try:
-        p = run([model, "--ids", " ".join(map(str, ids)), "--dump-logits", out, "--threads", THREADS,
-                 "--ctx", CTX, "--kv", KV])
-        if p.returncode != 0:
-            raise AssertionError(f"./run --dump-logits failed ({p.returncode}): {p.stderr.decode(errors='replace')}")
-        logits = np.fromfile(out, dtype="<f4")
-    finally:
-        os.unlink(out)
-    if logits.size % len(ids):
-        raise AssertionError(f"--dump-logits wrote {logits.size} floats, not a multiple of {len(ids)} positions")
-    logits = logits.reshape(len(ids), -1)
-    if not np.isfinite(logits).all():
-        raise AssertionError(f"--dump-logits: {np.count_nonzero(~np.isfinite(logits))} logits are NaN or infinite")
-    return logits
+    return common.dumped_logits(model, ids, ["--threads", THREADS, "--ctx", CTX, "--kv", KV])
 
 
 @lru_cache(maxsize=None)
