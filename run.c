@@ -136,6 +136,8 @@
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
                           both tiles' token counts, or a batch's last token would take the slow
                           one-token path (measured: +5-7% float prefill against 64) */
+#define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
+                          chunks, so a prompt after a shared prefix is cut as when alone */
 #define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
 #define TILE_ROWS 2    /* int8 register tile of the prefill matmul: weight rows ... */
 #define TILE_TOKS 4    /* ... times tokens (each row needs |w| and w in registers) */
@@ -147,6 +149,7 @@ _Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= M
 _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, "batch of whole tiles");
 #define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
 #define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
+#define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
@@ -1893,6 +1896,15 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 
 enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
 
+/* A sequence's KV cache in batch mode: its positions in pages of
+   PAGE_TOKENS, page[i] the pool page holding positions [i * PAGE_TOKENS,
+   (i + 1) * PAGE_TOKENS) of every layer. A page of a prompt prefix that
+   several sequences share is one pool page in each of their tables. */
+typedef struct {
+    int *page; /* [pages reserved] pool page ids */
+    int n;     /* pages reserved */
+} PageTable;
+
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
     int n_threads;  /* the full team */
@@ -1922,8 +1934,11 @@ typedef struct {
     float *vrow;    /* [n_threads, head_dim] a K row as floats */
     float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
-    uint8_t *value_cache; /* [layer, kv_head, kv_cap[layer], kv_row bytes] */
+    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes]; paged: [page, layer, kv_head, PAGE_TOKENS, kv_row] */
+    uint8_t *value_cache; /* the same for V */
+    int *tok_pos;   /* [chunk] the position of each token of the pass */
+    const PageTable **tok_pages; /* [chunk] each token's sequence's KV pages, when paged */
+    int paged;      /* the cache is a pool of pages (batch mode), else one sequence's (kv_off, kv_cap) */
     float *logits;  /* [chunk, vocab] */
 } RunState;
 
@@ -1984,7 +1999,7 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
         }
     }
     s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(VERIFY_MAX_TOKENS * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
+    s->partial = xcalloc((size_t)max_i(max_i(VERIFY_MAX_TOKENS, BATCH_MAX) * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
                              group * (c->head_dim + 2), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
@@ -2000,6 +2015,8 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
     s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
     s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
     s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
+    s->tok_pos = xcalloc(T, sizeof(int));
+    s->tok_pages = xcalloc(T, sizeof *s->tok_pages);
 }
 
 static void free_state(RunState *s)
@@ -2008,7 +2025,7 @@ static void free_state(RunState *s)
     for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
     free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock);
-    free(s->key_cache); free(s->value_cache); free(s->logits);
+    free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
 }
 
 /* Sizes the team of the next forward pass. When other programs take the
@@ -2169,13 +2186,19 @@ static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Mat
     prepare_act(s, w, t0, t1);
 }
 
-/* Cached row of layer l, KV head h, position pos. The cache is laid out
+/* Cached row of layer l, KV head h, position pos of the sequence that
+   token t of the pass belongs to. One sequence's cache is laid out
    [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
    attention streams them in order. A local layer keeps the last kv_cap
-   positions only, as a ring: position pos lives in slot pos % kv_cap. */
-static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int l, int h, int pos)
+   positions only, as a ring: position pos lives in slot pos % kv_cap. In
+   batch mode a page holds [layer][kv_head][PAGE_TOKENS][head_dim]: runs of
+   PAGE_TOKENS positions are still contiguous. */
+static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int t, int l, int h, int pos)
 {
-    (void)c;
+    if (s->paged) {
+        size_t page = s->tok_pages[t]->page[pos / PAGE_TOKENS];
+        return cache + (((page * c->n_layers + l) * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
+    }
     return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
 }
 
@@ -2185,11 +2208,11 @@ static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K
 /* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
    then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
    each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
-   rows stored in the cache at positions pos0 + t. A batch is split
+   rows stored in the cache at each token's position. A batch is split
    by tokens, in whole register tiles so that no result depends on the
    thread count: the rows split by heads would leave one thread a head
    more than the other (15 heads for SmolLM2). One token is split by heads. */
-static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
+static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
 {
     const Config *c = &m->c;
     const Matrix *w = &m->layers[l].wqkv;
@@ -2213,8 +2236,9 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int pos0, int me
                 for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
             if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
             if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
-            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, l, kv, pos0 + t), x, hd);
-            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, l, kv - c->n_kv_heads, pos0 + t), x, hd);
+            int pos = s->tok_pos[t];
+            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, t, l, kv, pos), x, hd);
+            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, t, l, kv - c->n_kv_heads, pos), x, hd);
         }
 }
 
@@ -2236,8 +2260,8 @@ static void merge_chunks(const float *parts, int n_chunks, int group, int hd, fl
     }
 }
 
-/* Attention of the query tokens [t0, t1) of the batch (positions pos0 + t)
-   and their `group` query heads that share KV head g, to the cached
+/* Attention of the query tokens [t0, t1) of the batch (consecutive
+   positions of one sequence, from s->tok_pos[t0]) and their `group` query heads that share KV head g, to the cached
    positions [j_lo, j_hi) that each token may see (those <= its own), in the
    style of flash attention. Positions are taken ATT_KTILE at a time and
    converted to floats once, then used by every query of the tile and of the
@@ -2246,10 +2270,9 @@ static void merge_chunks(const float *parts, int n_chunks, int group, int hd, fl
    and the unnormalized output sum of exp(score - m) * v, written to part
    ([t1 - t0, group, head_dim + 2]) as a partial softmax: partials over
    separate position ranges combine exactly (merge_chunks). */
-static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int pos0, int j_lo, int j_hi,
-                        float *part, int me)
+static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
     int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
     float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
     float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
@@ -2266,7 +2289,7 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0);
         for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
-            const uint8_t *kc = cache_row(s, s->key_cache, c, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, l, g, j0 + j);
+            const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
             float *kr = transpose ? row : kt + (size_t)j * hd;
             prefetch_ahead(kc, s->kv_row);
             prefetch_ahead(vc, s->kv_row);
@@ -2306,7 +2329,7 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
     if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
 }
 
-/* The attention step of a layer for n tokens at positions pos0.., thread
+/* The attention step of a layer for the pass's n tokens, thread
    me's share (attention_out writes the results). Prefill deals (query tile,
    KV head) jobs round-robin, each over all the positions its tokens see.
    Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
@@ -2314,7 +2337,7 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
    thread, then merges the chunks; a verification batch (s->exact) does
    the same for each of its tokens. Either way the jobs do not depend on the
    thread count, so neither do the results. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int pos0, int fmt, int me, int nth)
+static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, int me, int nth)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
     int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
@@ -2323,27 +2346,27 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int pos0,
         float *parts = s->partial + (size_t)me * ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
-            int first = window ? max_i(0, pos0 + t0 - window + 1) : 0; /* the tile's oldest visible key */
-            attend_tile(s, c, l, g, t0, t1, pos0, first, pos0 + t1, parts, me);
+            int first = window ? max_i(0, s->tok_pos[t0] - window + 1) : 0; /* the tile's oldest visible key */
+            attend_tile(s, c, l, g, t0, t1, first, s->tok_pos[t1 - 1] + 1, parts, me);
             for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
         }
         return;
     }
     /* decode: each token (one, or a verification batch's few) on its own */
     for (int t = 0, job = 0; t < n; t++) {
-        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        int pos = s->tok_pos[t], k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
         for (int g = 0; g < c->n_kv_heads; g++)
             for (int k = 0; k < n_chunks; k++, job++) {
                 if (job % nth != me) continue;
                 int j0 = (k0 + k) * ATT_CHUNK;
                 float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + k) * part;
-                attend_tile(s, c, l, g, t, t + 1, pos0, j0, j0 + ATT_CHUNK, dst, me);
+                attend_tile(s, c, l, g, t, t + 1, j0, j0 + ATT_CHUNK, dst, me);
             }
     }
     barrier(&s->bar, nth);
     for (int job = me; job < n * c->n_kv_heads; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
-        int k0 = window ? max_i(0, pos0 + t - window + 1) / ATT_CHUNK : 0, n_chunks = (pos0 + t) / ATT_CHUNK + 1 - k0;
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, pos = s->tok_pos[t];
+        int k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
         attention_out(s, c, s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part, n_chunks, g, t, fmt);
     }
 }
@@ -2389,7 +2412,7 @@ static void add_output(const Model *m, RunState *s, const Matrix *w, Act in, con
 }
 
 /* One transformer block for n tokens, run by every thread of the team. */
-static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, int me, int nth)
+static void layer_forward(const Model *m, RunState *s, int l, int n, int me, int nth)
 {
     const Config *c = &m->c;
     const Layer *L = &m->layers[l];
@@ -2401,9 +2424,9 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
        q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
     norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
     barrier(&s->bar, nth);
-    qkv_part(m, s, l, n, pos0, me, nth);
+    qkv_part(m, s, l, n, me, nth);
     barrier(&s->bar, nth);
-    attention_part(s, c, l, n, pos0, att_fmt, me, nth);
+    attention_part(s, c, l, n, att_fmt, me, nth);
     barrier(&s->bar, nth);
     if (att_fmt != wo_fmt) {
         prepare_act(s, &L->wo, t0, t1);
@@ -2427,7 +2450,7 @@ static void layer_forward(const Model *m, RunState *s, int l, int n, int pos0, i
    the queries and keys: here each position's rotation angles
    pos * theta^(-2i/rope_dim) are computed once for every layer (for each
    RoPE base the model's layers use). */
-static void embed(const Model *m, RunState *s, const int *tokens, int pos0, int t0, int t1)
+static void embed(const Model *m, RunState *s, const int *tokens, int t0, int t1)
 {
     const Config *c = &m->c;
     int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
@@ -2438,18 +2461,18 @@ static void embed(const Model *m, RunState *s, const int *tokens, int pos0, int 
             for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
         for (int k = 0; k < kinds; k++)
             for (int i = 0; i < half; i++) {
-                double angle = (double)(pos0 + t) * s->inv_freq[k][i];
+                double angle = (double)s->tok_pos[t] * s->inv_freq[k][i];
                 s->rope_cos[k][t * half + i] = (float)cos(angle);
                 s->rope_sin[k][t * half + i] = (float)sin(angle);
             }
     }
 }
 
-/* Runs n (<= CHUNK_TOKENS) tokens at positions pos0.. through every layer,
-   appending their K and V to the cache, then the output head for the
-   chunk's rows [first_logit, n) into s->logits rows 0.. (none when
-   first_logit == n). */
-static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
+/* Runs the pass's n (<= CHUNK_TOKENS) tokens, placed by the caller in
+   s->tok_pos (and s->tok_pages when paged), through every layer, appending
+   their K and V to the cache, then the output head for the rows
+   [first_logit, n) into s->logits rows 0.. (none when first_logit == n). */
+static void forward_pass(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
 {
     const Config *c = &m->c;
     int dim = c->dim;
@@ -2458,9 +2481,9 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
     {
         int me = thread_id(), nth = thread_count(), t0, t1;
         split(n, 1, me, nth, &t0, &t1);
-        embed(m, s, tokens, pos0, t0, t1);
+        embed(m, s, tokens, t0, t1);
         barrier(&s->bar, nth);
-        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, pos0, me, nth);
+        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, me, nth);
         if (first_logit < n) {
             /* only the rows that need logits are normed, packed from xb row 0 */
             split(n - first_logit, 1, me, nth, &t0, &t1);
@@ -2474,23 +2497,39 @@ static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n,
     adapt_team(s, now_ms() - t0);
 }
 
+/* n tokens at positions pos0.. of one sequence: the single cache (pt
+   NULL) or the pages of pt. */
+static void forward_chunk(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int first_logit)
+{
+    s->paged = pt != NULL;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t, s->tok_pages[t] = pt;
+    forward_pass(m, s, tokens, n, first_logit);
+}
+
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
-   batch, filling the KV cache from position pos0. The output head (a
-   vocab x dim matmul, the largest single one) runs only for the last
-   position, or, when all_logits is set (perplexity, tests), for every
-   position: then n <= CHUNK_TOKENS and s->logits receives n rows. */
-static void prefill(const Model *m, RunState *s, const int *tokens, int n, int pos0, int all_logits)
+   batch, filling the KV cache (pt's pages in batch mode) from position
+   pos0. The output head (a vocab x dim matmul, the largest single one)
+   runs only for the last position, or, when all_logits is set
+   (perplexity, tests), for every position: then n <= CHUNK_TOKENS and
+   s->logits receives n rows. Chunks start at multiples of CHUNK_TOKENS
+   from pos0, so a prompt whose first pages came from another sequence
+   (batch mode's shared prefixes, whole pages of PAGE_TOKENS) is cut into
+   the same chunks, and computed bit for bit, as when prefilled alone. */
+static void prefill(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int all_logits)
 {
     for (int done = 0; done < n; done += CHUNK_TOKENS) {
         int k = min_i(n - done, CHUNK_TOKENS);
-        forward_chunk(m, s, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
+        forward_chunk(m, s, pt, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
     }
 }
 
-/* Decode: one token at position pos, attending over everything cached. */
+/* Decode: one token at position pos, attending over everything cached.
+   Each weight is read once per token for two flops (a multiply and an
+   add), so decode is bound by memory bandwidth where prefill, which uses
+   each weight read for CHUNK_TOKENS tokens, is bound by arithmetic. */
 static void decode_step(const Model *m, RunState *s, int token, int pos)
 {
-    forward_chunk(m, s, &token, 1, pos, 0);
+    forward_chunk(m, s, NULL, &token, 1, pos, 0);
 }
 
 /* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
@@ -2503,7 +2542,21 @@ static void decode_step(const Model *m, RunState *s, int token, int pos)
 static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
 {
     s->exact = 1;
-    forward_chunk(m, s, tokens, n, pos0, 0);
+    forward_chunk(m, s, NULL, tokens, n, pos0, 0);
+    s->exact = 0;
+}
+
+/* Batch mode's decode step: one token of each of n sequences (token t at
+   position pos[t] of the sequence whose pages are pages[t]), the logits of
+   each in s->logits row t. Like verify_step, every token is computed as a
+   decode step would compute it alone, so a sequence's text does not
+   depend on what else is in the batch; the weights are read once for all n. */
+static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n)
+{
+    s->paged = 1;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
+    s->exact = 1;
+    forward_pass(m, s, tokens, n, 0);
     s->exact = 0;
 }
 
@@ -2876,18 +2929,25 @@ typedef struct {
     int system_turn;     /* otherwise: open with a system turn */
 } Chat;
 
-static void build_chat(Chat *ch, const Model *m, const char *system)
+/* Why the model cannot chat, or NULL when it can; fills ch's template and turn tokens. */
+static const char *chat_problem(Chat *ch, const Model *m)
 {
-    const tok_info *ti = tok_get_info(m->tok);
     memset(ch, 0, sizeof *ch);
-    ch->kind = ti->chat_template;
+    ch->kind = tok_get_info(m->tok)->chat_template;
     if (ch->kind <= TOK_CHAT_NONE || ch->kind >= (int)(sizeof TEMPLATES / sizeof *TEMPLATES))
-        die(EXIT_RUNTIME, "this model file has no chat template (export it from a GGUF/HF model that has one)");
+        return "this model file has no chat template (export it from a GGUF/HF model that has one)";
     ch->start = special_id(m, TEMPLATES[ch->kind].start);
     ch->end = special_id(m, TEMPLATES[ch->kind].end);
     ch->header_end = TEMPLATES[ch->kind].header_end ? special_id(m, TEMPLATES[ch->kind].header_end) : -2;
-    if (ch->start < 0 || ch->end < 0 || ch->header_end == -1)
-        die(EXIT_RUNTIME, "the chat template's turn tokens are missing from the vocabulary");
+    if (ch->start < 0 || ch->end < 0 || ch->header_end == -1) return "the chat template's turn tokens are missing from the vocabulary";
+    return NULL;
+}
+
+static void build_chat(Chat *ch, const Model *m, const char *system)
+{
+    const tok_info *ti = tok_get_info(m->tok);
+    const char *problem = chat_problem(ch, m);
+    if (problem) die(EXIT_RUNTIME, "%s", problem);
     ch->system = system ? system : ti->default_system;
     ch->system_len = system ? strlen(system) : ti->default_system_len;
     ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
@@ -3613,7 +3673,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         fputc('\n', stderr);
     }
     double t0 = now_ms();
-    prefill(m, s, conv->ids + *pos, n, *pos, 0);
+    prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
     *pos += n;
     int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
     double t_prev = now_ms();
@@ -3764,6 +3824,559 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
     free(conv.ids);
 }
 
+/* ----- batch mode ---------------------------------------------------------------
+   --batch FILE: one request per input line, answered as one JSON record per
+   line, in input order. Decode reads every weight once per token; one
+   pass that decodes a token for each of B sequences still reads them once,
+   so while decode is bound by memory rather than arithmetic, B sequences
+   cost little more than one (continuous batching). A finished sequence
+   leaves at once and the next line takes its place; a new prompt is
+   prefilled a chunk at a time between decode steps, so the sequences in
+   flight never stall for a whole long prompt.
+
+   The KV cache is one pool of pages (vLLM's paged attention): a sequence
+   holds a table of the pages its prompt and answer can fill, all reserved
+   when it is admitted, so it never runs out of room halfway; when the
+   pool is short, admission waits for sequences to finish. Whole pages of
+   a prompt prefix that a sequence in flight already holds (a shared system
+   prompt, a few-shot header) are shared by reference, not computed and
+   stored again.
+
+   Each record's text is what the same prompt gives alone: a decode step
+   computes each sequence's token exactly as decode_step would (see
+   decode_batch), and prefill chunks start at the same multiples of
+   CHUNK_TOKENS. Sampling draws from a generator seeded by -s and the
+   line number, so a record does not depend on what else is in the batch. */
+
+#define BATCH_KV_MB 1024     /* --kv-mem default: the page pool, MB */
+#define BATCH_DEFAULT_MAX 32 /* --parallel default at most */
+#define BATCH_JSON_SLACK 6   /* a JSON line may spell each byte of its prompt as \u00XX */
+#define PROGRESS_MS 250      /* the progress line on a terminal is redrawn at most this often */
+#define PROGRESS_LOG_MS 2000 /* -v without a terminal: a progress line this often */
+#define MAX_POOL_PAGES (1 << 22)
+
+_Static_assert(BATCH_MAX <= CHUNK_TOKENS, "one decode step of every sequence in flight is one pass");
+
+/* Free pages, and how many page tables hold each page. */
+typedef struct {
+    int n_pages;
+    int *free_ids, n_free; /* a stack: the page freed last is reused first, its memory already resident */
+    int *refs;             /* [n_pages] */
+    int peak;              /* most pages in use at once */
+} PagePool;
+
+enum { SEQ_IDLE, SEQ_PREFILL, SEQ_DECODE };
+enum { FIN_STOP, FIN_LENGTH, FIN_CONTEXT, FIN_INTERRUPTED };
+static const char *const FINISH[] = {"stop", "length", "context", "interrupted"};
+
+/* One request: a line of input, then a sequence in flight. */
+typedef struct {
+    int state;         /* SEQ_* */
+    long line;         /* 1-based input line: the record's place in the output */
+    long order;        /* admission order: prompts are prefilled first come, first served */
+    Buf id;            /* the record's "id" as JSON text */
+    Tokens toks;       /* the prompt, then every token fed */
+    int n_prompt, pos; /* prompt tokens; positions cached */
+    int n_predict;     /* tokens to generate at most */
+    int capped;        /* n_predict was cut to what the context or the pool holds */
+    int token, n_gen;  /* the token sampled and not yet fed; tokens generated */
+    Sampler sm;
+    PageTable pt;
+    Buf text;
+    double t_admit, t_first, t_prev;
+} Seq;
+
+/* The records, kept until every earlier line's record is out. */
+typedef struct {
+    Buf *rec;          /* [cap] by line - first, ring-free: shifted as records go out */
+    char *ready;
+    long first, cap;   /* the first line not yet written; slots */
+} Records;
+
+typedef struct {
+    const Model *m;
+    RunState *s;
+    const GenOpts *o;
+    Sampler defaults;  /* -t, -p, -k */
+    unsigned long long seed;
+    int chat, special; /* -c, --special: the defaults of "chat" */
+    FILE *in;
+    size_t max_line;
+    long lines, total; /* lines read; lines in the file (-1: unknown) */
+    int eof, failed;
+    Seq *seq;
+    int parallel, in_flight;
+    long admitted;
+    Seq pending;       /* a request read but not yet admitted (line 0: none) */
+    PagePool pool;
+    Records out;
+    Candidate *cand;
+    /* statistics */
+    double t0, last_progress, prefill_ms;
+    long done, gen_tokens, prefill_tokens;
+    double *itl;       /* gaps between one sequence's tokens, every sequence */
+    long n_itl, cap_itl;
+} Batch;
+
+static size_t page_bytes(const Config *c, const RunState *s)
+{
+    return (size_t)c->n_layers * c->n_kv_heads * PAGE_TOKENS * s->kv_row;
+}
+
+/* Turns s's cache into a pool of n_pages pages (both K and V). */
+static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages)
+{
+    free(s->key_cache);
+    free(s->value_cache);
+    s->key_cache = xcalloc(n_pages, page_bytes(c, s));
+    s->value_cache = xcalloc(n_pages, page_bytes(c, s));
+    p->n_pages = p->n_free = n_pages;
+    p->free_ids = xmalloc(n_pages * sizeof(int));
+    p->refs = xcalloc(n_pages, sizeof(int));
+    p->peak = 0;
+    for (int i = 0; i < n_pages; i++) p->free_ids[i] = n_pages - 1 - i;
+}
+
+static void free_pool(PagePool *p) { free(p->free_ids); free(p->refs); }
+
+static void page_release(PagePool *p, PageTable *pt)
+{
+    for (int i = 0; i < pt->n; i++)
+        if (--p->refs[pt->page[i]] == 0) p->free_ids[p->n_free++] = pt->page[i];
+    pt->n = 0;
+}
+
+/* ----- records ----- */
+
+static Buf *record_slot(Records *r, long line)
+{
+    if (line - r->first >= r->cap) {
+        long cap = 2 * (line - r->first + 1);
+        r->rec = realloc(r->rec, cap * sizeof *r->rec);
+        r->ready = realloc(r->ready, cap);
+        if (!r->rec || !r->ready) die(EXIT_RUNTIME, "out of memory");
+        memset(r->rec + r->cap, 0, (cap - r->cap) * sizeof *r->rec);
+        memset(r->ready + r->cap, 0, cap - r->cap);
+        r->cap = cap;
+    }
+    r->ready[line - r->first] = 1;
+    return &r->rec[line - r->first];
+}
+
+/* Writes the records that are ready, in line order, up to the first line still in flight. */
+static void flush_records(Records *r)
+{
+    long k = 0;
+    while (k < r->cap && r->ready[k]) {
+        fwrite(r->rec[k].p, 1, r->rec[k].len, stdout);
+        free(r->rec[k].p);
+        k++;
+    }
+    if (!k) return;
+    memmove(r->rec, r->rec + k, (r->cap - k) * sizeof *r->rec);
+    memmove(r->ready, r->ready + k, r->cap - k);
+    memset(r->rec + r->cap - k, 0, k * sizeof *r->rec);
+    memset(r->ready + r->cap - k, 0, k);
+    r->first += k;
+    check_stdout();
+}
+
+/* A line's record when it cannot run: {"id": ..., "error": "line N: reason"}. */
+static void record_error(Batch *b, long line, const Buf *id, const char *fmt, ...)
+{
+    char msg[MSG_BYTES];
+    int k = snprintf(msg, sizeof msg, "line %ld: ", line);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg + k, sizeof msg - k, fmt, ap);
+    va_end(ap);
+    Buf *r = record_slot(&b->out, line);
+    if (id && id->len) buf_printf(r, "{\"id\": %s, \"error\": ", id->p);
+    else buf_printf(r, "{\"id\": %ld, \"error\": ", line);
+    json_put_string(r, msg, strlen(msg));
+    buf_put(r, "}\n", 2);
+    b->failed = 1;
+    b->done++;
+}
+
+static void record_answer(Batch *b, const Seq *q, int finish, double now)
+{
+    Buf *r = record_slot(&b->out, q->line);
+    buf_printf(r, "{\"id\": %s, \"text\": ", q->id.p);
+    json_put_string(r, q->text.p ? q->text.p : "", q->text.len);
+    buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f}\n",
+               q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == FIN_STOP ? q->t_first - q->t_admit : 0.0,
+               now - q->t_admit);
+    b->done++;
+}
+
+/* ----- requests ----- */
+
+/* Reads the next line of b->in (without its newline and a trailing CR)
+   into a malloc'd buffer; a line longer than b->max_line is read through
+   and reported by *too_long. NULL at the end of input. */
+static char *next_line(Batch *b, size_t *len, int *too_long)
+{
+    size_t cap = 256, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    *too_long = 0;
+    errno = 0;
+    while ((c = getc(b->in)) != EOF && c != '\n') {
+        if (n == b->max_line) { *too_long = 1; continue; }
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading --batch input");
+        buf[n++] = (char)c;
+    }
+    if (ferror(b->in)) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno ? errno : EIO));
+    if (c == EOF && n == 0 && !*too_long) { free(buf); return NULL; }
+    while (n && buf[n - 1] == '\r') n--;
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* A JSON number that is a whole number in [lo, hi], into *out. */
+static int json_int(const Json *v, long lo, long hi, long *out)
+{
+    if (v->kind != JSON_NUMBER || v->number != floor(v->number) || v->number < lo || v->number > hi) return -1;
+    *out = (long)v->number;
+    return 0;
+}
+
+/* The fields of a JSON line: prompt (required), id, n, t, chat, system.
+   Fills q's prompt text (*text, *len: pointers into v), id and settings;
+   returns NULL or the reason the line is refused. */
+static const char *read_fields(const Json *v, Seq *q, const char **text, size_t *len, int *chat, const char **system,
+                               size_t *system_len, char *why, size_t why_len)
+{
+    if (v->kind != JSON_OBJECT) return "a JSON line must be an object with a \"prompt\"";
+    *text = NULL;
+    for (int i = 0; i < v->n; i++) {
+        const char *k = v->keys[i];
+        const Json *x = &v->items[i];
+        long n;
+        if (v->key_lens[i] != strlen(k)) return "a field name holds a NUL byte";
+        if (!strcmp(k, "prompt")) {
+            if (x->kind != JSON_STRING) return "\"prompt\" must be a string";
+            *text = x->str, *len = x->len;
+        } else if (!strcmp(k, "id")) {
+            if (x->kind == JSON_ARRAY || x->kind == JSON_OBJECT) return "\"id\" must be a string, a number, a boolean or null";
+            q->id.len = 0;
+            if (x->kind == JSON_STRING) json_put_string(&q->id, x->str, x->len);
+            else if (x->kind == JSON_NULL) buf_put(&q->id, "null", 4);
+            else if (x->kind == JSON_BOOL) buf_printf(&q->id, "%s", x->boolean ? "true" : "false");
+            else buf_put(&q->id, x->str, x->len); /* a number as written */
+        } else if (!strcmp(k, "n")) {
+            if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
+            q->n_predict = (int)n;
+        } else if (!strcmp(k, "t")) {
+            if (x->kind != JSON_NUMBER || !(x->number >= 0 && x->number <= 100)) return "\"t\" must be a number in [0, 100]";
+            q->sm.temperature = (float)x->number;
+        } else if (!strcmp(k, "chat")) {
+            if (x->kind != JSON_BOOL) return "\"chat\" must be true or false";
+            *chat = x->boolean;
+        } else if (!strcmp(k, "system")) {
+            if (x->kind != JSON_STRING) return "\"system\" must be a string";
+            *system = x->str, *system_len = x->len;
+        } else {
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system)", k);
+            return why;
+        }
+    }
+    return *text ? NULL : "the line has no \"prompt\"";
+}
+
+/* Reads input lines until one makes a request (into b->pending) or the
+   input ends; lines that cannot run get their error record on the way,
+   and a request for no tokens its (empty) answer. */
+static void read_request(Batch *b)
+{
+    char err[ERR_BYTES], why[ERR_BYTES + 32];
+    while (!b->eof && !b->pending.line) {
+        size_t len;
+        int too_long;
+        char *line = next_line(b, &len, &too_long);
+        if (!line) { b->eof = 1; break; }
+        long no = ++b->lines;
+        Seq *q = &b->pending;
+        Buf id = {0};
+        buf_printf(&id, "%ld", no);
+        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults};
+        const char *text = line, *system = b->o->system, *problem = NULL;
+        size_t text_len = len, system_len = system ? strlen(system) : 0;
+        int chat = b->chat;
+        Json v = {0};
+        Chat ch;
+        if (too_long) problem = "the line is longer than the context can hold";
+        else if (len && line[0] == '{') {
+            if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
+            else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, why, sizeof why);
+        }
+        if (!problem && !text_len) problem = "the prompt is empty";
+        if (!problem && chat) problem = chat_problem(&ch, b->m);
+        if (!problem) {
+            char *sys = system ? strndup(system, system_len) : NULL;
+            tokenize_prompt(b->m, text, text_len, chat, b->special, sys, &q->toks);
+            free(sys);
+            q->n_prompt = q->toks.n;
+            if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
+            else if (q->n_prompt > b->s->seq_len)
+                snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
+                    problem = why;
+        }
+        if (problem) record_error(b, no, &q->id, "%s", problem);
+        else if (q->n_predict == 0) q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        json_free(&v);
+        free(line);
+        if (problem || q->n_predict == 0) {
+            free(q->toks.ids);
+            free(q->id.p);
+            q->line = 0;
+        }
+    }
+}
+
+/* The sequence in flight whose prompt shares the most whole pages with
+   q's (at most all but q's last prompt token: q must prefill one token to
+   get its first logits); their count goes to *shared. */
+static Seq *prefix_donor(Batch *b, const Seq *q, int *shared)
+{
+    Seq *best = NULL;
+    *shared = 0;
+    for (int i = 0; i < b->parallel; i++) {
+        const Seq *d = &b->seq[i];
+        if (d->state == SEQ_IDLE) continue;
+        int n = min_i(d->n_prompt, q->n_prompt - 1), k = 0;
+        while (k < n && d->toks.ids[k] == q->toks.ids[k]) k++;
+        if (k / PAGE_TOKENS > *shared) *shared = k / PAGE_TOKENS, best = &b->seq[i];
+    }
+    return best;
+}
+
+/* Admits the pending request into free slot q when the pool has its pages:
+   the positions of its prompt and of every answer token but the last
+   (which is sampled, never fed), at most the context. A request the
+   empty pool cannot hold is cut to what it holds (finish "context"), or
+   refused when not even its prompt fits. Returns 1 when admitted. */
+static int admit(Batch *b, Seq *slot)
+{
+    Seq *q = &b->pending;
+    int seq_len = b->s->seq_len;
+    if (q->n_predict > seq_len - q->n_prompt + 1) q->n_predict = seq_len - q->n_prompt + 1, q->capped = 1;
+    int shared, need = (q->n_prompt + q->n_predict - 1 + PAGE_TOKENS - 1) / PAGE_TOKENS;
+    Seq *donor = prefix_donor(b, q, &shared);
+    if (need - shared > b->pool.n_free) {
+        if (b->in_flight) return 0; /* wait for pages */
+        int room = b->pool.n_pages * PAGE_TOKENS;
+        if (q->n_prompt > room) {
+            record_error(b, q->line, &q->id, "the prompt needs %d KV cache pages of %d tokens but --kv-mem holds %d",
+                         (q->n_prompt + PAGE_TOKENS - 1) / PAGE_TOKENS, PAGE_TOKENS, b->pool.n_pages);
+            free(q->toks.ids);
+            free(q->id.p);
+            q->line = 0;
+            return 0;
+        }
+        q->n_predict = room - q->n_prompt + 1, q->capped = 1;
+        need = b->pool.n_pages;
+    }
+    *slot = *q;
+    q->line = 0;
+    slot->pt.page = xmalloc(need * sizeof(int));
+    for (int i = 0; i < need; i++) {
+        slot->pt.page[i] = i < shared ? donor->pt.page[i] : b->pool.free_ids[--b->pool.n_free];
+        b->pool.refs[slot->pt.page[i]]++;
+    }
+    slot->pt.n = need;
+    b->pool.peak = max_i(b->pool.peak, b->pool.n_pages - b->pool.n_free);
+    slot->pos = shared * PAGE_TOKENS;
+    slot->state = SEQ_PREFILL;
+    slot->order = b->admitted++;
+    /* each line its own stream of random numbers, from -s and the line number */
+    slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
+    slot->t_admit = now_ms();
+    b->in_flight++;
+    return 1;
+}
+
+static void finish_seq(Batch *b, Seq *q, int finish)
+{
+    double now = now_ms();
+    record_answer(b, q, finish, now);
+    page_release(&b->pool, &q->pt);
+    free(q->pt.page);
+    free(q->toks.ids);
+    free(q->text.p);
+    free(q->id.p);
+    *q = (Seq){.state = SEQ_IDLE};
+    b->in_flight--;
+}
+
+/* Takes q's sampled token as take_token does for a single request, into
+   q's text; the sequence ends on an end token, at its -n, at the end of
+   the context or on Ctrl-C. */
+static void seq_take(Batch *b, Seq *q, int token)
+{
+    double now = now_ms();
+    if (q->n_gen == 0) q->t_first = now;
+    else {
+        if (b->n_itl == b->cap_itl && !(b->itl = realloc(b->itl, (b->cap_itl = 2 * b->cap_itl + 1024) * sizeof(double))))
+            die(EXIT_RUNTIME, "out of memory");
+        b->itl[b->n_itl++] = now - q->t_prev;
+    }
+    q->t_prev = now;
+    q->token = token;
+    if (tok_is_eog(b->m->tok, token) && !b->o->ignore_eos) { finish_seq(b, q, FIN_STOP); return; }
+    size_t len;
+    const char *piece = tok_piece(b->m->tok, token, &len);
+    if (piece && !tok_is_control(b->m->tok, token)) buf_put(&q->text, piece, len);
+    b->gen_tokens++;
+    if (++q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? FIN_CONTEXT : FIN_LENGTH);
+    else if (q->pos >= b->s->seq_len) finish_seq(b, q, FIN_CONTEXT);
+    else if (interrupted) finish_seq(b, q, FIN_INTERRUPTED);
+}
+
+/* One chunk of the prompt of the sequence admitted first among those
+   still prefilling; after its last chunk the first token is sampled. */
+static void prefill_some(Batch *b)
+{
+    Seq *q = NULL;
+    for (int i = 0; i < b->parallel; i++)
+        if (b->seq[i].state == SEQ_PREFILL && (!q || b->seq[i].order < q->order)) q = &b->seq[i];
+    if (!q) return;
+    int k = min_i(q->n_prompt - q->pos, CHUNK_TOKENS), last = q->pos + k == q->n_prompt;
+    double t0 = now_ms();
+    forward_chunk(b->m, b->s, &q->pt, q->toks.ids + q->pos, k, q->pos, last ? k - 1 : k);
+    b->prefill_ms += now_ms() - t0;
+    b->prefill_tokens += k;
+    q->pos += k;
+    if (!last) return;
+    q->state = SEQ_DECODE;
+    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand));
+}
+
+/* One decode step: the last sampled token of every decoding sequence, fed
+   in one pass, then the next token of each sampled. */
+static void decode_some(Batch *b)
+{
+    int tokens[BATCH_MAX], pos[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
+    const PageTable *pages[BATCH_MAX];
+    Seq *who[BATCH_MAX];
+    for (int i = 0; i < b->parallel; i++) {
+        Seq *q = &b->seq[i];
+        if (q->state != SEQ_DECODE) continue;
+        tokens[n] = q->token, pos[n] = q->pos, pages[n] = &q->pt, who[n++] = q;
+    }
+    if (!n) return;
+    decode_batch(b->m, b->s, tokens, pos, pages, n);
+    for (int t = 0; t < n; t++) {
+        Seq *q = who[t];
+        push(&q->toks, q->token);
+        q->pos++;
+        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand));
+    }
+}
+
+/* The progress line on a terminal (or, with -v, a line now and then). */
+static void show_progress(Batch *b, int final)
+{
+    double now = now_ms();
+    int tty = isatty(STDERR_FILENO);
+    if (!tty && !b->o->verbose) return;
+    if (!final && now - b->last_progress < (tty ? PROGRESS_MS : PROGRESS_LOG_MS)) return;
+    b->last_progress = now;
+    char total[32] = "";
+    if (b->total >= 0) snprintf(total, sizeof total, "/%ld", b->total);
+    fprintf(stderr, "%sbatch: %ld%s done, %d in flight, %.1f tok/s%s", tty ? "\r" : "", b->done, total, b->in_flight,
+            b->gen_tokens / ((now - b->t0) / 1e3), tty && !final ? "\033[K" : "\n");
+}
+
+/* Lines in a regular file (for the progress line), -1 for anything else. */
+static long count_lines(FILE *f)
+{
+    struct stat st;
+    if (fstat(fileno(f), &st) || !S_ISREG(st.st_mode)) return -1;
+    long n = 0, size = 0;
+    int c, last = '\n';
+    while ((c = getc(f)) != EOF) { n += c == '\n'; last = c; size++; }
+    rewind(f);
+    return n + (last != '\n');
+}
+
+/* The -v summary of a batch: aggregate speed and the per-token latency. */
+static void report_batch(Batch *b)
+{
+    double sec = (now_ms() - b->t0) / 1e3;
+    qsort(b->itl, b->n_itl, sizeof(double), by_double);
+    fprintf(stderr, "batch: %ld records, %ld tokens in %.2f s: %.1f tok/s aggregate; prefill %ld tokens, %.0f tok/s; "
+            "per-token latency p50 %.2f ms, p90 %.2f ms; KV pages: %d of %d used at most (%.1f MB each)\n",
+            b->done, b->gen_tokens, sec, b->gen_tokens / sec, b->prefill_tokens,
+            b->prefill_ms > 0 ? b->prefill_tokens / (b->prefill_ms / 1e3) : 0.0, b->n_itl ? b->itl[(b->n_itl - 1) / 2] : 0.0,
+            b->n_itl ? b->itl[(long)(0.9 * (b->n_itl - 1))] : 0.0, b->pool.peak, b->pool.n_pages,
+            2 * page_bytes(&b->m->c, b->s) / 1e6);
+}
+
+/* Runs every line of path ("-": stdin) and writes the records. Returns
+   the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
+/* What --batch takes from the command line besides GenOpts. */
+typedef struct {
+    const char *path; /* --batch FILE, "-": stdin */
+    int parallel;     /* --parallel: sequences in flight (0: from the pool) */
+    int kv_mb;        /* --kv-mem: the KV page pool */
+    int chat, special; /* -c and --special: the defaults of every line */
+} BatchOpts;
+
+static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo)
+{
+    Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
+               .out = {.first = 1}};
+    b.in = strcmp(bo->path, "-") ? fopen(bo->path, "rb") : stdin;
+    if (!b.in) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
+    struct stat st;
+    if (fstat(fileno(b.in), &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
+    char why[ERR_BYTES];
+    b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
+    b.total = count_lines(b.in);
+    int kv_mb = bo->kv_mb ? bo->kv_mb : BATCH_KV_MB;
+    double fit = (double)kv_mb * 1e6 / (2 * page_bytes(&m->c, s));
+    int pages = fit > MAX_POOL_PAGES ? MAX_POOL_PAGES : (int)fit;
+    if (pages < 1) die(EXIT_USAGE, "--kv-mem %d MB holds no KV cache page (one page is %.1f MB)", kv_mb, 2 * page_bytes(&m->c, s) / 1e6);
+    build_pool(&b.pool, s, &m->c, pages);
+    /* by default as many sequences as the pool holds at a typical size: -n answer tokens after a page of prompt */
+    int typical = (o->n_predict + 2 * PAGE_TOKENS - 1) / PAGE_TOKENS;
+    b.parallel = bo->parallel ? bo->parallel : max_i(1, min_i(BATCH_DEFAULT_MAX, pages / typical));
+    b.seq = xcalloc(b.parallel, sizeof *b.seq);
+    b.cand = xmalloc((size_t)m->c.vocab_size * sizeof *b.cand);
+    if (o->verbose)
+        fprintf(stderr, "batch: up to %d sequences in flight, KV pool of %d pages of %d positions (%.1f MB)\n", b.parallel, pages,
+                PAGE_TOKENS, pages * 2 * page_bytes(&m->c, s) / 1e6);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
+    answering = 1;
+    b.t0 = now_ms();
+    while (1) {
+        for (int i = 0; i < b.parallel && interrupted; i++) /* Ctrl-C: what is in flight ends as it stands */
+            if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
+        for (int i = 0; i < b.parallel && !interrupted; i++) {
+            if (b.seq[i].state != SEQ_IDLE) continue;
+            read_request(&b);
+            if (!b.pending.line || !admit(&b, &b.seq[i])) break;
+        }
+        if (!b.in_flight && (b.eof || interrupted)) break;
+        prefill_some(&b);
+        decode_some(&b);
+        flush_records(&b.out);
+        show_progress(&b, 0);
+    }
+    flush_records(&b.out);
+    show_progress(&b, 1);
+    if (o->verbose) report_batch(&b);
+    if (b.in != stdin) fclose(b.in);
+    free(b.seq); free(b.cand); free(b.itl); free(b.out.rec); free(b.out.ready);
+    free_pool(&b.pool);
+    return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;
+}
+
 /* ----- all logits --------------------------------------------------------------- */
 
 /* Receives the logits of positions off .. off+k-1, rows 0 .. k-1 of s->logits. */
@@ -3780,7 +4393,7 @@ static void each_logits(const Model *m, RunState *s, const int *ids, int n, int 
         int k = min_i(n - off, exact ? exact : CHUNK_TOKENS);
         if (exact == 1) decode_step(m, s, ids[off], off);
         else if (exact) verify_step(m, s, ids + off, k, off);
-        else prefill(m, s, ids + off, k, off, 1);
+        else prefill(m, s, NULL, ids + off, k, off, 1);
         use(ctx, s, off, k);
         off += k;
     }
@@ -3866,6 +4479,7 @@ typedef struct {
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
     GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+    BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
 
 
@@ -4027,7 +4641,8 @@ static void parse_args(Args *a, int argc, char **argv)
     *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
                 .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels", NULL};
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
+                                       "--batch", "--parallel", "--kv-mem", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -4068,6 +4683,9 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
         else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
+        else if (!strcmp(f, "--batch")) a->batch.path = v;
+        else if (!strcmp(f, "--parallel")) a->batch.parallel = parse_long(f, v, 1, BATCH_MAX);
+        else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -4088,6 +4706,14 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->ppl && a->dump_logits, "--ppl", "--dump-logits"},
         {a->tokenize && a->dump_logits, "--tokenize", "--dump-logits"},
         {a->chat_wrap && a->ids, "-c", "--ids"},
+        {a->batch.path && a->prompt, "--batch", "-i"},
+        {a->batch.path && a->ids, "--batch", "--ids"},
+        {a->batch.path && chat, "--batch", "-m chat"},
+        {a->batch.path && a->ppl, "--batch", "--ppl"},
+        {a->batch.path && a->dump_logits, "--batch", "--dump-logits"},
+        {a->batch.path && a->tokenize, "--batch", "--tokenize"},
+        {a->batch.parallel && !a->batch.path, "--parallel", "no --batch"},
+        {a->batch.kv_mb && !a->batch.path, "--kv-mem", "no --batch"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -4248,7 +4874,8 @@ int main(int argc, char **argv)
 
     Tokens prompt = {0};
     size_t prompt_bytes = 0;
-    if (!chat && !a.ppl) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
+    int batch = a.batch.path != NULL;
+    if (!chat && !a.ppl && !batch) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
     if (a.tokenize) {
         for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
         printf("\n");
@@ -4257,7 +4884,7 @@ int main(int argc, char **argv)
         free_model(&m);
         return 0;
     }
-    if (!chat && !a.ppl && prompt.n == 0) {
+    if (!chat && !a.ppl && !batch && prompt.n == 0) {
         if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
         die(EXIT_RUNTIME, "the prompt is empty");
     }
@@ -4294,7 +4921,12 @@ int main(int argc, char **argv)
     if (a.probe) probe_machine(mcp = &mc, threads);
     Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
+    int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
+    else if (batch) {
+        a.batch.chat = a.chat_wrap, a.batch.special = a.special;
+        status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
+    }
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
     else if (chat) chat_loop(&m, &s, &sm, &a.gen, mcp);
     else if (a.gen.n_predict > 0) {
@@ -4312,7 +4944,7 @@ int main(int argc, char **argv)
     free(prompt.ids);
     free_state(&s);
     free_model(&m);
-    return 0;
+    return status;
 }
 
 

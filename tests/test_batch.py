@@ -1,0 +1,259 @@
+"""Batch mode (./run MODEL --batch FILE): many prompts decoded together, one JSON record per line.
+
+1. Same answers as one at a time: with -t 0 every record's text is byte for byte what `./run -i
+   PROMPT` prints for that prompt alone (the expected values: the engine's single-request path,
+   which batch mode must not change), for prompts of different lengths (shorter than a KV page,
+   several pages, a shared few-shot header), with --parallel 1, 3 and 8, a KV pool so small that
+   admission must wait, and on Gemma 3 (sliding-window layers) past its window.
+2. Sampling: each record is reproducible from -s and its line number, whatever else is in the
+   batch and however many run at once; another seed changes it.
+3. Every kind of bad line gets its own error record (with its line number) while the other lines
+   run, and the exit status says whether any failed; random lines never crash it.
+4. The page pool: a request that can never fit ends with "finish": "context" after the text the
+   pool can hold; prompts sharing a header share its pages (less prefill).
+5. Ctrl-C: exit 130, the records written are whole JSON lines in input order.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MODELS, RUN, SCRATCH, model, require, run  # noqa: E402
+
+WORK = SCRATCH / "batch"
+WORK.mkdir(parents=True, exist_ok=True)
+GEMMA = MODELS / "gemma3-270m.bin"
+
+HEADER = "Examples:\n" + "".join(f"Q: What is {i} plus {i + 3}?\nA: {2 * i + 3}\n" for i in range(30))
+PROMPTS = [
+    {"prompt": "The capital of France is", "n": 20},
+    {"prompt": "Write a haiku about the sea.", "n": 40, "id": "haiku"},
+    {"prompt": HEADER + "Q: What is 50 plus 7?\nA:", "n": 12},
+    {"prompt": "Hi", "n": 33},
+    {"prompt": HEADER + "Q: What is 61 plus 2?\nA:", "n": 9, "id": 17},
+    {"prompt": "List three colors:", "n": 25, "chat": True},
+    {"prompt": " ".join(f"word{i}" for i in range(120)) + " Summarize:", "n": 18},
+    {"prompt": HEADER + "Q: What is 5 plus 9?\nA:", "n": 15},
+    {"prompt": "Once upon a time", "n": 64, "chat": True, "system": "You tell very short stories."},
+    {"prompt": "1, 2, 3, 4,", "n": 30},
+]
+
+
+def write_lines(name: str, lines: list) -> Path:
+    path = WORK / name
+    path.write_text("".join((json.dumps(x) if isinstance(x, dict) else x) + "\n" for x in lines))
+    return path
+
+
+def batch(path, *extra, model_path=None, stdin: bytes | None = None, timeout: float = 600) -> tuple[int, list[dict], str]:
+    r = run([model_path or model(), "--batch", path, *extra], stdin=stdin, timeout=timeout)
+    lines = r.stdout.decode().splitlines()
+    return r.returncode, [json.loads(line) for line in lines], r.stderr.decode(errors="replace")
+
+
+@functools.lru_cache(maxsize=None)
+def alone(model_path: str, prompt: str, n: int, chat: bool = False, system: str | None = None) -> str:
+    """What the engine prints for one prompt on its own (-t 0)."""
+    args = [model_path, "-t", "0", "-n", n, "-i", prompt] + (["-c"] if chat else []) + (["-y", system] if system else [])
+    r = run(args)
+    assert r.returncode == 0, r.stderr.decode()
+    return r.stdout.decode()
+
+
+def check_identity(records: list[dict], requests: list[dict], model_path: str, default_n: int = 256) -> None:
+    assert len(records) == len(requests), f"{len(records)} records for {len(requests)} lines"
+    for line, (rec, req) in enumerate(zip(records, requests), 1):
+        assert rec["id"] == req.get("id", line), (rec["id"], req.get("id", line))
+        want = alone(model_path, req["prompt"], req.get("n", default_n), req.get("chat", False), req.get("system"))
+        assert rec["text"] == want, f"line {line}: batch gave {rec['text']!r}, alone {want!r}"
+        assert rec["finish"] in ("stop", "length"), rec
+        if rec["finish"] == "length":
+            assert rec["tokens"] == req.get("n", default_n), rec
+        assert 0 <= rec["ttft_ms"] <= rec["total_ms"], rec
+
+
+def test_greedy_matches_single_requests_at_parallel_1_3_8():
+    path = write_lines("identity.jsonl", PROMPTS)
+    for b in (1, 3, 8):
+        code, recs, err = batch(path, "-t", "0", "--parallel", b)
+        assert code == 0, err
+        check_identity(recs, PROMPTS, model())
+
+
+def test_plain_text_lines_and_stdin():
+    prompts = ["The capital of France is", "Tell me about the moon.", "def fib(n):"]
+    code, recs, err = batch("-", "-t", "0", "-n", "16", "--parallel", "2", stdin="\n".join(prompts).encode() + b"\n")
+    assert code == 0, err
+    assert [r["id"] for r in recs] == [1, 2, 3]
+    for rec, p in zip(recs, prompts):
+        assert rec["text"] == alone(model(), p, 16), rec
+        ids = run([model(), "--tokenize", "-i", p]).stdout.split()
+        assert rec["prompt_tokens"] == len(ids), (rec, len(ids))
+
+
+def test_tiny_pool_makes_admission_wait_and_changes_nothing():
+    path = write_lines("tiny-pool.jsonl", PROMPTS)
+    # one page of SmolLM2's f16 cache is ~1.7 MB: 20 MB holds 12 pages; a request with the header needs 7
+    code, recs, err = batch(path, "-t", "0", "--parallel", "8", "--kv-mem", "20", "-v")
+    assert code == 0, err
+    check_identity(recs, PROMPTS, model())
+    used = re.search(r"KV pages: (\d+) of (\d+)", err)
+    assert used and int(used.group(1)) <= int(used.group(2)) <= 12, err
+
+
+def test_request_larger_than_the_pool_finishes_with_context():
+    prompt = "Tell me a long story about a dragon."
+    path = write_lines("too-big.jsonl", [{"prompt": prompt, "n": 400}])
+    code, recs, err = batch(path, "-t", "0", "--ignore-eos", "--kv-mem", "4")  # 2 pages: 144 positions
+    assert code == 0, err
+    rec = recs[0]
+    assert rec["finish"] == "context", rec
+    assert rec["prompt_tokens"] + rec["tokens"] - 1 <= 144, rec
+    full = run([model(), "-t", "0", "-n", 400, "--ignore-eos", "-i", prompt]).stdout.decode()
+    assert full.startswith(rec["text"]) and len(rec["text"]) < len(full), (rec["text"], full)
+
+
+def test_shared_header_is_prefilled_once():
+    reqs = [{"prompt": HEADER + f"Q: What is {i} plus {i}?\nA:", "n": 4} for i in range(4)]
+    path = write_lines("shared.jsonl", reqs)
+    code, recs, err = batch(path, "-t", "0", "--parallel", "4", "-v")
+    assert code == 0, err
+    check_identity(recs, reqs, model())
+    prefilled = int(re.search(r"prefill (\d+) tokens", err).group(1))
+    total = sum(r["prompt_tokens"] for r in recs)
+    # every prompt but the first shares the header's whole pages (72 positions each)
+    assert prefilled <= total - 3 * 72 * ((recs[0]["prompt_tokens"] - 1) // 72), (prefilled, total)
+
+
+def test_gemma_sliding_window_past_the_window():
+    g = str(require(GEMMA, "run `make model-gemma`"))
+    long = "The history of the printing press. " * 60  # ~600 tokens: past Gemma 3's 512-position window
+    reqs = [{"prompt": long + "In summary,", "n": 24}, {"prompt": "The three primary colors are", "n": 24},
+            {"prompt": long + "The first printer was", "n": 10}]
+    path = write_lines("gemma.jsonl", reqs)
+    code, recs, err = batch(path, "-t", "0", "--parallel", "3", model_path=g, timeout=900)
+    assert code == 0, err
+    check_identity(recs, reqs, g)
+
+
+def test_sampled_records_depend_only_on_seed_and_line():
+    base = [{"prompt": p["prompt"], "n": 24} for p in PROMPTS[:6]]
+    other = list(base)
+    other[1] = {"prompt": "Something else entirely.", "n": 40}
+    other[4] = "A plain line instead"
+    a = batch(write_lines("seed-a.jsonl", base), "-t", "1", "-s", "7", "--parallel", "3")
+    b = batch(write_lines("seed-b.jsonl", other), "-t", "1", "-s", "7", "--parallel", "5")
+    c = batch(write_lines("seed-a.jsonl", base), "-t", "1", "-s", "8", "--parallel", "3")
+    assert a[0] == b[0] == c[0] == 0, (a[2], b[2], c[2])
+    for i in (0, 2, 3, 5):
+        assert a[1][i]["text"] == b[1][i]["text"], (i, a[1][i], b[1][i])
+    assert any(a[1][i]["text"] != c[1][i]["text"] for i in range(6)), "another seed gave the same texts"
+
+
+BAD_LINES = [
+    ('{"prompt": "ok", "n": 3}', None),
+    ('{"prompt": "unterminated', "not valid JSON"),
+    ('{"prompt": "x",}', "not valid JSON"),
+    ("", "the prompt is empty"),
+    ('{"prompt": ""}', "the prompt is empty"),
+    ('{"prompt": "x", "temperature": 1}', 'unknown field "temperature"'),
+    ('{"n": 3}', 'no "prompt"'),
+    ('{"prompt": 5}', '"prompt" must be a string'),
+    ('{"prompt": "x", "n": "5"}', '"n" must be an integer'),
+    ('{"prompt": "x", "n": 2.5}', '"n" must be an integer'),
+    ('{"prompt": "x", "n": -1}', '"n" must be an integer'),
+    ('{"prompt": "x", "t": -1}', '"t" must be a number'),
+    ('{"prompt": "x", "chat": 1}', '"chat" must be true or false'),
+    ('{"prompt": "x", "system": null}', '"system" must be a string'),
+    ('{"prompt": "x", "id": [1]}', '"id" must be'),
+    ('{"prompt": "x"} {"prompt": "y"}', "not valid JSON"),
+    ("[1, 2]", None),  # not starting with "{": a plain-text prompt
+    ('{"prompt": "' + "many words " * 40 + '"}', "the prompt has"),
+    ('{"prompt": "fine", "n": 0, "id": "zero"}', None),
+    ("plain text is fine too", None),
+]
+
+
+def test_bad_lines_get_error_records_and_the_rest_runs():
+    path = WORK / "bad.txt"
+    path.write_text("".join(line + "\n" for line, _ in BAD_LINES))
+    code, recs, err = batch(path, "-t", "0", "-n", "4", "--ctx", "64")
+    assert code == 1, (code, err)
+    assert len(recs) == len(BAD_LINES), recs
+    for line, (rec, (text, want)) in enumerate(zip(recs, BAD_LINES), 1):
+        if want is None:
+            assert "error" not in rec and "text" in rec, (line, rec)
+        else:
+            assert "text" not in rec and rec["error"].startswith(f"line {line}: ") and want in rec["error"], (line, rec, want)
+    zero = next(r for r in recs if r["id"] == "zero")
+    assert zero == {**zero, "id": "zero", "text": "", "tokens": 0, "finish": "length"}, zero
+    good = write_lines("good.jsonl", ['{"prompt": "ok", "n": 3}'])
+    assert batch(good, "-t", "0")[0] == 0
+
+
+def test_random_lines_never_crash():
+    rng = random.Random(5)
+    pieces = ['{"prompt": "', '"', "}", "{", "\\u00e9", "\\ud800", "\\", ", \"n\": 2", "\xff", "\x00", "\t", "é", "[", "]",
+              "null", "1e999", '"id": ', "chat", ":", "true"]
+    lines = ["".join(rng.choice(pieces) for _ in range(rng.randint(0, 12))) for _ in range(150)]
+    path = WORK / "random.txt"
+    path.write_bytes("\n".join(lines).encode("utf-8", "surrogateescape") + b"\n")
+    code, recs, err = batch(path, "-t", "0", "-n", "2", "--parallel", "8", timeout=900)
+    assert code in (0, 1), (code, err)
+    assert len(recs) == len(lines), (len(recs), len(lines))
+    assert [r.get("id") for r in recs if "error" in r] == [i + 1 for i, r in enumerate(recs) if "error" in r]
+
+
+def test_interrupt_writes_whole_records_in_order_and_exits_130():
+    path = write_lines("long.txt", [f"Write a long essay about topic number {i}." for i in range(40)])
+    p = subprocess.Popen([str(RUN), model(), "--batch", path, "-t", "0", "-n", "200", "--ignore-eos", "--parallel", "4"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(6)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130, (p.returncode, err.decode())
+    recs = [json.loads(line) for line in out.decode().splitlines()]
+    assert 1 <= len(recs) < 40, len(recs)
+    assert [r["id"] for r in recs] == list(range(1, len(recs) + 1))
+    assert any(r["finish"] == "interrupted" for r in recs), recs
+    assert all(r["finish"] in ("length", "interrupted") for r in recs), recs
+
+
+def test_quiet_stderr_unless_verbose():
+    path = write_lines("quiet.txt", ["Hello there", "Good morning"])
+    code, recs, err = batch(path, "-n", "4")
+    assert code == 0 and err == "", err
+    code, recs, err = batch(path, "-n", "4", "-v")
+    assert code == 0 and re.search(r"batch: 2/2 done", err) and "tok/s aggregate" in err, err
+
+
+USAGE = [
+    (["--parallel", "4", "-i", "x"], "--parallel and no --batch"),
+    (["--kv-mem", "64", "-i", "x"], "--kv-mem and no --batch"),
+    (["--batch", "-", "-i", "x"], "--batch and -i cannot be used together"),
+    (["--batch", "-", "-m", "chat"], "--batch and -m chat"),
+    (["--batch", "-", "--parallel", "0"], "--parallel expects an integer in [1, 64]"),
+    (["--batch", "-", "--parallel", "65"], "--parallel expects an integer in [1, 64]"),
+    (["--batch", "-", "--kv-mem", "0"], "--kv-mem expects an integer"),
+    (["--batch", "-", "--kv-mem", "1"], "holds no KV cache page"),
+]
+
+
+def test_usage_errors():
+    for args, want in USAGE:
+        r = run([model(), *args], stdin=b"hello\n")
+        err = r.stderr.decode()
+        assert r.returncode == 2 and want in err and r.stdout == b"", (args, r.returncode, err)
+    for target, want in ((WORK / "missing.txt", "No such file"), (WORK, "Is a directory")):
+        r = run([model(), "--batch", target])
+        err = r.stderr.decode()
+        assert r.returncode == 1 and want in err and len(err.splitlines()) == 1 and r.stdout == b"", (target, err)
