@@ -98,7 +98,7 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps cross-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:
@@ -131,7 +131,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_JOBS    ?= 3
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sanitize fuzz fuzz-deps cross-deps
+.PHONY: sanitize fuzz fuzz-deps cross-deps tool-deps
 
 # Same compiler and OpenMP as ./run, so the threaded code paths are checked too.
 run-asan: $(SRC) $(HDR)
@@ -152,6 +152,10 @@ fuzz-deps: test-deps
 cross-deps:
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; }
+
+# jq (Debian package): the README's batch and structured-output pipelines are run by the tests.
+tool-deps:
+	@command -v jq >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends jq; }
 
 fuzz: fuzz-deps $(MODEL_GGUF) $(GEMMA_GGUF)
 	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k fuzz

@@ -4556,6 +4556,13 @@ static void usage(FILE *f)
         "                 (default: the best; -v names it)\n"
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
+        "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
+        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"chat\",\n"
+        "                 \"system\"}; one JSON record per line on stdout, in input\n"
+        "                 order (README \"Batch\"); exit 1 if a line failed\n"
+        "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
+        "                 page pool holds at -n tokens each, at most 32)\n"
+        "  --kv-mem MB    batch mode: the KV cache page pool (default 1024)\n"
         "  --print-prompt-ids  print each prefilled block's token ids to stderr\n"
         "                 (\"ids: 1 2 3\"; shows what a chat template built)\n"
         "  -h, --help     this help; --version prints the version\n"
@@ -4563,7 +4570,7 @@ static void usage(FILE *f)
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
         "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
         "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
-        "130 interrupted at the chat prompt.\n");
+        "130 interrupted at the chat prompt or in batch mode.\n");
 }
 
 /* Flag values are plain decimal numbers: strtol and strtod would also take

@@ -257,3 +257,20 @@ def test_usage_errors():
         r = run([model(), "--batch", target])
         err = r.stderr.decode()
         assert r.returncode == 1 and want in err and len(err.splitlines()) == 1 and r.stdout == b"", (target, err)
+
+
+def test_readme_batch_example_runs_verbatim():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("\n## Batch\n"):]
+    script = section[section.index("```sh\n") + 6:section.index("\n```", section.index("```sh\n"))]
+    box = WORK / "readme"
+    box.mkdir(exist_ok=True)
+    for name, target in (("run", RUN), ("models", MODELS)):
+        if not (box / name).exists():
+            (box / name).symlink_to(target)
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=box, capture_output=True, timeout=300)
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr.decode()
+    first = alone(model(), "The capital of France is", 8) + "\n" + alone(model(), "The capital of Japan is", 8) + "\n"
+    assert out.startswith(first), (out, first)
+    assert re.search(r"^T-1\t(stop|length)\t", out[len(first):], re.M) and re.search(r"^T-2\t", out, re.M), out
