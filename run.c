@@ -68,6 +68,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -3893,6 +3894,20 @@ typedef struct {
     long first, cap;   /* the first line not yet written; slots */
 } Records;
 
+/* The input, read with read(2) rather than stdio so that the scheduler
+   can tell whether a whole line has arrived without blocking: while
+   sequences are in flight, a slow producer (`tail -f requests | run
+   --batch -`) must not stall them. */
+typedef struct {
+    int fd;
+    char *buf;          /* bytes read and not yet taken: [start, end) */
+    size_t start, end, cap, scanned; /* scanned: bytes after start known to hold no newline */
+    int eof;
+    int dropping;       /* the line being read is too long: its bytes are dropped up to its newline */
+} LineReader;
+
+#define READ_CHUNK 65536
+
 typedef struct {
     const Model *m;
     RunState *s;
@@ -3900,7 +3915,7 @@ typedef struct {
     Sampler defaults;  /* -t, -p, -k */
     unsigned long long seed;
     int chat, special; /* -c, --special: the defaults of "chat" */
-    FILE *in;
+    LineReader in;
     size_t max_line;
     long lines, total; /* lines read; lines in the file (-1: unknown) */
     int eof, failed;
@@ -4012,27 +4027,53 @@ static void record_answer(Batch *b, const Seq *q, int finish, double now)
 
 /* ----- requests ----- */
 
-/* Reads the next line of b->in (without its newline and a trailing CR)
-   into a malloc'd buffer; a line longer than b->max_line is read through
-   and reported by *too_long. NULL at the end of input. */
-static char *next_line(Batch *b, size_t *len, int *too_long)
+/* More input into r's buffer: returns 0 when nothing came because !wait
+   and none was ready, or a signal (Ctrl-C) came first. */
+static int read_more(LineReader *r, int wait)
 {
-    size_t cap = 256, n = 0;
-    char *buf = xmalloc(cap);
-    int c;
-    *too_long = 0;
-    errno = 0;
-    while ((c = getc(b->in)) != EOF && c != '\n') {
-        if (n == b->max_line) { *too_long = 1; continue; }
-        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading --batch input");
-        buf[n++] = (char)c;
+    if (!wait) {
+        struct pollfd p = {r->fd, POLLIN, 0};
+        if (poll(&p, 1, 0) == 0) return 0;
     }
-    if (ferror(b->in)) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno ? errno : EIO));
-    if (c == EOF && n == 0 && !*too_long) { free(buf); return NULL; }
-    while (n && buf[n - 1] == '\r') n--;
-    buf[n] = 0;
-    *len = n;
-    return buf;
+    if (r->start) {
+        memmove(r->buf, r->buf + r->start, r->end - r->start);
+        r->end -= r->start, r->start = 0;
+    }
+    if (r->cap - r->end < READ_CHUNK && !(r->buf = realloc(r->buf, r->cap = 2 * r->cap + READ_CHUNK)))
+        die(EXIT_RUNTIME, "out of memory reading the --batch input");
+    ssize_t got = read(r->fd, r->buf + r->end, r->cap - r->end);
+    if (got < 0 && errno == EINTR) return 0;
+    if (got < 0) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno));
+    if (got == 0) r->eof = 1;
+    r->end += got;
+    return 1;
+}
+
+/* The next line of input (without its newline and trailing CRs), in a
+   malloc'd buffer; a line longer than max is dropped as it arrives and
+   comes back empty with *too_long set. NULL when no whole line is there
+   yet (!wait, or Ctrl-C) or at the end of the input (then r->eof). */
+static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *too_long)
+{
+    while (1) {
+        char *nl = memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned);
+        if (nl || (r->eof && (r->end > r->start || r->dropping))) {
+            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
+            char *line = xmalloc(n + 1);
+            *too_long = r->dropping || n > max;
+            if (*too_long) n = 0;
+            memcpy(line, r->buf + r->start, n);
+            r->start += nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
+            r->scanned = 0, r->dropping = 0;
+            while (n && line[n - 1] == '\r') n--;
+            line[n] = 0;
+            *len = n;
+            return line;
+        }
+        r->scanned = r->end - r->start;
+        if (r->scanned > max) r->start = r->end, r->scanned = 0, r->dropping = 1; /* no need to keep it */
+        if (r->eof || !read_more(r, wait)) return NULL;
+    }
 }
 
 /* A JSON number that is a whole number in [lo, hi], into *out. */
@@ -4087,16 +4128,18 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
 }
 
 /* Reads input lines until one makes a request (into b->pending) or the
-   input ends; lines that cannot run get their error record on the way,
-   and a request for no tokens its (empty) answer. */
-static void read_request(Batch *b)
+   input ends, or, unless wait, until no whole line is there yet; lines
+   that cannot run get their error record on the way, and a request for no
+   tokens its (empty) answer. */
+static void read_request(Batch *b, int wait)
 {
     char err[ERR_BYTES], why[ERR_BYTES + 32];
     while (!b->eof && !b->pending.line) {
         size_t len;
         int too_long;
-        char *line = next_line(b, &len, &too_long);
-        if (!line) { b->eof = 1; break; }
+        char *line = next_line(&b->in, b->max_line, wait, &len, &too_long);
+        b->eof = b->in.eof && !line;
+        if (!line) break;
         long no = ++b->lines;
         Seq *q = &b->pending;
         Buf id = {0};
@@ -4291,14 +4334,20 @@ static void show_progress(Batch *b, int final)
 }
 
 /* Lines in a regular file (for the progress line), -1 for anything else. */
-static long count_lines(FILE *f)
+static long count_lines(int fd)
 {
     struct stat st;
-    if (fstat(fileno(f), &st) || !S_ISREG(st.st_mode)) return -1;
-    long n = 0, size = 0;
-    int c, last = '\n';
-    while ((c = getc(f)) != EOF) { n += c == '\n'; last = c; size++; }
-    rewind(f);
+    off_t at = lseek(fd, 0, SEEK_CUR);
+    if (fstat(fd, &st) || !S_ISREG(st.st_mode) || at < 0) return -1;
+    char buf[READ_CHUNK];
+    long n = 0;
+    ssize_t got;
+    int last = '\n';
+    while ((got = read(fd, buf, sizeof buf)) > 0) {
+        for (ssize_t i = 0; i < got; i++) n += buf[i] == '\n';
+        last = buf[got - 1];
+    }
+    lseek(fd, at, SEEK_SET);
     return n + (last != '\n');
 }
 
@@ -4329,13 +4378,13 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
                .out = {.first = 1}};
-    b.in = strcmp(bo->path, "-") ? fopen(bo->path, "rb") : stdin;
-    if (!b.in) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
+    b.in.fd = strcmp(bo->path, "-") ? open(bo->path, O_RDONLY) : STDIN_FILENO;
+    if (b.in.fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
     struct stat st;
-    if (fstat(fileno(b.in), &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
+    if (fstat(b.in.fd, &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
     char why[ERR_BYTES];
     b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
-    b.total = count_lines(b.in);
+    b.total = count_lines(b.in.fd);
     int kv_mb = bo->kv_mb ? bo->kv_mb : BATCH_KV_MB;
     double fit = (double)kv_mb * 1e6 / (2 * page_bytes(&m->c, s));
     int pages = fit > MAX_POOL_PAGES ? MAX_POOL_PAGES : (int)fit;
@@ -4359,7 +4408,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
             if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
         for (int i = 0; i < b.parallel && !interrupted; i++) {
             if (b.seq[i].state != SEQ_IDLE) continue;
-            read_request(&b);
+            read_request(&b, !b.in_flight); /* block for input only when there is nothing else to do */
             if (!b.pending.line || !admit(&b, &b.seq[i])) break;
         }
         if (!b.in_flight && (b.eof || interrupted)) break;
@@ -4371,7 +4420,8 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     flush_records(&b.out);
     show_progress(&b, 1);
     if (o->verbose) report_batch(&b);
-    if (b.in != stdin) fclose(b.in);
+    if (b.in.fd != STDIN_FILENO) close(b.in.fd);
+    free(b.in.buf);
     free(b.seq); free(b.cand); free(b.itl); free(b.out.rec); free(b.out.ready);
     free_pool(&b.pool);
     return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;

@@ -274,3 +274,22 @@ def test_readme_batch_example_runs_verbatim():
     first = alone(model(), "The capital of France is", 8) + "\n" + alone(model(), "The capital of Japan is", 8) + "\n"
     assert out.startswith(first), (out, first)
     assert re.search(r"^T-1\t(stop|length)\t", out[len(first):], re.M) and re.search(r"^T-2\t", out, re.M), out
+
+
+def test_lines_trickling_in_do_not_stall_the_batch():
+    """A producer that writes a line and waits for its answer (stdin left open) gets it."""
+    import select
+    p = subprocess.Popen([str(RUN), model(), "--batch", "-", "-t", "0", "-n", "8"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        for i, prompt in enumerate(["The capital of France is", "The capital of Japan is"], 1):
+            p.stdin.write(prompt.encode() + b"\n")
+            p.stdin.flush()
+            ready, _, _ = select.select([p.stdout], [], [], 60)
+            assert ready, f"no record for line {i} while stdin stays open"
+            rec = json.loads(p.stdout.readline())
+            assert rec["id"] == i and rec["text"] == alone(model(), prompt, 8), rec
+    finally:
+        p.stdin.close()
+        p.wait(timeout=60)
+    assert p.returncode == 0, p.stderr.read().decode()
