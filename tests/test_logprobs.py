@@ -199,6 +199,20 @@ def test_sampled_logprobs_describe_the_distribution_drawn_from():
           f"of 2-4: {sum(1 < k < 5 for k in lengths)}); {drafted} drafts checked")
 
 
+def test_fewer_alternatives_are_the_head_of_the_list():
+    """--logprobs 2 and 20 with one seed: the same draws (reporting takes nothing from the generator), each list
+    of 2 the first 2 of the list of 20, probabilities <= 1 and summing to at most 1."""
+    args = [model(), "-i", OPEN_PROMPT, "-t", "0.7", "-k", "5", "-s", "11", "-n", "24", "--ignore-eos", "--logprobs"]
+    two, _ = generate(*args, "2")
+    twenty, _ = generate(*args, "20")
+    assert [(r["id"], r["logprob"]) for r in two] == [(r["id"], r["logprob"]) for r in twenty]
+    assert all(a["top"] == b["top"][:2] for a, b in zip(two, twenty)), "a short list is not the head of the long one"
+    assert any(len(r["top"]) > 2 for r in twenty), "every kept set had 2 tokens or fewer: nothing cut"
+    for r in two:
+        probs = [math.exp(t["logprob"]) for t in r["top"]]
+        assert len(probs) <= 2 and all(p <= 1 for p in probs) and sum(probs) <= 1 + 1e-9, r
+
+
 def test_zero_alternatives_give_empty_top_lists():
     recs, _ = generate(model(), "-i", PROMPT, "-t", "0.8", "-s", "7", "-n", "12", "--logprobs", "0")
     assert recs and all(r["top"] == [] for r in recs), recs[:2]
