@@ -3,6 +3,7 @@
    USAGE
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
                  [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
+                 [--logprobs N]
      echo "PROMPT" | ./run MODEL
 
    MODEL is a file written by export.py (format: README.md, "The model file").
@@ -27,11 +28,13 @@
                      exactly as a decode step. All attend over the cached K/V in
                      blocks with a running softmax (flash-attention style).
      4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
-                     with a drafted token that keeps the distribution.
+                     with a drafted token that keeps the distribution; each
+                     draw's log-probabilities on request (--logprobs).
      5. measurement  the roofline probe and the -v statistics.
      6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
-                     -> detokenize, streamed to stdout UTF-8-safely; chat;
-                     perplexity and logits tools.
+                     -> detokenize, streamed to stdout UTF-8-safely (or as
+                     JSON records, --logprobs); chat; perplexity and logits
+                     tools.
      7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
      appendices      the AVX2, AVX-512 (VNNI) and NEON kernel sets, each
                      kernel tested against its scalar definition
@@ -2565,11 +2568,33 @@ static void decode_batch(const Model *m, RunState *s, const int *tokens, const i
    4. SAMPLING
    ========================================================================= */
 
+#define LOGPROBS_MAX 20 /* --logprobs N: alternatives reported per token, at most */
+
+typedef struct {
+    int id;
+    double logprob;
+} TokenProb;
+
+/* What one draw reports for --logprobs: the drawn token's log-probability
+   and the `want` most likely tokens of the distribution it was drawn from,
+   by falling probability (ties by id). That distribution is the one
+   sampled: softmax(logits / T) over the tokens top-k and top-p keep,
+   renormalized; a token they drop, or whose probability is 0 as a float,
+   cannot be drawn and has no entry, so n may be below want. With -t 0 it
+   is the full softmax at temperature 1. */
+typedef struct {
+    int want;        /* alternatives asked for, 0..LOGPROBS_MAX */
+    int n;           /* alternatives reported */
+    double logprob;  /* of the token drawn */
+    TokenProb top[LOGPROBS_MAX];
+} Logprobs;
+
 typedef struct {
     float temperature; /* 0 = greedy */
     float top_p;       /* nucleus: smallest set with probability >= top_p (1 = off) */
     int top_k;         /* keep the k most likely (0 = off) */
     uint64_t rng;      /* xorshift64* state */
+    Logprobs *report;  /* each draw's report goes here (owned by the request); NULL: none */
 } Sampler;
 
 typedef struct {
@@ -2627,7 +2652,8 @@ static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *can
 }
 
 /* One draw from cand[0..keep) weighted by p, leaving out token `skip` (-1:
-   none); total is the sum of the probabilities drawn from. */
+   none); total is the sum of the probabilities drawn from. When rounding
+   leaves r past the sum, the last token of nonzero probability stands. */
 static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int skip)
 {
     float r = random_f32(&sm->rng) * total, acc = 0;
@@ -2635,10 +2661,46 @@ static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int s
     for (int i = 0; i < keep; i++) {
         if (cand[i].id == skip) continue;
         acc += cand[i].p;
-        last = cand[i].id;
+        if (cand[i].p > 0 || last < 0) last = cand[i].id;
         if (r < acc) return last;
     }
     return last;
+}
+
+/* Adds a token to lp's top list if it is among the `want` most likely so
+   far (ties: the one added first stays ahead). */
+static void top_insert(Logprobs *lp, int id, double logprob)
+{
+    if (lp->n == lp->want && (lp->n == 0 || logprob <= lp->top[lp->n - 1].logprob)) return;
+    int k = lp->n < lp->want ? lp->n++ : lp->n - 1; /* the free slot, or the least likely's */
+    for (; k > 0 && lp->top[k - 1].logprob < logprob; k--) lp->top[k] = lp->top[k - 1];
+    lp->top[k] = (TokenProb){id, logprob};
+}
+
+/* The report of a greedy pick: log-softmax of the logits at temperature 1,
+   in double (logit - log-sum-exp). */
+static void report_greedy(Logprobs *lp, const float *logits, int n, int chosen)
+{
+    double max = logits[chosen], sum = 0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - max);
+    double lse = max + log(sum);
+    lp->logprob = logits[chosen] - lse;
+    lp->n = 0;
+    for (int i = 0; i < n; i++) top_insert(lp, i, logits[i] - lse);
+}
+
+/* The report of a draw from cand[0..keep) (sampling_dist's order, the
+   probabilities summing to total). */
+static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float total, int chosen)
+{
+    lp->n = 0;
+    for (int i = 0; i < keep; i++) {
+        int listed = lp->n < lp->want && cand[i].p > 0;
+        if (!listed && cand[i].id != chosen) continue;
+        double logprob = log((double)cand[i].p / total);
+        if (listed) lp->top[lp->n++] = (TokenProb){cand[i].id, logprob};
+        if (cand[i].id == chosen) lp->logprob = logprob;
+    }
 }
 
 static void check_logits(const float *logits, int n)
@@ -2648,13 +2710,22 @@ static void check_logits(const float *logits, int n)
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
 }
 
+static int sample_greedy(Sampler *sm, const float *logits, int n)
+{
+    int id = sample_argmax(logits, n);
+    if (sm->report) report_greedy(sm->report, logits, n, id);
+    return id;
+}
+
 static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
 {
     check_logits(logits, n);
-    if (sm->temperature == 0) return sample_argmax(logits, n);
+    if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
-    return draw(sm, cand, keep, total, -1);
+    int id = draw(sm, cand, keep, total, -1);
+    if (sm->report) report_kept(sm->report, cand, keep, total, id);
+    return id;
 }
 
 /* Samples the token that follows, given a drafted guess d (lookup
@@ -2663,17 +2734,20 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
    renormalized. The result is distributed exactly as sample()'s (for any
    x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
    changes what is generated, only how many forward passes it takes. With
-   -t 0 it is the argmax, which stands for d exactly when it equals it. */
+   -t 0 it is the argmax, which stands for d exactly when it equals it.
+   The report (--logprobs) is p's, as sample() would give it. */
 static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d)
 {
     check_logits(logits, n);
-    if (sm->temperature == 0) return sample_argmax(logits, n);
+    if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
-    int keep = sampling_dist(sm, logits, n, cand, &total), at = -1;
+    int keep = sampling_dist(sm, logits, n, cand, &total), at = -1, id;
     for (int i = 0; i < keep; i++) if (cand[i].id == d) at = i;
-    if (at < 0) return draw(sm, cand, keep, total, -1); /* p(d) = 0: d never stands */
-    if (random_f32(&sm->rng) * total < cand[at].p) return d;
-    return draw(sm, cand, keep, total - cand[at].p, d);
+    if (at < 0) id = draw(sm, cand, keep, total, -1); /* p(d) = 0: d never stands */
+    else if (random_f32(&sm->rng) * total < cand[at].p) id = d;
+    else id = draw(sm, cand, keep, total - cand[at].p, d);
+    if (sm->report) report_kept(sm->report, cand, keep, total, id);
+    return id;
 }
 
 /* ============================================================================
@@ -2845,6 +2919,7 @@ typedef struct {
     int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
+    int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
 } GenOpts;
 
@@ -3127,7 +3202,7 @@ static void json_put_escape(Buf *b, unsigned char c)
    becomes U+FFFD, one per maximal subpart as Unicode recommends (what
    Python's decode(errors="replace") gives). The output is valid JSON and
    valid UTF-8 whatever s holds. */
-static MAYBE_UNUSED void json_put_string(Buf *b, const char *s, size_t n)
+static void json_put_string(Buf *b, const char *s, size_t n)
 {
     const unsigned char *p = (const unsigned char *)s;
     buf_put(b, "\"", 1);
@@ -3146,7 +3221,7 @@ static MAYBE_UNUSED void json_put_string(Buf *b, const char *s, size_t n)
 
 /* A finite double as a JSON number that reads back as the same double:
    integers below 2^53 as plain digits, anything else with %.17g. */
-static MAYBE_UNUSED void json_put_number(Buf *b, double x)
+static void json_put_number(Buf *b, double x)
 {
     if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
     else buf_printf(b, "%.17g", x);
@@ -3492,6 +3567,51 @@ static MAYBE_UNUSED const Json *json_get(const Json *obj, const char *key)
     return NULL;
 }
 
+/* ----- log-probabilities ----------------------------------------------------
+   --logprobs N: instead of text, one JSON record per generated token, the
+   token and the N most likely of the distribution it was drawn from (the
+   sampler's report, section 4). A record is formatted into a Buf, so that
+   the caller decides where it goes (stdout here, a batch record's array). */
+
+/* "id":ID,"text":"...","logprob":X: a token's bytes as the tokenizer gives
+   them (a control token's text too; part of a character becomes U+FFFD). */
+static void token_fields(Buf *b, const Model *m, int id, double logprob)
+{
+    size_t len;
+    const char *piece = tok_piece(m->tok, id, &len);
+    buf_printf(b, "\"id\":%d,\"text\":", id);
+    json_put_string(b, piece ? piece : "", piece ? len : 0);
+    buf_printf(b, ",\"logprob\":");
+    json_put_number(b, logprob);
+}
+
+/* {"id":ID,"text":"...","logprob":X,"top":[{"id","text","logprob"}, ...]} */
+static void logprobs_record(Buf *b, const Model *m, int token, const Logprobs *lp)
+{
+    buf_put(b, "{", 1);
+    token_fields(b, m, token, lp->logprob);
+    buf_printf(b, ",\"top\":[");
+    for (int i = 0; i < lp->n; i++) {
+        buf_put(b, i ? ",{" : "{", i ? 2 : 1);
+        token_fields(b, m, lp->top[i].id, lp->top[i].logprob);
+        buf_put(b, "}", 1);
+    }
+    buf_put(b, "]}", 2);
+}
+
+static void check_stdout(void);
+
+/* A record as one line of stdout. */
+static void put_logprobs_line(const Model *m, int token, const Logprobs *lp)
+{
+    Buf b = {0};
+    logprobs_record(&b, m, token, lp);
+    buf_put(&b, "\n", 1);
+    fwrite(b.p, 1, b.len, stdout);
+    free(b.p);
+    check_stdout();
+}
+
 /* ----- streaming --------------------------------------------------------------- */
 
 /* Streams token texts to stdout so that a UTF-8 character split across
@@ -3605,13 +3725,19 @@ static void lookup_adapt(Lookup *lk, int kept, int k)
 
 /* Takes the sampled token: an end token stops (never printed, never fed
    back); otherwise it is streamed and counted, and the limits are checked
-   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
-static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
+   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on.
+   With lp (--logprobs: the draw's report) the token's record is printed
+   instead of its text, the stopping end token's too: the records then
+   cover every token the model chose, and their log-probabilities add up
+   to the likelihood of the whole answer, its end included. */
+static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len,
+                      const Logprobs *lp)
 {
+    if (lp) put_logprobs_line(m, token, lp);
     if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
-    if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
+    if (piece && !lp && !tok_is_control(m->tok, token)) emit(u, piece, len);
     if (++st->n_gen >= n_predict) return STOP_LIMIT;
     if (pos >= seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
@@ -3645,7 +3771,7 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
         next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
         if (i == k || next != batch[i + 1]) break;
         kept++;
-        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
+        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
         push(conv, next);
     }
     st->accepted += kept;
@@ -3659,11 +3785,14 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
    model is appended to conv, so conv->n == *pos on return. Returns why it
    stopped and, in *last, the last token sampled (not fed; -1 when
-   n_predict is 0: then nothing is sampled or printed). */
+   n_predict is 0: then nothing is sampled or printed). With --logprobs
+   the request's draws report into lp while it runs. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
+    Logprobs lp = {.want = o->logprobs};
+    sm->report = o->logprobs >= 0 ? &lp : NULL;
     Utf8Stream u = {{0}, 0};
     Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
     int n = conv->n - *pos, why = STOP_LIMIT;
@@ -3681,7 +3810,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     st->prefill_ms = t_prev - t0;
     *last = token;
     while (n_predict > 0) {
-        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
+        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
         int before = st->n_gen, stop = -1;
         token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
         *last = token;
@@ -3693,6 +3822,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         if (stop >= 0) { why = stop; break; }
     }
     emit_flush(&u);
+    sm->report = NULL;
     free(cand);
     return why;
 }
@@ -4558,6 +4688,14 @@ static void usage(FILE *f)
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
+        "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
+        "                 {\"id\", \"text\", \"logprob\", \"top\": [{\"id\", \"text\", \"logprob\"},\n"
+        "                 ...]}, top the N (0-20) most likely tokens. Log-probabilities\n"
+        "                 (natural log) of the distribution sampled from: after -t, -k\n"
+        "                 and -p (tokens they drop have no entry); with -t 0 the full\n"
+        "                 softmax at temperature 1. The end-of-turn token that stops\n"
+        "                 generation gets a record too. Chat: an empty line after each\n"
+        "                 answer's records\n"
         "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
@@ -4696,10 +4834,11 @@ static int kernel_set_named(const char *v)
 static void parse_args(Args *a, int argc, char **argv)
 {
     *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
-                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT}};
+                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT, .logprobs = -1}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
-                                       "--batch", "--parallel", "--kv-mem", NULL};
+                                       "--batch", "--parallel", "--kv-mem",
+                                       "--logprobs", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -4723,6 +4862,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-m")) a->mode = v;
         else if (!strcmp(f, "-y")) a->gen.system = v;
         else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
+        else if (!strcmp(f, "--logprobs")) a->gen.logprobs = parse_long(f, v, 0, LOGPROBS_MAX);
         else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
         else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
         else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
@@ -4771,6 +4911,9 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->batch.path && a->tokenize, "--batch", "--tokenize"},
         {a->batch.parallel && !a->batch.path, "--parallel", "no --batch"},
         {a->batch.kv_mb && !a->batch.path, "--kv-mem", "no --batch"},
+        {a->gen.logprobs >= 0 && a->ppl, "--logprobs", "--ppl"},
+        {a->gen.logprobs >= 0 && a->dump_logits, "--logprobs", "--dump-logits"},
+        {a->gen.logprobs >= 0 && a->tokenize, "--logprobs", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -4976,7 +5119,7 @@ int main(int argc, char **argv)
     }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
-    Sampler sm = {a.temperature, a.top_p, a.top_k, 0};
+    Sampler sm = {a.temperature, a.top_p, a.top_k, 0, NULL};
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);

@@ -18,7 +18,7 @@ from common import DEFAULT_GGUF, DEFAULT_MODEL, ROOT, RUN, SCRATCH, gguf_metadat
 
 # Every flag the issue and the project brief define; -h must document each one.
 VALUE_FLAGS = ["-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx", "--kv",
-               "--ids", "--dump-logits", "--ppl"]
+               "--ids", "--dump-logits", "--ppl", "--logprobs"]
 SWITCHES = ["-c", "-v", "--special", "--tokenize", "--no-batch", "--scalar", "--print-prompt-ids",
             "-h", "--help", "--version"]
 # Flags that have a default; -h must state it.

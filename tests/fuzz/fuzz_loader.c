@@ -99,7 +99,7 @@ static void run_model(const Model *m, uint32_t variant)
     int vocab = m->c.vocab_size;
     cand = xmalloc((size_t)vocab * sizeof *cand);
     prefill(m, &s, prompt.ids, prompt.n, 0, 0);
-    Sampler greedy = {0, 1, 0, 1}, topp = {0.8f, 0.9f, 40, 88172645463325252ull};
+    Sampler greedy = {0, 1, 0, 1, NULL}, topp = {0.8f, 0.9f, 40, 88172645463325252ull, NULL};
     int tok = sample(&greedy, s.logits, vocab, cand);
     if (tok < 0 || tok >= vocab) abort();
     if (prompt.n < seq_len) {
