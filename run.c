@@ -4012,6 +4012,8 @@ typedef struct {
     int capped;        /* n_predict was cut to what the context or the pool holds */
     int token, n_gen;  /* the token sampled and not yet fed; tokens generated */
     Sampler sm;
+    Logprobs lp;       /* the last draw's log-probabilities, with lp.want >= 0 ("logprobs") */
+    Buf logprobs;      /* the records of every token drawn, comma-separated */
     PageTable pt;
     Buf text;
     double t_admit, t_first, t_prev;
@@ -4149,9 +4151,11 @@ static void record_answer(Batch *b, const Seq *q, int finish, double now)
     Buf *r = record_slot(&b->out, q->line);
     buf_printf(r, "{\"id\": %s, \"text\": ", q->id.p);
     json_put_string(r, q->text.p ? q->text.p : "", q->text.len);
-    buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f}\n",
+    buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f",
                q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == FIN_STOP ? q->t_first - q->t_admit : 0.0,
                now - q->t_admit);
+    if (q->lp.want >= 0) buf_printf(r, ", \"logprobs\": [%s]", q->logprobs.p ? q->logprobs.p : "");
+    buf_put(r, "}\n", 2);
     b->done++;
 }
 
@@ -4246,11 +4250,14 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
         } else if (!strcmp(k, "chat")) {
             if (x->kind != JSON_BOOL) return "\"chat\" must be true or false";
             *chat = x->boolean;
+        } else if (!strcmp(k, "logprobs")) {
+            if (json_int(x, 0, LOGPROBS_MAX, &n)) { snprintf(why, why_len, "\"logprobs\" must be an integer in [0, %d]", LOGPROBS_MAX); return why; }
+            q->lp.want = (int)n;
         } else if (!strcmp(k, "system")) {
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, logprobs)", k);
             return why;
         }
     }
@@ -4274,7 +4281,7 @@ static void read_request(Batch *b, int wait)
         Seq *q = &b->pending;
         Buf id = {0};
         buf_printf(&id, "%ld", no);
-        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults};
+        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs}};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
         int chat = b->chat;
@@ -4366,6 +4373,7 @@ static int admit(Batch *b, Seq *slot)
     slot->order = b->admitted++;
     /* each line its own stream of random numbers, from -s and the line number */
     slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
+    slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
     slot->t_admit = now_ms();
     b->in_flight++;
     return 1;
@@ -4379,6 +4387,7 @@ static void finish_seq(Batch *b, Seq *q, int finish)
     free(q->pt.page);
     free(q->toks.ids);
     free(q->text.p);
+    free(q->logprobs.p);
     free(q->id.p);
     *q = (Seq){.state = SEQ_IDLE};
     b->in_flight--;
@@ -4398,6 +4407,10 @@ static void seq_take(Batch *b, Seq *q, int token)
     }
     q->t_prev = now;
     q->token = token;
+    if (q->sm.report) { /* every token drawn, the end token included, as in the single-request mode */
+        if (q->logprobs.len) buf_put(&q->logprobs, ", ", 2);
+        logprobs_record(&q->logprobs, b->m, token, &q->lp);
+    }
     if (tok_is_eog(b->m->tok, token) && !b->o->ignore_eos) { finish_seq(b, q, FIN_STOP); return; }
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);

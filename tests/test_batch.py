@@ -175,6 +175,7 @@ BAD_LINES = [
     ('{"prompt": "x", "chat": 1}', '"chat" must be true or false'),
     ('{"prompt": "x", "system": null}', '"system" must be a string'),
     ('{"prompt": "x", "id": [1]}', '"id" must be'),
+    ('{"prompt": "x", "logprobs": 21}', '"logprobs" must be an integer in [0, 20]'),
     ('{"prompt": "x"} {"prompt": "y"}', "not valid JSON"),
     ("[1, 2]", None),  # not starting with "{": a plain-text prompt
     ('{"prompt": "' + "many words " * 40 + '"}', "the prompt has"),
@@ -293,3 +294,18 @@ def test_lines_trickling_in_do_not_stall_the_batch():
         p.stdin.close()
         p.wait(timeout=60)
     assert p.returncode == 0, p.stderr.read().decode()
+
+
+def test_logprobs_field_matches_the_single_request_records():
+    reqs = [{"prompt": "What is 2+2?", "chat": True, "n": 6, "logprobs": 3}, {"prompt": "Hi", "n": 4},
+            {"prompt": "The capital of France is", "n": 5, "logprobs": 0}]
+    code, recs, err = batch(write_lines("logprobs.jsonl", reqs), "-t", "0")
+    assert code == 0, err
+    assert "logprobs" not in recs[1], recs[1]
+    for rec, req in zip((recs[0], recs[2]), (reqs[0], reqs[2])):
+        args = [model(), "-t", "0", "-n", req["n"], "-i", req["prompt"], "--logprobs", req["logprobs"]]
+        single = [json.loads(x) for x in run(args + (["-c"] if req.get("chat") else [])).stdout.decode().splitlines()]
+        assert rec["logprobs"] == single, (rec["logprobs"], single)
+        assert len(rec["logprobs"][0]["top"]) == req["logprobs"]
+    code, recs, err = batch(write_lines("logprobs-default.txt", ["Hello"]), "-t", "0", "-n", "2", "--logprobs", "1")
+    assert code == 0 and len(recs[0]["logprobs"]) == 2 and len(recs[0]["logprobs"][0]["top"]) == 1, recs
