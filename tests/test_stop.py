@@ -14,6 +14,7 @@ import functools
 import os
 import re
 import select
+import shlex
 import subprocess
 import sys
 import time
@@ -298,3 +299,31 @@ def test_stop_with_modes_that_generate_nothing():
     expect_error([m, "--ppl", m, "--stop", "x"], 2, "--ppl", "--stop")
     expect_error([m, "-i", "hi", "--tokenize", "--stop", "x"], 2, "--tokenize", "--stop")
     expect_error([m, "-i", "hi", "--dump-logits", str(SCRATCH / "never-written"), "--stop", "x"], 2, "--dump-logits", "--stop")
+
+
+# ----- README ---------------------------------------------------------------------------------------
+
+def unescape(arg: str) -> bytes:
+    """A --stop argument as the README documents it: \\n, \\t and \\\\ are a newline, a tab, a backslash."""
+    return re.sub(rb"\\(.)", lambda m: {b"n": b"\n", b"t": b"\t", b"\\": b"\\"}[m.group(1)], os.fsencode(arg))
+
+
+def test_readme_stop_examples():
+    """Each `./run ... --stop ...` command of the README's "Structured output" section runs verbatim
+    from the repository's directory and prints what the same command without its --stop flags
+    prints, cut in Python before the first stop string."""
+    from test_cli import readme_commands
+    from common import ROOT
+    commands = [c for c in readme_commands(ROOT / "README.md", ("Structured output",)).get("Structured output", [])
+                if "--stop" in c and not re.search(r"[|;&<>`$]", c.split("#")[0])]
+    assert len(commands) >= 2, f"the README's Structured output section shows no --stop commands: {commands}"
+    for cmd in commands:
+        argv = shlex.split(cmd, comments=True)
+        assert argv[0] == "./run", cmd
+        stops = [unescape(v) for f, v in zip(argv, argv[1:]) if f == "--stop"]
+        plain = [a for i, a in enumerate(argv) if a != "--stop" and (i == 0 or argv[i - 1] != "--stop")]
+        got = subprocess.run([str(RUN), *argv[1:]], cwd=ROOT, capture_output=True, timeout=300)
+        full = subprocess.run([str(RUN), *plain[1:]], cwd=ROOT, capture_output=True, timeout=300)
+        assert got.returncode == 0 and full.returncode == 0 and got.stderr == b"", f"`{cmd}`: {got.stderr[-500:]!r}"
+        assert expected_cut(full.stdout, stops) != full.stdout, f"`{cmd}`: its stop strings do not occur: {full.stdout!r}"
+        assert got.stdout == expected_cut(full.stdout, stops), f"`{cmd}` printed {got.stdout!r}"
