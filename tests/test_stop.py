@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import re
 import select
 import shlex
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RUN, SCRATCH, model, run  # noqa: E402
-from test_bad_inputs import expect_error  # noqa: E402
+from test_bad_inputs import expect_error, tiny_model  # noqa: E402
 
 LOOKUPS = ("0", "8")
 FRANCE = ["-i", "The capital of France is"]  # greedy: " Paris.\n\nThe United States has ..." repeated
@@ -205,6 +206,32 @@ def test_lookup_drafts_do_not_run_past_a_stop():
     p = run([model(), "-t", "0", "-v", *args])
     m = re.search(rb"lookup: (\d+) drafted, (\d+) accepted", p.stderr)
     assert m and int(m.group(2)) >= 20, f"lookup accepted too few drafts to test this: {p.stderr[-500:]!r}"
+
+
+def test_random_stop_strings_on_random_text():
+    """A tiny random-weight model (test_bad_inputs.tiny_model, byte-level vocabulary) writes random
+    bytes: invalid UTF-8, broken characters, runs of one token. Stop strings are random pieces of
+    that text (1-3 of them, 1-6 bytes, often overlapping, sometimes a piece and its own suffix or
+    prefix); sampled text (-s SEED, --lookup 0) and greedy text (lookup off and on) are cut where
+    Python cuts them."""
+    tiny = tiny_model()
+    cases = [(["-t", "1", "-s", str(seed)], seed) for seed in range(40)] + [(["-t", "0"], seed) for seed in range(40, 55)]
+    for flags, seed in cases:
+        rng = random.Random(seed)
+        base = [tiny, "-i", "hi", "-n", "60", *flags]
+        full = run([*base, "--lookup", "0"]).stdout
+        stops: list[bytes] = []
+        count = rng.randint(1, 3)
+        while len(stops) < count:
+            start = rng.randrange(len(full))
+            piece = full[start:start + rng.randint(1, 6)]
+            pieces = rng.choice([[piece], [piece], [piece[1:]], [piece[:-1]], [piece[1:], piece]])  # the last: same end
+            stops += [p for p in pieces if p and b"\0" not in p]
+        want = expected_cut(full, stops)
+        for lookup in LOOKUPS if flags[1] == "0" else ("0",):
+            p = run([*base, "--lookup", lookup, *[f for st in stops for f in ("--stop", stop_arg(st))]])
+            assert p.returncode == 0 and p.stdout == want, \
+                f"{flags} --lookup {lookup}, stops {stops}: exit {p.returncode}\n got  {p.stdout!r}\n want {want!r}\n full {full!r}"
 
 
 # ----- modes --------------------------------------------------------------------------------------
