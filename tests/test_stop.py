@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RUN, SCRATCH, model, run  # noqa: E402
+from common import MODELS, RUN, SCRATCH, model, require, run  # noqa: E402
 from test_bad_inputs import expect_error, tiny_model  # noqa: E402
 
 LOOKUPS = ("0", "8")
@@ -232,6 +232,21 @@ def test_random_stop_strings_on_random_text():
             p = run([*base, "--lookup", lookup, *[f for st in stops for f in ("--stop", stop_arg(st))]])
             assert p.returncode == 0 and p.stdout == want, \
                 f"{flags} --lookup {lookup}, stops {stops}: exit {p.returncode}\n got  {p.stdout!r}\n want {want!r}\n full {full!r}"
+
+
+def test_gemma_vocabulary():
+    """Gemma 3 (SentencePiece, 262k tokens): a stop string ending inside an accented word, and one
+    spanning a sentence boundary, in French text."""
+    gemma = require(MODELS / "gemma3-270m.bin", "run `make model-gemma`")
+    base = [gemma, "-t", "0", "-n", "30", "-i", "Paris est la capitale de la France. Elle est célèbre pour"]
+    full = run(base).stdout
+    accented = next((i for i, c in enumerate(full) if c >= 0xC0), None)
+    assert accented is not None and b". " in full, f"no accented letter or sentence end in {full!r}"
+    for stops in ([full[accented - 2:accented + 2]], [full[full.find(b". "):full.find(b". ") + 4]]):
+        for lookup in LOOKUPS:
+            p = run([*base, "--lookup", lookup, *[f for st in stops for f in ("--stop", stop_arg(st))]])
+            assert p.returncode == 0 and p.stdout == expected_cut(full, stops) != full, \
+                f"--lookup {lookup}, stops {stops}: {p.stdout!r}, want {expected_cut(full, stops)!r}"
 
 
 # ----- modes --------------------------------------------------------------------------------------
