@@ -1,7 +1,7 @@
 """Stop strings (./run --stop STR, run.c "stop strings"): the answer ends just before the first
 occurrence of any stop string in the generated text, which is never printed.
 
-Expected values come from outside the code under test: the engine runs greedily (-t 0, fixed -n)
+Expected values come from outside the code under test: the engine runs (greedy -t 0, or seeded, fixed -n)
 WITHOUT --stop to give the full text, the stop strings are chosen from that text here, and the
 expected output is the full text cut in Python (`expected_cut`: the occurrence that ends first;
 of several ending at the same byte, the longest). Token boundaries come from the lengths of the
