@@ -2912,6 +2912,16 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
    6. GENERATION
    ========================================================================= */
 
+/* --stop strings (matched in the "stop strings" subsection below). */
+#define STOP_MAX 16        /* --stop strings per request */
+#define STOP_MAX_BYTES 256 /* bytes per stop string: the matcher's work per byte grows with its square */
+
+typedef struct {
+    char text[STOP_MAX][STOP_MAX_BYTES]; /* unescaped, not NUL-terminated */
+    int len[STOP_MAX];                   /* each >= 1 */
+    int n;
+} Stops;
+
 /* What the generation loop takes from the command line. */
 typedef struct {
     int n_predict;      /* -n: tokens to generate at most */
@@ -2921,10 +2931,11 @@ typedef struct {
     int verbose;        /* -v: statistics per request */
     int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
+    Stops stops;        /* --stop: the answer ends before the first of these */
 } GenOpts;
 
 /* Why an answer ended (generate's result). */
-enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING };
 
 /* Set by SIGINT in chat mode: ends the current answer. */
 static volatile sig_atomic_t interrupted, answering;
@@ -3079,10 +3090,14 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
 }
 
 /* After an answer: the last sampled token, if it was text, goes into the
-   conversation, then the turn is closed (<|im_end|>\n). */
+   conversation, then the turn is closed (<|im_end|>\n). After a stop
+   string the token whose text completed it is left out: the conversation
+   continues from the tokens fed so far, which may hold the stop string's
+   beginning (when it spans tokens) though it was not printed, and lack
+   the printed text that shared the last token with it. */
 static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
 {
-    if (why != STOP_END && last >= 0) push(conv, last);
+    if (why != STOP_END && why != STOP_STRING && last >= 0) push(conv, last);
     chat_turn_close(ch, m, conv);
 }
 
@@ -3612,11 +3627,69 @@ static void put_logprobs_line(const Model *m, int token, const Logprobs *lp)
     check_stdout();
 }
 
+/* ----- stop strings -------------------------------------------------------------
+   --stop STR ends an answer just before the first occurrence of STR in the
+   generated text (the bytes of the token pieces as they stream; control
+   tokens are not text), and STR is never printed. The text is matched one
+   byte at a time: the bytes that could still begin a stop string, i.e. the
+   longest suffix of the text so far that is a proper prefix of one, are
+   held back, and released as soon as a further byte shows they cannot. So
+   "Question" streams at once with --stop "\n\n", and a held "\n" waits for
+   one more byte only. An occurrence is found where it ends: the first to
+   end wins, so the matcher never waits for a longer candidate (stops "bc"
+   and "abcd" on "abcd" leave "a"); of several ending at the same byte the
+   longest wins, as it starts first (stops "b" and "ab" on "ab" leave ""). */
+
+/* One request's matcher state. */
+typedef struct {
+    const Stops *stops;
+    char held[STOP_MAX_BYTES]; /* the text's longest suffix that is a proper prefix of a stop string */
+    int n_held;
+    int hit; /* 1 + the index of the stop string found; 0 while none */
+} StopMatch;
+
+/* Whether p[0..n) is a proper prefix of some stop string. */
+static int stop_prefix(const Stops *st, const char *p, int n)
+{
+    for (int k = 0; k < st->n; k++)
+        if (st->len[k] > n && !memcmp(st->text[k], p, n)) return 1;
+    return 0;
+}
+
+/* Appends byte c to the text and copies into out (STOP_MAX_BYTES) the bytes
+   it settles, returning their count: with no match, the held bytes that
+   can no longer begin a stop string; with a match, the held bytes before
+   it (m->hit is set; the match is dropped). Any occurrence ending at c
+   starts inside held + c, since its part before c is a suffix of the text
+   that is a proper prefix of a stop string, and held is the longest such. */
+static int stop_step(StopMatch *m, char c, char *out)
+{
+    const Stops *st = m->stops;
+    int best = -1, n;
+    m->held[m->n_held++] = c;
+    for (int k = 0; k < st->n; k++)
+        if (st->len[k] <= m->n_held && !memcmp(m->held + m->n_held - st->len[k], st->text[k], st->len[k]) &&
+            (best < 0 || st->len[k] > st->len[best]))
+            best = k;
+    if (best >= 0) {
+        m->hit = best + 1;
+        n = m->n_held - st->len[best];
+        memcpy(out, m->held, n);
+        m->n_held = 0;
+        return n;
+    }
+    for (n = 0; n < m->n_held && !stop_prefix(st, m->held + n, m->n_held - n); n++) {}
+    memcpy(out, m->held, n);
+    memmove(m->held, m->held + n, m->n_held - n);
+    m->n_held -= n;
+    return n;
+}
+
 /* ----- streaming --------------------------------------------------------------- */
 
-/* Streams token texts to stdout so that a UTF-8 character split across
-   tokens is written whole: bytes of an unfinished character wait for the
-   next token (or for the end of the answer). */
+/* Token texts are written so that a UTF-8 character split across tokens
+   is written whole: bytes of an unfinished character wait for the next
+   token (or for the end of the answer). */
 typedef struct {
     char buf[4];
     int len;
@@ -3646,23 +3719,62 @@ static void close_stdout(void)
     if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
 }
 
-static void emit(Utf8Stream *u, const char *p, size_t n)
+/* Where an answer's text goes: through the stop matcher (a stop string and
+   what follows are cut), then the UTF-8 holdback (a character is written
+   whole), into the sink: stdout, or a memory buffer. The request owns it. */
+typedef struct {
+    FILE *f;  /* the sink: stdout (its failures end the run, see check_stdout) ... */
+    Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: the text is only matched) */
+    Utf8Stream u;
+    StopMatch stop;
+} TextOut;
+
+static void text_open(TextOut *o, FILE *f, Buf *buf, const Stops *stops)
 {
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = p[i];
-        if (u->len && (ch & 0xc0) != 0x80) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; } /* broken sequence */
-        if (!u->len && utf8_len(ch) == 1) { fputc(ch, stdout); continue; }
-        u->buf[u->len++] = ch;
-        if (u->len == utf8_len((unsigned char)u->buf[0])) { fwrite(u->buf, 1, u->len, stdout); u->len = 0; }
-    }
-    if (!u->len) check_stdout();
+    *o = (TextOut){.f = f, .buf = buf, .stop = {.stops = stops}};
 }
 
-static void emit_flush(Utf8Stream *u)
+static void sink_put(TextOut *o, const char *p, size_t n)
 {
-    fwrite(u->buf, 1, u->len, stdout);
-    u->len = 0;
-    check_stdout();
+    if (o->f) fwrite(p, 1, n, o->f);
+    else if (o->buf) buf_put(o->buf, p, n);
+}
+
+/* Bytes released by the stop matcher, written a whole character at a time. */
+static void text_release(TextOut *o, const char *p, size_t n)
+{
+    Utf8Stream *u = &o->u;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = p[i];
+        if (u->len && (ch & 0xc0) != 0x80) { sink_put(o, u->buf, u->len); u->len = 0; } /* broken sequence */
+        if (!u->len && utf8_len(ch) == 1) { sink_put(o, p + i, 1); continue; }
+        u->buf[u->len++] = ch;
+        if (u->len == utf8_len((unsigned char)u->buf[0])) { sink_put(o, u->buf, u->len); u->len = 0; }
+    }
+}
+
+/* Takes a token's text; returns 1 once a stop string has ended the answer
+   (later text is ignored). stdout is flushed when no character is pending. */
+static int text_put(TextOut *o, const char *p, size_t n)
+{
+    char out[STOP_MAX_BYTES];
+    for (size_t i = 0; i < n && !o->stop.hit; i++) {
+        int settled = stop_step(&o->stop, p[i], out);
+        text_release(o, out, settled);
+    }
+    if (o->f && !o->u.len) check_stdout();
+    return o->stop.hit != 0;
+}
+
+/* At the end of the answer: held bytes that began no stop string, and an
+   unfinished character, are written as they are. */
+static void text_end(TextOut *o)
+{
+    if (!o->stop.hit) text_release(o, o->stop.held, o->stop.n_held);
+    o->stop.n_held = 0;
+    sink_put(o, o->u.buf, o->u.len);
+    o->u.len = 0;
+    if (o->f) check_stdout();
 }
 
 /* ----- lookup decoding --------------------------------------------------------
@@ -3725,20 +3837,23 @@ static void lookup_adapt(Lookup *lk, int kept, int k)
 
 /* Takes the sampled token: an end token stops (never printed, never fed
    back); otherwise it is streamed and counted, and the limits are checked
-   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on.
-   With lp (--logprobs: the draw's report) the token's record is printed
-   instead of its text, the stopping end token's too: the records then
-   cover every token the model chose, and their log-probabilities add up
-   to the likelihood of the whole answer, its end included. */
-static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len,
+   (a stop string in its text, -n, the context at position pos, Ctrl-C).
+   Returns STOP_* or -1 to go on. With lp (--logprobs: the draw's report)
+   the token's record is printed instead of its text (which still goes
+   through out's stop matcher), the stopping end token's too: the records
+   then cover every token the model chose, and their log-probabilities add
+   up to the likelihood of the whole answer, its end included. */
+static int take_token(const Model *m, const GenOpts *o, TextOut *out, Stats *st, int token, int n_predict, int pos, int seq_len,
                       const Logprobs *lp)
 {
     if (lp) put_logprobs_line(m, token, lp);
     if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
-    if (piece && !lp && !tok_is_control(m->tok, token)) emit(u, piece, len);
-    if (++st->n_gen >= n_predict) return STOP_LIMIT;
+    int stopped = piece && !tok_is_control(m->tok, token) && text_put(out, piece, len);
+    st->n_gen++;
+    if (stopped) return STOP_STRING;
+    if (st->n_gen >= n_predict) return STOP_LIMIT;
     if (pos >= seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
     return -1;
@@ -3750,7 +3865,7 @@ static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st
    stop generation: then *why is set). conv receives every token fed, so
    conv->n == *pos after the step. */
 static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Lookup *lk, Candidate *cand, Tokens *conv,
-                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
+                       int *pos, int n_predict, TextOut *out, Stats *st, int token, int *why)
 {
     int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
     push(conv, token);
@@ -3771,7 +3886,7 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
         next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
         if (i == k || next != batch[i + 1]) break;
         kept++;
-        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
+        if ((*why = take_token(m, o, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
         push(conv, next);
     }
     st->accepted += kept;
@@ -3781,19 +3896,19 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
 }
 
 /* Prefills the tokens of conv not yet cached (from *pos), then samples,
-   streams and decodes until an end token (never printed, never fed back),
-   n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
-   model is appended to conv, so conv->n == *pos on return. Returns why it
-   stopped and, in *last, the last token sampled (not fed; -1 when
-   n_predict is 0: then nothing is sampled or printed). With --logprobs
-   the request's draws report into lp while it runs. */
+   streams into out and decodes until an end token (never printed, never
+   fed back), a stop string, n_predict tokens, the end of the context or
+   Ctrl-C. Every token fed to the model is appended to conv, so conv->n ==
+   *pos on return. Returns why it stopped and, in *last, the last token
+   sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
+   printed). With --logprobs the request's draws report into lp while it
+   runs. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
-                    Stats *st, int *last)
+                    TextOut *out, Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Logprobs lp = {.want = o->logprobs};
     sm->report = o->logprobs >= 0 ? &lp : NULL;
-    Utf8Stream u = {{0}, 0};
     Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
@@ -3810,9 +3925,9 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     st->prefill_ms = t_prev - t0;
     *last = token;
     while (n_predict > 0) {
-        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
+        if ((why = take_token(m, o, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
         int before = st->n_gen, stop = -1;
-        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
+        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
         *last = token;
         /* the pass yielded the drafts taken and the new token: they share its time */
         double t = now_ms();
@@ -3821,8 +3936,9 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         t_prev = t;
         if (stop >= 0) { why = stop; break; }
     }
-    emit_flush(&u);
+    text_end(out);
     sm->report = NULL;
+    if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", out->stop.hit);
     free(cand);
     return why;
 }
@@ -3942,7 +4058,9 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
         int last;
         interrupted = 0;
         answering = 1;
-        int why = generate(m, s, sm, o, &conv, &pos, o->n_predict, &st, &last);
+        TextOut out;
+        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
+        int why = generate(m, s, sm, o, &conv, &pos, o->n_predict, &out, &st, &last);
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
@@ -4699,6 +4817,11 @@ static void usage(FILE *f)
         "  -c             wrap the prompt in the model's chat template (one user turn)\n"
         "  -m MODE        generate (default) or chat\n"
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
+        "  --stop STR     end the text (each chat answer) just before the first\n"
+        "                 occurrence of STR, which is not printed; repeatable, up to\n"
+        "                 %d strings of at most %d bytes; escapes \\n, \\t, \\\\ (any\n"
+        "                 other backslash is an error). Text that could begin a stop\n"
+        "                 string is held back until it cannot\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
         "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
@@ -4771,7 +4894,7 @@ static void usage(FILE *f)
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
         "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
         "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
-        "130 interrupted at the chat prompt or in batch mode.\n");
+        "130 interrupted at the chat prompt or in batch mode.\n", STOP_MAX, STOP_MAX_BYTES);
 }
 
 /* Flag values are plain decimal numbers: strtol and strtod would also take
@@ -4844,6 +4967,32 @@ static int kernel_set_named(const char *v)
     usage_error("--kernels %s is not a kernel set this build runs on this CPU (available: %s)", v, names);
 }
 
+/* --stop STR: STR with the escapes \n, \t and \\ decoded, as one more stop
+   string. Any other backslash (a lone one at the end too), an empty string,
+   one longer than STOP_MAX_BYTES or more than STOP_MAX of them is a usage
+   error naming it. */
+static void parse_stop(Stops *st, const char *v)
+{
+    if (st->n == STOP_MAX) die(EXIT_USAGE, "--stop given more than %d times (at most %d stop strings)", STOP_MAX, STOP_MAX);
+    if (!*v) die(EXIT_USAGE, "--stop expects a non-empty string (an empty one matches before any text)");
+    char *out = st->text[st->n];
+    int n = 0;
+    for (const char *p = v; *p; p++) {
+        char c = *p;
+        if (c == '\\') {
+            c = p[1] == 'n' ? '\n' : p[1] == 't' ? '\t' : p[1] == '\\' ? '\\' : 0;
+            if (!p[1]) die(EXIT_USAGE, "--stop '%s' ends in a lone backslash (write \\\\ for a backslash)", v);
+            if (!c) /* the escape named whole, even when a multi-byte character follows the backslash */
+                die(EXIT_USAGE, "--stop '%s': unknown escape '\\%.*s' (known: \\n, \\t, \\\\)", v,
+                    (int)strnlen(p + 1, utf8_len((unsigned char)p[1])), p + 1);
+            p++;
+        }
+        if (n == STOP_MAX_BYTES) die(EXIT_USAGE, "--stop: a stop string is at most %d bytes, '%.40s...' is longer", STOP_MAX_BYTES, v);
+        out[n++] = c;
+    }
+    st->len[st->n++] = n;
+}
+
 static void parse_args(Args *a, int argc, char **argv)
 {
     *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
@@ -4851,7 +5000,7 @@ static void parse_args(Args *a, int argc, char **argv)
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
                                        "--batch", "--parallel", "--kv-mem",
-                                       "--logprobs", NULL};
+                                       "--logprobs", "--stop", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -4874,6 +5023,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
         else if (!strcmp(f, "-m")) a->mode = v;
         else if (!strcmp(f, "-y")) a->gen.system = v;
+        else if (!strcmp(f, "--stop")) parse_stop(&a->gen.stops, v);
         else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
         else if (!strcmp(f, "--logprobs")) a->gen.logprobs = parse_long(f, v, 0, LOGPROBS_MAX);
         else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
@@ -4927,6 +5077,9 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->gen.logprobs >= 0 && a->ppl, "--logprobs", "--ppl"},
         {a->gen.logprobs >= 0 && a->dump_logits, "--logprobs", "--dump-logits"},
         {a->gen.logprobs >= 0 && a->tokenize, "--logprobs", "--tokenize"},
+        {a->gen.stops.n && a->ppl, "--ppl", "--stop"},
+        {a->gen.stops.n && a->tokenize, "--tokenize", "--stop"},
+        {a->gen.stops.n && a->dump_logits, "--dump-logits", "--stop"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -5149,7 +5302,9 @@ int main(int argc, char **argv)
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &st, &last);
+        TextOut out;
+        text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
+        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
     }
