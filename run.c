@@ -4133,6 +4133,8 @@ typedef struct {
     Logprobs lp;       /* the last draw's log-probabilities, with lp.want >= 0 ("logprobs") */
     Buf logprobs;      /* the records of every token drawn, comma-separated */
     PageTable pt;
+    Stops stops;       /* "stop", or --stop */
+    TextOut out;       /* the answer's text goes through the stop matcher into text */
     Buf text;
     double t_admit, t_first, t_prev;
 } Seq;
@@ -4336,6 +4338,28 @@ static int json_int(const Json *v, long lo, long hi, long *out)
     return 0;
 }
 
+/* A line's "stop": a string or an array of up to STOP_MAX strings, each
+   of 1 to STOP_MAX_BYTES bytes (JSON's own escapes, no others). */
+static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_len)
+{
+    int n = x->kind == JSON_ARRAY ? x->n : 1;
+    const Json *items = x->kind == JSON_ARRAY ? x->items : x;
+    if ((x->kind != JSON_STRING && x->kind != JSON_ARRAY) || n > STOP_MAX) {
+        snprintf(why, why_len, "\"stop\" must be a string or an array of at most %d strings", STOP_MAX);
+        return why;
+    }
+    st->n = 0;
+    for (int i = 0; i < n; i++) {
+        if (items[i].kind != JSON_STRING || items[i].len < 1 || items[i].len > STOP_MAX_BYTES) {
+            snprintf(why, why_len, "\"stop\" strings must be strings of 1 to %d bytes", STOP_MAX_BYTES);
+            return why;
+        }
+        memcpy(st->text[i], items[i].str, items[i].len);
+        st->len[st->n++] = (int)items[i].len;
+    }
+    return NULL;
+}
+
 /* The fields of a JSON line: prompt (required), id, n, t, chat, system.
    Fills q's prompt text (*text, *len: pointers into v), id and settings;
    returns NULL or the reason the line is refused. */
@@ -4371,11 +4395,14 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
         } else if (!strcmp(k, "logprobs")) {
             if (json_int(x, 0, LOGPROBS_MAX, &n)) { snprintf(why, why_len, "\"logprobs\" must be an integer in [0, %d]", LOGPROBS_MAX); return why; }
             q->lp.want = (int)n;
+        } else if (!strcmp(k, "stop")) {
+            const char *problem = read_stops(x, &q->stops, why, why_len);
+            if (problem) return problem;
         } else if (!strcmp(k, "system")) {
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, logprobs)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, stop, logprobs)", k);
             return why;
         }
     }
@@ -4399,7 +4426,8 @@ static void read_request(Batch *b, int wait)
         Seq *q = &b->pending;
         Buf id = {0};
         buf_printf(&id, "%ld", no);
-        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs}};
+        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs},
+                   .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
         int chat = b->chat;
@@ -4492,6 +4520,7 @@ static int admit(Batch *b, Seq *slot)
     /* each line its own stream of random numbers, from -s and the line number */
     slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
     slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
+    text_open(&slot->out, NULL, &slot->text, &slot->stops);
     slot->t_admit = now_ms();
     b->in_flight++;
     return 1;
@@ -4500,6 +4529,7 @@ static int admit(Batch *b, Seq *slot)
 static void finish_seq(Batch *b, Seq *q, int finish)
 {
     double now = now_ms();
+    text_end(&q->out);
     record_answer(b, q, finish, now);
     page_release(&b->pool, &q->pt);
     free(q->pt.page);
@@ -4532,9 +4562,11 @@ static void seq_take(Batch *b, Seq *q, int token)
     if (tok_is_eog(b->m->tok, token) && !b->o->ignore_eos) { finish_seq(b, q, FIN_STOP); return; }
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);
-    if (piece && !tok_is_control(b->m->tok, token)) buf_put(&q->text, piece, len);
+    int stopped = piece && !tok_is_control(b->m->tok, token) && text_put(&q->out, piece, len);
     b->gen_tokens++;
-    if (++q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? FIN_CONTEXT : FIN_LENGTH);
+    q->n_gen++;
+    if (stopped) finish_seq(b, q, FIN_STOP);
+    else if (q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? FIN_CONTEXT : FIN_LENGTH);
     else if (q->pos >= b->s->seq_len) finish_seq(b, q, FIN_CONTEXT);
     else if (interrupted) finish_seq(b, q, FIN_INTERRUPTED);
 }

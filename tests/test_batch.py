@@ -176,6 +176,9 @@ BAD_LINES = [
     ('{"prompt": "x", "system": null}', '"system" must be a string'),
     ('{"prompt": "x", "id": [1]}', '"id" must be'),
     ('{"prompt": "x", "logprobs": 21}', '"logprobs" must be an integer in [0, 20]'),
+    ('{"prompt": "x", "stop": ""}', '"stop" strings must be strings of 1 to 256 bytes'),
+    ('{"prompt": "x", "stop": [1]}', '"stop" strings must be'),
+    ('{"prompt": "x", "stop": {"a": 1}}', '"stop" must be a string or an array'),
     ('{"prompt": "x"} {"prompt": "y"}', "not valid JSON"),
     ("[1, 2]", None),  # not starting with "{": a plain-text prompt
     ('{"prompt": "' + "many words " * 40 + '"}', "the prompt has"),
@@ -309,3 +312,16 @@ def test_logprobs_field_matches_the_single_request_records():
         assert len(rec["logprobs"][0]["top"]) == req["logprobs"]
     code, recs, err = batch(write_lines("logprobs-default.txt", ["Hello"]), "-t", "0", "-n", "2", "--logprobs", "1")
     assert code == 0 and len(recs[0]["logprobs"]) == 2 and len(recs[0]["logprobs"][0]["top"]) == 1, recs
+
+
+def test_stop_field_and_flag_match_the_single_request_mode():
+    reqs = [{"prompt": "The capital of France is", "n": 30, "stop": "\n"},
+            {"prompt": "Write a haiku about the sea.", "n": 40, "stop": ["sea", "wave"]},
+            {"prompt": "The capital of France is", "n": 30}]
+    code, recs, err = batch(write_lines("stop.jsonl", reqs), "-t", "0", "--stop", " Paris")
+    assert code == 0, err
+    for rec, stops in zip(recs, (["\\n"], ["sea", "wave"], [" Paris"])):
+        args = [model(), "-t", "0", "-n", 30 if rec["id"] != 2 else 40, "-i", reqs[rec["id"] - 1]["prompt"]]
+        single = run(args + [x for s in stops for x in ("--stop", s)]).stdout.decode()
+        assert rec["text"] == single, (rec, single)
+    assert recs[0]["finish"] == "stop" and recs[2]["finish"] == "stop" and recs[2]["text"] == "", recs
