@@ -4330,6 +4330,14 @@ static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *to
     }
 }
 
+/* Forgets a request read but never admitted (its record is out). */
+static void drop_request(Seq *q)
+{
+    free(q->toks.ids);
+    free(q->id.p);
+    q->line = 0;
+}
+
 /* A JSON number that is a whole number in [lo, hi], into *out. */
 static int json_int(const Json *v, long lo, long hi, long *out)
 {
@@ -4454,11 +4462,7 @@ static void read_request(Batch *b, int wait)
         else if (q->n_predict == 0) q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
         json_free(&v);
         free(line);
-        if (problem || q->n_predict == 0) {
-            free(q->toks.ids);
-            free(q->id.p);
-            q->line = 0;
-        }
+        if (problem || q->n_predict == 0) drop_request(q);
     }
 }
 
@@ -4497,9 +4501,7 @@ static int admit(Batch *b, Seq *slot)
         if (q->n_prompt > room) {
             record_error(b, q->line, &q->id, "the prompt needs %d KV cache pages of %d tokens but --kv-mem holds %d",
                          (q->n_prompt + PAGE_TOKENS - 1) / PAGE_TOKENS, PAGE_TOKENS, b->pool.n_pages);
-            free(q->toks.ids);
-            free(q->id.p);
-            q->line = 0;
+            drop_request(q);
             return 0;
         }
         q->n_predict = room - q->n_prompt + 1, q->capped = 1;
@@ -4697,8 +4699,15 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     answering = 1;
     b.t0 = now_ms();
     while (1) {
-        for (int i = 0; i < b.parallel && interrupted; i++) /* Ctrl-C: what is in flight ends as it stands */
-            if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
+        if (interrupted) { /* Ctrl-C: what is in flight ends as it stands, a line read and waiting is not begun */
+            for (int i = 0; i < b.parallel; i++)
+                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
+            if (b.pending.line) {
+                b.pending.t_admit = now_ms();
+                record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
+                drop_request(&b.pending);
+            }
+        }
         for (int i = 0; i < b.parallel && !interrupted; i++) {
             if (b.seq[i].state != SEQ_IDLE) continue;
             read_request(&b, !b.in_flight); /* block for input only when there is nothing else to do */
