@@ -25,6 +25,13 @@ whole file at B = 1 would take longer than everything else together.
 For reference, llama.cpp (llama-cpp-python's low-level batched API) decodes the same prompts on
 the shipped Q4_1 GGUF with the same number of sequences in flight, continuous refill, greedy
 argmax and 128 tokens each; the q8_0 rows have no llama.cpp number (no Q8_0 GGUF ships).
+Its threads spin at barriers: on a machine busy with other work, --threads 2 can run 10x slower
+than --threads 1, so it stops after --llamacpp-cap seconds and says so ("cut short").
+
+The last lines set decode against this machine's DRAM bandwidth and int8 peak from ./run --probe:
+the weight traffic is a lower bound (a pass of B tokens reads the file once), the int8 work ~2 ops
+per parameter per token. The probe takes a fraction of a second, so on a busy machine it reads
+low, like everything else here.
 
     python3 tests/bench_batch.py [--runs 3] [--curve] [--quick] [--no-llamacpp]
 """
