@@ -119,6 +119,7 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
 bench: run $(MODEL_BIN)
 	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --lookup
+	$(PYTHON) tests/bench_batch.py --runs 3
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
 SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
