@@ -56,6 +56,7 @@
      Build without OpenMP for a single-threaded binary with the same results.
 */
 #define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
@@ -63,6 +64,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2578,7 +2580,7 @@ static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int s
     float r = random_f32(&sm->rng) * total, acc = 0;
     int last = -1;
     for (int i = 0; i < keep; i++) {
-        if (cand[i].id == skip) continue;
+        if (cand[i].id == skip || cand[i].p <= 0) continue; /* p 0: a masked token, never drawn by rounding */
         acc += cand[i].p;
         last = cand[i].id;
         if (r < acc) return last;
@@ -2593,9 +2595,18 @@ static void check_logits(const float *logits, int n)
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+/* Tokens not allowed (allowed[i] == 0; allowed NULL: all are) get
+   probability 0: constrained output (--json). */
+static void mask_logits(float *logits, int n, const uint8_t *allowed)
+{
+    if (allowed)
+        for (int i = 0; i < n; i++) if (!allowed[i]) logits[i] = -INFINITY;
+}
+
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed)
 {
     check_logits(logits, n);
+    mask_logits(logits, n, allowed);
     if (sm->temperature == 0) return sample_argmax(logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
@@ -2609,9 +2620,10 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
    x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
    changes what is generated, only how many forward passes it takes. With
    -t 0 it is the argmax, which stands for d exactly when it equals it. */
-static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d)
+static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d, const uint8_t *allowed)
 {
     check_logits(logits, n);
+    mask_logits(logits, n, allowed);
     if (sm->temperature == 0) return sample_argmax(logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total), at = -1;
@@ -2741,6 +2753,8 @@ typedef struct {
     double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
     int n_itl;
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
+    int json_incomplete;           /* --json: generation stopped before the value was complete */
+    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
 } Stats;
 
 static int by_double(const void *a, const void *b)
@@ -2767,6 +2781,9 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
             st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
     fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
             k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (st->json_walks)
+        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary, %ld taken from the cache\n", st->json_walks,
+                st->json_hits);
     if (st->drafted)
         fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
                 100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
@@ -2791,10 +2808,11 @@ typedef struct {
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
+    const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
 } GenOpts;
 
 /* Why an answer ended (generate's result). */
-enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT };
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_JSON_DONE /* --json: the value is complete (its last token was text) */ };
 
 /* Set by SIGINT in chat mode: ends the current answer. */
 static volatile sig_atomic_t interrupted, answering;
@@ -2967,6 +2985,745 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
     }
 }
 
+/* ----- constrained output: JSON ---------------------------------------------
+   --json and --json-schema make the output exactly one JSON value (RFC
+   8259), by construction: before each token is sampled, every token whose
+   bytes would turn the output so far into something no JSON value (no
+   value the schema allows) begins with gets probability zero.
+
+   The recognizer is a pushdown automaton over bytes. Its state (JsonState)
+   is a small plain struct: what is being read (mode), the lexer's place
+   inside a string, number or fixed text, and a stack of open containers
+   bounded by JSON_MAX_DEPTH. Copying it is cheap, so trying a token means
+   feeding its bytes to a copy. A schema compiles into the same automaton
+   (JsonGrammar: one JsonNode per schema, the plain --json value being the
+   node that allows anything), and every state it can reach has a
+   completion: a prefix it accepts can always be finished into a value the
+   schema allows, so the sampler never meets a step where nothing is
+   allowed.
+
+   Beyond RFC 8259, three bounds keep a model from running on forever with
+   bytes that change nothing: at most JSON_MAX_WS whitespace bytes in a
+   row (between tokens, and before the value), no whitespace at all after
+   the value (once complete, generation ends), and numbers of at most
+   JSON_MAX_NUMBER bytes. Strings must be valid UTF-8 (no overlong forms,
+   no surrogates, nothing past U+10FFFF), and a \u escape of a surrogate
+   must be a high one followed by a low one.
+
+   Masking a step: the vocabulary's token texts form a trie (VocabTrie,
+   built once: tokens sharing a prefix share its bytes), walked depth first
+   from the current state, a whole subtree skipped at its first invalid
+   byte. Text inside a string, where almost every token is allowed, is
+   where the walk is longest; there the state repeats from token to token,
+   and the allowed set of the last JSON_CACHE_SLOTS states is kept. */
+
+#define JSON_MAX_DEPTH 32     /* nested arrays and objects */
+#define JSON_MAX_WS 16        /* whitespace bytes in a row: enough for indented output */
+#define JSON_MAX_NUMBER 40    /* bytes of one number */
+#define JSON_MAX_PROPS 64     /* properties of one schema object (a bit each in JsonFrame.seen) */
+#define JSON_CACHE_SLOTS 16   /* remembered allowed sets */
+#define JSON_NO_LIMIT (-1)    /* maxItems / maxLength absent */
+
+/* The kinds a schema's "type" allows, a bit each. */
+enum { JT_NULL = 1, JT_BOOLEAN = 2, JT_NUMBER = 4, JT_INTEGER = 8, JT_STRING = 16, JT_ARRAY = 32, JT_OBJECT = 64, JT_ANY = 127 };
+
+/* A set of texts a value must be exactly one of (enum, const, true/false/
+   null, an object's declared keys with their quotes): texts[first ..
+   first + n) of the grammar, sorted bytewise, so that the texts sharing a
+   prefix are a contiguous range. */
+typedef struct {
+    char *s;
+    int len;
+    int prop; /* a key: the property's index in its object; else -1 */
+} JsonText;
+
+typedef struct {
+    int first, n;
+} JsonSet;
+
+/* One compiled schema (node 0: anything). */
+typedef struct {
+    unsigned types;            /* JT_* bits */
+    int set;                   /* enum/const: the set of allowed texts (then types is unused), else -1 */
+    int items;                 /* array: the node of every item */
+    int min_items, max_items;  /* max JSON_NO_LIMIT: none */
+    int min_len, max_len;      /* string length in characters (code points) */
+    int keys;                  /* object: the set of declared keys, else -1 */
+    int n_props, props;        /* object: the nodes of the declared properties are prop_node[props .. props + n_props) */
+    uint64_t required;         /* object: bit i: property i must appear */
+    int additional;            /* object: keys other than the declared ones are allowed, with any value */
+} JsonNode;
+
+typedef struct {
+    JsonNode *nodes;
+    int n_nodes;
+    int *prop_node;
+    int n_prop_nodes;
+    JsonText *texts;
+    int n_texts;
+    JsonSet *sets;
+    int n_sets;
+    int lit_bool, lit_null, lit_both; /* the sets {false, true}, {null}, {false, null, true} */
+} JsonGrammar;
+
+/* What the automaton reads next. */
+enum {
+    JM_VALUE,       /* a value of schema node `node` (whitespace first is allowed) */
+    JM_ARRAY_OPEN,  /* after '[': the first item or ']' */
+    JM_OBJECT_OPEN, /* after '{': the first key or '}' */
+    JM_KEY_NEXT,    /* after ',' in an object: a key */
+    JM_KEY,         /* inside a key */
+    JM_COLON,       /* after a key; node: the value's schema */
+    JM_AFTER,       /* after an item or a member: ',' or the close */
+    JM_STRING,      /* inside a string value */
+    JM_NUMBER,
+    JM_MATCH,       /* inside a fixed text: a literal, an enum or const value */
+    JM_DONE         /* the value is complete: nothing may follow */
+};
+
+/* Inside a string: the byte expected next. S_HEX+k / S_LOW+k: k hex
+   digits of a \u escape read (S_LOW: the low half of a surrogate pair). */
+enum { S_BODY, S_ESC, S_LOW_BACKSLASH, S_LOW_U, S_HEX = 8, S_LOW = 16 };
+
+/* Inside a number: what has been read (N_END_* may end the number). */
+enum { N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP_MARK, N_EXP_SIGN, N_EXP };
+
+typedef struct {
+    uint64_t seen;   /* object: declared properties read so far (bit i) */
+    uint16_t node;   /* the container's schema node */
+    uint16_t count;  /* array: items read so far */
+    uint8_t object;  /* 1: an object, 0: an array */
+} JsonFrame;
+
+/* The automaton's state. Everything a mode does not use stays zero, so
+   that equal situations are equal bytes (the allowed-set cache compares
+   them); only the first `depth` frames are in use. */
+typedef struct {
+    uint8_t mode, sub;     /* JM_*; S_* or N_* inside a string or number */
+    uint8_t ws;            /* whitespace bytes in a row */
+    uint8_t depth;         /* open containers */
+    uint8_t u8_left;       /* UTF-8: continuation bytes still due ... */
+    uint8_t u8_lo, u8_hi;  /* ... and the range of the next one */
+    uint8_t key_free;      /* JM_KEY: the key may still be one not declared */
+    uint16_t node;         /* the schema node of the value being read */
+    uint16_t hex;          /* a \u escape's digits so far */
+    uint16_t lo, hi, off;  /* JM_MATCH, JM_KEY: texts[lo .. hi) still match, their first off bytes read */
+    uint32_t count;        /* JM_STRING: characters (with a length bound only); JM_NUMBER: bytes */
+    JsonFrame frames[JSON_MAX_DEPTH];
+} JsonState;
+
+#define JSON_STATE_HEAD offsetof(JsonState, frames)
+
+/* The bytes of s in use: what a copy or a comparison needs. */
+static size_t json_state_size(const JsonState *s) { return JSON_STATE_HEAD + s->depth * sizeof(JsonFrame); }
+
+static int json_is_ws(unsigned c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+static int json_is_digit(unsigned c) { return c >= '0' && c <= '9'; }
+static int json_hex_value(unsigned c)
+{
+    return json_is_digit(c) ? (int)c - '0' : c >= 'a' && c <= 'f' ? (int)c - 'a' + 10 : c >= 'A' && c <= 'F' ? (int)c - 'A' + 10 : -1;
+}
+
+/* The state before the first byte of a value of schema node root. */
+static void json_start(JsonState *s, int root)
+{
+    memset(s, 0, sizeof *s);
+    s->mode = JM_VALUE;
+    s->node = (uint16_t)root;
+}
+
+/* Enters mode `mode` with the lexer's fields cleared. */
+static void json_enter(JsonState *s, int mode, int node)
+{
+    s->mode = (uint8_t)mode;
+    s->node = (uint16_t)node;
+    s->sub = s->ws = s->u8_left = s->u8_lo = s->u8_hi = s->key_free = 0;
+    s->hex = s->lo = s->hi = s->off = 0;
+    s->count = 0;
+}
+
+/* A whitespace byte where whitespace may stand. */
+static int json_ws(JsonState *s)
+{
+    if (s->ws >= JSON_MAX_WS) return 0;
+    s->ws++;
+    return 1;
+}
+
+/* A value has been read: the top-level one completes the output, an item
+   or member returns to its container. */
+static void json_value_done(const JsonGrammar *g, JsonState *s)
+{
+    if (!s->depth) { json_enter(s, JM_DONE, 0); return; }
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    /* items are counted only against a bound: unbounded arrays keep their
+       state, and their allowed sets stay in the cache */
+    if (!f->object && (n->min_items > 0 || n->max_items != JSON_NO_LIMIT)) f->count++;
+    json_enter(s, JM_AFTER, f->node);
+}
+
+/* Whether the object of frame f may take one more member: a key not
+   declared, or a declared one not yet read. */
+static int json_more_keys(const JsonGrammar *g, const JsonFrame *f)
+{
+    const JsonNode *n = &g->nodes[f->node];
+    return n->additional || f->seen != (n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1);
+}
+
+/* Opens an array or object of node n. */
+static int json_open(JsonState *s, int node, int object)
+{
+    if (s->depth == JSON_MAX_DEPTH) return 0;
+    s->frames[s->depth++] = (JsonFrame){0, (uint16_t)node, 0, (uint8_t)object};
+    json_enter(s, object ? JM_OBJECT_OPEN : JM_ARRAY_OPEN, node);
+    return 1;
+}
+
+/* ']' or '}' closing the top frame, where its counts allow. */
+static int json_close(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    if (c != (f->object ? '}' : ']')) return 0;
+    if (f->object ? (f->seen & n->required) != n->required : f->count < n->min_items) return 0;
+    memset(f, 0, sizeof *f);
+    s->depth--;
+    json_value_done(g, s);
+    return 1;
+}
+
+/* Narrows the texts still matching to those whose next byte is c.
+   Returns 0 when none is. */
+static int json_match_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int lo = s->lo, hi = s->hi, off = s->off;
+    while (lo < hi && (g->texts[lo].len <= off || (unsigned char)g->texts[lo].s[off] != c)) lo++;
+    if (lo == hi) return 0;
+    int end = lo;
+    while (end < hi && g->texts[end].len > off && (unsigned char)g->texts[end].s[off] == c) end++;
+    s->lo = (uint16_t)lo, s->hi = (uint16_t)end, s->off = (uint16_t)(off + 1);
+    return 1;
+}
+
+/* Whether one of the matching texts has been read whole (sorted, it is the first). */
+static int json_match_whole(const JsonGrammar *g, const JsonState *s) { return s->lo < s->hi && g->texts[s->lo].len == s->off; }
+
+/* Starts matching the texts of set `set`. */
+static void json_match_start(const JsonGrammar *g, JsonState *s, int set)
+{
+    s->lo = (uint16_t)g->sets[set].first;
+    s->hi = (uint16_t)(g->sets[set].first + g->sets[set].n);
+    s->off = 0;
+}
+
+/* A byte of a fixed text (JM_MATCH). A text read whole ends the value at
+   once when no longer one continues it, else at the first byte that does
+   not (returned as 2: the caller feeds that byte to what follows). */
+static int json_match_value_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    if (!json_match_byte(g, s, c)) return json_match_whole(g, s) ? 2 : 0;
+    if (json_match_whole(g, s) && s->hi - s->lo == 1) json_value_done(g, s);
+    return 1;
+}
+
+/* A byte inside a string, the closing quote excepted (the caller handles
+   it in S_BODY). Counts characters in s->count when `count`; at max
+   (>= 0) no more may start. With no_escape a backslash is refused. */
+static int json_string_byte(JsonState *s, unsigned c, int count, int max, int no_escape)
+{
+    if (s->u8_left) {
+        if (c < s->u8_lo || c > s->u8_hi) return 0;
+        s->u8_left--;
+        s->u8_lo = s->u8_left ? 0x80 : 0, s->u8_hi = s->u8_left ? 0xbf : 0;
+        return 1;
+    }
+    int d = json_hex_value(c);
+    switch (s->sub) {
+    case S_BODY:
+        if (c < 0x20 || (c == '\\' && no_escape)) return 0;
+        if (max >= 0 && s->count >= (uint32_t)max) return 0;
+        if (c >= 0x80) {
+            /* the lead byte fixes how many continuation bytes follow and the
+               range of the first, which rules out overlong forms,
+               surrogates and code points past U+10FFFF (RFC 3629) */
+            if (c >= 0xc2 && c <= 0xdf) s->u8_left = 1, s->u8_lo = 0x80, s->u8_hi = 0xbf;
+            else if (c >= 0xe0 && c <= 0xef) s->u8_left = 2, s->u8_lo = c == 0xe0 ? 0xa0 : 0x80, s->u8_hi = c == 0xed ? 0x9f : 0xbf;
+            else if (c >= 0xf0 && c <= 0xf4) s->u8_left = 3, s->u8_lo = c == 0xf0 ? 0x90 : 0x80, s->u8_hi = c == 0xf4 ? 0x8f : 0xbf;
+            else return 0;
+        }
+        if (c == '\\') s->sub = S_ESC;
+        if (count) s->count++;
+        return 1;
+    case S_ESC:
+        if (c == 'u') { s->sub = S_HEX; return 1; }
+        if (!strchr("\"\\/bfnrt", (int)c) || !c) return 0;
+        s->sub = S_BODY;
+        return 1;
+    case S_LOW_BACKSLASH:
+        if (c != '\\') return 0;
+        s->sub = S_LOW_U;
+        return 1;
+    case S_LOW_U:
+        if (c != 'u') return 0;
+        s->sub = S_LOW;
+        return 1;
+    default: { /* S_HEX + k, S_LOW + k: the (k+1)th hex digit */
+        int low = s->sub >= S_LOW, k = s->sub - (low ? S_LOW : S_HEX);
+        if (d < 0) return 0;
+        unsigned v = (unsigned)s->hex << 4 | (unsigned)d;
+        /* a surrogate's first two digits decide its half: DC-DF is a low
+           half, which may only follow a high one, D8-DB a high half */
+        if (k == 1 && (v >> 4) == 0xd && (v & 0xf) >= 0xc && !low) return 0;
+        if (low && ((k == 0 && v != 0xd) || (k == 1 && (v & 0xf) < 0xc))) return 0;
+        s->hex = (uint16_t)v;
+        if (k < 3) { s->sub++; return 1; }
+        s->sub = !low && v >= 0xd800 && v <= 0xdbff ? S_LOW_BACKSLASH : S_BODY;
+        s->hex = 0;
+        return 1;
+    }
+    }
+}
+
+/* A byte of a number; 2: the number ended before it (the caller feeds the
+   byte to what follows). The schema's integer type forbids the fraction
+   and the exponent. */
+static int json_number_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int integer = g->nodes[s->node].set < 0 && !(g->nodes[s->node].types & JT_NUMBER);
+    int digit = json_is_digit(c), next = -1, sub = s->sub;
+    switch (sub) {
+    case N_MINUS: next = c == '0' ? N_ZERO : digit ? N_INT : -1; break;
+    case N_ZERO: next = c == '.' && !integer ? N_DOT : (c == 'e' || c == 'E') && !integer ? N_EXP_MARK : -1; break;
+    case N_INT: next = digit ? N_INT : c == '.' && !integer ? N_DOT : (c == 'e' || c == 'E') && !integer ? N_EXP_MARK : -1; break;
+    case N_DOT: next = digit ? N_FRAC : -1; break;
+    case N_FRAC: next = digit ? N_FRAC : c == 'e' || c == 'E' ? N_EXP_MARK : -1; break;
+    case N_EXP_MARK: next = c == '+' || c == '-' ? N_EXP_SIGN : digit ? N_EXP : -1; break;
+    case N_EXP_SIGN: case N_EXP: next = digit ? N_EXP : -1; break;
+    }
+    int can_end = sub == N_ZERO || sub == N_INT || sub == N_FRAC || sub == N_EXP;
+    int next_ends = next == N_ZERO || next == N_INT || next == N_FRAC || next == N_EXP;
+    if (next < 0) return can_end ? 2 : 0;
+    /* the last byte the bound allows must leave a whole number (every
+       state that cannot end becomes one that can with one more digit) */
+    if (s->count + 1 == JSON_MAX_NUMBER && !next_ends) return 0;
+    s->sub = (uint8_t)next;
+    if (++s->count == JSON_MAX_NUMBER) json_value_done(g, s);
+    return 1;
+}
+
+/* The first byte of a value of node n (not whitespace). */
+static int json_value_start(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int node = s->node;
+    const JsonNode *n = &g->nodes[node];
+    json_enter(s, JM_MATCH, node);
+    if (n->set >= 0) {
+        json_match_start(g, s, n->set);
+        return json_match_value_byte(g, s, c) == 1;
+    }
+    unsigned t = n->types;
+    if (c == '{' && (t & JT_OBJECT)) return json_open(s, node, 1);
+    if (c == '[' && (t & JT_ARRAY)) return json_open(s, node, 0);
+    if (c == '"' && (t & JT_STRING)) { s->mode = JM_STRING; return 1; }
+    if ((c == '-' || json_is_digit(c)) && (t & (JT_NUMBER | JT_INTEGER))) {
+        s->mode = JM_NUMBER;
+        s->sub = N_MINUS; /* after a '-' a digit must follow, as at the start */
+        if (c == '-') { s->count = 1; return 1; }
+        return json_number_byte(g, s, c) == 1;
+    }
+    int lits = (t & JT_BOOLEAN) && (t & JT_NULL) ? g->lit_both : (t & JT_BOOLEAN) ? g->lit_bool : (t & JT_NULL) ? g->lit_null : -1;
+    if (lits < 0) return 0;
+    json_match_start(g, s, lits);
+    return json_match_value_byte(g, s, c) == 1;
+}
+
+/* The opening quote of a key in the object of the top frame: its bytes are
+   matched against the declared keys' texts, and, where other keys are
+   allowed, read as any string without escapes (so that a key is a
+   declared one exactly when its text is that key's text). */
+static int json_key_start(const JsonGrammar *g, JsonState *s)
+{
+    const JsonNode *n = &g->nodes[s->frames[s->depth - 1].node];
+    json_enter(s, JM_KEY, s->node);
+    s->key_free = (uint8_t)n->additional;
+    if (n->keys >= 0) {
+        json_match_start(g, s, n->keys);
+        if (!json_match_byte(g, s, '"')) s->lo = s->hi = 0;
+    }
+    return s->key_free || s->lo < s->hi;
+}
+
+/* Whether a declared key not yet read is among the matching texts. */
+static int json_key_unseen(const JsonGrammar *g, const JsonState *s)
+{
+    uint64_t seen = s->frames[s->depth - 1].seen;
+    for (int i = s->lo; i < s->hi; i++)
+        if (!(seen >> g->texts[i].prop & 1)) return 1;
+    return 0;
+}
+
+/* A byte of a key. The closing quote decides: a declared key's text read
+   whole is that key (once only), anything else is another key. */
+static int json_key_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    int free_ok = s->key_free, declared = n->keys >= 0;
+    int closing = free_ok && c == '"' && s->sub == S_BODY && !s->u8_left;
+    if (s->lo < s->hi && !json_match_byte(g, s, c)) s->lo = s->hi = 0;
+    if (closing || (!free_ok && json_match_whole(g, s))) {
+        int value_node = 0; /* another key: any value */
+        if (json_match_whole(g, s)) {
+            int p = g->texts[s->lo].prop;
+            if (f->seen >> p & 1) return 0;
+            f->seen |= 1ull << p;
+            value_node = g->prop_node[n->props + p];
+        } else if (!free_ok) {
+            return 0;
+        }
+        json_enter(s, JM_COLON, value_node);
+        return 1;
+    }
+    if (free_ok && !json_string_byte(s, c, 0, JSON_NO_LIMIT, declared)) s->key_free = free_ok = 0;
+    return free_ok || (s->lo < s->hi && json_key_unseen(g, s));
+}
+
+/* Feeds one byte. Returns 1 if the output so far is still a prefix of a
+   value the grammar allows, 0 if not (then s is unusable). */
+static int json_feed(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) s->ws = 0;
+    for (;;) {
+        int r;
+        switch (s->mode) {
+        case JM_VALUE:
+            return json_is_ws(c) ? json_ws(s) : json_value_start(g, s, c);
+        case JM_ARRAY_OPEN:
+            if (json_is_ws(c)) return json_ws(s);
+            if (c == ']') return json_close(g, s, c);
+            if (g->nodes[s->node].max_items == 0) return 0;
+            json_enter(s, JM_VALUE, g->nodes[s->node].items);
+            continue;
+        case JM_OBJECT_OPEN:
+        case JM_KEY_NEXT:
+            if (json_is_ws(c)) return json_ws(s);
+            if (c == '"') return json_key_start(g, s);
+            return s->mode == JM_OBJECT_OPEN && json_close(g, s, c);
+        case JM_KEY:
+            return json_key_byte(g, s, c);
+        case JM_COLON:
+            if (json_is_ws(c)) return json_ws(s);
+            if (c != ':') return 0;
+            s->mode = JM_VALUE;
+            return 1;
+        case JM_AFTER: {
+            if (json_is_ws(c)) return json_ws(s);
+            JsonFrame *f = &s->frames[s->depth - 1];
+            const JsonNode *n = &g->nodes[f->node];
+            if (c != ',') return json_close(g, s, c);
+            if (f->object) {
+                if (!json_more_keys(g, f)) return 0;
+                json_enter(s, JM_KEY_NEXT, f->node);
+            } else {
+                if (n->max_items != JSON_NO_LIMIT && f->count >= n->max_items) return 0;
+                json_enter(s, JM_VALUE, n->items);
+            }
+            return 1;
+        }
+        case JM_STRING: {
+            const JsonNode *n = &g->nodes[s->node];
+            int count = n->min_len > 0 || n->max_len != JSON_NO_LIMIT;
+            if (c == '"' && s->sub == S_BODY && !s->u8_left) {
+                if (count && s->count < (uint32_t)n->min_len) return 0;
+                json_value_done(g, s);
+                return 1;
+            }
+            return json_string_byte(s, c, count, n->max_len, 0);
+        }
+        case JM_NUMBER:
+            if ((r = json_number_byte(g, s, c)) != 2) return r;
+            json_value_done(g, s);
+            continue;
+        case JM_MATCH:
+            if ((r = json_match_value_byte(g, s, c)) != 2) return r;
+            json_value_done(g, s);
+            continue;
+        default: /* JM_DONE */
+            return 0;
+        }
+    }
+}
+
+/* Whether the bytes fed so far are a whole value: read to its end, or a
+   top-level number or fixed text that may end here (the end of generation
+   ends it). */
+static int json_complete(const JsonGrammar *g, const JsonState *s)
+{
+    if (s->mode == JM_DONE) return 1;
+    if (s->depth) return 0;
+    if (s->mode == JM_NUMBER) return s->sub == N_ZERO || s->sub == N_INT || s->sub == N_FRAC || s->sub == N_EXP;
+    return s->mode == JM_MATCH && json_match_whole(g, s);
+}
+
+/* Feeds n bytes; 0 at the first one refused. */
+static int json_feed_all(const JsonGrammar *g, JsonState *s, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!json_feed(g, s, (unsigned char)p[i])) return 0;
+    return 1;
+}
+
+/* ----- the grammar's tables -------------------------------------------- */
+
+static int json_add_node(JsonGrammar *g, unsigned types)
+{
+    g->nodes = realloc(g->nodes, (g->n_nodes + 1) * sizeof *g->nodes);
+    if (!g->nodes) die(EXIT_RUNTIME, "out of memory");
+    g->nodes[g->n_nodes] = (JsonNode){.types = types, .set = -1, .items = 0, .max_items = JSON_NO_LIMIT,
+                                      .max_len = JSON_NO_LIMIT, .keys = -1, .additional = 1};
+    return g->n_nodes++;
+}
+
+static int by_text(const void *a, const void *b)
+{
+    const JsonText *x = a, *y = b;
+    int c = memcmp(x->s, y->s, x->len < y->len ? x->len : y->len);
+    return c ? c : x->len - y->len;
+}
+
+/* Appends text[0..len) to the set being built (the last one), with its
+   property index (-1: not a key). */
+static void json_add_text(JsonGrammar *g, const char *text, int len, int prop)
+{
+    g->texts = realloc(g->texts, (g->n_texts + 1) * sizeof *g->texts);
+    if (!g->texts) die(EXIT_RUNTIME, "out of memory");
+    char *s = xmalloc(len + 1);
+    memcpy(s, text, len);
+    s[len] = 0;
+    g->texts[g->n_texts++] = (JsonText){s, len, prop};
+    g->sets[g->n_sets - 1].n++;
+}
+
+/* Opens a new, empty set of texts; json_add_text fills it, json_end_set sorts it. */
+static int json_begin_set(JsonGrammar *g)
+{
+    g->sets = realloc(g->sets, (g->n_sets + 1) * sizeof *g->sets);
+    if (!g->sets) die(EXIT_RUNTIME, "out of memory");
+    g->sets[g->n_sets] = (JsonSet){g->n_texts, 0};
+    return g->n_sets++;
+}
+
+/* Sorts the last set and drops repeated texts (enum [1, 1] is one text). */
+static void json_end_set(JsonGrammar *g)
+{
+    JsonSet *set = &g->sets[g->n_sets - 1];
+    JsonText *t = g->texts + set->first;
+    qsort(t, set->n, sizeof *t, by_text);
+    int k = 0;
+    for (int i = 0; i < set->n; i++) {
+        if (k && !by_text(&t[k - 1], &t[i])) { free(t[i].s); continue; }
+        t[k++] = t[i];
+    }
+    g->n_texts -= set->n - k;
+    set->n = k;
+}
+
+/* A set of the n texts in list. */
+static int json_literal_set(JsonGrammar *g, const char *const *list, int n)
+{
+    int set = json_begin_set(g);
+    for (int i = 0; i < n; i++) json_add_text(g, list[i], (int)strlen(list[i]), -1);
+    json_end_set(g);
+    return set;
+}
+
+/* The grammar of --json: node 0 allows any value (schemas add nodes). */
+static void json_grammar_init(JsonGrammar *g)
+{
+    memset(g, 0, sizeof *g);
+    json_add_node(g, JT_ANY);
+    g->lit_bool = json_literal_set(g, (const char *const[]){"false", "true"}, 2);
+    g->lit_null = json_literal_set(g, (const char *const[]){"null"}, 1);
+    g->lit_both = json_literal_set(g, (const char *const[]){"false", "null", "true"}, 3);
+}
+
+static void json_grammar_free(JsonGrammar *g)
+{
+    for (int i = 0; i < g->n_texts; i++) free(g->texts[i].s);
+    free(g->texts);
+    free(g->sets);
+    free(g->nodes);
+    free(g->prop_node);
+    memset(g, 0, sizeof *g);
+}
+
+/* ----- masking the vocabulary ------------------------------------------ */
+
+/* The texts of the tokens that may stand inside a value (not control
+   tokens, not empty) as a trie in depth-first order: node i is one byte at
+   depth depth[i] (1: a token's first byte), its subtree is nodes i+1 ..
+   end[i]-1, and tok[i] is a token whose text ends there (-1: none; tokens
+   with the same text are chained by next_tok). */
+typedef struct {
+    int n, max_depth;
+    uint8_t *byte;
+    int *depth, *end, *tok;
+    int *next_tok; /* [vocab] */
+    int *eog;      /* the end-of-generation tokens: allowed once the value is complete */
+    int n_eog;
+} VocabTrie;
+
+/* A token's text, for sorting the vocabulary. */
+typedef struct {
+    const char *p;
+    size_t len;
+    int id;
+} Piece;
+
+static int by_piece(const void *a, const void *b)
+{
+    const Piece *x = a, *y = b;
+    int c = memcmp(x->p, y->p, x->len < y->len ? x->len : y->len);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* Sorted, the token texts sharing a prefix are neighbours: each text adds
+   nodes only for its bytes past the prefix it shares with the one before. */
+static void build_trie(VocabTrie *t, const tok_tokenizer *tok, int vocab)
+{
+    memset(t, 0, sizeof *t);
+    Piece *pieces = xmalloc(vocab * sizeof *pieces);
+    int n = 0;
+    size_t total = 0, len;
+    t->next_tok = xmalloc(vocab * sizeof *t->next_tok);
+    t->eog = xmalloc(vocab * sizeof *t->eog);
+    for (int id = 0; id < vocab; id++) {
+        const char *p = tok_piece(tok, id, &len);
+        t->next_tok[id] = -1;
+        if (tok_is_eog(tok, id)) t->eog[t->n_eog++] = id;
+        if (tok_is_control(tok, id) || !p || !len) continue;
+        pieces[n++] = (Piece){p, len, id};
+        total += len;
+        if ((int)len > t->max_depth) t->max_depth = (int)len;
+    }
+    qsort(pieces, n, sizeof *pieces, by_piece);
+    t->byte = xmalloc(total + 1);
+    t->depth = xmalloc((total + 1) * sizeof(int));
+    t->end = xmalloc((total + 1) * sizeof(int));
+    t->tok = xmalloc((total + 1) * sizeof(int));
+    int *path = xmalloc((t->max_depth + 1) * sizeof *path), open = 0; /* path[d]: the open node at depth d */
+    Piece prev = {"", 0, -1};
+    for (int k = 0; k < n; k++) {
+        Piece p = pieces[k];
+        size_t common = 0;
+        while (common < p.len && common < prev.len && p.p[common] == prev.p[common]) common++;
+        for (; open > (int)common; open--) t->end[path[open]] = t->n; /* close the subtrees left behind */
+        for (; open < (int)p.len; open++) {
+            int i = t->n++;
+            t->byte[i] = (uint8_t)p.p[open], t->depth[i] = open + 1, t->tok[i] = -1;
+            path[open + 1] = i;
+        }
+        int at = path[p.len];
+        t->next_tok[p.id] = t->tok[at]; /* another token with the same text, if any */
+        t->tok[at] = p.id;
+        prev = p;
+    }
+    for (; open > 0; open--) t->end[path[open]] = t->n;
+    free(path);
+    free(pieces);
+}
+
+static void free_trie(VocabTrie *t)
+{
+    free(t->byte); free(t->depth); free(t->end); free(t->tok); free(t->next_tok); free(t->eog);
+}
+
+/* What --json / --json-schema compile once: the grammar, its start node
+   and the vocabulary's trie. */
+typedef struct JsonConstraint {
+    JsonGrammar g;
+    int root;
+    VocabTrie trie;
+} JsonConstraint;
+
+/* A request's constrained-output state: where the automaton stands, and
+   the allowed sets of recently seen states. */
+typedef struct {
+    const JsonConstraint *jc;
+    JsonState state;
+    int vocab;
+    JsonState *walk;                          /* [trie.max_depth + 1]: the walk's state at each depth */
+    JsonState keys[JSON_CACHE_SLOTS];         /* the state each cached set belongs to */
+    int used[JSON_CACHE_SLOTS];
+    uint8_t *sets;                            /* [JSON_CACHE_SLOTS][vocab]: 1 where a token is allowed */
+    long walks, hits;                         /* for -v */
+} JsonMask;
+
+static void json_mask_init(JsonMask *jm, const JsonConstraint *jc, int vocab)
+{
+    memset(jm, 0, sizeof *jm);
+    jm->jc = jc;
+    jm->vocab = vocab;
+    json_start(&jm->state, jc->root);
+    jm->walk = xmalloc((jc->trie.max_depth + 1) * sizeof *jm->walk);
+    jm->sets = xmalloc((size_t)JSON_CACHE_SLOTS * vocab);
+}
+
+static void json_mask_free(JsonMask *jm)
+{
+    free(jm->walk);
+    free(jm->sets);
+}
+
+/* The walk: every token whose bytes the automaton accepts from state s.
+   A subtree of the trie is skipped at its first refused byte, and each
+   node costs one state copy (the part in use) and one byte fed. */
+static void json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *walk, uint8_t *allowed, int vocab)
+{
+    const VocabTrie *t = &jc->trie;
+    memset(allowed, 0, vocab);
+    memcpy(&walk[0], s, json_state_size(s));
+    for (int i = 0; i < t->n;) {
+        int d = t->depth[i];
+        JsonState *w = &walk[d];
+        memcpy(w, &walk[d - 1], json_state_size(&walk[d - 1]));
+        if (!json_feed(&jc->g, w, t->byte[i])) { i = t->end[i]; continue; }
+        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) allowed[id] = 1;
+        i++;
+    }
+    if (json_complete(&jc->g, s))
+        for (int k = 0; k < t->n_eog; k++) allowed[t->eog[k]] = 1;
+}
+
+/* The tokens allowed next: 1 where a token keeps the output a prefix of
+   a value the grammar allows (an end token only where the value is
+   complete). Cached by state. */
+static const uint8_t *json_mask_allowed(JsonMask *jm)
+{
+    size_t size = json_state_size(&jm->state);
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < size; i++) h = (h ^ ((const uint8_t *)&jm->state)[i]) * 1099511628211ull;
+    int slot = (int)(h % JSON_CACHE_SLOTS);
+    uint8_t *set = jm->sets + (size_t)slot * jm->vocab;
+    if (jm->used[slot] && !memcmp(&jm->keys[slot], &jm->state, size) && jm->keys[slot].depth == jm->state.depth) {
+        jm->hits++;
+        return set;
+    }
+    json_walk(jm->jc, &jm->state, jm->walk, set, jm->vocab);
+    memcpy(&jm->keys[slot], &jm->state, size);
+    jm->used[slot] = 1;
+    jm->walks++;
+    return set;
+}
+
+/* --json-schema FILE: compiles the schema in FILE into g; returns its node. */
+static int compile_schema_file(JsonGrammar *g, const char *path)
+{
+    (void)g;
+    die(EXIT_USAGE, "--json-schema %s: not yet", path);
+}
+
 /* ----- streaming --------------------------------------------------------------- */
 
 /* Streams token texts to stdout so that a UTF-8 character split across
@@ -3080,14 +3837,22 @@ static void lookup_adapt(Lookup *lk, int kept, int k)
 
 /* Takes the sampled token: an end token stops (never printed, never fed
    back); otherwise it is streamed and counted, and the limits are checked
-   (-n, the context at position pos, Ctrl-C). Returns STOP_* or -1 to go on. */
-static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st, int token, int n_predict, int pos, int seq_len)
+   (-n, the context at position pos, Ctrl-C). With jm (--json) the token
+   moves the automaton, and a complete value stops (an end token, which
+   the mask allows only then, stops even with --ignore-eos). Returns STOP_*
+   or -1 to go on. */
+static int take_token(const Model *m, const GenOpts *o, JsonMask *jm, Utf8Stream *u, Stats *st, int token, int n_predict,
+                      int pos, int seq_len)
 {
-    if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
+    if (tok_is_eog(m->tok, token) && (!o->ignore_eos || jm)) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
+    if (jm && !json_feed_all(&jm->jc->g, &jm->state, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
+        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
     if (piece && !tok_is_control(m->tok, token)) emit(u, piece, len);
-    if (++st->n_gen >= n_predict) return STOP_LIMIT;
+    ++st->n_gen;
+    if (jm && jm->state.mode == JM_DONE) return STOP_JSON_DONE;
+    if (st->n_gen >= n_predict) return STOP_LIMIT;
     if (pos >= seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
     return -1;
@@ -3098,8 +3863,8 @@ static int take_token(const Model *m, const GenOpts *o, Utf8Stream *u, Stats *st
    verification pass; each draft that stands is taken on the spot (and may
    stop generation: then *why is set). conv receives every token fed, so
    conv->n == *pos after the step. */
-static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Lookup *lk, Candidate *cand, Tokens *conv,
-                       int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
+static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, JsonMask *jm, Lookup *lk, Candidate *cand,
+                       Tokens *conv, int *pos, int n_predict, Utf8Stream *u, Stats *st, int token, int *why)
 {
     int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
     push(conv, token);
@@ -3110,17 +3875,18 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
     st->passes++;
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
-        return sample(sm, s->logits, vocab, cand);
+        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
     }
     batch[0] = token;
     verify_step(m, s, batch, k + 1, *pos);
     st->drafted += k;
     int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i] */
-        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
+    for (;; i++) { /* row i holds the logits after batch[0..i]; jm's state is after them too (drafts stood) */
+        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1,
+                                 jm ? json_mask_allowed(jm) : NULL);
         if (i == k || next != batch[i + 1]) break;
         kept++;
-        if ((*why = take_token(m, o, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
+        if ((*why = take_token(m, o, jm, u, st, next, n_predict, *pos + i + 1, s->seq_len)) >= 0) break;
         push(conv, next);
     }
     st->accepted += kept;
@@ -3134,12 +3900,16 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
    n_predict tokens, the end of the context or Ctrl-C. Every token fed to the
    model is appended to conv, so conv->n == *pos on return. Returns why it
    stopped and, in *last, the last token sampled (not fed; -1 when
-   n_predict is 0: then nothing is sampled or printed). */
+   n_predict is 0: then nothing is sampled or printed). With o->json every
+   token is sampled under the grammar's mask; st->json_incomplete tells
+   whether the value was left unfinished. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Utf8Stream u = {{0}, 0};
+    JsonMask mask, *jm = NULL;
+    if (o->json) json_mask_init(jm = &mask, o->json, m->c.vocab_size);
     Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
@@ -3151,14 +3921,14 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
     *last = token;
     while (n_predict > 0) {
-        if ((why = take_token(m, o, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
+        if ((why = take_token(m, o, jm, &u, st, token, n_predict, *pos, s->seq_len)) >= 0) break;
         int before = st->n_gen, stop = -1;
-        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
+        token = decode_next(m, s, sm, o, jm, &lk, cand, conv, pos, n_predict, &u, st, token, &stop);
         *last = token;
         /* the pass yielded the drafts taken and the new token: they share its time */
         double t = now_ms();
@@ -3168,6 +3938,11 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         if (stop >= 0) { why = stop; break; }
     }
     emit_flush(&u);
+    if (jm) {
+        st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
+        st->json_walks = jm->walks, st->json_hits = jm->hits;
+        json_mask_free(jm);
+    }
     free(cand);
     return why;
 }
@@ -3244,8 +4019,9 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
    Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
+static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
 {
+    int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
     build_chat(&ch, m, o->system);
     Tokens conv = {0};
@@ -3292,12 +4068,14 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        if (st.json_incomplete) fprintf(stderr, "run: this answer is not a complete JSON value\n"), incomplete++;
         if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
     free(exch);
     free(conv.ids);
+    return incomplete;
 }
 
 /* ----- all logits --------------------------------------------------------------- */
@@ -3401,6 +4179,8 @@ typedef struct {
     float temperature, top_p;
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    int json;            /* --json */
+    const char *json_schema; /* --json-schema FILE */
     GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
 } Args;
 
@@ -3430,6 +4210,15 @@ static void usage(FILE *f)
         "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
         "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
         "                 (by default they are plain text and cannot inject tokens)\n"
+        "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
+        "                 would break it are never sampled, and generation ends when\n"
+        "                 the value is complete (with -m chat: each answer). At most\n"
+        "                 16 whitespace bytes in a row, none after the value; numbers\n"
+        "                 of at most 40 bytes; nesting depth at most 32. If -n or the\n"
+        "                 context runs out first, the exit status is 1\n"
+        "  --json-schema FILE  the same, and the value matches the JSON Schema in FILE\n"
+        "                 (the subset the README's \"Structured output\" lists; any\n"
+        "                 other keyword is an error naming its path)\n"
         "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
@@ -3563,7 +4352,8 @@ static void parse_args(Args *a, int argc, char **argv)
     *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
                 .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels", NULL};
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
+                                       "--json-schema", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -3604,6 +4394,8 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
         else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
+        else if (!strcmp(f, "--json")) a->json = 1;
+        else if (!strcmp(f, "--json-schema")) a->json_schema = v;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -3624,6 +4416,10 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->ppl && a->dump_logits, "--ppl", "--dump-logits"},
         {a->tokenize && a->dump_logits, "--tokenize", "--dump-logits"},
         {a->chat_wrap && a->ids, "-c", "--ids"},
+        {a->json && a->json_schema, "--json", "--json-schema"},
+        {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
+        {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},
+        {(a->json || a->json_schema) && a->tokenize, a->json ? "--json" : "--json-schema", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -3770,11 +4566,18 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
     select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
+    JsonConstraint jc, *jcp = NULL;
+    if (a.json || a.json_schema) {
+        json_grammar_init(&jc.g);
+        jc.root = a.json_schema ? compile_schema_file(&jc.g, a.json_schema) : 0;
+        jcp = &jc;
+    }
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
+    if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
     int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
@@ -3832,7 +4635,10 @@ int main(int argc, char **argv)
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) chat_loop(&m, &s, &sm, &a.gen, mcp);
+    else if (chat) {
+        int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
+        if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
+    }
     else if (a.gen.n_predict > 0) {
         int n_predict = a.gen.n_predict, pos = 0, last;
         if (n_predict > seq_len - prompt.n + 1) {
@@ -3840,10 +4646,15 @@ int main(int argc, char **argv)
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
         }
         Stats st;
-        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &st, &last);
+        int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
+        if (st.json_incomplete)
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", why == STOP_CONTEXT ? "the end of the context" : "-n");
+    } else if (jcp) {
+        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }
+    if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
     close_stdout();
     free(prompt.ids);
     free_state(&s);
