@@ -2755,6 +2755,7 @@ typedef struct {
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
     int json_incomplete;           /* --json: generation stopped before the value was complete */
     long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
+    double json_walk_ms;           /* --json: the time computing them took */
 } Stats;
 
 static int by_double(const void *a, const void *b)
@@ -2782,8 +2783,8 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
     fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
             k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
     if (st->json_walks)
-        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary, %ld taken from the cache\n", st->json_walks,
-                st->json_hits);
+        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary (%.1f ms each), %ld taken from the cache\n",
+                st->json_walks, st->json_walk_ms / st->json_walks, st->json_hits);
     if (st->drafted)
         fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
                 100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
@@ -3570,6 +3571,9 @@ typedef struct {
     uint8_t *byte;
     int *depth, *end, *tok;
     int *next_tok; /* [vocab] */
+    int *order;    /* the tokens in trie order: node i's subtree holds order[first[i] .. first[end[i]]) */
+    int *first;    /* [n + 1] */
+    uint8_t *text; /* 1: every token of node i's subtree is string text (see json_walk) */
     int *eog;      /* the end-of-generation tokens: allowed once the value is complete */
     int n_eog;
 } VocabTrie;
@@ -3586,6 +3590,45 @@ static int by_piece(const void *a, const void *b)
     const Piece *x = a, *y = b;
     int c = memcmp(x->p, y->p, x->len < y->len ? x->len : y->len);
     return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* Whether a token's bytes, read inside a string (a value of any string,
+   between characters), leave it inside the string between characters:
+   then it is allowed at every such place, whatever surrounds the string. */
+static int is_string_text(const char *p, size_t len)
+{
+    JsonGrammar g = {0};
+    JsonNode any = {.types = JT_ANY, .set = -1, .max_items = JSON_NO_LIMIT, .max_len = JSON_NO_LIMIT, .keys = -1, .additional = 1};
+    g.nodes = &any, g.n_nodes = 1;
+    JsonState s;
+    json_start(&s, 0);
+    json_feed(&g, &s, '"');
+    return json_feed_all(&g, &s, p, len) && s.mode == JM_STRING && s.sub == S_BODY && !s.u8_left;
+}
+
+/* The token order, and which subtrees hold only string text: the walk
+   marks those whole inside a string instead of feeding their bytes. */
+static void mark_text_subtrees(VocabTrie *t, const tok_tokenizer *tok)
+{
+    t->first = xmalloc((t->n + 1) * sizeof *t->first);
+    t->order = xmalloc(((size_t)t->n + 1) * sizeof *t->order);
+    t->text = xmalloc(t->n + 1);
+    int k = 0;
+    for (int i = 0; i < t->n; i++) {
+        t->first[i] = k;
+        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) t->order[k++] = id;
+    }
+    t->first[t->n] = k;
+    size_t len;
+    for (int i = t->n - 1; i >= 0; i--) { /* children before parents */
+        int text = 1;
+        for (int id = t->tok[i]; id >= 0 && text; id = t->next_tok[id]) {
+            const char *p = tok_piece(tok, id, &len);
+            text = is_string_text(p, len);
+        }
+        for (int j = i + 1; j < t->end[i] && text; j = t->end[j]) text = t->text[j];
+        t->text[i] = (uint8_t)text;
+    }
 }
 
 /* Sorted, the token texts sharing a prefix are neighbours: each text adds
@@ -3632,11 +3675,13 @@ static void build_trie(VocabTrie *t, const tok_tokenizer *tok, int vocab)
     for (; open > 0; open--) t->end[path[open]] = t->n;
     free(path);
     free(pieces);
+    mark_text_subtrees(t, tok);
 }
 
 static void free_trie(VocabTrie *t)
 {
     free(t->byte); free(t->depth); free(t->end); free(t->tok); free(t->next_tok); free(t->eog);
+    free(t->order); free(t->first); free(t->text);
 }
 
 /* What --json / --json-schema compile once: the grammar, its start node
@@ -3657,7 +3702,8 @@ typedef struct {
     JsonState keys[JSON_CACHE_SLOTS];         /* the state each cached set belongs to */
     int used[JSON_CACHE_SLOTS];
     uint8_t *sets;                            /* [JSON_CACHE_SLOTS][vocab]: 1 where a token is allowed */
-    long walks, hits;                         /* for -v */
+    long walks, hits;                         /* for -v: sets walked, sets from the cache ... */
+    double walk_ms;                           /* ... and the time the walks took */
 } JsonMask;
 
 static void json_mask_init(JsonMask *jm, const JsonConstraint *jc, int vocab)
@@ -3676,15 +3722,34 @@ static void json_mask_free(JsonMask *jm)
     free(jm->sets);
 }
 
+/* Whether s is inside a string between characters, with no length to
+   count: there every token that is string text (VocabTrie.text) is
+   allowed, whatever else the state holds. */
+static int json_in_free_text(const JsonGrammar *g, const JsonState *s)
+{
+    if (s->sub != S_BODY || s->u8_left) return 0;
+    if (s->mode == JM_STRING) return g->nodes[s->node].min_len == 0 && g->nodes[s->node].max_len == JSON_NO_LIMIT;
+    /* a key of an object with no declared keys: any string */
+    return s->mode == JM_KEY && s->key_free && g->nodes[s->frames[s->depth - 1].node].keys < 0;
+}
+
 /* The walk: every token whose bytes the automaton accepts from state s.
    A subtree of the trie is skipped at its first refused byte, and each
-   node costs one state copy (the part in use) and one byte fed. */
+   node costs one state copy (the part in use) and one byte fed. Inside a
+   string most tokens are allowed and the walk would visit nearly every
+   node: there a subtree of string text is marked whole. */
 static void json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *walk, uint8_t *allowed, int vocab)
 {
     const VocabTrie *t = &jc->trie;
+    int text = json_in_free_text(&jc->g, s);
     memset(allowed, 0, vocab);
     memcpy(&walk[0], s, json_state_size(s));
     for (int i = 0; i < t->n;) {
+        if (text && t->text[i]) {
+            for (int k = t->first[i]; k < t->first[t->end[i]]; k++) allowed[t->order[k]] = 1;
+            i = t->end[i];
+            continue;
+        }
         int d = t->depth[i];
         JsonState *w = &walk[d];
         memcpy(w, &walk[d - 1], json_state_size(&walk[d - 1]));
@@ -3710,7 +3775,9 @@ static const uint8_t *json_mask_allowed(JsonMask *jm)
         jm->hits++;
         return set;
     }
+    double t0 = now_ms();
     json_walk(jm->jc, &jm->state, jm->walk, set, jm->vocab);
+    jm->walk_ms += now_ms() - t0;
     memcpy(&jm->keys[slot], &jm->state, size);
     jm->used[slot] = 1;
     jm->walks++;
@@ -3940,7 +4007,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     emit_flush(&u);
     if (jm) {
         st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
-        st->json_walks = jm->walks, st->json_hits = jm->hits;
+        st->json_walks = jm->walks, st->json_hits = jm->hits, st->json_walk_ms = jm->walk_ms;
         json_mask_free(jm);
     }
     free(cand);

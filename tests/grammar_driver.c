@@ -1,12 +1,16 @@
 /* Classifies byte strings with run.c's JSON automaton (the --json and
    --json-schema recognizer), for tests/test_json_output.py to compare with
    an independent reference and with Python's json and jsonschema.
-   Usage: grammar_driver [SCHEMA_FILE] < lines; each line of stdin is one
-   byte string in hex (an empty line: the empty string), and gets one line
-   on stdout: "invalid" (no value the grammar allows begins so),
-   "prefix" (some do, and it is not one yet) or "complete" (it is one: a
-   top-level number may still go on). Includes run.c whole so the static
-   automaton is reachable. */
+   Usage: grammar_driver [--mask MODEL] [SCHEMA_FILE] < lines; each line
+   of stdin is one byte string in hex (an empty line: the empty string),
+   and gets one line on stdout: "invalid" (no value the grammar allows
+   begins so), "prefix" (some do, and it is not one yet) or "complete" (it
+   is one: a top-level number may still go on). With --mask, each valid
+   line gets instead the number of tokens of MODEL's vocabulary the mask
+   allows after it (the trie walk, through the cache), checked against
+   feeding every token's bytes to a copy of the state one by one: a
+   difference is reported and fails the run. Includes run.c whole so the
+   static automaton is reachable. */
 #define main run_main
 #include "../run.c"
 #undef main
@@ -19,12 +23,46 @@ static const char *classify(const JsonGrammar *g, int root, const unsigned char 
     return json_complete(g, &s) ? "complete" : "prefix";
 }
 
+/* The mask after the bytes p[0..n), from the walk and token by token;
+   prints how many tokens it allows, or dies at the first difference. */
+static void check_mask(const JsonConstraint *jc, const Model *m, const unsigned char *p, size_t n)
+{
+    JsonMask jm;
+    int vocab = m->c.vocab_size, allowed = 0;
+    json_mask_init(&jm, jc, vocab);
+    if (!json_feed_all(&jc->g, &jm.state, (const char *)p, n)) { puts("invalid"); json_mask_free(&jm); return; }
+    for (int pass = 0; pass < 2; pass++) { /* the second time from the cache */
+        const uint8_t *walked = json_mask_allowed(&jm);
+        for (int id = 0; id < vocab; id++) {
+            size_t len;
+            const char *piece = tok_piece(m->tok, id, &len);
+            JsonState s = jm.state;
+            int ok = tok_is_eog(m->tok, id) ? json_complete(&jc->g, &s)
+                   : !tok_is_control(m->tok, id) && piece && len && json_feed_all(&jc->g, &s, piece, len);
+            if (ok != walked[id]) die(EXIT_RUNTIME, "token %d: the walk says %d, its bytes %d", id, walked[id], ok);
+            allowed += ok && !pass;
+        }
+    }
+    if (jm.walks != 1 || jm.hits != 1) die(EXIT_RUNTIME, "expected one walk and one cache hit");
+    printf("%d\n", allowed);
+    json_mask_free(&jm);
+}
+
 int main(int argc, char **argv)
 {
-    if (argc > 2) die(EXIT_USAGE, "usage: grammar_driver [SCHEMA_FILE] < hex lines");
-    JsonGrammar g;
-    json_grammar_init(&g);
-    int root = argc == 2 ? compile_schema_file(&g, argv[1]) : 0;
+    const char *model_path = NULL;
+    if (argc > 2 && !strcmp(argv[1], "--mask")) model_path = argv[2], argc -= 2, argv += 2;
+    if (argc > 2) die(EXIT_USAGE, "usage: grammar_driver [--mask MODEL] [SCHEMA_FILE] < hex lines");
+    JsonConstraint jc;
+    JsonGrammar *gp = &jc.g;
+    json_grammar_init(gp);
+    int root = jc.root = argc == 2 ? compile_schema_file(gp, argv[1]) : 0;
+    Model m;
+    char err[ERR_BYTES];
+    if (model_path) {
+        if (build_model(&m, model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", model_path, err);
+        build_trie(&jc.trie, m.tok, m.c.vocab_size);
+    }
     char line[1 << 16];
     unsigned char bytes[1 << 15];
     while (fgets(line, sizeof line, stdin)) {
@@ -35,8 +73,10 @@ int main(int argc, char **argv)
             if (hi < 0 || lo < 0) die(EXIT_USAGE, "not hex: %s", line);
             bytes[n++] = (unsigned char)(hi << 4 | lo);
         }
-        puts(classify(&g, root, bytes, n));
+        if (model_path) check_mask(&jc, &m, bytes, n);
+        else puts(classify(gp, root, bytes, n));
     }
-    json_grammar_free(&g);
+    if (model_path) free_trie(&jc.trie), free_model(&m);
+    json_grammar_free(gp);
     return 0;
 }

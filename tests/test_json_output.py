@@ -145,3 +145,28 @@ def test_automaton_agrees_with_reference_and_json() -> None:
     assert not bad, f"{len(bad)} disagreements of {len(allstr)}, first ones:\n" + "\n".join(bad[:10])
     assert min(counts.values()) > 500, f"corpus too one-sided: {counts}"
     print(f"automaton == reference on {len(allstr)} strings ({counts}); every complete one parses with json")
+
+
+def _mask_counts(exe: Path, model_file: Path, prefixes: list[bytes], schema: Path | None = None) -> list[str]:
+    r = subprocess.run([str(exe), "--mask", str(model_file), *([str(schema)] if schema else [])],
+                       input="".join(p.hex() + "\n" for p in prefixes), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{model_file.name}: {r.stderr.strip()}"
+    out = r.stdout.split()
+    assert len(out) == len(prefixes)
+    return out
+
+
+def test_mask_walk_equals_token_by_token() -> None:
+    """The trie walk (with its string-text shortcut and the cache) allows exactly the tokens whose own bytes the
+    automaton accepts, on both vocabularies, after prefixes of random documents."""
+    exe = _driver()
+    rng = random.Random(SEED + 1)
+    docs = [_rand_text(rng).encode() for _ in range(40)]
+    prefixes = [b"", b"\"", b"{\"", b"[\"a"] + [d[:rng.randrange(len(d) + 1)] for d in docs for _ in range(3)]
+    for model_file in (Path(model()), require(GEMMA, "run `make model-gemma`")):
+        counts = _mask_counts(exe, model_file, prefixes)
+        valid = [int(c) for c in counts if c != "invalid"]
+        assert len(valid) == len(prefixes), "a prefix of a valid document was refused"
+        assert all(c > 0 for c in valid), "a valid prefix with no token allowed"
+        print(f"{model_file.name}: walk == token by token after {len(prefixes)} prefixes "
+              f"(allowed tokens {min(valid)}..{max(valid)})")
