@@ -59,6 +59,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <math.h>
 #include <sched.h>
 #include <signal.h>
@@ -2986,6 +2987,469 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
     }
 }
 
+/* ----- byte buffers and JSON --------------------------------------------------
+   Buf is a growable byte string: what a request writes when its output goes
+   to memory rather than straight to stdout. The JSON reader takes exactly
+   RFC 8259 and nothing more (a script's input should mean one thing); the
+   writer escapes any bytes into valid JSON and valid UTF-8. */
+
+#define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
+#define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
+#define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
+#define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
+
+typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
+
+/* Room for n more bytes and the NUL. */
+static void buf_reserve(Buf *b, size_t n)
+{
+    if (b->p && n < b->cap - b->len) return;
+    if (n > SIZE_MAX / 4 - b->len) die(EXIT_RUNTIME, "out of memory");
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap - b->len <= n) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) die(EXIT_RUNTIME, "out of memory");
+    b->p = p, b->cap = cap;
+}
+
+static void buf_put(Buf *b, const char *s, size_t n)
+{
+    buf_reserve(b, n);
+    if (n) memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+static void buf_printf(Buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) die(EXIT_RUNTIME, "cannot format '%s'", fmt);
+    buf_reserve(b, (size_t)n);
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+/* How many bytes at s[0..n) (n >= 1) follow the well-formed UTF-8 table
+   (the Unicode standard's table 3-7: no overlong forms, no surrogates
+   U+D800..DFFF, nothing above U+10FFFF); *need gets the length of the
+   sequence s[0] begins (0: no sequence begins with it). The sequence is
+   well-formed when the two agree; otherwise the bytes counted are its
+   "maximal subpart", which the writer replaces by one U+FFFD. */
+static int utf8_scan(const unsigned char *s, size_t n, int *need)
+{
+    unsigned c = s[0];
+    *need = c < 0x80 ? 1 : c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+    if (*need <= 1) return *need;
+    unsigned lo = c == 0xe0 ? 0xa0 : c == 0xf0 ? 0x90 : 0x80, hi = c == 0xed ? 0x9f : c == 0xf4 ? 0x8f : 0xbf;
+    if (n < 2 || s[1] < lo || s[1] > hi) return 1;
+    int k = 2;
+    while (k < *need && (size_t)k < n && (s[k] & 0xc0) == 0x80) k++;
+    return k;
+}
+
+/* The length (1-4) of the well-formed UTF-8 sequence at s[0..n), or 0. */
+static int utf8_valid(const unsigned char *s, size_t n)
+{
+    int need, k = utf8_scan(s, n, &need);
+    return k == need ? k : 0;
+}
+
+static void utf8_put(Buf *b, unsigned cp)
+{
+    char u[4];
+    int n = cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4;
+    static const unsigned char lead[] = {0, 0, 0xc0, 0xe0, 0xf0};
+    for (int i = n - 1; i > 0; i--, cp >>= 6) u[i] = (char)(0x80 | (cp & 0x3f));
+    u[0] = (char)(n == 1 ? cp : lead[n] | cp);
+    buf_put(b, u, n);
+}
+
+/* The escape of one byte that JSON strings cannot hold as it is: the short
+   forms where RFC 8259 has them, else \u00XX. */
+static void json_put_escape(Buf *b, unsigned char c)
+{
+    static const char raw[] = "\"\\\b\f\n\r\t", esc[] = "\"\\bfnrt";
+    const char *hit = c ? strchr(raw, c) : NULL;
+    if (hit) buf_printf(b, "\\%c", esc[hit - raw]);
+    else buf_printf(b, "\\u%04x", c);
+}
+
+/* s[0..n) as a JSON string, quotes included. Quote, backslash and control
+   characters are escaped; DEL and all other well-formed UTF-8 are written
+   as they are; ill-formed UTF-8 (a token may hold part of a character)
+   becomes U+FFFD, one per maximal subpart as Unicode recommends (what
+   Python's decode(errors="replace") gives). The output is valid JSON and
+   valid UTF-8 whatever s holds. */
+static MAYBE_UNUSED void json_put_string(Buf *b, const char *s, size_t n)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    buf_put(b, "\"", 1);
+    for (size_t i = 0; i < n;) {
+        size_t run = 0;
+        while (i + run < n && p[i + run] >= 0x20 && p[i + run] < 0x80 && p[i + run] != '"' && p[i + run] != '\\') run++;
+        if (run) { buf_put(b, s + i, run); i += run; continue; }
+        int need, k = utf8_scan(p + i, n - i, &need);
+        if (p[i] < 0x80) json_put_escape(b, p[i]);
+        else if (need && k == need) buf_put(b, s + i, k);
+        else buf_put(b, "\xef\xbf\xbd", 3);
+        i += k ? k : 1;
+    }
+    buf_put(b, "\"", 1);
+}
+
+/* A finite double as a JSON number that reads back as the same double:
+   integers below 2^53 as plain digits, anything else with %.17g. */
+static MAYBE_UNUSED void json_put_number(Buf *b, double x)
+{
+    if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
+    else buf_printf(b, "%.17g", x);
+}
+
+typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonKind;
+
+typedef struct Json {
+    JsonKind kind;
+    int boolean;            /* JSON_BOOL */
+    double number;          /* JSON_NUMBER (its text also in str/len, as written) */
+    char *str; size_t len;  /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes); JSON_NUMBER: its text */
+    int n;                  /* ARRAY / OBJECT: element count */
+    struct Json *items;     /* ARRAY: the elements; OBJECT: the values */
+    char **keys; size_t *key_lens; /* OBJECT: the keys, decoded, in document order */
+} Json;
+
+/* The reader's position in text[0..len); err receives the first error. */
+typedef struct {
+    const unsigned char *s;
+    size_t len, at;
+    char *err;
+    size_t err_len;
+} JsonReader;
+
+/* Records "at byte N: REASON" (N counts from 0) and returns -1. */
+static int json_fail(JsonReader *r, const char *fmt, ...)
+{
+    char why[ERR_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    if (r->err_len) {
+        snprintf(r->err, r->err_len, "at byte %zu: %s", r->at, why);
+        one_line(r->err);
+    }
+    return -1;
+}
+
+/* "expected WHAT, found X": X the byte at the position, shown readably. */
+static int json_unexpected(JsonReader *r, const char *what)
+{
+    if (r->at == r->len) return json_fail(r, "expected %s, found the end of the input", what);
+    unsigned c = r->s[r->at];
+    if (c > 0x20 && c < 0x7f) return json_fail(r, "expected %s, found '%c'", what, c);
+    return json_fail(r, "expected %s, found byte 0x%02x%s", what, c, c ? "" : " (NUL)");
+}
+
+static void json_space(JsonReader *r)
+{
+    for (int c; r->at < r->len && ((c = r->s[r->at]) == ' ' || c == '\t' || c == '\r' || c == '\n');) r->at++;
+}
+
+static int json_eat(JsonReader *r, char c)
+{
+    if (r->at == r->len || r->s[r->at] != (unsigned char)c) return 0;
+    r->at++;
+    return 1;
+}
+
+/* Four hex digits at s[at..at+4) as a number, or -1. */
+static long json_hex4(const JsonReader *r, size_t at)
+{
+    long v = 0;
+    if (at + 4 > r->len) return -1;
+    for (size_t i = at; i < at + 4; i++) {
+        int c = r->s[i], d = c >= '0' && c <= '9' ? c - '0' : (c | 0x20) >= 'a' && (c | 0x20) <= 'f' ? (c | 0x20) - 'a' + 10 : -1;
+        if (d < 0) return -1;
+        v = v * 16 + d;
+    }
+    return v;
+}
+
+/* A \uXXXX escape at r->at (UTF-16: a surrogate pair is one character, a
+   surrogate alone is refused) appended to b as UTF-8. */
+static int json_unicode_escape(JsonReader *r, Buf *b)
+{
+    long cp = json_hex4(r, r->at + 2), lo = -1;
+    if (cp < 0) return json_fail(r, "\\u needs four hex digits");
+    if (cp >= 0xdc00 && cp <= 0xdfff) return json_fail(r, "\\u%04lX is a lone low surrogate", cp);
+    if (cp >= 0xd800 && cp <= 0xdbff) {
+        if (r->at + 7 < r->len && r->s[r->at + 6] == '\\' && r->s[r->at + 7] == 'u') lo = json_hex4(r, r->at + 8);
+        if (lo < 0xdc00 || lo > 0xdfff) return json_fail(r, "\\u%04lX is a high surrogate without a low one after it", cp);
+        cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
+        r->at += 6;
+    }
+    r->at += 6;
+    utf8_put(b, (unsigned)cp);
+    return 0;
+}
+
+/* A backslash escape at r->at, appended to b decoded. */
+static int json_escape(JsonReader *r, Buf *b)
+{
+    static const char name[] = "\"\\/bfnrt", raw[] = "\"\\/\b\f\n\r\t";
+    int c = r->at + 1 < r->len ? r->s[r->at + 1] : 0;
+    const char *hit = c ? strchr(name, c) : NULL;
+    if (hit) {
+        buf_put(b, raw + (hit - name), 1);
+        r->at += 2;
+        return 0;
+    }
+    if (c == 'u') return json_unicode_escape(r, b);
+    return json_fail(r, "invalid escape (RFC 8259 has \\\" \\\\ \\/ \\b \\f \\n \\r \\t \\uXXXX)");
+}
+
+/* The characters of a string after its opening quote, up to and past the
+   closing one, appended to b decoded. */
+static int json_string_body(JsonReader *r, Buf *b)
+{
+    while (r->at < r->len) {
+        const unsigned char *p = r->s + r->at;
+        size_t run = 0;
+        while (r->at + run < r->len && p[run] >= 0x20 && p[run] < 0x80 && p[run] != '"' && p[run] != '\\') run++;
+        buf_put(b, (const char *)p, run);
+        r->at += run;
+        if (r->at == r->len) break;
+        p += run;
+        if (*p == '"') { r->at++; return 0; }
+        if (*p == '\\') { if (json_escape(r, b) != 0) return -1; continue; }
+        if (*p < 0x20) return json_fail(r, "control character 0x%02x in a string (write it as an escape)", *p);
+        int k = utf8_valid(p, r->len - r->at);
+        if (!k) return json_fail(r, "invalid UTF-8 in a string");
+        buf_put(b, (const char *)p, k);
+        r->at += k;
+    }
+    return json_fail(r, "unterminated string");
+}
+
+/* The string at r->at (its opening quote), decoded into a malloc'd
+   NUL-terminated *out of *n bytes. */
+static int json_string(JsonReader *r, char **out, size_t *n)
+{
+    Buf b = {0};
+    buf_reserve(&b, 0);
+    b.p[0] = 0;
+    r->at++;
+    if (json_string_body(r, &b) != 0) { free(b.p); return -1; }
+    *out = b.p, *n = b.len;
+    return 0;
+}
+
+static int json_digits(JsonReader *r)
+{
+    size_t at = r->at;
+    while (r->at < r->len && r->s[r->at] >= '0' && r->s[r->at] <= '9') r->at++;
+    return r->at > at;
+}
+
+/* A number: -?(0|[1-9][0-9]*)(.[0-9]+)?([eE][+-]?[0-9]+)?, its value by
+   strtod (correctly rounded; this program never changes the C locale).
+   One beyond the double range is refused; one below it becomes 0. */
+static int json_number(JsonReader *r, Json *v)
+{
+    size_t start = r->at;
+    v->kind = JSON_NUMBER;
+    json_eat(r, '-');
+    if (json_eat(r, '0')) {
+        if (r->at < r->len && r->s[r->at] >= '0' && r->s[r->at] <= '9') return json_fail(r, "leading zero in a number");
+    } else if (!json_digits(r)) return json_unexpected(r, "a digit");
+    if (json_eat(r, '.') && !json_digits(r)) return json_unexpected(r, "a digit after '.'");
+    if (r->at < r->len && (r->s[r->at] | 0x20) == 'e') {
+        r->at++;
+        if (!json_eat(r, '+')) json_eat(r, '-');
+        if (!json_digits(r)) return json_unexpected(r, "a digit in the exponent");
+    }
+    v->len = r->at - start;
+    v->str = xmalloc(v->len + 1);
+    memcpy(v->str, r->s + start, v->len);
+    v->str[v->len] = 0;
+    v->number = strtod(v->str, NULL);
+    if (isinf(v->number)) { r->at = start; return json_fail(r, "number %.*s is out of the range of a double", JSON_QUOTE_MAX, v->str); }
+    return 0;
+}
+
+static int json_value(JsonReader *r, Json *v, int depth);
+
+/* Makes room in an array or object for element v->n; *cap is its size. */
+static void json_grow(Json *v, int *cap)
+{
+    if (v->n < *cap) return;
+    if (*cap > INT_MAX / 2) die(EXIT_RUNTIME, "out of memory");
+    *cap = *cap ? 2 * *cap : 4;
+    v->items = realloc(v->items, *cap * sizeof *v->items);
+    if (v->kind == JSON_OBJECT) {
+        v->keys = realloc(v->keys, *cap * sizeof *v->keys);
+        v->key_lens = realloc(v->key_lens, *cap * sizeof *v->key_lens);
+        if (!v->keys || !v->key_lens) die(EXIT_RUNTIME, "out of memory");
+    }
+    if (!v->items) die(EXIT_RUNTIME, "out of memory");
+}
+
+/* '[' was read: the elements and the closing ']'. */
+static int json_array(JsonReader *r, Json *v, int depth)
+{
+    json_space(r);
+    if (json_eat(r, ']')) return 0;
+    for (int cap = 0;;) {
+        json_grow(v, &cap);
+        v->items[v->n++] = (Json){0};
+        if (json_value(r, &v->items[v->n - 1], depth) != 0) return -1;
+        json_space(r);
+        if (json_eat(r, ']')) return 0;
+        if (!json_eat(r, ',')) return json_unexpected(r, "',' or ']' in an array");
+    }
+}
+
+/* One object member: "key" : value, as element v->n; *key_at gets where
+   the key starts. */
+static int json_member(JsonReader *r, Json *v, int depth, size_t *key_at)
+{
+    json_space(r);
+    *key_at = r->at;
+    if (r->at == r->len || r->s[r->at] != '"') return json_unexpected(r, "a string (an object's key)");
+    if (json_string(r, &v->keys[v->n], &v->key_lens[v->n]) != 0) return -1;
+    v->items[v->n++] = (Json){0};
+    json_space(r);
+    if (!json_eat(r, ':')) return json_unexpected(r, "':' after an object's key");
+    return json_value(r, &v->items[v->n - 1], depth);
+}
+
+typedef struct { const char *key; size_t len, at; } JsonKey;
+
+static int by_key_then_place(const void *a, const void *b)
+{
+    const JsonKey *x = a, *y = b;
+    int c = memcmp(x->key, y->key, x->len < y->len ? x->len : y->len);
+    if (c) return c;
+    if (x->len != y->len) return x->len < y->len ? -1 : 1;
+    return (x->at > y->at) - (x->at < y->at);
+}
+
+/* Refuses an object that names a key twice (RFC 8259 leaves the meaning
+   open; readers disagree on which value wins, so this one takes neither).
+   Sorting keeps it O(n log n) for objects with many keys; the error points
+   at the first repeat in document order. ats[i]: where key i starts. */
+static int json_unique_keys(JsonReader *r, const Json *v, const size_t *ats)
+{
+    JsonKey *k = xmalloc(v->n * sizeof *k);
+    for (int i = 0; i < v->n; i++) k[i] = (JsonKey){v->keys[i], v->key_lens[i], ats[i]};
+    qsort(k, v->n, sizeof *k, by_key_then_place);
+    int dup = -1;
+    for (int i = 1; i < v->n; i++)
+        if (k[i].len == k[i - 1].len && !memcmp(k[i].key, k[i - 1].key, k[i].len) && (dup < 0 || k[i].at < k[dup].at)) dup = i;
+    int rc = 0;
+    if (dup >= 0) {
+        r->at = k[dup].at;
+        rc = json_fail(r, "duplicate key \"%.*s\" in an object", (int)(k[dup].len < JSON_QUOTE_MAX ? k[dup].len : JSON_QUOTE_MAX), k[dup].key);
+    }
+    free(k);
+    return rc;
+}
+
+/* '{' was read: the members, the closing '}', then the keys' check. */
+static int json_object(JsonReader *r, Json *v, int depth)
+{
+    size_t *ats = NULL;
+    int rc = 0, cap = 0;
+    json_space(r);
+    if (!json_eat(r, '}'))
+        for (;;) {
+            json_grow(v, &cap);
+            if (!(ats = realloc(ats, cap * sizeof *ats))) die(EXIT_RUNTIME, "out of memory");
+            if ((rc = json_member(r, v, depth, &ats[v->n])) != 0) break;
+            json_space(r);
+            if (json_eat(r, '}')) break;
+            if (!json_eat(r, ',')) { rc = json_unexpected(r, "',' or '}' in an object"); break; }
+        }
+    if (rc == 0 && v->n > 1) rc = json_unique_keys(r, v, ats);
+    free(ats);
+    return rc;
+}
+
+static int json_literal(JsonReader *r, const char *word)
+{
+    size_t n = strlen(word);
+    if (r->len - r->at < n || memcmp(r->s + r->at, word, n)) return 0;
+    r->at += n;
+    return 1;
+}
+
+/* One value at r->at (after optional whitespace) into v, which json_free
+   can free whatever happens. depth: the arrays/objects around it. */
+static int json_value(JsonReader *r, Json *v, int depth)
+{
+    json_space(r);
+    int c = r->at < r->len ? r->s[r->at] : -1;
+    if (c == '[' || c == '{') {
+        if (depth == JSON_MAX_DEPTH) return json_fail(r, "arrays and objects nested more than %d deep", JSON_MAX_DEPTH);
+        r->at++;
+        v->kind = c == '[' ? JSON_ARRAY : JSON_OBJECT;
+        return c == '[' ? json_array(r, v, depth + 1) : json_object(r, v, depth + 1);
+    }
+    if (c == '"') { v->kind = JSON_STRING; return json_string(r, &v->str, &v->len); }
+    if (c == '-' || (c >= '0' && c <= '9')) return json_number(r, v);
+    if (json_literal(r, "true")) { v->kind = JSON_BOOL; v->boolean = 1; return 0; }
+    if (json_literal(r, "false")) { v->kind = JSON_BOOL; return 0; }
+    if (json_literal(r, "null")) { v->kind = JSON_NULL; return 0; }
+    return json_unexpected(r, "a value");
+}
+
+static void json_free(Json *v)
+{
+    for (int i = 0; i < v->n; i++) {
+        json_free(&v->items[i]);
+        if (v->keys) free(v->keys[i]);
+    }
+    free(v->items);
+    free(v->keys);
+    free(v->key_lens);
+    free(v->str);
+    *v = (Json){0};
+}
+
+/* Parses exactly one JSON value (RFC 8259, strict) from text[0..len); 0 on
+   success, else -1 with a one-line reason in err ("at byte 17: ...") and
+   *out empty. Strict: only space, tab, CR, LF around tokens; no comments,
+   trailing commas, single quotes, leading zeros, '+', NaN or Infinity;
+   strings of well-formed UTF-8 without raw control characters, only the
+   RFC's escapes, surrogates only in pairs; numbers within the double
+   range; no key twice in an object; at most JSON_MAX_DEPTH levels. */
+static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
+{
+    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len};
+    *out = (Json){0};
+    int rc = json_value(&r, out, 0);
+    if (rc == 0) {
+        json_space(&r);
+        if (r.at < r.len) rc = json_unexpected(&r, "the end of the input after the value");
+    }
+    if (rc != 0) json_free(out);
+    return rc;
+}
+
+/* The value of key in an object, or NULL (absent, or obj not an object). */
+static MAYBE_UNUSED const Json *json_get(const Json *obj, const char *key)
+{
+    size_t n = strlen(key);
+    if (!obj || obj->kind != JSON_OBJECT) return NULL;
+    for (int i = 0; i < obj->n; i++)
+        if (obj->key_lens[i] == n && !memcmp(obj->keys[i], key, n)) return &obj->items[i];
+    return NULL;
+}
+
 /* ----- constrained output: JSON ---------------------------------------------
    --json and --json-schema make the output exactly one JSON value (RFC
    8259), by construction: before each token is sampled, every token whose
@@ -2995,7 +3459,7 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
    The recognizer is a pushdown automaton over bytes. Its state (JsonState)
    is a small plain struct: what is being read (mode), the lexer's place
    inside a string, number or fixed text, and a stack of open containers
-   bounded by JSON_MAX_DEPTH. Copying it is cheap, so trying a token means
+   bounded by JSON_GEN_DEPTH. Copying it is cheap, so trying a token means
    feeding its bytes to a copy. A schema compiles into the same automaton
    (JsonGrammar: one JsonNode per schema, the plain --json value being the
    node that allows anything), and every state it can reach has a
@@ -3018,7 +3482,7 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
    where the walk is longest; there the state repeats from token to token,
    and the allowed set of the last JSON_CACHE_SLOTS states is kept. */
 
-#define JSON_MAX_DEPTH 32     /* nested arrays and objects */
+#define JSON_GEN_DEPTH 32     /* nested arrays and objects in the output */
 #define JSON_MAX_WS 16        /* whitespace bytes in a row: enough for indented output */
 #define JSON_MAX_NUMBER 40    /* bytes of one number */
 #define JSON_MAX_PROPS 64     /* properties of one schema object (a bit each in JsonFrame.seen) */
@@ -3110,7 +3574,7 @@ typedef struct {
     uint16_t hex;          /* a \u escape's digits so far */
     uint16_t lo, hi, off;  /* JM_MATCH, JM_KEY: texts[lo .. hi) still match, their first off bytes read */
     uint32_t count;        /* JM_STRING: characters (with a length bound only); JM_NUMBER: bytes */
-    JsonFrame frames[JSON_MAX_DEPTH];
+    JsonFrame frames[JSON_GEN_DEPTH];
 } JsonState;
 
 #define JSON_STATE_HEAD offsetof(JsonState, frames)
@@ -3175,7 +3639,7 @@ static int json_more_keys(const JsonGrammar *g, const JsonFrame *f)
 /* Opens an array or object of node n. */
 static int json_open(JsonState *s, int node, int object)
 {
-    if (s->depth == JSON_MAX_DEPTH) return 0;
+    if (s->depth == JSON_GEN_DEPTH) return 0;
     s->frames[s->depth++] = (JsonFrame){0, (uint16_t)node, 0, (uint8_t)object};
     json_enter(s, object ? JM_OBJECT_OPEN : JM_ARRAY_OPEN, node);
     return 1;

@@ -65,6 +65,10 @@ def test_tok_section_regressions():
     replay_c("tok_section")
 
 
+def test_json_regressions():
+    replay_c("json")
+
+
 def test_export_regressions():
     w = work()
     for target in ("gguf", "safetensors"):

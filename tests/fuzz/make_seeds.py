@@ -15,6 +15,7 @@ interesting bytes and not megabytes of weights:
   seeds/tokenizer/    [selector byte][text] inputs              -> fuzz_tokenizer
   seeds/gguf/         tiny GGUF files (f32, f16, q8_0, q4_1, SentencePiece)  -> fuzz_export.py gguf
   seeds/safetensors/  model.safetensors of tiny HF dirs (F32, BF16)          -> fuzz_export.py safetensors
+  seeds/json/         small JSON documents, valid and not                     -> fuzz_json
   hf_template/        config.json + tokenizer files the safetensors target pairs with each input
   vocab.list          model files whose tokenizers fuzz_tokenizer loads (one path a line; the
                       selector byte of an input picks one)
@@ -62,6 +63,21 @@ TEXTS = [
     "\u2581 already escaped \u2581\u2581 spaces".encode(),
     b"a" * 300 + b" " * 100 + b"!" * 50,
     bytes(range(256)),
+]
+
+
+# Documents for the JSON target: every kind of value, escapes and surrogate pairs, raw UTF-8, numbers at the
+# double range's edges, nesting around JSON_MAX_DEPTH (64), and a few refusals (duplicate key, lone surrogate).
+JSON_SEEDS = [
+    b'{"id": 42, "text": "caf\u00e9 \ud83d\ude00", "logprob": -0.125, "top": [{"id": 7, "text": "\n", "logprob": -2.5e-3}]}',
+    b' [true, false, null, 0, -0, 1.5E+10, -2e-308, 1.7976931348623157e308, 123456789012345678901] ',
+    '{"é中": "😀\u0000\"\\\/\b\f\n\r\t", "": {}, "a": [[], [{}]]}'.encode(),
+    b"[" * 63 + b"1" + b"]" * 63,
+    b'{"k":' * 65 + b"0" + b"}" * 65,
+    b'{"a": 1, "a": 2}',
+    b'"\ud800"',
+    b'{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}',
+    b"[" + b",".join(b'{"n":%d,"s":"%s"}' % (i, b"x" * i) for i in range(40)) + b"]",
 ]
 
 
@@ -168,7 +184,7 @@ def main() -> None:
 
     seeds = work / "seeds"
     shutil.rmtree(seeds, ignore_errors=True)
-    for target in ("loader", "tok_section", "tokenizer", "gguf", "safetensors"):
+    for target in ("loader", "tok_section", "tokenizer", "gguf", "safetensors", "json"):
         (seeds / target).mkdir(parents=True)
     for m in loader + [spm_tok]:
         shutil.copy(m, seeds / "loader" / m.name)
@@ -183,6 +199,9 @@ def main() -> None:
                 (seeds / "tokenizer" / f"v{sel}-f{flags}-{i}").write_bytes(bytes([sel | flags]) + text)
     for bench in sorted((ROOT / "tests" / "tokenizer" / "bench").glob("*.txt")):
         (seeds / "tokenizer" / f"bench-{bench.stem}").write_bytes(b"\0" + bench.read_bytes()[:2000])
+
+    for i, doc in enumerate(JSON_SEEDS):
+        (seeds / "json" / f"doc-{i}.json").write_bytes(doc)
 
     for name in ("model.f32.gguf", "model.f16.gguf", "model.q8_0.gguf", "model.q4_1.gguf"):
         shutil.copy(src["tied"] / name, seeds / "gguf" / f"tied.{name}")

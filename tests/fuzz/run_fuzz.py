@@ -8,6 +8,7 @@ Targets (C ones built with clang -fsanitize=fuzzer,address,undefined; Python one
   loader       tests/fuzz/fuzz_loader.c       run.c's build_model + a short generation
   tokenizer    tests/fuzz/fuzz_tokenizer.c    tok_encode/tok_decode on the real vocabularies
   tok_section  tests/fuzz/fuzz_tok_section.c  tok_create on damaged tokenizer sections
+  json         tests/fuzz/fuzz_json.c         run.c's JSON reader and string writer on any bytes
   gguf         tests/fuzz/fuzz_export.py      export.py on damaged GGUF files
   safetensors  tests/fuzz/fuzz_export.py      export.py on damaged safetensors files
 
@@ -34,7 +35,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-C_TARGETS = {"loader": "fuzz_loader.c", "tokenizer": "fuzz_tokenizer.c", "tok_section": "fuzz_tok_section.c"}
+C_TARGETS = {"loader": "fuzz_loader.c", "tokenizer": "fuzz_tokenizer.c", "tok_section": "fuzz_tok_section.c",
+             "json": "fuzz_json.c"}
 PY_TARGETS = ("gguf", "safetensors")
 ALL_TARGETS = tuple(C_TARGETS) + PY_TARGETS
 CLANG = os.environ.get("FUZZ_CC", "clang")
@@ -72,7 +74,8 @@ def build(work: Path, src_dir: Path = DEFAULT_SRC) -> dict[str, Path]:
     for target, src in C_TARGETS.items():
         exe = out / f"fuzz_{target}"
         sources = [HERE / src, src_dir / "tokenizer.c"]
-        deps = sources + [src_dir / "tokenizer.h", src_dir / "run.c", HERE / "coverage_ignore.txt", Path(__file__)]
+        deps = sources + [src_dir / "tokenizer.h", src_dir / "run.c", HERE / "coverage_ignore.txt", Path(__file__),
+                          HERE.parent / "json_canon.h"]
         if rebuild_all or not exe.exists() or any(d.stat().st_mtime > exe.stat().st_mtime for d in deps):
             cmd = [CLANG, f"-I{src_dir}", *CFLAGS, f'-DRUN_C="{src_dir / "run.c"}"', *map(str, sources), "-lm", "-o", str(exe)]
             r = subprocess.run(cmd, capture_output=True, text=True)
@@ -107,7 +110,8 @@ def run_target(target: str, work: Path, exes: dict[str, Path], seconds: int) -> 
         max_len = max(p.stat().st_size for p in seeds.iterdir())
         cmd = [str(exes[target]), f"-max_total_time={seconds}", "-timeout=20", "-rss_limit_mb=2048",
                f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/",
-               *([f"-dict={HERE / 'loader.dict'}"] if target == "loader" else []), str(corpus), str(seeds)]
+               *([f"-dict={HERE / (target + '.dict')}"] if (HERE / (target + ".dict")).exists() else []),
+               str(corpus), str(seeds)]
     else:
         cmd = [sys.executable, str(HERE / "fuzz_export.py"), target, str(work), "--seconds", str(seconds)]
     t0 = time.time()
