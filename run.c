@@ -3469,9 +3469,10 @@ static MAYBE_UNUSED const Json *json_get(const Json *obj, const char *key)
 
    Beyond RFC 8259, three bounds keep a model from running on forever with
    bytes that change nothing: at most JSON_MAX_WS whitespace bytes in a
-   row (between tokens, and before the value), no whitespace at all after
-   the value (once complete, generation ends), and numbers of at most
-   JSON_MAX_NUMBER bytes. Strings must be valid UTF-8 (no overlong forms,
+   row, of them at most one line feed (between tokens, and before the
+   value: room for indented output, none for blank lines), no whitespace at
+   all after the value (once complete, generation ends), and numbers of at
+   most JSON_MAX_NUMBER bytes. Strings must be valid UTF-8 (no overlong forms,
    no surrogates, nothing past U+10FFFF), and a \u escape of a surrogate
    must be a high one followed by a low one.
 
@@ -3565,7 +3566,7 @@ typedef struct {
    them); only the first `depth` frames are in use. */
 typedef struct {
     uint8_t mode, sub;     /* JM_*; S_* or N_* inside a string or number */
-    uint8_t ws;            /* whitespace bytes in a row */
+    uint8_t ws, lf;        /* whitespace bytes in a row, and whether a line feed was one of them */
     uint8_t depth;         /* open containers */
     uint8_t u8_left;       /* UTF-8: continuation bytes still due ... */
     uint8_t u8_lo, u8_hi;  /* ... and the range of the next one */
@@ -3602,16 +3603,17 @@ static void json_enter(JsonState *s, int mode, int node)
 {
     s->mode = (uint8_t)mode;
     s->node = (uint16_t)node;
-    s->sub = s->ws = s->u8_left = s->u8_lo = s->u8_hi = s->key_free = 0;
+    s->sub = s->ws = s->lf = s->u8_left = s->u8_lo = s->u8_hi = s->key_free = 0;
     s->hex = s->lo = s->hi = s->off = 0;
     s->count = 0;
 }
 
-/* A whitespace byte where whitespace may stand. */
-static int json_ws(JsonState *s)
+/* A whitespace byte c where whitespace may stand. */
+static int json_ws(JsonState *s, unsigned c)
 {
-    if (s->ws >= JSON_MAX_WS) return 0;
+    if (s->ws >= JSON_MAX_WS || (c == '\n' && s->lf)) return 0;
     s->ws++;
+    s->lf |= c == '\n';
     return 1;
 }
 
@@ -3858,32 +3860,32 @@ static int json_key_byte(const JsonGrammar *g, JsonState *s, unsigned c)
    value the grammar allows, 0 if not (then s is unusable). */
 static int json_feed(const JsonGrammar *g, JsonState *s, unsigned c)
 {
-    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) s->ws = 0;
+    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) s->ws = s->lf = 0;
     for (;;) {
         int r;
         switch (s->mode) {
         case JM_VALUE:
-            return json_is_ws(c) ? json_ws(s) : json_value_start(g, s, c);
+            return json_is_ws(c) ? json_ws(s, c) : json_value_start(g, s, c);
         case JM_ARRAY_OPEN:
-            if (json_is_ws(c)) return json_ws(s);
+            if (json_is_ws(c)) return json_ws(s, c);
             if (c == ']') return json_close(g, s, c);
             if (g->nodes[s->node].max_items == 0) return 0;
             json_enter(s, JM_VALUE, g->nodes[s->node].items);
             continue;
         case JM_OBJECT_OPEN:
         case JM_KEY_NEXT:
-            if (json_is_ws(c)) return json_ws(s);
+            if (json_is_ws(c)) return json_ws(s, c);
             if (c == '"') return json_key_start(g, s);
             return s->mode == JM_OBJECT_OPEN && json_close(g, s, c);
         case JM_KEY:
             return json_key_byte(g, s, c);
         case JM_COLON:
-            if (json_is_ws(c)) return json_ws(s);
+            if (json_is_ws(c)) return json_ws(s, c);
             if (c != ':') return 0;
             s->mode = JM_VALUE;
             return 1;
         case JM_AFTER: {
-            if (json_is_ws(c)) return json_ws(s);
+            if (json_is_ws(c)) return json_ws(s, c);
             JsonFrame *f = &s->frames[s->depth - 1];
             const JsonNode *n = &g->nodes[f->node];
             if (c != ',') return json_close(g, s, c);
@@ -4248,11 +4250,301 @@ static const uint8_t *json_mask_allowed(JsonMask *jm)
     return set;
 }
 
-/* --json-schema FILE: compiles the schema in FILE into g; returns its node. */
+/* ----- the schema subset ------------------------------------------------
+   --json-schema compiles a JSON Schema into grammar nodes. The subset:
+   type (a name or a list of names), properties, required,
+   additionalProperties (true or false), items (one schema), minItems,
+   maxItems, minLength, maxLength (in characters: code points), enum and
+   const; title, description, $schema, $id, $comment, default and examples
+   are annotations and ignored. As in JSON Schema, properties and
+   required constrain only objects, items and the item counts only
+   arrays, the lengths only strings. enum and const match the exact
+   compact text of their values (strings escaped only where JSON must
+   be); beside them only type may stand. A declared key matches only as
+   its exact text; where other keys are allowed they are written without
+   escapes, so that a key is a declared one exactly when it reads as one.
+   Each declared key appears at most once, in any order, and '}' waits for
+   the required ones. Anything else is a usage error naming the JSON path
+   of the keyword. */
+
+#define SCHEMA_MAX_BYTES (1u << 20) /* a schema file is small; more is a mistake */
+#define SCHEMA_PATH_BYTES 256       /* the JSON path in an error message */
+
+/* What compiling a schema keeps at hand for its error messages. */
+typedef struct {
+    JsonGrammar *g;
+    const char *file;
+} SchemaCtx;
+
+static _Noreturn void schema_error(const SchemaCtx *cx, const char *path, const char *fmt, ...)
+{
+    char msg[MSG_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    die(EXIT_USAGE, "--json-schema %s: %s: %s", cx->file, path, msg);
+}
+
+/* path + "." + key (or ["key"] when the key is not a plain name), or
+   path + "[i]" when key is NULL. */
+static void schema_path(char *out, const char *path, const char *key, size_t key_len, int index)
+{
+    int plain = key && key_len && !isdigit((unsigned char)key[0]);
+    for (size_t i = 0; key && i < key_len; i++)
+        plain &= isalnum((unsigned char)key[i]) || key[i] == '_' || key[i] == '$';
+    if (!key) snprintf(out, SCHEMA_PATH_BYTES, "%s[%d]", path, index);
+    else if (plain) snprintf(out, SCHEMA_PATH_BYTES, "%s.%.*s", path, (int)key_len, key);
+    else {
+        Buf b = {0};
+        json_put_string(&b, key, key_len);
+        snprintf(out, SCHEMA_PATH_BYTES, "%s[%s]", path, b.p ? b.p : "\"\"");
+        free(b.p);
+    }
+}
+
+/* The compact text of a value: the exact bytes an enum or const value
+   must be written as. Strings escape only what JSON requires. */
+static void json_canonical(Buf *b, const Json *v)
+{
+    switch (v->kind) {
+    case JSON_NULL: buf_put(b, "null", 4); break;
+    case JSON_BOOL: v->boolean ? buf_put(b, "true", 4) : buf_put(b, "false", 5); break;
+    case JSON_NUMBER: buf_put(b, v->str, v->len); break;
+    case JSON_STRING:
+        buf_put(b, "\"", 1);
+        for (size_t i = 0; i < v->len; i++) {
+            unsigned char c = (unsigned char)v->str[i];
+            if (c == '"' || c == '\\') buf_printf(b, "\\%c", c);
+            else if (c < 0x20) buf_printf(b, "\\u%04x", c);
+            else buf_put(b, (const char *)&c, 1);
+        }
+        buf_put(b, "\"", 1);
+        break;
+    case JSON_ARRAY:
+    case JSON_OBJECT:
+        buf_put(b, v->kind == JSON_ARRAY ? "[" : "{", 1);
+        for (int i = 0; i < v->n; i++) {
+            if (i) buf_put(b, ",", 1);
+            if (v->kind == JSON_OBJECT) {
+                Json key = {.kind = JSON_STRING, .str = v->keys[i], .len = v->key_lens[i]};
+                json_canonical(b, &key);
+                buf_put(b, ":", 1);
+            }
+            json_canonical(b, &v->items[i]);
+        }
+        buf_put(b, v->kind == JSON_ARRAY ? "]" : "}", 1);
+        break;
+    }
+}
+
+/* The kinds value v is of, as "type" names them (an integral number is
+   both a number and an integer). */
+static unsigned json_kind_types(const Json *v)
+{
+    switch (v->kind) {
+    case JSON_NULL: return JT_NULL;
+    case JSON_BOOL: return JT_BOOLEAN;
+    case JSON_NUMBER: return JT_NUMBER | (isfinite(v->number) && floor(v->number) == v->number ? JT_INTEGER : 0);
+    case JSON_STRING: return JT_STRING;
+    case JSON_ARRAY: return JT_ARRAY;
+    default: return JT_OBJECT;
+    }
+}
+
+/* Adds v's text to the set being built, checked against the automaton
+   itself: a text it would refuse (a number longer than it allows, nesting
+   deeper) could never be generated. */
+static void schema_add_value(const SchemaCtx *cx, const char *path, const Json *v, int prop)
+{
+    Buf b = {0};
+    json_canonical(&b, v);
+    JsonState s;
+    json_start(&s, 0);
+    if (!json_feed_all(cx->g, &s, b.p, b.len) || !json_complete(cx->g, &s))
+        schema_error(cx, path, "the value cannot be generated (numbers of at most %d bytes, nesting at most %d deep)",
+                     JSON_MAX_NUMBER, JSON_GEN_DEPTH);
+    if (cx->g->n_texts >= UINT16_MAX) schema_error(cx, path, "too many enum values and keys (at most %d)", UINT16_MAX - 1);
+    json_add_text(cx->g, b.p, (int)b.len, prop);
+    free(b.p);
+}
+
+/* "type": a name or a non-empty list of names. */
+static unsigned schema_types(const SchemaCtx *cx, const char *path, const Json *v)
+{
+    static const struct { const char *name; unsigned bit; } names[] = {
+        {"null", JT_NULL}, {"boolean", JT_BOOLEAN}, {"number", JT_NUMBER | JT_INTEGER}, {"integer", JT_INTEGER},
+        {"string", JT_STRING}, {"array", JT_ARRAY}, {"object", JT_OBJECT}};
+    unsigned types = 0;
+    int n = v->kind == JSON_ARRAY ? v->n : 1;
+    if (v->kind == JSON_ARRAY && !n) schema_error(cx, path, "expects a type name or a non-empty list of them");
+    for (int i = 0; i < n; i++) {
+        const Json *t = v->kind == JSON_ARRAY ? &v->items[i] : v;
+        unsigned bit = 0;
+        for (size_t k = 0; t->kind == JSON_STRING && k < sizeof names / sizeof *names; k++)
+            if (strlen(names[k].name) == t->len && !memcmp(names[k].name, t->str, t->len)) bit = names[k].bit;
+        if (!bit) schema_error(cx, path, "expects null, boolean, number, integer, string, array or object (or a list of them)");
+        types |= bit;
+    }
+    return types;
+}
+
+/* minItems and the like: an integer in [0, max]. */
+static int schema_count(const SchemaCtx *cx, const char *path, const Json *v, int max)
+{
+    if (v->kind != JSON_NUMBER || !(json_kind_types(v) & JT_INTEGER) || v->number < 0 || v->number > max)
+        schema_error(cx, path, "expects an integer in [0, %d]", max);
+    return (int)v->number;
+}
+
+static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, int level);
+
+/* properties, required and additionalProperties of node `node`. */
+static void schema_object(const SchemaCtx *cx, int node, const Json *v, const char *path, int level)
+{
+    JsonGrammar *g = cx->g;
+    const Json *props = json_get(v, "properties"), *req = json_get(v, "required"), *add = json_get(v, "additionalProperties");
+    char sub[SCHEMA_PATH_BYTES], at[SCHEMA_PATH_BYTES];
+    int kids[JSON_MAX_PROPS], n = 0, additional = 1;
+    const char *names[JSON_MAX_PROPS];
+    size_t lens[JSON_MAX_PROPS];
+    if (add) {
+        schema_path(at, path, "additionalProperties", 20, 0);
+        if (add->kind != JSON_BOOL) schema_error(cx, at, "only true or false is supported");
+        additional = add->boolean;
+    }
+    if (props) {
+        schema_path(at, path, "properties", 10, 0);
+        if (props->kind != JSON_OBJECT) schema_error(cx, at, "expects an object");
+        if (props->n > JSON_MAX_PROPS) schema_error(cx, at, "more than %d properties", JSON_MAX_PROPS);
+        for (int i = 0; i < props->n; i++) {
+            schema_path(sub, at, props->keys[i], props->key_lens[i], 0);
+            for (int k = 0; k < n; k++)
+                if (lens[k] == props->key_lens[i] && !memcmp(names[k], props->keys[i], lens[k])) schema_error(cx, sub, "declared twice");
+            names[n] = props->keys[i], lens[n] = props->key_lens[i];
+            kids[n++] = compile_schema(cx, &props->items[i], sub, level + 1);
+        }
+    }
+    uint64_t required = 0;
+    if (req) {
+        schema_path(at, path, "required", 8, 0);
+        if (req->kind != JSON_ARRAY) schema_error(cx, at, "expects a list of property names");
+        for (int i = 0; i < req->n; i++) {
+            const Json *r = &req->items[i];
+            schema_path(sub, at, NULL, 0, i);
+            if (r->kind != JSON_STRING) schema_error(cx, sub, "expects a property name (a string)");
+            int k = 0;
+            while (k < n && !(lens[k] == r->len && !memcmp(names[k], r->str, r->len))) k++;
+            if (k == n) { /* required but not declared: any value */
+                if (!additional) schema_error(cx, sub, "required, but not in properties while additionalProperties is false");
+                if (n == JSON_MAX_PROPS) schema_error(cx, sub, "more than %d properties", JSON_MAX_PROPS);
+                names[n] = r->str, lens[n] = r->len, kids[n++] = 0;
+            }
+            required |= 1ull << k;
+        }
+    }
+    int first = g->n_prop_nodes;
+    g->prop_node = realloc(g->prop_node, (g->n_prop_nodes + n + 1) * sizeof *g->prop_node);
+    if (!g->prop_node) die(EXIT_RUNTIME, "out of memory");
+    for (int i = 0; i < n; i++) g->prop_node[g->n_prop_nodes++] = kids[i];
+    int keys = -1;
+    if (n) {
+        keys = json_begin_set(g);
+        for (int i = 0; i < n; i++) {
+            Json key = {.kind = JSON_STRING, .str = (char *)names[i], .len = lens[i]};
+            schema_path(sub, path, "properties", 10, 0);
+            schema_add_value(cx, sub, &key, i);
+        }
+        json_end_set(g);
+    }
+    JsonNode *nd = &g->nodes[node];
+    nd->keys = keys, nd->n_props = n, nd->props = first, nd->required = required, nd->additional = additional;
+}
+
+/* Compiles schema v (at JSON path `path`, inside `level` containers) into
+   a node of cx->g; returns its index. */
+static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, int level)
+{
+    static const char *const known[] = {"type", "properties", "required", "additionalProperties", "items", "minItems",
+                                        "maxItems", "minLength", "maxLength", "enum", "const", "title", "description",
+                                        "$schema", "$id", "$comment", "default", "examples"};
+    enum { N_VALIDATING = 11 }; /* known[0 .. N_VALIDATING) validate, the rest are annotations */
+    JsonGrammar *g = cx->g;
+    char at[SCHEMA_PATH_BYTES];
+    if (v->kind != JSON_OBJECT) schema_error(cx, path, "a schema must be a JSON object (true and false are not supported)");
+    if (level >= JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
+    if (g->n_nodes >= UINT16_MAX) schema_error(cx, path, "the schema is too large (at most %d schemas)", UINT16_MAX - 1);
+    const Json *en = json_get(v, "enum"), *cn = json_get(v, "const");
+    for (int i = 0; i < v->n; i++) {
+        size_t k = 0;
+        while (k < sizeof known / sizeof *known && !(strlen(known[k]) == v->key_lens[i] && !memcmp(known[k], v->keys[i], v->key_lens[i]))) k++;
+        schema_path(at, path, v->keys[i], v->key_lens[i], 0);
+        if (k == sizeof known / sizeof *known) schema_error(cx, at, "keyword not supported");
+        if ((en || cn) && k > 0 && k < N_VALIDATING - 2)
+            schema_error(cx, at, "not supported beside enum or const (only type is)");
+    }
+    if (en && cn) schema_path(at, path, "const", 5, 0), schema_error(cx, at, "not supported beside enum");
+    const Json *t = json_get(v, "type");
+    unsigned types = JT_ANY;
+    if (t) schema_path(at, path, "type", 4, 0), types = schema_types(cx, at, t);
+    int node = json_add_node(g, types);
+    if (en || cn) {
+        schema_path(at, path, en ? "enum" : "const", en ? 4 : 5, 0);
+        if (en && (en->kind != JSON_ARRAY || !en->n)) schema_error(cx, at, "expects a non-empty list of values");
+        int set = json_begin_set(g), n = en ? en->n : 1;
+        for (int i = 0; i < n; i++) {
+            const Json *e = en ? &en->items[i] : cn;
+            char sub[SCHEMA_PATH_BYTES];
+            if (en) schema_path(sub, at, NULL, 0, i);
+            if (json_kind_types(e) & types) schema_add_value(cx, en ? sub : at, e, -1);
+        }
+        json_end_set(g);
+        if (!g->sets[set].n) schema_error(cx, at, "no value is of the schema's type");
+        g->nodes[node].set = set;
+        return node;
+    }
+    const Json *items = json_get(v, "items");
+    if (items) {
+        schema_path(at, path, "items", 5, 0);
+        int item = compile_schema(cx, items, at, level + 1); /* moves g->nodes */
+        g->nodes[node].items = item;
+    }
+    static const char *const bounds[] = {"minItems", "maxItems", "minLength", "maxLength"};
+    int value[4] = {0, JSON_NO_LIMIT, 0, JSON_NO_LIMIT};
+    for (int b = 0; b < 4; b++) {
+        const Json *x = json_get(v, bounds[b]);
+        if (x) schema_path(at, path, bounds[b], strlen(bounds[b]), 0), value[b] = schema_count(cx, at, x, b < 2 ? UINT16_MAX : INT32_MAX);
+    }
+    for (int b = 0; b < 4; b += 2)
+        if (value[b + 1] != JSON_NO_LIMIT && value[b] > value[b + 1])
+            schema_path(at, path, bounds[b], strlen(bounds[b]), 0), schema_error(cx, at, "greater than %s", bounds[b + 1]);
+    JsonNode *nd = &g->nodes[node];
+    nd->min_items = value[0], nd->max_items = value[1], nd->min_len = value[2], nd->max_len = value[3];
+    schema_object(cx, node, v, path, level);
+    return node;
+}
+
+/* --json-schema FILE: reads and compiles the schema in FILE into g;
+   returns its node. Every problem is a usage error naming the file. */
 static int compile_schema_file(JsonGrammar *g, const char *path)
 {
-    (void)g;
-    die(EXIT_USAGE, "--json-schema %s: not yet", path);
+    FILE *f = fopen(path, "rb");
+    if (!f) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(errno));
+    char *text = xmalloc(SCHEMA_MAX_BYTES + 1);
+    size_t len = fread(text, 1, SCHEMA_MAX_BYTES + 1, f);
+    int failed = ferror(f), e = errno;
+    fclose(f);
+    if (failed) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(e ? e : EIO));
+    if (len > SCHEMA_MAX_BYTES) die(EXIT_USAGE, "--json-schema %s: longer than %u bytes", path, SCHEMA_MAX_BYTES);
+    Json v;
+    char err[MSG_BYTES];
+    if (json_parse(text, len, &v, err, sizeof err) != 0) die(EXIT_USAGE, "--json-schema %s: not valid JSON: %s", path, err);
+    free(text);
+    if (v.kind != JSON_OBJECT) die(EXIT_USAGE, "--json-schema %s: the schema must be a JSON object", path);
+    SchemaCtx cx = {g, path};
+    int root = compile_schema(&cx, &v, "$", 0);
+    json_free(&v);
+    return root;
 }
 
 /* ----- streaming --------------------------------------------------------------- */
@@ -4744,9 +5036,11 @@ static void usage(FILE *f)
         "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
         "                 would break it are never sampled, and generation ends when\n"
         "                 the value is complete (with -m chat: each answer). At most\n"
-        "                 16 whitespace bytes in a row, none after the value; numbers\n"
-        "                 of at most 40 bytes; nesting depth at most 32. If -n or the\n"
-        "                 context runs out first, the exit status is 1\n"
+        "                 16 whitespace bytes in a row (one line feed), none after the\n"
+        "                 value; numbers of at most 40 bytes; nesting depth at most\n"
+        "                 32. An end token (even with --ignore-eos) is allowed only\n"
+        "                 once the value is complete. If -n or the context runs out\n"
+        "                 first, stdout keeps the text and the exit status is 1\n"
         "  --json-schema FILE  the same, and the value matches the JSON Schema in FILE\n"
         "                 (the subset the README's \"Structured output\" lists; any\n"
         "                 other keyword is an error naming its path)\n"

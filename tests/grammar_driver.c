@@ -9,8 +9,15 @@
    line gets instead the number of tokens of MODEL's vocabulary the mask
    allows after it (the trie walk, through the cache), checked against
    feeding every token's bytes to a copy of the state one by one: a
-   difference is reported and fails the run. Includes run.c whole so the
-   static automaton is reachable. */
+   difference is reported and fails the run.
+   grammar_driver --sample MODEL RUNS N_PREDICT PROMPT [SCHEMA_FILE]: RUNS
+   sampled generations (-t 1, the default top-k, top-p and lookup
+   decoding, seeds 1..RUNS) of the prompt in the chat template, each
+   exactly as the generation loop of ./run --json makes it, in one process:
+   the model, the trie and the prompt's KV cache are built once. Each
+   output is followed by a line "\x1e INCOMPLETE" (1: the value was left
+   unfinished at N_PREDICT tokens).
+   Includes run.c whole so the static automaton is reachable. */
 #define main run_main
 #include "../run.c"
 #undef main
@@ -48,8 +55,48 @@ static void check_mask(const JsonConstraint *jc, const Model *m, const unsigned 
     json_mask_free(&jm);
 }
 
+/* --sample: see the top. */
+static int sample_runs(int argc, char **argv)
+{
+    if (argc != 5 && argc != 6) die(EXIT_USAGE, "usage: grammar_driver --sample MODEL RUNS N_PREDICT PROMPT [SCHEMA_FILE]");
+    select_kernels(best_kernel_set());
+    JsonConstraint jc;
+    json_grammar_init(&jc.g);
+    jc.root = argc == 6 ? compile_schema_file(&jc.g, argv[5]) : 0;
+    Model m;
+    char err[ERR_BYTES];
+    if (build_model(&m, argv[1], err) != 0) die(EXIT_RUNTIME, "%s: %s", argv[1], err);
+    build_trie(&jc.trie, m.tok, m.c.vocab_size);
+    int runs = atoi(argv[2]), n_predict = atoi(argv[3]);
+    Tokens prompt = {0};
+    tokenize_prompt(&m, argv[4], strlen(argv[4]), 1, 0, NULL, &prompt);
+    RunState s;
+    int seq_len = prompt.n + n_predict + VERIFY_MAX_TOKENS;
+    build_state(&s, &m, seq_len, usable_cpus(), T_F16);
+    GenOpts gen = {.n_predict = n_predict, .lookup = LOOKUP_DEFAULT, .json = &jc};
+    int n_prompt = prompt.n, pos = 0, last;
+    Stats st;
+    for (int run = 1; run <= runs; run++) {
+        /* the prompt but its last token is cached after the first run:
+           that one is fed again, giving the logits generation starts from */
+        Sampler sm = {1.0f, 0.95f, 40, (unsigned long long)run * 0x9E3779B97F4A7C15ull + 1};
+        prompt.n = n_prompt;
+        if (pos) pos = n_prompt - 1;
+        generate(&m, &s, &sm, &gen, &prompt, &pos, n_predict, &st, &last);
+        printf("\x1e %d\n", st.json_incomplete);
+        free(st.itl);
+    }
+    free(prompt.ids);
+    free_state(&s);
+    free_trie(&jc.trie);
+    free_model(&m);
+    json_grammar_free(&jc.g);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc > 1 && !strcmp(argv[1], "--sample")) return sample_runs(argc - 1, argv + 1);
     const char *model_path = NULL;
     if (argc > 2 && !strcmp(argv[1], "--mask")) model_path = argv[2], argc -= 2, argv += 2;
     if (argc > 2) die(EXIT_USAGE, "usage: grammar_driver [--mask MODEL] [SCHEMA_FILE] < hex lines");

@@ -8,7 +8,7 @@ as soon as its digits form one (more digits may follow).
 """
 from __future__ import annotations
 
-MAX_WS = 16       # whitespace bytes in a row
+MAX_WS = 16       # whitespace bytes in a row, of them at most one line feed
 MAX_NUMBER = 40   # bytes of one number
 MAX_DEPTH = 32    # open arrays and objects
 WS = b" \t\n\r"
@@ -56,12 +56,11 @@ class Parser:
         return c
 
     def ws(self) -> None:
-        run = 0
-        while self.i < len(self.b) and self.b[self.i] in WS:
-            run += 1
-            self.i += 1
-            if run > MAX_WS:
-                raise Invalid
+        run = self.b[self.i:self.i + MAX_WS + 1]
+        run = run[:len(run) - len(run.lstrip(WS))]
+        if len(run) > MAX_WS or run.count(b"\n") > 1:
+            raise Invalid
+        self.i += len(run)
 
     def value(self, depth: int) -> None:
         c = self.peek()

@@ -63,7 +63,10 @@ def _rand_number(rng: random.Random) -> str:
 
 
 def _ws(rng: random.Random) -> str:
-    return "".join(rng.choice(" \t\n\r") for _ in range(rng.choice([0, 0, 0, 1, 2, 4])))
+    """Whitespace within the bound: at most one line feed."""
+    run = "".join(rng.choice(" \t\r") for _ in range(rng.choice([0, 0, 0, 1, 2, 4])))
+    at = rng.randrange(len(run) + 1)
+    return run[:at] + "\n" + run[at:] if rng.random() < 0.3 else run
 
 
 def _rand_text(rng: random.Random, depth: int = 0) -> str:
@@ -111,7 +114,8 @@ def _corpus(rng: random.Random) -> tuple[list[bytes], list[bytes]]:
         strings += [d[:rng.randrange(len(d) + 1)] for _ in range(3)]
         strings += [_mutate(rng, d) for _ in range(3)]
     strings += [bytes(rng.choice(INTERESTING) for _ in range(rng.randrange(0, 12))) for _ in range(3000)]
-    edges = [b" " * MAX_WS + b"1", b" " * (MAX_WS + 1) + b"1", b"[" + b"\n" * MAX_WS + b"]", b"[" + b"\n" * (MAX_WS + 1),
+    edges = [b" " * MAX_WS + b"1", b" " * (MAX_WS + 1) + b"1", b"[" + b"\t" * MAX_WS + b"]", b"[" + b"\t" * (MAX_WS + 1),
+             b"[\n" + b" " * (MAX_WS - 1) + b"1]", b"[\n\n1]", b"[\r\n\r\n", b"[\n \n", b"[1\n,\n2]", b"\n\n1",
              b"1" * MAX_NUMBER, b"1" * (MAX_NUMBER + 1), b"[" + b"1" * MAX_NUMBER + b"]", b"[" + b"1" * (MAX_NUMBER + 1),
              b"1" * (MAX_NUMBER - 1) + b".", b"1" * (MAX_NUMBER - 2) + b".", b"[" * MAX_DEPTH + b"]" * MAX_DEPTH,
              b"[" * (MAX_DEPTH + 1), b"{\"a\":" * MAX_DEPTH, b"{\"a\":" * MAX_DEPTH + b"{", b"", b"1 ", b"{} ", b" {}",
