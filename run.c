@@ -4203,9 +4203,11 @@ static int json_in_free_text(const JsonGrammar *g, const JsonState *s)
    A subtree of the trie is skipped at its first refused byte, and each
    node costs one state copy (the part in use) and one byte fed. Inside a
    string most tokens are allowed and the walk would visit nearly every
-   node: there a subtree of string text is marked whole. */
-static void json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *walk, uint8_t *allowed, int vocab)
+   node: there a subtree of string text is marked whole. Returns 1 if any
+   token is allowed. */
+static int json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *walk, uint8_t *allowed, int vocab)
 {
+    int any = 0;
     const VocabTrie *t = &jc->trie;
     int text = json_in_free_text(&jc->g, s);
     memset(allowed, 0, vocab);
@@ -4213,6 +4215,7 @@ static void json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *w
     for (int i = 0; i < t->n;) {
         if (text && t->text[i]) {
             for (int k = t->first[i]; k < t->first[t->end[i]]; k++) allowed[t->order[k]] = 1;
+            any |= t->first[i] < t->first[t->end[i]];
             i = t->end[i];
             continue;
         }
@@ -4220,11 +4223,12 @@ static void json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *w
         JsonState *w = &walk[d];
         memcpy(w, &walk[d - 1], json_state_size(&walk[d - 1]));
         if (!json_feed(&jc->g, w, t->byte[i])) { i = t->end[i]; continue; }
-        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) allowed[id] = 1;
+        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) allowed[id] = any = 1;
         i++;
     }
     if (json_complete(&jc->g, s))
-        for (int k = 0; k < t->n_eog; k++) allowed[t->eog[k]] = 1;
+        for (int k = 0; k < t->n_eog; k++) allowed[t->eog[k]] = any = 1;
+    return any;
 }
 
 /* The tokens allowed next: 1 where a token keeps the output a prefix of
@@ -4242,7 +4246,9 @@ static const uint8_t *json_mask_allowed(JsonMask *jm)
         return set;
     }
     double t0 = now_ms();
-    json_walk(jm->jc, &jm->state, jm->walk, set, jm->vocab);
+    /* every state has a completion, but it may need a byte no token holds */
+    if (!json_walk(jm->jc, &jm->state, jm->walk, set, jm->vocab))
+        die(EXIT_RUNTIME, "no token of this vocabulary can continue the JSON value here");
     jm->walk_ms += now_ms() - t0;
     memcpy(&jm->keys[slot], &jm->state, size);
     jm->used[slot] = 1;
