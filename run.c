@@ -3581,7 +3581,7 @@ enum {
    digits of a \u escape read (S_LOW: the low half of a surrogate pair). */
 enum { S_BODY, S_ESC, S_LOW_BACKSLASH, S_LOW_U, S_HEX = 8, S_LOW = 16 };
 
-/* Inside a number: what has been read (N_END_* may end the number). */
+/* Inside a number: what has been read (N_ZERO, N_INT, N_FRAC and N_EXP may end it). */
 enum { N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP_MARK, N_EXP_SIGN, N_EXP };
 
 typedef struct {
