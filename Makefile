@@ -92,9 +92,11 @@ py-deps:
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install --quiet numpy
 
 # Test-only Python packages: gguf (the reference dequantizer, GGUF writer
-# for synthetic models), unicodedata2 (Unicode 15.1, llama.cpp's tables).
+# for synthetic models), unicodedata2 (Unicode 15.1, llama.cpp's tables),
+# jsonschema (validates what --json-schema generates).
 test-deps: py-deps
 	@$(PYTHON) -c "import gguf" 2>/dev/null || $(PYTHON) -m pip install --quiet gguf
+	@$(PYTHON) -c "import jsonschema" 2>/dev/null || $(PYTHON) -m pip install --quiet jsonschema
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 

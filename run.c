@@ -59,14 +59,17 @@
      Build without OpenMP for a single-threaded binary with the same results.
 */
 #define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
+#include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
 #include <math.h>
 #include <sched.h>
+#include <setjmp.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdarg.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -2625,6 +2628,35 @@ static int by_prob_desc(const void *a, const void *b)
     return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
+/* Moves the k best of cand[0..n) (by_prob_desc's order, a total one: ties
+   go to the lower id) to cand[0..k), unsorted; returns k. A heap of the
+   best so far with the worst on top: O(n log k) instead of sorting all n,
+   which for a 262144-token vocabulary at -t 1 took longer than the
+   forward pass. */
+static int keep_top_k(Candidate *cand, int n, int k)
+{
+    for (int i = 0; i < n; i++) {
+        int at;
+        if (i < k) { /* grow the heap: sift up */
+            for (at = i; at > 0 && by_prob_desc(&cand[(at - 1) / 2], &cand[at]) < 0; at = (at - 1) / 2) {
+                Candidate t = cand[at]; cand[at] = cand[(at - 1) / 2]; cand[(at - 1) / 2] = t;
+            }
+            continue;
+        }
+        if (by_prob_desc(&cand[i], &cand[0]) >= 0) continue; /* no better than the worst kept */
+        cand[0] = cand[i];
+        for (at = 0;;) { /* sift down: the worse child rises */
+            int c = 2 * at + 1;
+            if (c >= k) break;
+            if (c + 1 < k && by_prob_desc(&cand[c + 1], &cand[c]) > 0) c++;
+            if (by_prob_desc(&cand[c], &cand[at]) <= 0) break;
+            Candidate t = cand[at]; cand[at] = cand[c]; cand[c] = t;
+            at = c;
+        }
+    }
+    return k;
+}
+
 /* The distribution the sampler draws from: softmax(logits / T) restricted
    to the top-k, then to the top-p nucleus, as cand[0..keep) by falling
    probability (keep is returned; the kept probabilities sum to *total,
@@ -2640,6 +2672,7 @@ static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *can
     float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0;
     int nc = 0;
     for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
+    if (sm->top_k > 0 && nc > sm->top_k) nc = keep_top_k(cand, nc, sm->top_k);
     qsort(cand, nc, sizeof *cand, by_prob_desc);
     if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
     int keep = nc;
@@ -2659,7 +2692,7 @@ static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int s
     float r = random_f32(&sm->rng) * total, acc = 0;
     int last = -1;
     for (int i = 0; i < keep; i++) {
-        if (cand[i].id == skip) continue;
+        if (cand[i].id == skip || cand[i].p <= 0) continue; /* p 0: a masked token, never drawn by rounding */
         acc += cand[i].p;
         if (cand[i].p > 0 || last < 0) last = cand[i].id;
         if (r < acc) return last;
@@ -2710,6 +2743,14 @@ static void check_logits(const float *logits, int n)
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
 }
 
+/* Tokens not allowed (allowed[i] == 0; allowed NULL: all are) get
+   probability 0: constrained output (--json). */
+static void mask_logits(float *logits, int n, const uint8_t *allowed)
+{
+    if (allowed)
+        for (int i = 0; i < n; i++) if (!allowed[i]) logits[i] = -INFINITY;
+}
+
 static int sample_greedy(Sampler *sm, const float *logits, int n)
 {
     int id = sample_argmax(logits, n);
@@ -2717,9 +2758,10 @@ static int sample_greedy(Sampler *sm, const float *logits, int n)
     return id;
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed)
 {
     check_logits(logits, n);
+    mask_logits(logits, n, allowed);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
@@ -2736,9 +2778,10 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand)
    changes what is generated, only how many forward passes it takes. With
    -t 0 it is the argmax, which stands for d exactly when it equals it.
    The report (--logprobs) is p's, as sample() would give it. */
-static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d)
+static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d, const uint8_t *allowed)
 {
     check_logits(logits, n);
+    mask_logits(logits, n, allowed);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total), at = -1, id;
@@ -2870,6 +2913,9 @@ typedef struct {
     double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
     int n_itl;
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
+    int json_incomplete;           /* --json: generation stopped before the value was complete */
+    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
+    double json_walk_ms;           /* --json: the time computing them took */
 } Stats;
 
 static int by_double(const void *a, const void *b)
@@ -2896,6 +2942,9 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
             st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
     fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
             k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (st->json_walks)
+        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary (%.1f ms each), %ld taken from the cache\n",
+                st->json_walks, st->json_walk_ms / st->json_walks, st->json_hits);
     if (st->drafted)
         fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
                 100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
@@ -2932,10 +2981,12 @@ typedef struct {
     int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     Stops stops;        /* --stop: the answer ends before the first of these */
+    const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
 } GenOpts;
 
 /* Why an answer ended (generate's result). */
-enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING };
+enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING,
+       STOP_JSON_DONE /* --json: the value is complete (its last token was text) */ };
 
 /* Set by SIGINT in chat mode: ends the current answer. */
 static volatile sig_atomic_t interrupted, answering;
@@ -3685,6 +3736,1134 @@ static int stop_step(StopMatch *m, char c, char *out)
     return n;
 }
 
+/* ----- constrained output: JSON ---------------------------------------------
+   --json and --json-schema make the output exactly one JSON value (RFC
+   8259), by construction: before each token is sampled, every token whose
+   bytes would turn the output so far into something no JSON value (no
+   value the schema allows) begins with gets probability zero.
+
+   The recognizer is a pushdown automaton over bytes. Its state (JsonState)
+   is a small plain struct: what is being read (mode), the lexer's place
+   inside a string, number or fixed text, and a stack of open containers
+   bounded by JSON_GEN_DEPTH. Copying it is cheap, so trying a token means
+   feeding its bytes to a copy. A schema compiles into the same automaton
+   (JsonGrammar: one JsonNode per schema, the plain --json value being the
+   node that allows anything), and every state it can reach has a
+   completion: a prefix it accepts can always be finished into a value the
+   schema allows, so the sampler never meets a step where nothing is
+   allowed.
+
+   Beyond RFC 8259, three bounds keep a model from running on forever with
+   bytes that change nothing: at most JSON_MAX_WS whitespace bytes in a
+   row, of them at most one line feed (between tokens, and before the
+   value: room for indented output, none for blank lines), no whitespace at
+   all after the value (once complete, generation ends), and numbers of at
+   most JSON_MAX_NUMBER bytes. Strings must be valid UTF-8 (no overlong forms,
+   no surrogates, nothing past U+10FFFF), and a \u escape of a surrogate
+   must be a high one followed by a low one.
+
+   Masking a step: the vocabulary's token texts form a trie (VocabTrie,
+   built once: tokens sharing a prefix share its bytes), walked depth first
+   from the current state, a whole subtree skipped at its first invalid
+   byte. Text inside a string, where almost every token is allowed, is
+   where the walk is longest; there the state repeats from token to token,
+   and the allowed set of the last JSON_CACHE_SLOTS states is kept. */
+
+#define JSON_GEN_DEPTH 32     /* nested arrays and objects in the output */
+#define JSON_MAX_WS 16        /* whitespace bytes in a row: enough for indented output */
+#define JSON_MAX_NUMBER 40    /* bytes of one number */
+#define JSON_MAX_PROPS 64     /* properties of one schema object (a bit each in JsonFrame.seen) */
+#define JSON_CACHE_SLOTS 16   /* remembered allowed sets */
+#define JSON_NO_LIMIT (-1)    /* maxItems / maxLength absent */
+
+/* The kinds a schema's "type" allows, a bit each. */
+enum { JT_NULL = 1, JT_BOOLEAN = 2, JT_NUMBER = 4, JT_INTEGER = 8, JT_STRING = 16, JT_ARRAY = 32, JT_OBJECT = 64, JT_ANY = 127 };
+
+/* A set of texts a value must be exactly one of (enum, const, true/false/
+   null, an object's declared keys with their quotes): texts[first ..
+   first + n) of the grammar, sorted bytewise, so that the texts sharing a
+   prefix are a contiguous range. */
+typedef struct {
+    char *s;
+    int len;
+    int prop; /* a key: the property's index in its object; else -1 */
+} JsonText;
+
+typedef struct {
+    int first, n;
+} JsonSet;
+
+/* One compiled schema (node 0: anything). */
+typedef struct {
+    unsigned types;            /* JT_* bits */
+    int set;                   /* enum/const: the set of allowed texts (then types is unused), else -1 */
+    int items;                 /* array: the node of every item */
+    int min_items, max_items;  /* max JSON_NO_LIMIT: none */
+    int min_len, max_len;      /* string length in characters (code points) */
+    int keys;                  /* object: the set of declared keys, else -1 */
+    int n_props, props;        /* object: the nodes of the declared properties are prop_node[props .. props + n_props) */
+    uint64_t required;         /* object: bit i: property i must appear */
+    int additional;            /* object: keys other than the declared ones are allowed, with any value */
+} JsonNode;
+
+typedef struct {
+    JsonNode *nodes;
+    int n_nodes;
+    int *prop_node;
+    int n_prop_nodes;
+    JsonText *texts;
+    int n_texts;
+    JsonSet *sets;
+    int n_sets;
+    int lit_bool, lit_null, lit_both; /* the sets {false, true}, {null}, {false, null, true} */
+} JsonGrammar;
+
+/* What the automaton reads next. */
+enum {
+    JM_VALUE,       /* a value of schema node `node` (whitespace first is allowed) */
+    JM_ARRAY_OPEN,  /* after '[': the first item or ']' */
+    JM_OBJECT_OPEN, /* after '{': the first key or '}' */
+    JM_KEY_NEXT,    /* after ',' in an object: a key */
+    JM_KEY,         /* inside a key */
+    JM_COLON,       /* after a key; node: the value's schema */
+    JM_AFTER,       /* after an item or a member: ',' or the close */
+    JM_STRING,      /* inside a string value */
+    JM_NUMBER,
+    JM_MATCH,       /* inside a fixed text: a literal, an enum or const value */
+    JM_DONE         /* the value is complete: nothing may follow */
+};
+
+/* Inside a string: the byte expected next. S_HEX+k / S_LOW+k: k hex
+   digits of a \u escape read (S_LOW: the low half of a surrogate pair). */
+enum { S_BODY, S_ESC, S_LOW_BACKSLASH, S_LOW_U, S_HEX = 8, S_LOW = 16 };
+
+/* Inside a number: what has been read (N_ZERO, N_INT, N_FRAC and N_EXP may end it). */
+enum { N_MINUS, N_ZERO, N_INT, N_DOT, N_FRAC, N_EXP_MARK, N_EXP_SIGN, N_EXP };
+
+typedef struct {
+    uint64_t seen;   /* object: declared properties read so far (bit i) */
+    uint16_t node;   /* the container's schema node */
+    uint16_t count;  /* array: items read so far */
+    uint8_t object;  /* 1: an object, 0: an array */
+} JsonFrame;
+
+/* The automaton's state. Everything a mode does not use stays zero, so
+   that equal situations are equal bytes (the allowed-set cache compares
+   them); only the first `depth` frames are in use. */
+typedef struct {
+    uint8_t mode, sub;     /* JM_*; S_* or N_* inside a string or number */
+    uint8_t ws, lf;        /* whitespace bytes in a row, and whether a line feed was one of them */
+    uint8_t depth;         /* open containers */
+    uint8_t u8_left;       /* UTF-8: continuation bytes still due ... */
+    uint8_t u8_lo, u8_hi;  /* ... and the range of the next one */
+    uint8_t key_free;      /* JM_KEY: the key may still be one not declared */
+    uint16_t node;         /* the schema node of the value being read */
+    uint16_t hex;          /* a \u escape's digits so far */
+    uint16_t lo, hi, off;  /* JM_MATCH, JM_KEY: texts[lo .. hi) still match, their first off bytes read */
+    uint32_t count;        /* JM_STRING: characters (with a length bound only); JM_NUMBER: bytes */
+    JsonFrame frames[JSON_GEN_DEPTH];
+} JsonState;
+
+#define JSON_STATE_HEAD offsetof(JsonState, frames)
+
+/* The bytes of s in use: what a copy or a comparison needs. */
+static size_t json_state_size(const JsonState *s) { return JSON_STATE_HEAD + s->depth * sizeof(JsonFrame); }
+
+static int json_is_ws(unsigned c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+static int json_is_digit(unsigned c) { return c >= '0' && c <= '9'; }
+static int json_hex_value(unsigned c)
+{
+    return json_is_digit(c) ? (int)c - '0' : c >= 'a' && c <= 'f' ? (int)c - 'a' + 10 : c >= 'A' && c <= 'F' ? (int)c - 'A' + 10 : -1;
+}
+
+/* The state before the first byte of a value of schema node root. */
+static void json_start(JsonState *s, int root)
+{
+    memset(s, 0, sizeof *s);
+    s->mode = JM_VALUE;
+    s->node = (uint16_t)root;
+}
+
+/* Enters mode `mode` with the lexer's fields cleared. */
+static void json_enter(JsonState *s, int mode, int node)
+{
+    s->mode = (uint8_t)mode;
+    s->node = (uint16_t)node;
+    s->sub = s->ws = s->lf = s->u8_left = s->u8_lo = s->u8_hi = s->key_free = 0;
+    s->hex = s->lo = s->hi = s->off = 0;
+    s->count = 0;
+}
+
+/* A whitespace byte c where whitespace may stand. */
+static int json_ws(JsonState *s, unsigned c)
+{
+    if (s->ws >= JSON_MAX_WS || (c == '\n' && s->lf)) return 0;
+    s->ws++;
+    s->lf |= c == '\n';
+    return 1;
+}
+
+/* A value has been read: the top-level one completes the output, an item
+   or member returns to its container. */
+static void json_value_done(const JsonGrammar *g, JsonState *s)
+{
+    if (!s->depth) { json_enter(s, JM_DONE, 0); return; }
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    /* items are counted only against a bound: unbounded arrays keep their
+       state, and their allowed sets stay in the cache */
+    if (!f->object && (n->min_items > 0 || n->max_items != JSON_NO_LIMIT)) f->count++;
+    json_enter(s, JM_AFTER, f->node);
+}
+
+/* Whether the object of frame f may take one more member: a key not
+   declared, or a declared one not yet read. */
+static int json_more_keys(const JsonGrammar *g, const JsonFrame *f)
+{
+    const JsonNode *n = &g->nodes[f->node];
+    return n->additional || f->seen != (n->n_props == 64 ? ~0ull : (1ull << n->n_props) - 1);
+}
+
+/* Opens an array or object of node n. */
+static int json_open(JsonState *s, int node, int object)
+{
+    if (s->depth == JSON_GEN_DEPTH) return 0;
+    s->frames[s->depth++] = (JsonFrame){0, (uint16_t)node, 0, (uint8_t)object};
+    json_enter(s, object ? JM_OBJECT_OPEN : JM_ARRAY_OPEN, node);
+    return 1;
+}
+
+/* ']' or '}' closing the top frame, where its counts allow. */
+static int json_close(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    if (c != (f->object ? '}' : ']')) return 0;
+    if (f->object ? (f->seen & n->required) != n->required : f->count < n->min_items) return 0;
+    memset(f, 0, sizeof *f);
+    s->depth--;
+    json_value_done(g, s);
+    return 1;
+}
+
+/* Narrows the texts still matching to those whose next byte is c.
+   Returns 0 when none is. */
+static int json_match_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int lo = s->lo, hi = s->hi, off = s->off;
+    while (lo < hi && (g->texts[lo].len <= off || (unsigned char)g->texts[lo].s[off] != c)) lo++;
+    if (lo == hi) return 0;
+    int end = lo;
+    while (end < hi && g->texts[end].len > off && (unsigned char)g->texts[end].s[off] == c) end++;
+    s->lo = (uint16_t)lo, s->hi = (uint16_t)end, s->off = (uint16_t)(off + 1);
+    return 1;
+}
+
+/* Whether one of the matching texts has been read whole (sorted, it is the first). */
+static int json_match_whole(const JsonGrammar *g, const JsonState *s) { return s->lo < s->hi && g->texts[s->lo].len == s->off; }
+
+/* Starts matching the texts of set `set`. */
+static void json_match_start(const JsonGrammar *g, JsonState *s, int set)
+{
+    s->lo = (uint16_t)g->sets[set].first;
+    s->hi = (uint16_t)(g->sets[set].first + g->sets[set].n);
+    s->off = 0;
+}
+
+/* A byte of a fixed text (JM_MATCH). A text read whole ends the value at
+   once when no longer one continues it, else at the first byte that does
+   not (returned as 2: the caller feeds that byte to what follows). */
+static int json_match_value_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    if (!json_match_byte(g, s, c)) return json_match_whole(g, s) ? 2 : 0;
+    if (json_match_whole(g, s) && s->hi - s->lo == 1) json_value_done(g, s);
+    return 1;
+}
+
+/* A byte inside a string, the closing quote excepted (the caller handles
+   it in S_BODY). Counts characters in s->count when `count`; at max
+   (>= 0) no more may start. With no_escape a backslash is refused. */
+static int json_string_byte(JsonState *s, unsigned c, int count, int max, int no_escape)
+{
+    if (s->u8_left) {
+        if (c < s->u8_lo || c > s->u8_hi) return 0;
+        s->u8_left--;
+        s->u8_lo = s->u8_left ? 0x80 : 0, s->u8_hi = s->u8_left ? 0xbf : 0;
+        return 1;
+    }
+    int d = json_hex_value(c);
+    switch (s->sub) {
+    case S_BODY:
+        if (c < 0x20 || (c == '\\' && no_escape)) return 0;
+        if (max >= 0 && s->count >= (uint32_t)max) return 0;
+        if (c >= 0x80) {
+            /* the lead byte fixes how many continuation bytes follow and the
+               range of the first, which rules out overlong forms,
+               surrogates and code points past U+10FFFF (RFC 3629) */
+            if (c >= 0xc2 && c <= 0xdf) s->u8_left = 1, s->u8_lo = 0x80, s->u8_hi = 0xbf;
+            else if (c >= 0xe0 && c <= 0xef) s->u8_left = 2, s->u8_lo = c == 0xe0 ? 0xa0 : 0x80, s->u8_hi = c == 0xed ? 0x9f : 0xbf;
+            else if (c >= 0xf0 && c <= 0xf4) s->u8_left = 3, s->u8_lo = c == 0xf0 ? 0x90 : 0x80, s->u8_hi = c == 0xf4 ? 0x8f : 0xbf;
+            else return 0;
+        }
+        if (c == '\\') s->sub = S_ESC;
+        if (count) s->count++;
+        return 1;
+    case S_ESC:
+        if (c == 'u') { s->sub = S_HEX; return 1; }
+        if (!strchr("\"\\/bfnrt", (int)c) || !c) return 0;
+        s->sub = S_BODY;
+        return 1;
+    case S_LOW_BACKSLASH:
+        if (c != '\\') return 0;
+        s->sub = S_LOW_U;
+        return 1;
+    case S_LOW_U:
+        if (c != 'u') return 0;
+        s->sub = S_LOW;
+        return 1;
+    default: { /* S_HEX + k, S_LOW + k: the (k+1)th hex digit */
+        int low = s->sub >= S_LOW, k = s->sub - (low ? S_LOW : S_HEX);
+        if (d < 0) return 0;
+        unsigned v = (unsigned)s->hex << 4 | (unsigned)d;
+        /* a surrogate's first two digits decide its half: DC-DF is a low
+           half, which may only follow a high one, D8-DB a high half */
+        if (k == 1 && (v >> 4) == 0xd && (v & 0xf) >= 0xc && !low) return 0;
+        if (low && ((k == 0 && v != 0xd) || (k == 1 && (v & 0xf) < 0xc))) return 0;
+        s->hex = (uint16_t)v;
+        if (k < 3) { s->sub++; return 1; }
+        s->sub = !low && v >= 0xd800 && v <= 0xdbff ? S_LOW_BACKSLASH : S_BODY;
+        s->hex = 0;
+        return 1;
+    }
+    }
+}
+
+/* A byte of a number; 2: the number ended before it (the caller feeds the
+   byte to what follows). The schema's integer type forbids the fraction
+   and the exponent. */
+static int json_number_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int integer = g->nodes[s->node].set < 0 && !(g->nodes[s->node].types & JT_NUMBER);
+    int digit = json_is_digit(c), next = -1, sub = s->sub;
+    switch (sub) {
+    case N_MINUS: next = c == '0' ? N_ZERO : digit ? N_INT : -1; break;
+    case N_ZERO: next = c == '.' && !integer ? N_DOT : (c == 'e' || c == 'E') && !integer ? N_EXP_MARK : -1; break;
+    case N_INT: next = digit ? N_INT : c == '.' && !integer ? N_DOT : (c == 'e' || c == 'E') && !integer ? N_EXP_MARK : -1; break;
+    case N_DOT: next = digit ? N_FRAC : -1; break;
+    case N_FRAC: next = digit ? N_FRAC : c == 'e' || c == 'E' ? N_EXP_MARK : -1; break;
+    case N_EXP_MARK: next = c == '+' || c == '-' ? N_EXP_SIGN : digit ? N_EXP : -1; break;
+    case N_EXP_SIGN: case N_EXP: next = digit ? N_EXP : -1; break;
+    }
+    int can_end = sub == N_ZERO || sub == N_INT || sub == N_FRAC || sub == N_EXP;
+    int next_ends = next == N_ZERO || next == N_INT || next == N_FRAC || next == N_EXP;
+    if (next < 0) return can_end ? 2 : 0;
+    /* the last byte the bound allows must leave a whole number (every
+       state that cannot end becomes one that can with one more digit) */
+    if (s->count + 1 == JSON_MAX_NUMBER && !next_ends) return 0;
+    s->sub = (uint8_t)next;
+    if (++s->count == JSON_MAX_NUMBER) json_value_done(g, s);
+    return 1;
+}
+
+/* The first byte of a value of node n (not whitespace). */
+static int json_value_start(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    int node = s->node;
+    const JsonNode *n = &g->nodes[node];
+    json_enter(s, JM_MATCH, node);
+    if (n->set >= 0) {
+        json_match_start(g, s, n->set);
+        return json_match_value_byte(g, s, c) == 1;
+    }
+    unsigned t = n->types;
+    if (c == '{' && (t & JT_OBJECT)) return json_open(s, node, 1);
+    if (c == '[' && (t & JT_ARRAY)) return json_open(s, node, 0);
+    if (c == '"' && (t & JT_STRING)) { s->mode = JM_STRING; return 1; }
+    if ((c == '-' || json_is_digit(c)) && (t & (JT_NUMBER | JT_INTEGER))) {
+        s->mode = JM_NUMBER;
+        s->sub = N_MINUS; /* after a '-' a digit must follow, as at the start */
+        if (c == '-') { s->count = 1; return 1; }
+        return json_number_byte(g, s, c) == 1;
+    }
+    int lits = (t & JT_BOOLEAN) && (t & JT_NULL) ? g->lit_both : (t & JT_BOOLEAN) ? g->lit_bool : (t & JT_NULL) ? g->lit_null : -1;
+    if (lits < 0) return 0;
+    json_match_start(g, s, lits);
+    return json_match_value_byte(g, s, c) == 1;
+}
+
+/* The opening quote of a key in the object of the top frame: its bytes are
+   matched against the declared keys' texts, and, where other keys are
+   allowed, read as any string without escapes (so that a key is a
+   declared one exactly when its text is that key's text). */
+static int json_key_start(const JsonGrammar *g, JsonState *s)
+{
+    const JsonNode *n = &g->nodes[s->frames[s->depth - 1].node];
+    json_enter(s, JM_KEY, s->node);
+    s->key_free = (uint8_t)n->additional;
+    if (n->keys >= 0) {
+        json_match_start(g, s, n->keys);
+        if (!json_match_byte(g, s, '"')) s->lo = s->hi = 0;
+    }
+    return s->key_free || s->lo < s->hi;
+}
+
+/* Whether a declared key not yet read is among the matching texts. */
+static int json_key_unseen(const JsonGrammar *g, const JsonState *s)
+{
+    uint64_t seen = s->frames[s->depth - 1].seen;
+    for (int i = s->lo; i < s->hi; i++)
+        if (!(seen >> g->texts[i].prop & 1)) return 1;
+    return 0;
+}
+
+/* A byte of a key. The closing quote decides: a declared key's text read
+   whole is that key (once only), anything else is another key. */
+static int json_key_byte(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    JsonFrame *f = &s->frames[s->depth - 1];
+    const JsonNode *n = &g->nodes[f->node];
+    int free_ok = s->key_free, declared = n->keys >= 0;
+    int closing = free_ok && c == '"' && s->sub == S_BODY && !s->u8_left;
+    if (s->lo < s->hi && !json_match_byte(g, s, c)) s->lo = s->hi = 0;
+    if (closing || (!free_ok && json_match_whole(g, s))) {
+        int value_node = 0; /* another key: any value */
+        if (json_match_whole(g, s)) {
+            int p = g->texts[s->lo].prop;
+            if (f->seen >> p & 1) return 0;
+            f->seen |= 1ull << p;
+            value_node = g->prop_node[n->props + p];
+        } else if (!free_ok) {
+            return 0;
+        }
+        json_enter(s, JM_COLON, value_node);
+        return 1;
+    }
+    if (free_ok && !json_string_byte(s, c, 0, JSON_NO_LIMIT, declared)) s->key_free = free_ok = 0;
+    return free_ok || (s->lo < s->hi && json_key_unseen(g, s));
+}
+
+/* Feeds one byte. Returns 1 if the output so far is still a prefix of a
+   value the grammar allows, 0 if not (then s is unusable). */
+static int json_feed(const JsonGrammar *g, JsonState *s, unsigned c)
+{
+    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) s->ws = s->lf = 0;
+    for (;;) {
+        int r;
+        switch (s->mode) {
+        case JM_VALUE:
+            return json_is_ws(c) ? json_ws(s, c) : json_value_start(g, s, c);
+        case JM_ARRAY_OPEN:
+            if (json_is_ws(c)) return json_ws(s, c);
+            if (c == ']') return json_close(g, s, c);
+            if (g->nodes[s->node].max_items == 0) return 0;
+            json_enter(s, JM_VALUE, g->nodes[s->node].items);
+            continue;
+        case JM_OBJECT_OPEN:
+        case JM_KEY_NEXT:
+            if (json_is_ws(c)) return json_ws(s, c);
+            if (c == '"') return json_key_start(g, s);
+            return s->mode == JM_OBJECT_OPEN && json_close(g, s, c);
+        case JM_KEY:
+            return json_key_byte(g, s, c);
+        case JM_COLON:
+            if (json_is_ws(c)) return json_ws(s, c);
+            if (c != ':') return 0;
+            s->mode = JM_VALUE;
+            return 1;
+        case JM_AFTER: {
+            if (json_is_ws(c)) return json_ws(s, c);
+            JsonFrame *f = &s->frames[s->depth - 1];
+            const JsonNode *n = &g->nodes[f->node];
+            if (c != ',') return json_close(g, s, c);
+            if (f->object) {
+                if (!json_more_keys(g, f)) return 0;
+                json_enter(s, JM_KEY_NEXT, f->node);
+            } else {
+                if (n->max_items != JSON_NO_LIMIT && f->count >= n->max_items) return 0;
+                json_enter(s, JM_VALUE, n->items);
+            }
+            return 1;
+        }
+        case JM_STRING: {
+            const JsonNode *n = &g->nodes[s->node];
+            int count = n->min_len > 0 || n->max_len != JSON_NO_LIMIT;
+            if (c == '"' && s->sub == S_BODY && !s->u8_left) {
+                if (count && s->count < (uint32_t)n->min_len) return 0;
+                json_value_done(g, s);
+                return 1;
+            }
+            return json_string_byte(s, c, count, n->max_len, 0);
+        }
+        case JM_NUMBER:
+            if ((r = json_number_byte(g, s, c)) != 2) return r;
+            json_value_done(g, s);
+            continue;
+        case JM_MATCH:
+            if ((r = json_match_value_byte(g, s, c)) != 2) return r;
+            json_value_done(g, s);
+            continue;
+        default: /* JM_DONE */
+            return 0;
+        }
+    }
+}
+
+/* Whether the bytes fed so far are a whole value: read to its end, or a
+   top-level number or fixed text that may end here (the end of generation
+   ends it). */
+static int json_complete(const JsonGrammar *g, const JsonState *s)
+{
+    if (s->mode == JM_DONE) return 1;
+    if (s->depth) return 0;
+    if (s->mode == JM_NUMBER) return s->sub == N_ZERO || s->sub == N_INT || s->sub == N_FRAC || s->sub == N_EXP;
+    return s->mode == JM_MATCH && json_match_whole(g, s);
+}
+
+/* Feeds n bytes; 0 at the first one refused. */
+static int json_feed_all(const JsonGrammar *g, JsonState *s, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!json_feed(g, s, (unsigned char)p[i])) return 0;
+    return 1;
+}
+
+/* ----- the grammar's tables -------------------------------------------- */
+
+static int json_add_node(JsonGrammar *g, unsigned types)
+{
+    g->nodes = realloc(g->nodes, (g->n_nodes + 1) * sizeof *g->nodes);
+    if (!g->nodes) die(EXIT_RUNTIME, "out of memory");
+    g->nodes[g->n_nodes] = (JsonNode){.types = types, .set = -1, .items = 0, .max_items = JSON_NO_LIMIT,
+                                      .max_len = JSON_NO_LIMIT, .keys = -1, .additional = 1};
+    return g->n_nodes++;
+}
+
+static int by_text(const void *a, const void *b)
+{
+    const JsonText *x = a, *y = b;
+    int c = memcmp(x->s, y->s, x->len < y->len ? x->len : y->len);
+    return c ? c : x->len - y->len;
+}
+
+/* Appends text[0..len) to the set being built (the last one), with its
+   property index (-1: not a key). */
+static void json_add_text(JsonGrammar *g, const char *text, int len, int prop)
+{
+    g->texts = realloc(g->texts, (g->n_texts + 1) * sizeof *g->texts);
+    if (!g->texts) die(EXIT_RUNTIME, "out of memory");
+    char *s = xmalloc(len + 1);
+    memcpy(s, text, len);
+    s[len] = 0;
+    g->texts[g->n_texts++] = (JsonText){s, len, prop};
+    g->sets[g->n_sets - 1].n++;
+}
+
+/* Opens a new, empty set of texts; json_add_text fills it, json_end_set sorts it. */
+static int json_begin_set(JsonGrammar *g)
+{
+    g->sets = realloc(g->sets, (g->n_sets + 1) * sizeof *g->sets);
+    if (!g->sets) die(EXIT_RUNTIME, "out of memory");
+    g->sets[g->n_sets] = (JsonSet){g->n_texts, 0};
+    return g->n_sets++;
+}
+
+/* Sorts the last set and drops repeated texts (enum [1, 1] is one text). */
+static void json_end_set(JsonGrammar *g)
+{
+    JsonSet *set = &g->sets[g->n_sets - 1];
+    JsonText *t = g->texts + set->first;
+    qsort(t, set->n, sizeof *t, by_text);
+    int k = 0;
+    for (int i = 0; i < set->n; i++) {
+        if (k && !by_text(&t[k - 1], &t[i])) { free(t[i].s); continue; }
+        t[k++] = t[i];
+    }
+    g->n_texts -= set->n - k;
+    set->n = k;
+}
+
+/* A set of the n texts in list. */
+static int json_literal_set(JsonGrammar *g, const char *const *list, int n)
+{
+    int set = json_begin_set(g);
+    for (int i = 0; i < n; i++) json_add_text(g, list[i], (int)strlen(list[i]), -1);
+    json_end_set(g);
+    return set;
+}
+
+/* The grammar of --json: node 0 allows any value (schemas add nodes). */
+static void json_grammar_init(JsonGrammar *g)
+{
+    memset(g, 0, sizeof *g);
+    json_add_node(g, JT_ANY);
+    g->lit_bool = json_literal_set(g, (const char *const[]){"false", "true"}, 2);
+    g->lit_null = json_literal_set(g, (const char *const[]){"null"}, 1);
+    g->lit_both = json_literal_set(g, (const char *const[]){"false", "null", "true"}, 3);
+}
+
+static void json_grammar_free(JsonGrammar *g)
+{
+    for (int i = 0; i < g->n_texts; i++) free(g->texts[i].s);
+    free(g->texts);
+    free(g->sets);
+    free(g->nodes);
+    free(g->prop_node);
+    memset(g, 0, sizeof *g);
+}
+
+/* ----- masking the vocabulary ------------------------------------------ */
+
+/* The texts of the tokens that may stand inside a value (not control
+   tokens, not empty) as a trie in depth-first order: node i is one byte at
+   depth depth[i] (1: a token's first byte), its subtree is nodes i+1 ..
+   end[i]-1, and tok[i] is a token whose text ends there (-1: none; tokens
+   with the same text are chained by next_tok). */
+typedef struct {
+    int n, max_depth;
+    uint8_t *byte;
+    int *depth, *end, *tok;
+    int *next_tok; /* [vocab] */
+    int *order;    /* the tokens in trie order: node i's subtree holds order[first[i] .. first[end[i]]) */
+    int *first;    /* [n + 1] */
+    uint8_t *text; /* 1: every token of node i's subtree is string text (see json_walk) */
+    int *eog;      /* the end-of-generation tokens: allowed once the value is complete */
+    int n_eog;
+} VocabTrie;
+
+/* A token's text, for sorting the vocabulary. */
+typedef struct {
+    const char *p;
+    size_t len;
+    int id;
+} Piece;
+
+static int by_piece(const void *a, const void *b)
+{
+    const Piece *x = a, *y = b;
+    int c = memcmp(x->p, y->p, x->len < y->len ? x->len : y->len);
+    return c ? c : (x->len > y->len) - (x->len < y->len);
+}
+
+/* Whether a token's bytes, read inside a string (a value of any string,
+   between characters), leave it inside the string between characters:
+   then it is allowed at every such place, whatever surrounds the string. */
+static int is_string_text(const char *p, size_t len)
+{
+    JsonGrammar g = {0};
+    JsonNode any = {.types = JT_ANY, .set = -1, .max_items = JSON_NO_LIMIT, .max_len = JSON_NO_LIMIT, .keys = -1, .additional = 1};
+    g.nodes = &any, g.n_nodes = 1;
+    JsonState s;
+    json_start(&s, 0);
+    json_feed(&g, &s, '"');
+    return json_feed_all(&g, &s, p, len) && s.mode == JM_STRING && s.sub == S_BODY && !s.u8_left;
+}
+
+/* The token order, and which subtrees hold only string text: the walk
+   marks those whole inside a string instead of feeding their bytes. */
+static void mark_text_subtrees(VocabTrie *t, const tok_tokenizer *tok)
+{
+    t->first = xmalloc((t->n + 1) * sizeof *t->first);
+    t->order = xmalloc(((size_t)t->n + 1) * sizeof *t->order);
+    t->text = xmalloc(t->n + 1);
+    int k = 0;
+    for (int i = 0; i < t->n; i++) {
+        t->first[i] = k;
+        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) t->order[k++] = id;
+    }
+    t->first[t->n] = k;
+    size_t len;
+    for (int i = t->n - 1; i >= 0; i--) { /* children before parents */
+        int text = 1;
+        for (int id = t->tok[i]; id >= 0 && text; id = t->next_tok[id]) {
+            const char *p = tok_piece(tok, id, &len);
+            text = is_string_text(p, len);
+        }
+        for (int j = i + 1; j < t->end[i] && text; j = t->end[j]) text = t->text[j];
+        t->text[i] = (uint8_t)text;
+    }
+}
+
+/* Sorted, the token texts sharing a prefix are neighbours: each text adds
+   nodes only for its bytes past the prefix it shares with the one before. */
+static void build_trie(VocabTrie *t, const tok_tokenizer *tok, int vocab)
+{
+    memset(t, 0, sizeof *t);
+    Piece *pieces = xmalloc(vocab * sizeof *pieces);
+    int n = 0;
+    size_t total = 0, len;
+    t->next_tok = xmalloc(vocab * sizeof *t->next_tok);
+    t->eog = xmalloc(vocab * sizeof *t->eog);
+    for (int id = 0; id < vocab; id++) {
+        const char *p = tok_piece(tok, id, &len);
+        t->next_tok[id] = -1;
+        if (tok_is_eog(tok, id)) t->eog[t->n_eog++] = id;
+        if (tok_is_control(tok, id) || !p || !len) continue;
+        pieces[n++] = (Piece){p, len, id};
+        total += len;
+        if ((int)len > t->max_depth) t->max_depth = (int)len;
+    }
+    qsort(pieces, n, sizeof *pieces, by_piece);
+    t->byte = xmalloc(total + 1);
+    t->depth = xmalloc((total + 1) * sizeof(int));
+    t->end = xmalloc((total + 1) * sizeof(int));
+    t->tok = xmalloc((total + 1) * sizeof(int));
+    int *path = xmalloc((t->max_depth + 1) * sizeof *path), open = 0; /* path[d]: the open node at depth d */
+    Piece prev = {"", 0, -1};
+    for (int k = 0; k < n; k++) {
+        Piece p = pieces[k];
+        size_t common = 0;
+        while (common < p.len && common < prev.len && p.p[common] == prev.p[common]) common++;
+        for (; open > (int)common; open--) t->end[path[open]] = t->n; /* close the subtrees left behind */
+        for (; open < (int)p.len; open++) {
+            int i = t->n++;
+            t->byte[i] = (uint8_t)p.p[open], t->depth[i] = open + 1, t->tok[i] = -1;
+            path[open + 1] = i;
+        }
+        int at = path[p.len];
+        t->next_tok[p.id] = t->tok[at]; /* another token with the same text, if any */
+        t->tok[at] = p.id;
+        prev = p;
+    }
+    for (; open > 0; open--) t->end[path[open]] = t->n;
+    free(path);
+    free(pieces);
+    mark_text_subtrees(t, tok);
+}
+
+static void free_trie(VocabTrie *t)
+{
+    free(t->byte); free(t->depth); free(t->end); free(t->tok); free(t->next_tok); free(t->eog);
+    free(t->order); free(t->first); free(t->text);
+}
+
+/* What --json / --json-schema compile once: the grammar, its start node
+   and the vocabulary's trie. */
+typedef struct JsonConstraint {
+    JsonGrammar g;
+    int root;
+    VocabTrie trie;
+} JsonConstraint;
+
+/* A request's constrained-output state: where the automaton stands, and
+   the allowed sets of recently seen states. */
+typedef struct {
+    const JsonConstraint *jc;
+    JsonState state;
+    int vocab;
+    JsonState *walk;                          /* [trie.max_depth + 1]: the walk's state at each depth */
+    JsonState keys[JSON_CACHE_SLOTS];         /* the state each cached set belongs to */
+    int used[JSON_CACHE_SLOTS];
+    uint8_t *sets;                            /* [JSON_CACHE_SLOTS][vocab]: 1 where a token is allowed */
+    long walks, hits;                         /* for -v: sets walked, sets from the cache ... */
+    double walk_ms;                           /* ... and the time the walks took */
+} JsonMask;
+
+static void json_mask_init(JsonMask *jm, const JsonConstraint *jc, int vocab)
+{
+    memset(jm, 0, sizeof *jm);
+    jm->jc = jc;
+    jm->vocab = vocab;
+    json_start(&jm->state, jc->root);
+    jm->walk = xmalloc((jc->trie.max_depth + 1) * sizeof *jm->walk);
+    jm->sets = xmalloc((size_t)JSON_CACHE_SLOTS * vocab);
+}
+
+static void json_mask_free(JsonMask *jm)
+{
+    free(jm->walk);
+    free(jm->sets);
+}
+
+/* Whether s is inside a string between characters, with no length to
+   count: there every token that is string text (VocabTrie.text) is
+   allowed, whatever else the state holds. */
+static int json_in_free_text(const JsonGrammar *g, const JsonState *s)
+{
+    if (s->sub != S_BODY || s->u8_left) return 0;
+    if (s->mode == JM_STRING) return g->nodes[s->node].min_len == 0 && g->nodes[s->node].max_len == JSON_NO_LIMIT;
+    /* a key of an object with no declared keys: any string */
+    return s->mode == JM_KEY && s->key_free && g->nodes[s->frames[s->depth - 1].node].keys < 0;
+}
+
+/* The walk: every token whose bytes the automaton accepts from state s.
+   A subtree of the trie is skipped at its first refused byte, and each
+   node costs one state copy (the part in use) and one byte fed. Inside a
+   string most tokens are allowed and the walk would visit nearly every
+   node: there a subtree of string text is marked whole. Returns 1 if any
+   token is allowed. */
+static int json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *walk, uint8_t *allowed, int vocab)
+{
+    int any = 0;
+    const VocabTrie *t = &jc->trie;
+    int text = json_in_free_text(&jc->g, s);
+    memset(allowed, 0, vocab);
+    memcpy(&walk[0], s, json_state_size(s));
+    for (int i = 0; i < t->n;) {
+        if (text && t->text[i]) {
+            for (int k = t->first[i]; k < t->first[t->end[i]]; k++) allowed[t->order[k]] = 1;
+            any |= t->first[i] < t->first[t->end[i]];
+            i = t->end[i];
+            continue;
+        }
+        int d = t->depth[i];
+        JsonState *w = &walk[d];
+        memcpy(w, &walk[d - 1], json_state_size(&walk[d - 1]));
+        if (!json_feed(&jc->g, w, t->byte[i])) { i = t->end[i]; continue; }
+        for (int id = t->tok[i]; id >= 0; id = t->next_tok[id]) allowed[id] = any = 1;
+        i++;
+    }
+    if (json_complete(&jc->g, s))
+        for (int k = 0; k < t->n_eog; k++) allowed[t->eog[k]] = any = 1;
+    return any;
+}
+
+/* The tokens allowed next: 1 where a token keeps the output a prefix of
+   a value the grammar allows (an end token only where the value is
+   complete). Cached by state. */
+static const uint8_t *json_mask_allowed(JsonMask *jm)
+{
+    size_t size = json_state_size(&jm->state);
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (size_t i = 0; i < size; i++) h = (h ^ ((const uint8_t *)&jm->state)[i]) * 1099511628211ull;
+    int slot = (int)(h % JSON_CACHE_SLOTS);
+    uint8_t *set = jm->sets + (size_t)slot * jm->vocab;
+    if (jm->used[slot] && !memcmp(&jm->keys[slot], &jm->state, size) && jm->keys[slot].depth == jm->state.depth) {
+        jm->hits++;
+        return set;
+    }
+    double t0 = now_ms();
+    /* every state has a completion, but it may need a byte no token holds */
+    if (!json_walk(jm->jc, &jm->state, jm->walk, set, jm->vocab))
+        die(EXIT_RUNTIME, "no token of this vocabulary can continue the JSON value here");
+    jm->walk_ms += now_ms() - t0;
+    memcpy(&jm->keys[slot], &jm->state, size);
+    jm->used[slot] = 1;
+    jm->walks++;
+    return set;
+}
+
+/* ----- the schema subset ------------------------------------------------
+   --json-schema compiles a JSON Schema into grammar nodes. The subset:
+   type (a name or a list of names), properties, required,
+   additionalProperties (true or false), items (one schema), minItems,
+   maxItems, minLength, maxLength (in characters: code points), enum and
+   const; title, description, $schema, $id, $comment, default and examples
+   are annotations and ignored. As in JSON Schema, properties and
+   required constrain only objects, items and the item counts only
+   arrays, the lengths only strings. enum and const match the exact
+   compact text of their values (strings escaped only where JSON must
+   be); beside them only type may stand. A declared key matches only as
+   its exact text; where other keys are allowed they are written without
+   escapes, so that a key is a declared one exactly when it reads as one.
+   Each declared key appears at most once, in any order, and '}' waits for
+   the required ones. Anything else is a usage error naming the JSON path
+   of the keyword. */
+
+#define SCHEMA_MAX_BYTES (1u << 20) /* a schema file is small; more is a mistake */
+#define SCHEMA_PATH_BYTES 256       /* the JSON path in an error message */
+
+/* What compiling a schema keeps at hand for its error messages: the
+   file's name, or (batch mode, a line's "schema") where a problem is
+   reported instead of ending the run. */
+typedef struct {
+    JsonGrammar *g;
+    const char *file;
+    jmp_buf *fail;      /* NULL: a problem is a usage error */
+    char *why;          /* [why_len]: the problem, before longjmp(*fail) */
+    size_t why_len;
+} SchemaCtx;
+
+static _Noreturn void schema_error(const SchemaCtx *cx, const char *path, const char *fmt, ...)
+{
+    char msg[MSG_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (cx->fail) {
+        snprintf(cx->why, cx->why_len, "\"schema\": %s: %s", path, msg);
+        longjmp(*cx->fail, 1);
+    }
+    die(EXIT_USAGE, "--json-schema %s: %s: %s", cx->file, path, msg);
+}
+
+/* path + "." + key (or ["key"] when the key is not a plain name), or
+   path + "[i]" when key is NULL. */
+static void schema_path(char *out, const char *path, const char *key, size_t key_len, int index)
+{
+    int plain = key && key_len && !isdigit((unsigned char)key[0]);
+    for (size_t i = 0; key && i < key_len; i++)
+        plain &= isalnum((unsigned char)key[i]) || key[i] == '_' || key[i] == '$';
+    if (!key) snprintf(out, SCHEMA_PATH_BYTES, "%s[%d]", path, index);
+    else if (plain) snprintf(out, SCHEMA_PATH_BYTES, "%s.%.*s", path, (int)key_len, key);
+    else {
+        Buf b = {0};
+        json_put_string(&b, key, key_len);
+        snprintf(out, SCHEMA_PATH_BYTES, "%s[%s]", path, b.p ? b.p : "\"\"");
+        free(b.p);
+    }
+}
+
+/* The compact text of a value: the exact bytes an enum or const value
+   must be written as. Strings escape only what JSON requires. */
+static void json_canonical(Buf *b, const Json *v)
+{
+    switch (v->kind) {
+    case JSON_NULL: buf_put(b, "null", 4); break;
+    case JSON_BOOL: v->boolean ? buf_put(b, "true", 4) : buf_put(b, "false", 5); break;
+    case JSON_NUMBER: buf_put(b, v->str, v->len); break;
+    case JSON_STRING:
+        buf_put(b, "\"", 1);
+        for (size_t i = 0; i < v->len; i++) {
+            unsigned char c = (unsigned char)v->str[i];
+            if (c == '"' || c == '\\') buf_printf(b, "\\%c", c);
+            else if (c < 0x20) buf_printf(b, "\\u%04x", c);
+            else buf_put(b, (const char *)&c, 1);
+        }
+        buf_put(b, "\"", 1);
+        break;
+    case JSON_ARRAY:
+    case JSON_OBJECT:
+        buf_put(b, v->kind == JSON_ARRAY ? "[" : "{", 1);
+        for (int i = 0; i < v->n; i++) {
+            if (i) buf_put(b, ",", 1);
+            if (v->kind == JSON_OBJECT) {
+                Json key = {.kind = JSON_STRING, .str = v->keys[i], .len = v->key_lens[i]};
+                json_canonical(b, &key);
+                buf_put(b, ":", 1);
+            }
+            json_canonical(b, &v->items[i]);
+        }
+        buf_put(b, v->kind == JSON_ARRAY ? "]" : "}", 1);
+        break;
+    }
+}
+
+/* The kinds value v is of, as "type" names them (an integral number is
+   both a number and an integer). */
+static unsigned json_kind_types(const Json *v)
+{
+    switch (v->kind) {
+    case JSON_NULL: return JT_NULL;
+    case JSON_BOOL: return JT_BOOLEAN;
+    case JSON_NUMBER: return JT_NUMBER | (isfinite(v->number) && floor(v->number) == v->number ? JT_INTEGER : 0);
+    case JSON_STRING: return JT_STRING;
+    case JSON_ARRAY: return JT_ARRAY;
+    default: return JT_OBJECT;
+    }
+}
+
+/* Adds v's text to the set being built, checked against the automaton
+   itself: a text it would refuse (a number longer than it allows, nesting
+   deeper) could never be generated. */
+static void schema_add_value(const SchemaCtx *cx, const char *path, const Json *v, int prop)
+{
+    Buf b = {0};
+    json_canonical(&b, v);
+    JsonState s;
+    json_start(&s, 0);
+    if (!json_feed_all(cx->g, &s, b.p, b.len) || !json_complete(cx->g, &s))
+        schema_error(cx, path, "the value cannot be generated (numbers of at most %d bytes, nesting at most %d deep)",
+                     JSON_MAX_NUMBER, JSON_GEN_DEPTH);
+    if (cx->g->n_texts >= UINT16_MAX) schema_error(cx, path, "too many enum values and keys (at most %d)", UINT16_MAX - 1);
+    json_add_text(cx->g, b.p, (int)b.len, prop);
+    free(b.p);
+}
+
+/* "type": a name or a non-empty list of names. */
+static unsigned schema_types(const SchemaCtx *cx, const char *path, const Json *v)
+{
+    static const struct { const char *name; unsigned bit; } names[] = {
+        {"null", JT_NULL}, {"boolean", JT_BOOLEAN}, {"number", JT_NUMBER | JT_INTEGER}, {"integer", JT_INTEGER},
+        {"string", JT_STRING}, {"array", JT_ARRAY}, {"object", JT_OBJECT}};
+    unsigned types = 0;
+    int n = v->kind == JSON_ARRAY ? v->n : 1;
+    if (v->kind == JSON_ARRAY && !n) schema_error(cx, path, "expects a type name or a non-empty list of them");
+    for (int i = 0; i < n; i++) {
+        const Json *t = v->kind == JSON_ARRAY ? &v->items[i] : v;
+        unsigned bit = 0;
+        for (size_t k = 0; t->kind == JSON_STRING && k < sizeof names / sizeof *names; k++)
+            if (strlen(names[k].name) == t->len && !memcmp(names[k].name, t->str, t->len)) bit = names[k].bit;
+        if (!bit) schema_error(cx, path, "expects null, boolean, number, integer, string, array or object (or a list of them)");
+        types |= bit;
+    }
+    return types;
+}
+
+/* minItems and the like: an integer in [0, max]. */
+static int schema_count(const SchemaCtx *cx, const char *path, const Json *v, int max)
+{
+    if (v->kind != JSON_NUMBER || !(json_kind_types(v) & JT_INTEGER) || v->number < 0 || v->number > max)
+        schema_error(cx, path, "expects an integer in [0, %d]", max);
+    return (int)v->number;
+}
+
+static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, int level);
+
+/* properties, required and additionalProperties of node `node`. */
+static void schema_object(const SchemaCtx *cx, int node, const Json *v, const char *path, int level)
+{
+    JsonGrammar *g = cx->g;
+    const Json *props = json_get(v, "properties"), *req = json_get(v, "required"), *add = json_get(v, "additionalProperties");
+    char sub[SCHEMA_PATH_BYTES], at[SCHEMA_PATH_BYTES];
+    int kids[JSON_MAX_PROPS], n = 0, additional = 1;
+    const char *names[JSON_MAX_PROPS];
+    size_t lens[JSON_MAX_PROPS];
+    if (add) {
+        schema_path(at, path, "additionalProperties", 20, 0);
+        if (add->kind != JSON_BOOL) schema_error(cx, at, "only true or false is supported");
+        additional = add->boolean;
+    }
+    if (props) {
+        schema_path(at, path, "properties", 10, 0);
+        if (props->kind != JSON_OBJECT) schema_error(cx, at, "expects an object");
+        if (props->n > JSON_MAX_PROPS) schema_error(cx, at, "more than %d properties", JSON_MAX_PROPS);
+        for (int i = 0; i < props->n; i++) {
+            schema_path(sub, at, props->keys[i], props->key_lens[i], 0);
+            for (int k = 0; k < n; k++)
+                if (lens[k] == props->key_lens[i] && !memcmp(names[k], props->keys[i], lens[k])) schema_error(cx, sub, "declared twice");
+            names[n] = props->keys[i], lens[n] = props->key_lens[i];
+            kids[n++] = compile_schema(cx, &props->items[i], sub, level + 1);
+        }
+    }
+    uint64_t required = 0;
+    if (req) {
+        schema_path(at, path, "required", 8, 0);
+        if (req->kind != JSON_ARRAY) schema_error(cx, at, "expects a list of property names");
+        for (int i = 0; i < req->n; i++) {
+            const Json *r = &req->items[i];
+            schema_path(sub, at, NULL, 0, i);
+            if (r->kind != JSON_STRING) schema_error(cx, sub, "expects a property name (a string)");
+            int k = 0;
+            while (k < n && !(lens[k] == r->len && !memcmp(names[k], r->str, r->len))) k++;
+            if (k == n) { /* required but not declared: any value */
+                if (!additional) schema_error(cx, sub, "required, but not in properties while additionalProperties is false");
+                if (n == JSON_MAX_PROPS) schema_error(cx, sub, "more than %d properties", JSON_MAX_PROPS);
+                names[n] = r->str, lens[n] = r->len, kids[n++] = 0;
+            }
+            required |= 1ull << k;
+        }
+    }
+    int first = g->n_prop_nodes;
+    g->prop_node = realloc(g->prop_node, (g->n_prop_nodes + n + 1) * sizeof *g->prop_node);
+    if (!g->prop_node) die(EXIT_RUNTIME, "out of memory");
+    for (int i = 0; i < n; i++) g->prop_node[g->n_prop_nodes++] = kids[i];
+    int keys = -1;
+    if (n) {
+        keys = json_begin_set(g);
+        for (int i = 0; i < n; i++) {
+            Json key = {.kind = JSON_STRING, .str = (char *)names[i], .len = lens[i]};
+            schema_path(sub, path, "properties", 10, 0);
+            schema_add_value(cx, sub, &key, i);
+        }
+        json_end_set(g);
+    }
+    JsonNode *nd = &g->nodes[node];
+    nd->keys = keys, nd->n_props = n, nd->props = first, nd->required = required, nd->additional = additional;
+}
+
+/* Compiles schema v (at JSON path `path`, inside `level` containers) into
+   a node of cx->g; returns its index. */
+static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, int level)
+{
+    static const char *const known[] = {"type", "properties", "required", "additionalProperties", "items", "minItems",
+                                        "maxItems", "minLength", "maxLength", "enum", "const", "title", "description",
+                                        "$schema", "$id", "$comment", "default", "examples"};
+    enum { N_VALIDATING = 11 }; /* known[0 .. N_VALIDATING) validate, the rest are annotations */
+    JsonGrammar *g = cx->g;
+    char at[SCHEMA_PATH_BYTES];
+    if (v->kind != JSON_OBJECT) schema_error(cx, path, "a schema must be a JSON object (true and false are not supported)");
+    if (level >= JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
+    if (g->n_nodes >= UINT16_MAX) schema_error(cx, path, "the schema is too large (at most %d schemas)", UINT16_MAX - 1);
+    const Json *en = json_get(v, "enum"), *cn = json_get(v, "const");
+    for (int i = 0; i < v->n; i++) {
+        size_t k = 0;
+        while (k < sizeof known / sizeof *known && !(strlen(known[k]) == v->key_lens[i] && !memcmp(known[k], v->keys[i], v->key_lens[i]))) k++;
+        schema_path(at, path, v->keys[i], v->key_lens[i], 0);
+        if (k == sizeof known / sizeof *known) schema_error(cx, at, "keyword not supported");
+        if ((en || cn) && k > 0 && k < N_VALIDATING - 2)
+            schema_error(cx, at, "not supported beside enum or const (only type is)");
+    }
+    if (en && cn) schema_path(at, path, "const", 5, 0), schema_error(cx, at, "not supported beside enum");
+    const Json *t = json_get(v, "type");
+    unsigned types = JT_ANY;
+    if (t) schema_path(at, path, "type", 4, 0), types = schema_types(cx, at, t);
+    int node = json_add_node(g, types);
+    if (en || cn) {
+        schema_path(at, path, en ? "enum" : "const", en ? 4 : 5, 0);
+        if (en && (en->kind != JSON_ARRAY || !en->n)) schema_error(cx, at, "expects a non-empty list of values");
+        int set = json_begin_set(g), n = en ? en->n : 1;
+        for (int i = 0; i < n; i++) {
+            const Json *e = en ? &en->items[i] : cn;
+            char sub[SCHEMA_PATH_BYTES];
+            if (en) schema_path(sub, at, NULL, 0, i);
+            if (json_kind_types(e) & types) schema_add_value(cx, en ? sub : at, e, -1);
+        }
+        json_end_set(g);
+        if (!g->sets[set].n) schema_error(cx, at, "no value is of the schema's type");
+        g->nodes[node].set = set;
+        return node;
+    }
+    const Json *items = json_get(v, "items");
+    if (items) {
+        schema_path(at, path, "items", 5, 0);
+        int item = compile_schema(cx, items, at, level + 1); /* moves g->nodes */
+        g->nodes[node].items = item;
+    }
+    static const char *const bounds[] = {"minItems", "maxItems", "minLength", "maxLength"};
+    int value[4] = {0, JSON_NO_LIMIT, 0, JSON_NO_LIMIT};
+    for (int b = 0; b < 4; b++) {
+        const Json *x = json_get(v, bounds[b]);
+        if (x) schema_path(at, path, bounds[b], strlen(bounds[b]), 0), value[b] = schema_count(cx, at, x, b < 2 ? UINT16_MAX : INT32_MAX);
+    }
+    for (int b = 0; b < 4; b += 2)
+        if (value[b + 1] != JSON_NO_LIMIT && value[b] > value[b + 1])
+            schema_path(at, path, bounds[b], strlen(bounds[b]), 0), schema_error(cx, at, "greater than %s", bounds[b + 1]);
+    JsonNode *nd = &g->nodes[node];
+    nd->min_items = value[0], nd->max_items = value[1], nd->min_len = value[2], nd->max_len = value[3];
+    schema_object(cx, node, v, path, level);
+    return node;
+}
+
+/* --json-schema FILE: reads and compiles the schema in FILE into g;
+   returns its node. Every problem is a usage error naming the file. */
+static int compile_schema_file(JsonGrammar *g, const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(errno));
+    char *text = xmalloc(SCHEMA_MAX_BYTES + 1);
+    size_t len = fread(text, 1, SCHEMA_MAX_BYTES + 1, f);
+    int failed = ferror(f), e = errno;
+    fclose(f);
+    if (failed) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(e ? e : EIO));
+    if (len > SCHEMA_MAX_BYTES) die(EXIT_USAGE, "--json-schema %s: longer than %u bytes", path, SCHEMA_MAX_BYTES);
+    Json v;
+    char err[MSG_BYTES];
+    if (json_parse(text, len, &v, err, sizeof err) != 0) die(EXIT_USAGE, "--json-schema %s: not valid JSON: %s", path, err);
+    free(text);
+    if (v.kind != JSON_OBJECT) die(EXIT_USAGE, "--json-schema %s: the schema must be a JSON object", path);
+    SchemaCtx cx = {g, path, NULL, NULL, 0};
+    int root = compile_schema(&cx, &v, "$", 0);
+    json_free(&v);
+    return root;
+}
+
+/* A batch line's "schema", compiled into jc (sharing the vocabulary
+   trie t); -1 with the reason in why when it cannot be. */
+static int compile_schema_value(JsonConstraint *jc, const Json *v, const VocabTrie *t, char *why, size_t why_len)
+{
+    jmp_buf fail;
+    SchemaCtx cx = {&jc->g, "\"schema\"", &fail, why, why_len};
+    json_grammar_init(&jc->g);
+    if (setjmp(fail)) {
+        json_grammar_free(&jc->g);
+        return -1;
+    }
+    jc->root = compile_schema(&cx, v, "$", 0);
+    jc->trie = *t; /* shared, not owned */
+    return 0;
+}
+
 /* ----- streaming --------------------------------------------------------------- */
 
 /* Token texts are written so that a UTF-8 character split across tokens
@@ -3838,21 +5017,27 @@ static void lookup_adapt(Lookup *lk, int kept, int k)
 /* Takes the sampled token: an end token stops (never printed, never fed
    back); otherwise it is streamed and counted, and the limits are checked
    (a stop string in its text, -n, the context at position pos, Ctrl-C).
-   Returns STOP_* or -1 to go on. With lp (--logprobs: the draw's report)
-   the token's record is printed instead of its text (which still goes
-   through out's stop matcher), the stopping end token's too: the records
-   then cover every token the model chose, and their log-probabilities add
-   up to the likelihood of the whole answer, its end included. */
-static int take_token(const Model *m, const GenOpts *o, TextOut *out, Stats *st, int token, int n_predict, int pos, int seq_len,
-                      const Logprobs *lp)
+   With jm (--json) the token moves the automaton, and a complete value
+   stops (an end token, which the mask allows only then, stops even with
+   --ignore-eos). Returns STOP_* or -1 to go on. With lp (--logprobs: the
+   draw's report) the token's record is printed instead of its text (which
+   still goes through out's stop matcher), the stopping end token's too:
+   the records then cover every token the model chose, and their
+   log-probabilities add up to the likelihood of the whole answer, its end
+   included. */
+static int take_token(const Model *m, const GenOpts *o, JsonMask *jm, TextOut *out, Stats *st, int token, int n_predict,
+                      int pos, int seq_len, const Logprobs *lp)
 {
     if (lp) put_logprobs_line(m, token, lp);
-    if (tok_is_eog(m->tok, token) && !o->ignore_eos) return STOP_END;
+    if (tok_is_eog(m->tok, token) && (!o->ignore_eos || jm)) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
+    if (jm && !json_feed_all(&jm->jc->g, &jm->state, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
+        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
     int stopped = piece && !tok_is_control(m->tok, token) && text_put(out, piece, len);
     st->n_gen++;
     if (stopped) return STOP_STRING;
+    if (jm && jm->state.mode == JM_DONE) return STOP_JSON_DONE;
     if (st->n_gen >= n_predict) return STOP_LIMIT;
     if (pos >= seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
@@ -3864,8 +5049,8 @@ static int take_token(const Model *m, const GenOpts *o, TextOut *out, Stats *st,
    verification pass; each draft that stands is taken on the spot (and may
    stop generation: then *why is set). conv receives every token fed, so
    conv->n == *pos after the step. */
-static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Lookup *lk, Candidate *cand, Tokens *conv,
-                       int *pos, int n_predict, TextOut *out, Stats *st, int token, int *why)
+static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, JsonMask *jm, Lookup *lk, Candidate *cand,
+                       Tokens *conv, int *pos, int n_predict, TextOut *out, Stats *st, int token, int *why)
 {
     int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
     push(conv, token);
@@ -3876,17 +5061,18 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
     st->passes++;
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
-        return sample(sm, s->logits, vocab, cand);
+        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
     }
     batch[0] = token;
     verify_step(m, s, batch, k + 1, *pos);
     st->drafted += k;
     int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i] */
-        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1);
+    for (;; i++) { /* row i holds the logits after batch[0..i]; jm's state is after them too (drafts stood) */
+        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1,
+                                 jm ? json_mask_allowed(jm) : NULL);
         if (i == k || next != batch[i + 1]) break;
         kept++;
-        if ((*why = take_token(m, o, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
+        if ((*why = take_token(m, o, jm, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
         push(conv, next);
     }
     st->accepted += kept;
@@ -3902,13 +5088,16 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
    *pos on return. Returns why it stopped and, in *last, the last token
    sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
    printed). With --logprobs the request's draws report into lp while it
-   runs. */
+   runs. With o->json every token is sampled under the grammar's mask;
+   st->json_incomplete tells whether the value was left unfinished. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     TextOut *out, Stats *st, int *last)
 {
     Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
     Logprobs lp = {.want = o->logprobs};
     sm->report = o->logprobs >= 0 ? &lp : NULL;
+    JsonMask mask, *jm = NULL;
+    if (o->json) json_mask_init(jm = &mask, o->json, m->c.vocab_size);
     Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
@@ -3920,14 +5109,14 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand) : -1;
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
     *last = token;
     while (n_predict > 0) {
-        if ((why = take_token(m, o, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
+        if ((why = take_token(m, o, jm, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
         int before = st->n_gen, stop = -1;
-        token = decode_next(m, s, sm, o, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
+        token = decode_next(m, s, sm, o, jm, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
         *last = token;
         /* the pass yielded the drafts taken and the new token: they share its time */
         double t = now_ms();
@@ -3939,6 +5128,11 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     text_end(out);
     sm->report = NULL;
     if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", out->stop.hit);
+    if (jm) {
+        st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
+        st->json_walks = jm->walks, st->json_hits = jm->hits, st->json_walk_ms = jm->walk_ms;
+        json_mask_free(jm);
+    }
     free(cand);
     return why;
 }
@@ -4015,8 +5209,9 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
    Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
+static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
 {
+    int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
     build_chat(&ch, m, o->system);
     Tokens conv = {0};
@@ -4065,12 +5260,14 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        if (st.json_incomplete) fprintf(stderr, "run: this answer is not a complete JSON value\n"), incomplete++;
         if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
     }
     free(exch);
     free(conv.ids);
+    return incomplete;
 }
 
 /* ----- batch mode ---------------------------------------------------------------
@@ -4128,12 +5325,16 @@ typedef struct {
     int n_prompt, pos; /* prompt tokens; positions cached */
     int n_predict;     /* tokens to generate at most */
     int capped;        /* n_predict was cut to what the context or the pool holds */
+    int json_incomplete; /* with jc: the answer ended before its value was complete */
     int token, n_gen;  /* the token sampled and not yet fed; tokens generated */
     Sampler sm;
     Logprobs lp;       /* the last draw's log-probabilities, with lp.want >= 0 ("logprobs") */
     Buf logprobs;      /* the records of every token drawn, comma-separated */
     PageTable pt;
     Stops stops;       /* "stop", or --stop */
+    const JsonConstraint *jc; /* "json", "schema", or --json / --json-schema: the grammar of the answer (NULL: none) */
+    int own_jc;        /* jc is this line's "schema", freed with it */
+    JsonMask jm;       /* with jc: where the automaton stands */
     TextOut out;       /* the answer's text goes through the stop matcher into text */
     Buf text;
     double t_admit, t_first, t_prev;
@@ -4175,6 +5376,10 @@ typedef struct {
     int parallel, in_flight;
     long admitted;
     Seq pending;       /* a request read but not yet admitted (line 0: none) */
+    VocabTrie trie;    /* the vocabulary's trie, built when a line first asks for JSON */
+    int have_trie;
+    JsonConstraint plain; /* "json": true: any JSON value */
+    int have_plain;
     PagePool pool;
     Records out;
     Candidate *cand;
@@ -4274,6 +5479,7 @@ static void record_answer(Batch *b, const Seq *q, int finish, double now)
     buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f",
                q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == FIN_STOP ? q->t_first - q->t_admit : 0.0,
                now - q->t_admit);
+    if (q->json_incomplete) buf_printf(r, ", \"json_complete\": false");
     if (q->lp.want >= 0) buf_printf(r, ", \"logprobs\": [%s]", q->logprobs.p ? q->logprobs.p : "");
     buf_put(r, "}\n", 2);
     b->done++;
@@ -4335,7 +5541,46 @@ static void drop_request(Seq *q)
 {
     free(q->toks.ids);
     free(q->id.p);
+    if (q->own_jc) {
+        json_grammar_free(&((JsonConstraint *)q->jc)->g);
+        free((JsonConstraint *)q->jc);
+    }
     q->line = 0;
+}
+
+/* The vocabulary's trie, built once when the first line asks for JSON
+   (--json / --json-schema brought theirs). */
+static const VocabTrie *batch_trie(Batch *b)
+{
+    if (b->o->json) return &b->o->json->trie;
+    if (!b->have_trie) build_trie(&b->trie, b->m->tok, b->m->c.vocab_size), b->have_trie = 1;
+    return &b->trie;
+}
+
+/* Sets q's answer grammar from its "json" (1, 0, -1: absent) and
+   "schema" fields, or the command line's; NULL or the reason the line's
+   schema cannot be used. */
+static const char *answer_grammar(Batch *b, Seq *q, int json, const Json *schema, char *why, size_t why_len)
+{
+    q->jc = json == 0 ? NULL : b->o->json;
+    if (schema) {
+        JsonConstraint *jc = xcalloc(1, sizeof *jc);
+        if (compile_schema_value(jc, schema, batch_trie(b), why, why_len)) {
+            free(jc);
+            q->jc = NULL;
+            return why;
+        }
+        q->jc = jc, q->own_jc = 1;
+    } else if (json == 1) {
+        if (!b->have_plain) {
+            json_grammar_init(&b->plain.g);
+            b->plain.root = 0;
+            b->plain.trie = *batch_trie(b);
+            b->have_plain = 1;
+        }
+        q->jc = &b->plain;
+    }
+    return NULL;
 }
 
 /* A JSON number that is a whole number in [lo, hi], into *out. */
@@ -4368,11 +5613,12 @@ static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_le
     return NULL;
 }
 
-/* The fields of a JSON line: prompt (required), id, n, t, chat, system.
-   Fills q's prompt text (*text, *len: pointers into v), id and settings;
-   returns NULL or the reason the line is refused. */
+/* The fields of a JSON line: prompt (required), id, n, t, chat, system,
+   stop, json, schema, logprobs. Fills q's prompt text (*text, *len:
+   pointers into v), id and settings, *json (1, 0; -1 when absent) and
+   *schema; returns NULL or the reason the line is refused. */
 static const char *read_fields(const Json *v, Seq *q, const char **text, size_t *len, int *chat, const char **system,
-                               size_t *system_len, char *why, size_t why_len)
+                               size_t *system_len, int *json, const Json **schema, char *why, size_t why_len)
 {
     if (v->kind != JSON_OBJECT) return "a JSON line must be an object with a \"prompt\"";
     *text = NULL;
@@ -4406,11 +5652,17 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
         } else if (!strcmp(k, "stop")) {
             const char *problem = read_stops(x, &q->stops, why, why_len);
             if (problem) return problem;
+        } else if (!strcmp(k, "json")) {
+            if (x->kind != JSON_BOOL) return "\"json\" must be true or false";
+            *json = x->boolean ? 1 : 0;
+        } else if (!strcmp(k, "schema")) {
+            if (x->kind != JSON_OBJECT) return "\"schema\" must be a JSON object (a JSON Schema)";
+            *schema = x;
         } else if (!strcmp(k, "system")) {
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, stop, logprobs)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, stop, json, schema, logprobs)", k);
             return why;
         }
     }
@@ -4438,14 +5690,17 @@ static void read_request(Batch *b, int wait)
                    .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
-        int chat = b->chat;
+        int chat = b->chat, json = -1;
+        const Json *schema = NULL;
         Json v = {0};
         Chat ch;
         if (too_long) problem = "the line is longer than the context can hold";
         else if (len && line[0] == '{') {
             if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
-            else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, why, sizeof why);
+            else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, &json, &schema, why, sizeof why);
         }
+        if (!problem && json == 1 && schema) problem = "\"json\" and \"schema\" cannot be used together";
+        if (!problem) problem = answer_grammar(b, q, json, schema, why, sizeof why);
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = chat_problem(&ch, b->m);
         if (!problem) {
@@ -4523,6 +5778,7 @@ static int admit(Batch *b, Seq *slot)
     slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
     slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
     text_open(&slot->out, NULL, &slot->text, &slot->stops);
+    if (slot->jc) json_mask_init(&slot->jm, slot->jc, b->m->c.vocab_size);
     slot->t_admit = now_ms();
     b->in_flight++;
     return 1;
@@ -4532,7 +5788,16 @@ static void finish_seq(Batch *b, Seq *q, int finish)
 {
     double now = now_ms();
     text_end(&q->out);
+    if (q->jc) {
+        q->json_incomplete = !json_complete(&q->jc->g, &q->jm.state);
+        b->failed |= q->json_incomplete;
+        json_mask_free(&q->jm);
+    }
     record_answer(b, q, finish, now);
+    if (q->own_jc) {
+        json_grammar_free(&((JsonConstraint *)q->jc)->g);
+        free((JsonConstraint *)q->jc);
+    }
     page_release(&b->pool, &q->pt);
     free(q->pt.page);
     free(q->toks.ids);
@@ -4561,10 +5826,13 @@ static void seq_take(Batch *b, Seq *q, int token)
         if (q->logprobs.len) buf_put(&q->logprobs, ", ", 2);
         logprobs_record(&q->logprobs, b->m, token, &q->lp);
     }
-    if (tok_is_eog(b->m->tok, token) && !b->o->ignore_eos) { finish_seq(b, q, FIN_STOP); return; }
+    if (tok_is_eog(b->m->tok, token) && (!b->o->ignore_eos || q->jc)) { finish_seq(b, q, FIN_STOP); return; }
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);
-    int stopped = piece && !tok_is_control(b->m->tok, token) && text_put(&q->out, piece, len);
+    int text = piece && !tok_is_control(b->m->tok, token);
+    if (q->jc && !json_feed_all(&q->jc->g, &q->jm.state, piece, text ? len : 0))
+        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
+    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && q->jm.state.mode == JM_DONE);
     b->gen_tokens++;
     q->n_gen++;
     if (stopped) finish_seq(b, q, FIN_STOP);
@@ -4589,7 +5857,7 @@ static void prefill_some(Batch *b)
     q->pos += k;
     if (!last) return;
     q->state = SEQ_DECODE;
-    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand));
+    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
 }
 
 /* One decode step: the last sampled token of every decoding sequence, fed
@@ -4610,7 +5878,7 @@ static void decode_some(Batch *b)
         Seq *q = who[t];
         push(&q->toks, q->token);
         q->pos++;
-        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand));
+        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
     }
 }
 
@@ -4726,6 +5994,8 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     free(b.in.buf);
     free(b.seq); free(b.cand); free(b.itl); free(b.out.rec); free(b.out.ready);
     free_pool(&b.pool);
+    if (b.have_trie) free_trie(&b.trie);
+    if (b.have_plain) json_grammar_free(&b.plain.g);
     return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;
 }
 
@@ -4830,6 +6100,8 @@ typedef struct {
     float temperature, top_p;
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    int json;            /* --json */
+    const char *json_schema; /* --json-schema FILE */
     GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
     BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
@@ -4873,6 +6145,17 @@ static void usage(FILE *f)
         "                 softmax at temperature 1. The end-of-turn token that stops\n"
         "                 generation gets a record too. Chat: an empty line after each\n"
         "                 answer's records\n"
+        "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
+        "                 would break it are never sampled, and generation ends when\n"
+        "                 the value is complete (with -m chat: each answer). At most\n"
+        "                 16 whitespace bytes in a row (one line feed), none after the\n"
+        "                 value; numbers of at most 40 bytes; nesting depth at most\n"
+        "                 32. An end token (even with --ignore-eos) is allowed only\n"
+        "                 once the value is complete. If -n or the context runs out\n"
+        "                 first, stdout keeps the text and the exit status is 1\n"
+        "  --json-schema FILE  the same, and the value matches the JSON Schema in FILE\n"
+        "                 (the subset the README's \"Structured output\" lists; any\n"
+        "                 other keyword is an error naming its path)\n"
         "Numbers are plain decimals: no hex (0x10), no spaces, no inf or nan.\n"
         "\n"
         "Chat (-m chat): one user message per line of stdin; each answer is printed\n"
@@ -4923,8 +6206,9 @@ static void usage(FILE *f)
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
         "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"chat\",\n"
-        "                 \"system\"}; one JSON record per line on stdout, in input\n"
-        "                 order (README \"Batch\"); exit 1 if a line failed\n"
+        "                 \"system\", \"stop\", \"json\", \"schema\", \"logprobs\"}; one JSON\n"
+        "                 record per line on stdout, in input order (README \"Batch\");\n"
+        "                 exit 1 if a line failed\n"
         "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
         "                 page pool holds at -n tokens each, at most 32)\n"
         "  --kv-mem MB    batch mode: the KV cache page pool (default 1024)\n"
@@ -5041,7 +6325,7 @@ static void parse_args(Args *a, int argc, char **argv)
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
                                        "--batch", "--parallel", "--kv-mem",
-                                       "--logprobs", "--stop", NULL};
+                                       "--logprobs", "--stop", "--json-schema", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -5087,6 +6371,8 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--batch")) a->batch.path = v;
         else if (!strcmp(f, "--parallel")) a->batch.parallel = parse_long(f, v, 1, BATCH_MAX);
         else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
+        else if (!strcmp(f, "--json")) a->json = 1;
+        else if (!strcmp(f, "--json-schema")) a->json_schema = v;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -5121,6 +6407,10 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->gen.stops.n && a->ppl, "--ppl", "--stop"},
         {a->gen.stops.n && a->tokenize, "--tokenize", "--stop"},
         {a->gen.stops.n && a->dump_logits, "--dump-logits", "--stop"},
+        {a->json && a->json_schema, "--json", "--json-schema"},
+        {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
+        {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},
+        {(a->json || a->json_schema) && a->tokenize, a->json ? "--json" : "--json-schema", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -5267,11 +6557,18 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
     select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
+    JsonConstraint jc, *jcp = NULL;
+    if (a.json || a.json_schema) {
+        json_grammar_init(&jc.g);
+        jc.root = a.json_schema ? compile_schema_file(&jc.g, a.json_schema) : 0;
+        jcp = &jc;
+    }
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
+    if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
     int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
@@ -5335,7 +6632,10 @@ int main(int argc, char **argv)
         status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
     }
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) chat_loop(&m, &s, &sm, &a.gen, mcp);
+    else if (chat) {
+        int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
+        if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
+    }
     else if (a.gen.n_predict > 0) {
         int n_predict = a.gen.n_predict, pos = 0, last;
         if (n_predict > seq_len - prompt.n + 1) {
@@ -5345,10 +6645,15 @@ int main(int argc, char **argv)
         Stats st;
         TextOut out;
         text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
-        generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
+        int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
+        if (st.json_incomplete)
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", why == STOP_CONTEXT ? "the end of the context" : "-n");
+    } else if (jcp) {
+        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }
+    if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
     close_stdout();
     free(prompt.ids);
     free_state(&s);

@@ -17,7 +17,14 @@ open-ended one, each with and without lookup decoding (greedy, so both give
 the same text), alternating the two, and prints decode tok/s and their ratio;
 with --llamacpp also llama.cpp's plain decode speed on the same prompts.
 
-    python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup]
+--json-only measures what constrained output costs: decode tok/s with and
+without --json-schema and --json (greedy, --lookup 0, a prompt that asks
+for a long JSON array; a fixed token count: --ignore-eos without, a schema
+of at least 40 objects that cannot be finished within -n with),
+alternating, for both vocabularies (SmolLM2: 49152 tokens, Gemma 3:
+262144).
+
+    python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup] [--json-only]
 """
 from __future__ import annotations
 
@@ -163,6 +170,45 @@ def lookup_bench(dtypes: list[str], runs: int, threads: int, llamacpp: bool) -> 
         print(f"| {dtype} | median of the input-grounded tasks | | | | {statistics.median(grounded):.2f}× | | | |")
 
 
+JSON_PROMPT = "Write a JSON array of 40 objects, one per country, each with the fields name, capital, population and continent."
+JSON_MODELS = [(ROOT / "models" / "smollm2-135m-instruct.bin", 49152), (ROOT / "models" / "gemma3-270m.bin", 262144)]
+# 40 objects at least: the value cannot be finished within the measured tokens, so both sides decode as many
+JSON_SCHEMA = {"type": "array", "minItems": 40, "items": {
+    "type": "object", "required": ["name", "capital", "population", "continent"], "additionalProperties": False,
+    "properties": {"name": {"type": "string"}, "capital": {"type": "string"}, "population": {"type": "integer"},
+                   "continent": {"enum": ["Africa", "Americas", "Asia", "Europe", "Oceania"]}}}}
+
+
+def json_bench(runs: int, threads: int, n_gen: int = 128) -> None:
+    """Decode tok/s with and without --json-schema (and --json), alternating; median [min-max] of runs."""
+    schema = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-schema-{os.getpid()}.json"
+    schema.write_text(json.dumps(JSON_SCHEMA))
+    print(f"\nConstrained output (greedy, -c, --lookup 0, {n_gen} tokens; median [min–max] of {runs} alternating runs;"
+          f" --json may finish its value sooner):\n")
+    print("| model | vocabulary | decode tok/s | with --json-schema | ratio | with --json | ratio | "
+          "mask walks (ms each) / cache hits, schema |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, vocab in JSON_MODELS:
+        res: dict[str, list[float]] = {"off": [], "schema": [], "json": []}
+        walks = ""
+        for _ in range(runs):
+            for mode, extra in (("off", ["--ignore-eos"]), ("schema", ["--json-schema", str(schema)]), ("json", ["--json"])):
+                p = subprocess.run([str(RUN), str(model), "-c", "-t", "0", "-n", str(n_gen), "--lookup", "0", "-v",
+                                    "--threads", str(threads), "-i", JSON_PROMPT, *extra], capture_output=True, text=True)
+                m = re.search(r"decode: (\d+) tokens, ([\d.]+) tok/s", p.stderr)
+                if not m or (mode != "json" and int(m.group(1)) != n_gen):
+                    raise RuntimeError(f"{model.name} {mode}: not {n_gen} tokens: {p.stderr.strip()[-300:]}")
+                res[mode].append(float(m.group(2)))
+                w = re.search(r"json: (\d+) allowed sets walked over the vocabulary \(([\d.]+) ms each\), (\d+) taken", p.stderr)
+                if w and mode == "schema":
+                    walks = f"{w.group(1)} ({w.group(2)}) / {w.group(3)}"
+        off = statistics.median(res["off"])
+        print(f"| {model.name} | {vocab} | {summary(res['off'], '{:.1f}')} | {summary(res['schema'], '{:.1f}')} | "
+              f"{statistics.median(res['schema']) / off:.2f}× | {summary(res['json'], '{:.1f}')} | "
+              f"{statistics.median(res['json']) / off:.2f}× | {walks} |", flush=True)
+    schema.unlink()
+
+
 def llamacpp_tasks(threads: int, runs: int) -> dict[str, float]:
     """llama.cpp's plain decode tok/s on the same chat prompts (the shipped Q4_1 GGUF), from its counters."""
     try:
@@ -225,7 +271,11 @@ def main() -> int:
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp (llama-cpp-python) for a ratio")
     ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
+    ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
     args = ap.parse_args()
+    if args.json_only:
+        json_bench(args.runs, args.threads)
+        return 0
     if not RUN.exists() or not GGUF.exists():
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)
         return 1

@@ -179,6 +179,9 @@ BAD_LINES = [
     ('{"prompt": "x", "stop": ""}', '"stop" strings must be strings of 1 to 256 bytes'),
     ('{"prompt": "x", "stop": [1]}', '"stop" strings must be'),
     ('{"prompt": "x", "stop": {"a": 1}}', '"stop" must be a string or an array'),
+    ('{"prompt": "x", "json": 1}', '"json" must be true or false'),
+    ('{"prompt": "x", "schema": []}', '"schema" must be a JSON object'),
+    ('{"prompt": "x", "schema": {"type": "object", "maxItems": 2, "minItems": 3}}', '"schema": $.minItems: greater than maxItems'),
     ('{"prompt": "x"} {"prompt": "y"}', "not valid JSON"),
     ("[1, 2]", None),  # not starting with "{": a plain-text prompt
     ('{"prompt": "' + "many words " * 40 + '"}', "the prompt has"),
@@ -325,3 +328,34 @@ def test_stop_field_and_flag_match_the_single_request_mode():
         single = run(args + [x for s in stops for x in ("--stop", s)]).stdout.decode()
         assert rec["text"] == single, (rec, single)
     assert recs[0]["finish"] == "stop" and recs[2]["finish"] == "stop" and recs[2]["text"] == "", recs
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+def test_json_and_schema_fields_match_the_single_request_mode():
+    ask = "Invent a person: a name and an age."
+    reqs = [{"prompt": ask, "chat": True, "n": 64, "schema": PERSON},
+            {"prompt": "List three colors as a JSON array.", "chat": True, "n": 48, "json": True},
+            {"prompt": ask, "chat": True, "n": 3, "schema": PERSON},
+            {"prompt": "x", "schema": {"type": "object", "minimum": 3}},
+            {"prompt": "x", "json": True, "schema": PERSON},
+            {"prompt": "Hello", "n": 6}]
+    code, recs, err = batch(write_lines("json.jsonl", reqs), "-t", "0")
+    assert code == 1, (code, err)  # line 3's value is left incomplete
+    schema_file = WORK / "person.schema.json"
+    schema_file.write_text(json.dumps(PERSON))
+    single = run([model(), "-c", "-t", "0", "-n", 64, "--json-schema", schema_file, "-i", ask]).stdout.decode()
+    assert recs[0]["text"] == single and json.loads(single).keys() == {"name", "age"}, (recs[0], single)
+    single = run([model(), "-c", "-t", "0", "-n", 48, "--json", "-i", reqs[1]["prompt"]]).stdout.decode()
+    assert recs[1]["text"] == single and recs[1]["finish"] == "stop", (recs[1], single)
+    json.loads(single)
+    assert recs[2]["json_complete"] is False and recs[2]["tokens"] == 3, recs[2]
+    assert "json_complete" not in recs[0] and "json_complete" not in recs[5], recs
+    assert recs[3]["error"] == 'line 4: "schema": $.minimum: keyword not supported', recs[3]
+    assert "cannot be used together" in recs[4]["error"], recs[4]
+    # the command line's --json applies to every line, "json": false turns it off for one
+    code, recs, err = batch(write_lines("json-default.jsonl", [{"prompt": reqs[1]["prompt"], "chat": True, "n": 48},
+                                                               {"prompt": "Hello", "n": 6, "json": False}]), "-t", "0", "--json")
+    assert code == 0 and recs[0]["text"] == single and recs[1]["text"] == alone(model(), "Hello", 6), (code, recs, err)
