@@ -338,21 +338,37 @@ def kernel_set(threads: int) -> str:
     return m.group(1) if m else "unknown"
 
 
-def type_table(labels: list[str], scratch: Path, runs: int, threads: int) -> None:
+def omp_wait_policy(choice: str, threads: int) -> str:
+    """Set OMP_WAIT_POLICY for llama.cpp (in this process: before llama_cpp is first imported) and for ./run (its
+    children). llama.cpp's OpenMP threads spin at each of the hundreds of graph barriers per token; with other work
+    on the cores a preempted thread stalls the spinning one, and its decode falls from ~60 to ~0.5 tok/s (measured
+    here at load average 9, where PASSIVE gave 27-73). "auto": PASSIVE when the load average is at least the thread
+    count, else the library's default."""
+    if choice == "auto":
+        choice = "passive" if os.getloadavg()[0] >= threads else "default"
+    if choice == "default":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = choice.upper()
+    return choice
+
+
+def type_table(labels: list[str], scratch: Path, runs: int, threads: int, wait: str = "auto") -> None:
     """`make bench`'s per-type table: each type's GGUF run by our engine and by llama.cpp, in one run."""
+    load0 = os.getloadavg()
+    wait = omp_wait_policy(wait, threads) if "llama_cpp" not in sys.modules else "as already loaded"
     try:
         import llama_cpp
     except ImportError:
         print("llama-cpp-python is not installed: no per-type table", file=sys.stderr)
         return
     scratch.mkdir(parents=True, exist_ok=True)
-    load0 = os.getloadavg()
     print(f"\nPer type, same GGUF file, our engine (export.py --dtype keep, {kernel_set(threads)} kernels, KV f16) "
           f"and llama.cpp (llama-cpp-python {llama_cpp.__version__}, KV f16, flash attention on), {threads} threads; "
           f"median of {runs} runs, alternating which goes first; decode = 128 tokens after a 128-token prompt, "
           f"prefill = one 512-token prompt. SmolLM2-135M except the Gemma 3 270M row.")
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores; load average at start "
-          f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}\n")
+          f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; OpenMP wait policy (both engines): {wait}\n")
     print("| type | GGUF | bits per weight (matrices) | GGUF MB | decode tok/s ours | llama.cpp | ratio | "
           "prefill 512 tok/s ours | llama.cpp | ratio |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -381,6 +397,8 @@ def main() -> int:
                     help="also the per-type table: each GGUF type run by our engine and by llama.cpp")
     ap.add_argument("--per-type-only", action="store_true", help="only the per-type table")
     ap.add_argument("--types", default=",".join(TYPES), help="rows of the per-type table (comma-separated)")
+    ap.add_argument("--omp-wait", choices=("auto", "default", "passive", "active"), default="auto",
+                    help="OMP_WAIT_POLICY for the per-type table (auto: passive when the machine is busy)")
     ap.add_argument("--scratch", type=Path, default=ROOT / "models",
                     help="where the per-type table's GGUFs (made by llama.cpp's quantizer) and exports go")
     args = ap.parse_args()
@@ -388,7 +406,7 @@ def main() -> int:
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)
         return 1
     if args.per_type_only:
-        type_table(args.types.split(","), args.scratch, args.runs, args.threads)
+        type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
         return 0
     if args.lookup_only:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
@@ -421,7 +439,7 @@ def main() -> int:
         if ref:
             print_ratios(ours, ref)
     if args.per_type:
-        type_table(args.types.split(","), args.scratch, args.runs, args.threads)
+        type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
     if args.lookup:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
     return 0
