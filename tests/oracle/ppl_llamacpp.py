@@ -8,11 +8,11 @@ Text: the first --bytes of tests/data/kjv-genesis.txt, cut at the last line brea
 of each window's first token for add-BOS models, the second half scored).
 
   ours       export.py GGUF OUT.bin (default --dtype keep: the GGUF's blocks as they are), then
-             ./run OUT.bin --ppl TEXT --ctx N --threads T (KV cache f16, the default)
+             ./run OUT.bin --ppl TEXT --ctx N --threads T --kv KV (f16 by default)
   llama.cpp  the GGUF itself: llama.cpp tokenizes the text (BOS as the file asks), each window is
-             one llama_decode batch with logits for every position (logits_all, KV cache f16,
-             flash attention on: llama.cpp's CPU defaults), the NLL is computed in float64 numpy
-             by tests/ppl_ref.py
+             one llama_decode batch with logits for every position (logits_all; KV cache f16 and
+             flash attention on, llama.cpp's CPU defaults, or with --kv f32 the oracle's F32 KV cache
+             and flash attention off), the NLL is computed in float64 numpy by tests/ppl_ref.py
 
 The two tokenizations must be identical over the windows (checked: ./run --tokenize against llama.cpp's ids),
 so both score the same tokens. Files: the SmolLM2 GGUFs written by llama.cpp's own quantizer
@@ -44,7 +44,7 @@ TEXT = ROOT / "tests" / "data" / "kjv-genesis.txt"
 ORACLE_SCRATCH = Path("/tmp/oracle-quant-scratch")   # make_quant_goldens.py's default --scratch
 GOLDEN = ROOT / "tests" / "golden" / "quant"
 SMOL_TYPES = ("q4_0", "q5_0", "q5_1", "q8_0", "q4_k_m", "q5_k_m", "q6_k")
-GGML_TYPE_F16 = 1
+GGML_TYPE_F32, GGML_TYPE_F16 = 0, 1
 
 
 def files(oracle_scratch: Path) -> dict[str, Path]:
@@ -90,19 +90,22 @@ def ours_tokens(model: Path, text: bytes) -> list[int]:
     return [int(x) for x in p.stdout.split()]
 
 
-def ours_ppl(model: Path, text_file: Path, ctx: int, threads: int) -> tuple[float, int]:
+def ours_ppl(model: Path, text_file: Path, ctx: int, threads: int, kv: str) -> tuple[float, int]:
     p = subprocess.run([str(ROOT / "run"), str(model), "--ppl", str(text_file), "--ctx", str(ctx),
-                        "--threads", str(threads)], capture_output=True, text=True, check=True)
+                        "--threads", str(threads), "--kv", kv], capture_output=True, text=True, check=True)
     m = re.search(r"perplexity: ([\d.]+) over (\d+) tokens", p.stdout)
     return float(m.group(1)), int(m.group(2))
 
 
-def open_llama(gguf: Path, ctx: int, threads: int):
+def open_llama(gguf: Path, ctx: int, threads: int, kv: str):
+    """kv "f16": llama.cpp's CPU defaults (F16 KV cache, flash attention); "f32": the oracle's settings
+    (tests/oracle/make_goldens.py: F32 KV cache, flash attention off)."""
     import llama_cpp
 
+    kv_type = GGML_TYPE_F16 if kv == "f16" else GGML_TYPE_F32
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, n_threads=threads,
-                           n_threads_batch=threads, logits_all=True, flash_attn=True, type_k=GGML_TYPE_F16,
-                           type_v=GGML_TYPE_F16, seed=0, verbose=False, n_gpu_layers=0)
+                           n_threads_batch=threads, logits_all=True, flash_attn=kv == "f16", type_k=kv_type,
+                           type_v=kv_type, seed=0, verbose=False, n_gpu_layers=0)
 
 
 def llama_tokens(llm, text: bytes) -> list[int]:
@@ -125,10 +128,11 @@ def llama_ppl(llm, tokens: list[int], ctx: int) -> tuple[float, int]:
     return ppl_ref.perplexity(tokens, ctx, logits_of, bos)
 
 
-def measure(label: str, gguf: Path, text: bytes, text_file: Path, scratch: Path, ctx: int, threads: int) -> dict:
+def measure(label: str, gguf: Path, text: bytes, text_file: Path, scratch: Path, ctx: int, threads: int,
+            kv: str) -> dict:
     digest = check_digest(label, gguf)
     model = export(gguf, scratch / f"ppl-{label}.bin")
-    llm = open_llama(gguf, ctx, threads)
+    llm = open_llama(gguf, ctx, threads, kv)
     ids_llama, ids_ours = llama_tokens(llm, text), ours_tokens(model, text)
     used = len(ids_llama) // ctx * ctx   # the tokens the windows hold (the tail is dropped)
     if ids_llama[:used] != ids_ours[:used]:
@@ -138,17 +142,17 @@ def measure(label: str, gguf: Path, text: bytes, text_file: Path, scratch: Path,
     ppl_l, n_l = llama_ppl(llm, ids_llama, ctx)
     llm.close()
     t1 = time.time()
-    ppl_o, n_o = ours_ppl(model, text_file, ctx, threads)
+    ppl_o, n_o = ours_ppl(model, text_file, ctx, threads, kv)
     t2 = time.time()
     if n_l != n_o:
         raise SystemExit(f"{label}: llama.cpp scored {n_l} tokens, ours {n_o}")
-    return {"label": label, "gguf": str(gguf), "check": digest, "tokens": len(ids_llama), "scored": n_o,
+    return {"label": label, "gguf": str(gguf), "kv": kv, "check": digest, "tokens": len(ids_llama), "scored": n_o,
             "ours": ppl_o, "llamacpp": ppl_l, "rel_diff": ppl_o / ppl_l - 1,
             "seconds": {"llamacpp": round(t1 - t0), "ours": round(t2 - t1)}}
 
 
-def print_table(rows: list[dict], ctx: int, n_bytes: int) -> None:
-    print(f"\nperplexity, first {n_bytes} bytes of {TEXT.name}, windows of {ctx}, second half scored, KV f16\n")
+def print_table(rows: list[dict], ctx: int, n_bytes: int, kv: str) -> None:
+    print(f"\nperplexity, first {n_bytes} bytes of {TEXT.name}, windows of {ctx}, second half scored, KV {kv}\n")
     print("| file | tokens | scored | ours | llama.cpp | ours vs llama.cpp |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -166,6 +170,8 @@ def main() -> int:
     ap.add_argument("--bytes", type=int, default=60000)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kv", choices=("f16", "f32"), default="f16",
+                    help="KV cache of both (f16: llama.cpp's defaults, flash attention on; f32: the oracle's, off)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     args.scratch.mkdir(parents=True, exist_ok=True)
@@ -178,11 +184,11 @@ def main() -> int:
         if not gguf.exists():
             print(f"{label}: {gguf} missing, skipped (make_quant_goldens.py writes it)", file=sys.stderr)
             continue
-        rows.append(measure(label, gguf, text, text_file, args.scratch, args.ctx, args.threads))
+        rows.append(measure(label, gguf, text, text_file, args.scratch, args.ctx, args.threads, args.kv))
         r = rows[-1]
         print(f"{label}: ours {r['ours']:.4f}, llama.cpp {r['llamacpp']:.4f} ({100 * r['rel_diff']:+.3f} %), "
               f"{r['seconds']}", file=sys.stderr, flush=True)
-    print_table(rows, args.ctx, len(text))
+    print_table(rows, args.ctx, len(text), args.kv)
     if args.json:
         args.json.write_text(json.dumps({"load_average": os.getloadavg(), "rows": rows}, indent=1))
     return 0 if rows else 1
