@@ -6,7 +6,7 @@
 # make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
-# make bench      the benchmark (not a test): every dtype against this machine's roofline
+# make bench      the benchmark (not a test): every dtype against this machine's roofline; each GGUF type beside llama.cpp
 # make bench-tokenizer  encode/decode MB/s on English, source code and CJK text
 # make clean      remove build outputs (not models/)
 
@@ -119,8 +119,9 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 	  printf '%-32s %-10s ' $$(basename $$m) $$(basename $$f .txt); ./tok-driver $$m --bench $$f; done; done
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
-bench: run $(MODEL_BIN)
-	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --lookup
+bench: run $(MODEL_BIN) $(GEMMA_GGUF)
+	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --lookup
+	$(PYTHON) tests/bench.py --json-only --runs 3
 	$(PYTHON) tests/bench_batch.py --runs 3
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----

@@ -24,7 +24,14 @@ of at least 40 objects that cannot be finished within -n with),
 alternating, for both vocabularies (SmolLM2: 49152 tokens, Gemma 3:
 262144).
 
+
+The per-type table (--per-type) runs each GGUF type (SmolLM2 written by llama.cpp's own
+quantizer from the F32 GGUF, as tests/oracle/make_quant_goldens.py writes it, and Gemma 3 270M
+Q4_K_M as shipped) through our engine (export.py's default --dtype keep) and through llama.cpp,
+alternating the two run by run, and prints decode and 512-token prefill tok/s with their ratio.
+
     python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup] [--json-only]
+    python3 tests/bench.py --per-type-only --runs 5 --threads 2 [--types q4_k_m,gemma3-q4_k_m]
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RUN = ROOT / "run"
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships with the repo
+sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # the llama.cpp helpers, imported where used
 
 
 def cpu_name() -> str:
@@ -262,6 +270,167 @@ def print_ratios(ours: dict, ref: dict) -> None:
               f"{statistics.median(b['pp512']) / pp:.2f}× | {statistics.median(b['tg128']) / tg:.2f}× |")
 
 
+# ---- per-type table: our engine and llama.cpp on the same GGUF files (issue 13) ----
+
+ORACLE_SCRATCH = Path("/tmp/oracle-quant-scratch")   # tests/oracle/make_quant_goldens.py's default --scratch
+GEMMA_GGUF = ROOT / "models" / "gemma3-270m-q4_k_m.gguf"
+TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_m", "q5_k_m", "q6_k", "gemma3-q4_k_m")
+# llama.cpp's llama_ftype and the ggml type of the embedding for the float files (include/llama.h, ggml.h)
+FLOAT_FTYPES = {"f16": (1, 1), "bf16": (32, 30)}
+
+
+def smollm2_f32(scratch: Path) -> Path:
+    """The F32 GGUF holding the shipped Q4_1 GGUF's dequantized weights (llama.cpp's own quantize code)."""
+    for path in (ORACLE_SCRATCH / "SmolLM2-135M-Instruct.F32.gguf", scratch / "SmolLM2-135M-Instruct.F32.gguf"):
+        if path.exists():
+            return path
+    from make_goldens import make_f32_gguf
+
+    make_f32_gguf(GGUF, path)
+    return path
+
+
+def type_gguf(label: str, scratch: Path, threads: int) -> Path:
+    """The GGUF of one table row, written by llama.cpp's quantizer from the F32 GGUF when it is missing
+    (the same call as tests/oracle/make_quant_goldens.py, which leaves its files in ORACLE_SCRATCH)."""
+    if label == "gemma3-q4_k_m":
+        return GEMMA_GGUF
+    if label == "q4_1":
+        return GGUF
+    if label == "f32":
+        return smollm2_f32(scratch)
+    for path in (ORACLE_SCRATCH / f"smollm2_{label}.gguf", scratch / f"smollm2_{label}.gguf"):
+        if path.exists():
+            return path
+    import make_goldens
+    import make_quant_goldens
+
+    src = smollm2_f32(scratch)
+    if label in FLOAT_FTYPES:
+        make_goldens.requantize_gguf(src, path, *FLOAT_FTYPES[label])
+    else:
+        make_quant_goldens.quantize(src, path, make_quant_goldens.FTYPES[label], threads)
+    return path
+
+
+def export_keep(gguf: Path, scratch: Path) -> Path:
+    """export.py's default for a GGUF (--dtype keep): every tensor's type and blocks as they are."""
+    out = scratch / f"bench-keep-{gguf.stem}.bin"
+    if not out.exists() or out.stat().st_mtime < gguf.stat().st_mtime:
+        subprocess.run([sys.executable, str(ROOT / "export.py"), str(gguf), str(out)], check=True, capture_output=True)
+    return out
+
+
+def matrix_bits(gguf: Path) -> float | None:
+    """Bits per weight of the 2-D tensors (the `gguf` package reads the file; None without it)."""
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        return None
+    mats = [t for t in GGUFReader(str(gguf)).tensors if len(t.shape) >= 2 and t.shape[1] > 1]
+    return 8 * sum(int(t.n_bytes) for t in mats) / sum(int(t.n_elements) for t in mats)
+
+
+def open_llamacpp(gguf: Path, threads: int):
+    """llama.cpp with its CPU defaults (F16 KV cache, flash attention on), room for 512 + 128 tokens."""
+    import llama_cpp
+
+    from bench_llamacpp import CONFIGS, N_CTX
+
+    return llama_cpp.Llama(model_path=str(gguf), n_ctx=N_CTX, n_batch=512, n_ubatch=512, n_threads=threads,
+                           n_threads_batch=threads, logits_all=False, verbose=False, n_gpu_layers=0,
+                           **CONFIGS["llamacpp_default"])
+
+
+def ours_speed(model: Path, ids128: str, ids512: str, threads: int) -> dict[str, float]:
+    """Decode tok/s over positions 128..255 and prefill tok/s of one 512-token prompt."""
+    plain = ["--lookup", "0"]
+    return {"decode": run_once(model, ids128, 129, threads, plain)["decode_tps"],
+            "prefill": run_once(model, ids512, 1, threads, plain)["prefill_tps"]}
+
+
+def llamacpp_speed(llm, ids512: list[int]) -> dict[str, float]:
+    """The same measurement by llama.cpp's own counters (tests/oracle/bench_llamacpp.py's one_run)."""
+    from bench_llamacpp import one_run
+
+    r = one_run(llm, ids512)
+    return {"decode": r["decode_128_tok_s"], "prefill": r["prefill_512_tok_s"]}
+
+
+def bench_type(label: str, scratch: Path, runs: int, threads: int) -> dict:
+    """Ours and llama.cpp on one GGUF, alternating which goes first each run; medians."""
+    gguf = type_gguf(label, scratch, threads)
+    model = export_keep(gguf, scratch)
+    ids512 = prompt_ids(model, 512)
+    ids128 = " ".join(ids512.split()[:128])
+    llm = open_llamacpp(gguf, threads)
+    ids = [int(i) for i in ids512.split()]
+    llamacpp_speed(llm, ids)                          # warm-up: page in, spin up the thread pool
+    ours_speed(model, ids128, ids512, threads)
+    res: dict[str, list[dict[str, float]]] = {"ours": [], "llamacpp": []}
+    for i in range(runs):
+        order = ("ours", "llamacpp") if i % 2 == 0 else ("llamacpp", "ours")
+        for who in order:
+            res[who].append(ours_speed(model, ids128, ids512, threads) if who == "ours" else llamacpp_speed(llm, ids))
+    llm.close()
+    med = {who: {k: statistics.median(r[k] for r in rs) for k in ("decode", "prefill")} for who, rs in res.items()}
+    return {"label": label, "gguf": gguf.name, "gguf_mb": gguf.stat().st_size / 1e6, "bits": matrix_bits(gguf),
+            "runs": res, "median": med}
+
+
+def kernel_set(threads: int) -> str:
+    err = subprocess.run([str(RUN), str(ROOT / "models" / "smollm2-135m-instruct.bin"), "-v", "-n", "1", "-i", "x",
+                          "--threads", str(threads)], capture_output=True, text=True).stderr
+    m = re.search(r"(\w+) kernels", err)
+    return m.group(1) if m else "unknown"
+
+
+def omp_wait_policy(choice: str, threads: int) -> str:
+    """Set OMP_WAIT_POLICY for llama.cpp (in this process: before llama_cpp is first imported) and for ./run (its
+    children). llama.cpp's OpenMP threads spin at each of the hundreds of graph barriers per token; with other work
+    on the cores a preempted thread stalls the spinning one, and its decode falls from ~60 to ~0.5 tok/s (measured
+    here at load average 9, where PASSIVE gave 27-73). "auto": PASSIVE when the load average is at least the thread
+    count, else the library's default."""
+    if choice == "auto":
+        choice = "passive" if os.getloadavg()[0] >= threads else "default"
+    if choice == "default":
+        os.environ.pop("OMP_WAIT_POLICY", None)
+    else:
+        os.environ["OMP_WAIT_POLICY"] = choice.upper()
+    return choice
+
+
+def type_table(labels: list[str], scratch: Path, runs: int, threads: int, wait: str = "auto") -> None:
+    """`make bench`'s per-type table: each type's GGUF run by our engine and by llama.cpp, in one run."""
+    load0 = os.getloadavg()
+    wait = omp_wait_policy(wait, threads) if "llama_cpp" not in sys.modules else "as already loaded"
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama-cpp-python is not installed: no per-type table", file=sys.stderr)
+        return
+    scratch.mkdir(parents=True, exist_ok=True)
+    print(f"\nPer type, same GGUF file, our engine (export.py --dtype keep, {kernel_set(threads)} kernels, KV f16) "
+          f"and llama.cpp (llama-cpp-python {llama_cpp.__version__}, KV f16, flash attention on), {threads} threads; "
+          f"median of {runs} runs, alternating which goes first; decode = 128 tokens after a 128-token prompt, "
+          f"prefill = one 512-token prompt. SmolLM2-135M except the Gemma 3 270M row.")
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; load average at start "
+          f"{load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}; OpenMP wait policy (both engines): {wait}\n")
+    print("| type | GGUF | bits per weight (matrices) | GGUF MB | decode tok/s ours | llama.cpp | ratio | "
+          "prefill 512 tok/s ours | llama.cpp | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for label in labels:
+        r = bench_type(label, scratch, runs, threads)
+        o, l = r["median"]["ours"], r["median"]["llamacpp"]
+        bits = f"{r['bits']:.3f}" if r["bits"] else "—"
+        print(f"| {label} | {r['gguf']} | {bits} | {r['gguf_mb']:.1f} | {o['decode']:.1f} | {l['decode']:.1f} | "
+              f"{o['decode'] / l['decode']:.2f}× | {o['prefill']:.0f} | {l['prefill']:.0f} | "
+              f"{o['prefill'] / l['prefill']:.2f}× |", flush=True)
+    load1 = os.getloadavg()
+    print(f"\nload average at end {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} (above {threads}: other work shared "
+          "the cores, and the absolute numbers are low; the ratios are of runs interleaved in time)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -272,6 +441,14 @@ def main() -> int:
     ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
     ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
+    ap.add_argument("--per-type", action="store_true",
+                    help="also the per-type table: each GGUF type run by our engine and by llama.cpp")
+    ap.add_argument("--per-type-only", action="store_true", help="only the per-type table")
+    ap.add_argument("--types", default=",".join(TYPES), help="rows of the per-type table (comma-separated)")
+    ap.add_argument("--omp-wait", choices=("auto", "default", "passive", "active"), default="auto",
+                    help="OMP_WAIT_POLICY for the per-type table (auto: passive when the machine is busy)")
+    ap.add_argument("--scratch", type=Path, default=ROOT / "models",
+                    help="where the per-type table's GGUFs (made by llama.cpp's quantizer) and exports go")
     args = ap.parse_args()
     if args.json_only:
         json_bench(args.runs, args.threads)
@@ -279,6 +456,9 @@ def main() -> int:
     if not RUN.exists() or not GGUF.exists():
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)
         return 1
+    if args.per_type_only:
+        type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
+        return 0
     if args.lookup_only:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
         return 0
@@ -309,6 +489,8 @@ def main() -> int:
         ref = llamacpp_bench(args.dtypes, args.threads, args.runs)
         if ref:
             print_ratios(ours, ref)
+    if args.per_type:
+        type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
     if args.lookup:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
     return 0

@@ -246,6 +246,18 @@ def test_tensor_unsupported_type():
     assert "10" in msg, msg
 
 
+def test_tensor_type_id_out_of_range():
+    """Type ids past the table (31: one past BF16 = 30; ggml's count 39; 1000; 2^31 - 1) and a retired id inside
+    it (4, ggml's removed Q4_2) are refused with the tensor's name and the id, never used to index the table."""
+    for tid in (4, 31, 39, 1000, 0x7FFFFFFF):
+        msg = expect_file_error(lambda b, tid=tid: mf.entry_put(b, "layers.0.wo", "type", tid), "layers.0.wo",
+                                "unsupported type", name=f"tensor-type-{tid}")
+        assert str(tid) in msg, msg
+    # 2^32 - 1 (all bits set) too; the message prints it as a signed int, so only the words are checked
+    expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "type", 0xFFFFFFFF), "layers.0.wo", "unsupported type",
+                      name="tensor-type-max")
+
+
 def test_tensor_k_type_on_short_rows():
     """Q4_K (type 12) runs natively, but only on rows that are whole blocks of 256: the tiny model's are not."""
     expect_file_error(lambda b: mf.entry_put(b, "layers.0.wo", "type", 12), "layers.0.wo", "q4_k", name="tensor-q4k")

@@ -635,6 +635,32 @@ def test_truncated_gguf_in_tensor_data() -> None:
     expect_failure(write_gguf("trunc_data.gguf", bytes(real_gguf_head(40_000_000))), "past the end", "blk.")
 
 
+def test_truncated_gguf_inside_a_k_block() -> None:
+    """Gemma 3's Q4_K_M GGUF cut 100 bytes into its first Q4_K tensor's data (inside a 144-byte block), and one
+    byte before that tensor's end: refused, naming the tensor."""
+    from gguf import GGUFReader
+    from gguf.constants import GGMLQuantizationType as QT
+
+    src = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make model-gemma)")
+    t = min((t for t in GGUFReader(str(src)).tensors if t.tensor_type == QT.Q4_K), key=lambda t: int(t.data_offset))
+    with open(src, "rb") as f:
+        head = f.read(int(t.data_offset) + int(t.n_bytes))
+    for cut in (int(t.data_offset) + 100, len(head) - 1):
+        expect_failure(write_gguf("trunc_k.gguf", head[:cut]), "past the end", t.name)
+
+
+def test_k_type_row_not_a_multiple_of_256() -> None:
+    """A GGUF whose Q4_K / Q6_K tensor has rows of 64 (not whole blocks of 256) is refused with its name,
+    whatever bytes follow (one block per row here)."""
+    for qtype, block_bytes in ((12, 144), (14, 210)):
+        tensors = gguf_tensors(hf_weights())
+        i = next(k for k, t in enumerate(tensors) if t[0] == "blk.1.attn_q.weight")
+        name, ne, _, _ = tensors[i]
+        tensors[i] = (name, ne, qtype, bytes(block_bytes * ne[1]))
+        expect_failure(write_gguf(f"k_row_{qtype}.gguf", gguf_bytes(gguf_kvs(), tensors)), "blk.1.attn_q.weight",
+                       "not a multiple", "256")
+
+
 def test_truncated_synthetic_gguf_everywhere() -> None:
     """Cut points in the header, every metadata region, the tensor infos and the data (in-process, fast)."""
     data = gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights()))

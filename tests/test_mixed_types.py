@@ -258,6 +258,68 @@ def test_k_type_on_a_row_not_a_multiple_of_256_is_refused() -> None:
     assert p.returncode == 1 and "layers.1.w2" in err and "q4_k" in err and err.count("\n") == 1, (p.returncode, err)
 
 
+def entry_offset(data: bytes, name: str) -> int:
+    """Byte offset of tensor `name`'s entry in the tensor table (README, "The model file")."""
+    h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
+    for i in range(h["n_tensors"]):
+        at = h["table_offset"] + i * ENTRY.size
+        if ENTRY.unpack_from(data, at)[0].rstrip(b"\0").decode() == name:
+            return at
+    raise KeyError(name)
+
+
+def refused(model: Path, *words: str) -> str:
+    """The engine must refuse `model` (or its output) with exit 1 and one stderr line holding every word."""
+    p = run([model, "--ids", "1 2 3 4", "-n", "2", "-t", "0"])
+    err = p.stderr.decode(errors="replace")
+    assert p.returncode == 1 and err.count("\n") == 1 and p.stdout == b"", (model.name, p.returncode, err, p.stdout)
+    for w in words:
+        assert w in err, f"{model.name}: '{w}' missing from: {err}"
+    return err.strip()
+
+
+def test_truncated_k_block_is_refused() -> None:
+    """A K-type tensor whose table size ends inside a block (one byte short), or a whole block short, is refused
+    with the tensor's name: the loader checks size == rows x whole blocks per row."""
+    for qt in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        good = WORK / f"trunc-{qt.name}.llm"
+        rewrite(f32_file(), good, {"w2": qt})
+        data = good.read_bytes()
+        at = entry_offset(data, "layers.1.w2")
+        size_at = at + ENTRY.size - 8                      # the entry's last field: the data size in bytes
+        size = struct.unpack_from("<Q", data, size_at)[0]
+        block = size // (CFG.dim * CFG.hidden_dim // 256)   # bytes per block of 256
+        for short in (1, block):
+            bad = bytearray(data)
+            struct.pack_into("<Q", bad, size_at, size - short)
+            path = WORK / f"trunc-{qt.name}-{short}.llm"
+            path.write_bytes(bytes(bad))
+            refused(path, "layers.1.w2", "size", qt.name.lower())
+
+
+# byte offset of the f16 scale d in each block (ggml-common.h: block_q6_K ends with d, the others begin with it)
+SCALE_AT = {QT.Q4_0: 0, QT.Q4_1: 0, QT.Q5_0: 0, QT.Q5_1: 0, QT.Q8_0: 0, QT.Q4_K: 0, QT.Q5_K: 0, QT.Q6_K: 208}
+F16_NAN, F16_INF, F16_NEG_INF = 0x7E00, 0x7C00, 0xFC00
+
+
+def test_nan_or_inf_block_scale_gives_an_error_not_garbage() -> None:
+    """A block scale that is NaN or +-Inf (one block of layers.0.w2) makes the logits non-finite: the engine says so
+    in one line and exits 1, never prints tokens chosen from NaN. The intact file generates normally."""
+    for qt, at in SCALE_AT.items():
+        good = WORK / f"scale-{qt.name}.llm"
+        rewrite(f32_file(), good, {"w2": qt})
+        p = run([good, "--ids", "1 2 3 4", "-n", "2", "-t", "0"])
+        assert p.returncode == 0, (qt.name, p.stderr.decode(errors="replace"))
+        data = good.read_bytes()
+        off = struct.unpack_from("<Q", data, entry_offset(data, "layers.0.w2") + ENTRY.size - 16)[0]
+        for bits in (F16_NAN, F16_INF, F16_NEG_INF):
+            bad = bytearray(data)
+            struct.pack_into("<H", bad, off + at, bits)
+            path = WORK / f"scale-{qt.name}-{bits:04x}.llm"
+            path.write_bytes(bytes(bad))
+            refused(path, "non-finite")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # The int4 KV cache
 

@@ -7,7 +7,8 @@ Seeds are real files made by the real tools, kept small so that libFuzzer mutate
 interesting bytes and not megabytes of weights:
 
   models/      tiny llama models (tests/make_synthetic.py shapes, shrunk) exported by export.py
-               in every output dtype, tied and untied; tokenizer-only exports of the real
+               in every output dtype and native weight type (the K types and K mixes on a 256-wide
+               model), tied and untied; tokenizer-only exports of the real
                SmolLM2 (byte-level BPE) and Gemma 3 (SentencePiece) GGUFs and of a tiny
                SentencePiece GGUF written here.
   seeds/loader/       the tiny model files                     -> fuzz_loader
@@ -49,6 +50,9 @@ TINY_TIED = replace(ms.SynthConfig(), dim=32, hidden_dim=64, n_layers=1, n_heads
                     vocab_size=300, max_seq_len=64)
 TINY_UNTIED = replace(ms.untied_config(), dim=64, hidden_dim=96, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       vocab_size=280, max_seq_len=32)
+# The smallest shapes whose every row is a whole number of 256-blocks, so the K types cover every matrix.
+TINY_K = replace(ms.SynthConfig(), dim=256, hidden_dim=256, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=128,
+                 vocab_size=260, max_seq_len=32)
 
 # Texts for the tokenizer target: ordinary prose, code, CJK, control-token look-alikes, invalid
 # UTF-8, long runs (the pre-tokenizers' and merge loops' worst cases).
@@ -151,9 +155,24 @@ def make_sources(src: Path) -> dict[str, Path]:
         shutil.rmtree(src, ignore_errors=True)
         ms.make_all(src / "tied", TINY_TIED)
         ms.make_all(src / "untied", TINY_UNTIED, gguf_types=("f32", "q8_0"), hf=False)
+        ms.make_all(src / "k", TINY_K, gguf_types=("f32",), hf=False)
         write_spm_gguf(src / "spm.gguf")
         stamp.touch()
-    return {"tied": src / "tied", "untied": src / "untied", "spm": src / "spm.gguf"}
+    return {"tied": src / "tied", "untied": src / "untied", "k": src / "k", "spm": src / "spm.gguf"}
+
+
+def check_loader_types(loader: Path) -> None:
+    """Every weight type the engine runs (export.py's NATIVE_TYPES, ggml ids) is in some loader seed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("export_make_seeds", EXPORT)
+    exp = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = exp        # its dataclasses look their module up
+    spec.loader.exec_module(exp)
+    seen = {t.type for f in loader.iterdir() for t in modelfile.tensors(f.read_bytes())}
+    missing = [exp.GGML_TYPES[t][0] for t in exp.NATIVE_TYPES if t not in seen]
+    if missing:
+        raise SystemExit(f"make_seeds: no loader seed holds a tensor of type {', '.join(missing)}")
 
 
 def main() -> None:
@@ -173,6 +192,13 @@ def main() -> None:
         loader.append(export(src["tied"] / "model.f32.gguf", models / f"tied.{dtype}.bin", "--dtype", dtype))
     loader.append(export(src["tied"] / "model.q4_1.gguf", models / "tied.native-q4_1.bin", "--dtype", "q4_1"))
     loader.append(export(src["tied"] / "hf-bf16", models / "tied.hf-bf16.bin", "--dtype", "f32"))
+    # every other native weight type (issue 13): the 32-element types on the tiny model, BF16 kept from the
+    # bf16 safetensors, the K types and the llama.cpp-style mixes on 256-wide rows
+    for dtype in ("q4_0", "q5_0", "q5_1"):
+        loader.append(export(src["tied"] / "model.f32.gguf", models / f"tied.{dtype}.bin", "--dtype", dtype))
+    loader.append(export(src["tied"] / "hf-bf16", models / "tied.keep-bf16.bin", "--dtype", "keep"))
+    for dtype in ("q4_k", "q5_k", "q6_k", "q4_k_m", "q5_k_m"):
+        loader.append(export(src["k"] / "model.f32.gguf", models / f"k.{dtype}.bin", "--dtype", dtype))
     loader.append(export(src["untied"] / "model.q8_0.gguf", models / "untied.q8_0.bin", "--dtype", "q8_0"))
     loader.append(export(src["untied"] / "model.f32.gguf", models / "untied.f16.bin", "--dtype", "f16"))
     split = models / "untied.q8_0-split.bin"   # the split form (flag bit 5) of the same blocks
@@ -216,6 +242,7 @@ def main() -> None:
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src["tied"] / "hf" / f, tmpl / f)
 
+    check_loader_types(seeds / "loader")
     for target in sorted(p.name for p in seeds.iterdir()):
         files = list((seeds / target).iterdir())
         print(f"make_seeds: {target:12s} {len(files):3d} seeds, largest {max(f.stat().st_size for f in files):,} bytes")
