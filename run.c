@@ -756,7 +756,7 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
         uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), reserved = rd_u32(e + ENT_RESERVED);
         uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
         if (reserved) LOAD_FAIL("tensor %s: reserved field is %u, not zero", name, reserved);
-        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %d", name, type);
+        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %u", name, rd_u32(e + ENT_TYPE));
         size_t rb = row_bytes(type, cols);
         if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
             LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
@@ -6042,6 +6042,7 @@ static void score_block(void *ctx, const RunState *s, int off, int k)
         int p = off + t;
         if (p < sc->first || p >= sc->ctx - 1) continue;
         const float *lg = s->logits + (size_t)t * sc->vocab;
+        check_logits(lg, sc->vocab); /* damaged weights: an error, not a perplexity of nan */
         float mx = lg[0];
         for (int i = 1; i < sc->vocab; i++) mx = fmaxf(mx, lg[i]);
         double sum = 0;
@@ -6467,6 +6468,7 @@ static void write_logits(void *ctx, const RunState *s, int off, int k)
 {
     Dump *d = ctx;
     (void)off;
+    for (int t = 0; t < k; t++) check_logits(s->logits + (size_t)t * d->vocab, d->vocab); /* damaged weights: an error, not nan */
     if (fwrite(s->logits, sizeof(float) * d->vocab, k, d->f) != (size_t)k)
         die(EXIT_RUNTIME, "cannot write %s: %s", d->path, strerror(errno));
 }

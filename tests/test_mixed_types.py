@@ -367,3 +367,25 @@ def test_kv_q4_matches_reference_with_q4_rounded_cache() -> None:
             f"rms {rms_err(got, plain):.3g}, top-1 {top1(got, plain):.3f}")
     assert e <= max_rel and r <= max_rms and t >= min_top1, info
     print(info)
+
+
+def test_nan_block_scale_in_perplexity_and_logit_dumps() -> None:
+    """The same damage through --ppl and --dump-logits: one line, exit 1, no perplexity of nan and no dump file."""
+    qt = next(iter(SCALE_AT))
+    good = WORK / f"scale-{qt.name}.llm"
+    rewrite(f32_file(), good, {"w2": qt})
+    data = good.read_bytes()
+    off = struct.unpack_from("<Q", data, entry_offset(data, "layers.0.w2") + ENTRY.size - 16)[0]
+    bad = bytearray(data)
+    struct.pack_into("<H", bad, off + SCALE_AT[qt], F16_NAN)
+    path = WORK / "scale-nan-tools.llm"
+    path.write_bytes(bytes(bad))
+    text = WORK / "ppl-text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 40)
+    dump = WORK / "nan-dump.f32"
+    dump.unlink(missing_ok=True)
+    for args in (["--ppl", text, "--ctx", "16"], ["--ids", "1 2 3 4", "--dump-logits", dump]):
+        p = run([path, *args])
+        err = p.stderr.decode(errors="replace")
+        assert p.returncode == 1 and err.count("\n") == 1 and "non-finite" in err and p.stdout == b"", (args, err, p.stdout)
+    assert not dump.exists()
