@@ -1695,7 +1695,7 @@ static int always(void) { return 1; }
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
                      att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar,
-                     geglu_scalar, peak_f32_scalar, peak_i8_scalar},
+                     geglu_scalar, peak_f32_scalar, peak_i8_scalar, .exact_tiles = 0},
 #ifdef HAVE_X86_SETS
     [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
                    att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2,

@@ -98,13 +98,13 @@ static void run_model(const Model *m, uint32_t variant)
     else push(&prompt, 0);
     int vocab = m->c.vocab_size;
     cand = xmalloc((size_t)vocab * sizeof *cand);
-    prefill(m, &s, prompt.ids, prompt.n, 0, 0);
+    prefill(m, &s, NULL, prompt.ids, prompt.n, 0, 0);
     Sampler greedy = {0, 1, 0, 1, NULL}, topp = {0.8f, 0.9f, 40, 88172645463325252ull, NULL};
-    int tok = sample(&greedy, s.logits, vocab, cand);
+    int tok = sample(&greedy, s.logits, vocab, cand, NULL);
     if (tok < 0 || tok >= vocab) abort();
     if (prompt.n < seq_len) {
         decode_step(m, &s, tok, prompt.n);
-        tok = sample(&topp, s.logits, vocab, cand);
+        tok = sample(&topp, s.logits, vocab, cand, NULL);
         if (tok < 0 || tok >= vocab) abort();
         size_t len;
         (void)tok_piece(m->tok, tok, &len);
