@@ -3755,8 +3755,9 @@ static int stop_step(StopMatch *m, char c, char *out)
 
    Beyond RFC 8259, three bounds keep a model from running on forever with
    bytes that change nothing: at most JSON_MAX_WS whitespace bytes in a
-   row, of them at most one line feed (between tokens, and before the
-   value: room for indented output, none for blank lines), no whitespace at
+   row, of them at most one line break, "\n" or "\r\n" (a carriage return
+   only before a line feed), between tokens and before the value: room for
+   indented output, none for blank lines or runs of "\r"; no whitespace at
    all after the value (once complete, generation ends), and numbers of at
    most JSON_MAX_NUMBER bytes. Strings must be valid UTF-8 (no overlong forms,
    no surrogates, nothing past U+10FFFF), and a \u escape of a surrogate
@@ -3852,7 +3853,7 @@ typedef struct {
    them); only the first `depth` frames are in use. */
 typedef struct {
     uint8_t mode, sub;     /* JM_*; S_* or N_* inside a string or number */
-    uint8_t ws, lf;        /* whitespace bytes in a row, and whether a line feed was one of them */
+    uint8_t ws, lf;        /* whitespace bytes in a row; lf: 1 after their line break, 2 after a '\r' (a '\n' must follow) */
     uint8_t depth;         /* open containers */
     uint8_t u8_left;       /* UTF-8: continuation bytes still due ... */
     uint8_t u8_lo, u8_hi;  /* ... and the range of the next one */
@@ -3897,9 +3898,17 @@ static void json_enter(JsonState *s, int mode, int node)
 /* A whitespace byte c where whitespace may stand. */
 static int json_ws(JsonState *s, unsigned c)
 {
-    if (s->ws >= JSON_MAX_WS || (c == '\n' && s->lf)) return 0;
+    if (s->ws >= JSON_MAX_WS) return 0;
+    if (c == '\n') {
+        if (s->lf == 1) return 0;
+        s->lf = 1;
+    } else if (c == '\r') {
+        if (s->lf || s->ws + 2 > JSON_MAX_WS) return 0; /* room for its '\n' */
+        s->lf = 2;
+    } else if (s->lf == 2) {
+        return 0;
+    }
     s->ws++;
-    s->lf |= c == '\n';
     return 1;
 }
 
@@ -4146,7 +4155,10 @@ static int json_key_byte(const JsonGrammar *g, JsonState *s, unsigned c)
    value the grammar allows, 0 if not (then s is unusable). */
 static int json_feed(const JsonGrammar *g, JsonState *s, unsigned c)
 {
-    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) s->ws = s->lf = 0;
+    if (!json_is_ws(c) && s->mode != JM_STRING && s->mode != JM_KEY) {
+        if (s->lf == 2) return 0; /* a '\r' not followed by '\n' */
+        s->ws = s->lf = 0;
+    }
     for (;;) {
         int r;
         switch (s->mode) {
@@ -6149,7 +6161,7 @@ static void usage(FILE *f)
         "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
         "                 would break it are never sampled, and generation ends when\n"
         "                 the value is complete (with -m chat: each answer). At most\n"
-        "                 16 whitespace bytes in a row (one line feed), none after the\n"
+        "                 16 whitespace bytes in a row (one line break), none after the\n"
         "                 value; numbers of at most 40 bytes; nesting depth at most\n"
         "                 32. An end token (even with --ignore-eos) is allowed only\n"
         "                 once the value is complete. If -n or the context runs out\n"

@@ -8,7 +8,9 @@ as soon as its digits form one (more digits may follow).
 """
 from __future__ import annotations
 
-MAX_WS = 16       # whitespace bytes in a row, of them at most one line feed
+import re
+
+MAX_WS = 16       # whitespace bytes in a row, of them at most one line break
 MAX_NUMBER = 40   # bytes of one number
 MAX_DEPTH = 32    # open arrays and objects
 WS = b" \t\n\r"
@@ -56,9 +58,14 @@ class Parser:
         return c
 
     def ws(self) -> None:
+        """A whitespace run: at most MAX_WS bytes, spaces and tabs around at most one line break (\\n or \\r\\n)."""
         run = self.b[self.i:self.i + MAX_WS + 1]
         run = run[:len(run) - len(run.lstrip(WS))]
-        if len(run) > MAX_WS or run.count(b"\n") > 1:
+        at_end = self.i + len(run) == len(self.b)
+        if at_end and run.endswith(b"\r"):  # its line feed may still come, if there is room for it
+            if len(run) + 1 > MAX_WS or not re.fullmatch(rb"[ \t]*(\r?\n)?[ \t]*", run + b"\n"):
+                raise Invalid
+        elif len(run) > MAX_WS or not re.fullmatch(rb"[ \t]*(\r?\n)?[ \t]*", run):
             raise Invalid
         self.i += len(run)
 
