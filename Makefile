@@ -100,7 +100,7 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps cross-deps tool-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py
 
 clean:
@@ -135,7 +135,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_JOBS    ?= 3
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sanitize fuzz fuzz-deps cross-deps tool-deps
+.PHONY: sanitize fuzz fuzz-deps cross-deps tool-deps test-json-full
 
 # Same compiler and OpenMP as ./run, so the threaded code paths are checked too.
 run-asan: $(SRC) $(HDR)
@@ -156,6 +156,11 @@ fuzz-deps: test-deps
 cross-deps:
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; }
+
+# The structured-output sampling check at the issue's full size: 100 sampled runs at -t 1 per
+# vocabulary and schema (make test runs 10 of each).
+test-json-full: run $(MODEL_BIN) $(GEMMA_BIN) test-deps
+	JSON_RUNS=100 $(PYTHON) tests/run_tests.py json_output -k sampled
 
 # jq (Debian package): the README's batch and structured-output pipelines are run by the tests.
 tool-deps:
