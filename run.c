@@ -3,8 +3,9 @@
    USAGE
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
                  [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
-                 [--logprobs N]
+                 [--stop STR] [--json | --json-schema FILE] [--logprobs N]
      echo "PROMPT" | ./run MODEL
+     ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
 
    MODEL is a file written by export.py (format: README.md, "The model file").
    The generated text, and nothing else, goes to stdout as it is produced;
@@ -24,17 +25,21 @@
                      of which is chosen at start-up.
      3. forward      prefill pushes the prompt through each layer as batches
                      (matrix x matrix); decode_step pushes one token (matrix x
-                     vector); verify_step checks drafted tokens, each computed
-                     exactly as a decode step. All attend over the cached K/V in
-                     blocks with a running softmax (flash-attention style).
+                     vector); verify_step checks drafted tokens, and
+                     decode_batch one token of each of many sequences (batch
+                     mode, a paged KV cache), each computed exactly as a
+                     decode step. All attend over the cached K/V in blocks
+                     with a running softmax (flash-attention style).
      4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
                      with a drafted token that keeps the distribution; each
                      draw's log-probabilities on request (--logprobs).
      5. measurement  the roofline probe and the -v statistics.
      6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
-                     -> detokenize, streamed to stdout UTF-8-safely (or as
-                     JSON records, --logprobs); chat; perplexity and logits
-                     tools.
+                     -> detokenize, streamed to stdout UTF-8-safely through
+                     the stop-string matcher (or as JSON records, --logprobs);
+                     output constrained to JSON by a grammar mask (--json);
+                     chat; batch mode (continuous batching over a page pool);
+                     perplexity and logits tools.
      7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
      appendices      the AVX2, AVX-512 (VNNI) and NEON kernel sets, each
                      kernel tested against its scalar definition
