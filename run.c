@@ -5533,13 +5533,13 @@ static int read_more(LineReader *r, int wait)
 static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *too_long)
 {
     while (1) {
-        char *nl = memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned);
+        char *nl = r->buf ? memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned) : NULL;
         if (nl || (r->eof && (r->end > r->start || r->dropping))) {
             size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
             char *line = xmalloc(n + 1);
             *too_long = r->dropping || n > max;
             if (*too_long) n = 0;
-            memcpy(line, r->buf + r->start, n);
+            if (n) memcpy(line, r->buf + r->start, n);
             r->start += nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
             r->scanned = 0, r->dropping = 0;
             while (n && line[n - 1] == '\r') n--;
