@@ -5385,6 +5385,7 @@ typedef struct {
     Sampler defaults;  /* -t, -p, -k */
     unsigned long long seed;
     int chat, special; /* -c, --special: the defaults of "chat" */
+    const char *no_chat; /* why this model cannot take "chat" lines, or NULL (checked once) */
     LineReader in;
     size_t max_line;
     long lines, total; /* lines read; lines in the file (-1: unknown) */
@@ -5553,15 +5554,21 @@ static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *to
     }
 }
 
+/* Frees the grammar compiled from q's own "schema" (a shared one stays). */
+static void free_line_grammar(Seq *q)
+{
+    if (!q->own_jc) return;
+    json_grammar_free(&((JsonConstraint *)q->jc)->g);
+    free((JsonConstraint *)q->jc);
+    q->own_jc = 0;
+}
+
 /* Forgets a request read but never admitted (its record is out). */
 static void drop_request(Seq *q)
 {
     free(q->toks.ids);
     free(q->id.p);
-    if (q->own_jc) {
-        json_grammar_free(&((JsonConstraint *)q->jc)->g);
-        free((JsonConstraint *)q->jc);
-    }
+    free_line_grammar(q);
     q->line = 0;
 }
 
@@ -5710,7 +5717,6 @@ static void read_request(Batch *b, int wait)
         int chat = b->chat, json = -1;
         const Json *schema = NULL;
         Json v = {0};
-        Chat ch;
         if (too_long) problem = "the line is longer than the context can hold";
         else if (len && line[0] == '{') {
             if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
@@ -5719,7 +5725,7 @@ static void read_request(Batch *b, int wait)
         if (!problem && json == 1 && schema) problem = "\"json\" and \"schema\" cannot be used together";
         if (!problem) problem = answer_grammar(b, q, json, schema, why, sizeof why);
         if (!problem && !text_len) problem = "the prompt is empty";
-        if (!problem && chat) problem = chat_problem(&ch, b->m);
+        if (!problem && chat) problem = b->no_chat;
         if (!problem) {
             char *sys = system ? strndup(system, system_len) : NULL;
             tokenize_prompt(b->m, text, text_len, chat, b->special, sys, &q->toks);
@@ -5811,10 +5817,7 @@ static void finish_seq(Batch *b, Seq *q, int finish)
         json_mask_free(&q->jm);
     }
     record_answer(b, q, finish, now);
-    if (q->own_jc) {
-        json_grammar_free(&((JsonConstraint *)q->jc)->g);
-        free((JsonConstraint *)q->jc);
-    }
+    free_line_grammar(q);
     page_release(&b->pool, &q->pt);
     free(q->pt.page);
     free(q->toks.ids);
@@ -5964,6 +5967,8 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     if (fstat(b.in.fd, &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
     char why[ERR_BYTES];
     b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
+    Chat ch;
+    b.no_chat = chat_problem(&ch, m);
     b.total = count_lines(b.in.fd);
     int kv_mb = bo->kv_mb ? bo->kv_mb : BATCH_KV_MB;
     double fit = (double)kv_mb * 1e6 / (2 * page_bytes(&m->c, s));

@@ -27,6 +27,16 @@ def run(args: list[str], stdin: bytes | None = None, timeout: float = 300, binar
     return subprocess.run([str(binary or RUN), *map(str, args)], input=stdin, capture_output=True, timeout=timeout)
 
 
+def build_driver(source: str, flags: tuple[str, ...] = ("-O2",)) -> Path:
+    """Compiles tests/SOURCE (a driver that #includes run.c) with tokenizer.c into SCRATCH; a warning fails."""
+    exe = SCRATCH / Path(source).stem
+    cc = subprocess.run(["cc", *flags, "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
+                         str(TESTS / source), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
+    return exe
+
+
 def python(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a Python script of the project (e.g. export.py) with the current interpreter."""
     import sys

@@ -17,7 +17,7 @@ import random
 import re
 import subprocess
 
-from common import ROOT, SCRATCH
+from common import ROOT, SCRATCH, build_driver
 
 MAX_DEPTH = 64  # run.c's JSON_MAX_DEPTH (the nesting the reader takes; a documented limit, not a computed value)
 SEED = 20261130
@@ -32,12 +32,7 @@ def _driver() -> str:
     """Built once per session, with ASan/UBSan: a read out of bounds fails the test, not only a wrong answer."""
     if _built:
         return _built[0]
-    exe = SCRATCH / "json_driver"
-    cc = subprocess.run(["cc", "-O2", "-g", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas",
-                         "-fsanitize=address,undefined", "-fno-sanitize-recover=all", f"-I{ROOT}",
-                         str(ROOT / "tests/json_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
-                        capture_output=True, text=True)
-    assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
+    exe = build_driver("json_driver.c", ("-O2", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"))
     _built.append(str(exe))
     return str(exe)
 

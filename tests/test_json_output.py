@@ -21,7 +21,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from common import ROOT, SCRATCH, model, require, run
+from common import ROOT, SCRATCH, build_driver, model, require, run
 from json_reference import MAX_DEPTH, MAX_NUMBER, MAX_WS, classify
 
 SEED = 20261130
@@ -30,12 +30,7 @@ GEMMA = ROOT / "models" / "gemma3-270m.bin"
 
 @functools.cache
 def _driver() -> Path:
-    exe = SCRATCH / "grammar_driver"
-    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
-                         str(ROOT / "tests/grammar_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
-                        capture_output=True, text=True)
-    assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
-    return exe
+    return build_driver("grammar_driver.c")
 
 
 def _verdicts(exe: Path, strings: list[bytes], schema: Path | None = None) -> list[str]:

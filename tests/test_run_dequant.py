@@ -13,7 +13,7 @@ import zlib
 
 import numpy as np
 
-from common import ROOT, SCRATCH
+from common import ROOT, SCRATCH, build_driver
 from test_dequant import QT, GGML_QUANT_SIZES, _random_blocks, _test_data, gguf_dequantize, gguf_quantize
 
 # every type run.c runs natively, by its gguf name
@@ -21,12 +21,7 @@ NATIVE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", 
 
 
 def _driver() -> str:
-    exe = SCRATCH / "dequant_driver"
-    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
-                         str(ROOT / "tests/dequant_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
-                        capture_output=True, text=True)
-    assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
-    return str(exe)
+    return str(build_driver("dequant_driver.c"))
 
 
 def _check_type(exe: str, name: str) -> None:
