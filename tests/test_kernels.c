@@ -168,6 +168,60 @@ static void test_types(void)
     }
 }
 
+/* The packed products (run.c, "packed rows", "packed K types") of the set
+   in use: for every token count of a call, bit for bit the type's
+   definition, packed_scalar or packed_k_scalar (so a token's result does
+   not depend on how many share the call: decode, prefill and verification
+   agree), and that definition within float rounding of the scalar set's
+   dot product over the rows as stored. */
+static void test_packed(void)
+{
+    enum { N = 1536, TOKS = PACK_TOKS };
+    static float x[TOKS][N];
+    static uint8_t xq[N_ACTS][TOKS][N * 2], w[PACK_ROWS * N * 2], group[PACK_ROWS * N * 4];
+    for (int t = 0; t < TOKS; t++) {
+        for (int i = 0; i < N; i++) x[t][i] = frand() * 3;
+        for (int a = ACT_F32 + 1; a < N_ACTS; a++) OPS[KSET_SCALAR].quantize[a](xq[a][t], x[t], N);
+    }
+    for (int type = 0; type < N_TYPES; type++) {
+        const PackForm *f = &TYPES[type].pack;
+        if (!K.type[type].packed) continue;
+        char what[160];
+        int block = TYPES[type].block, act = TYPES[type].act;
+        snprintf(what, sizeof what, "%s %-4s packs: an int8-activation block type with a pack form", K.op.name, TYPES[type].name);
+        check(f->bits && act != ACT_F32 && (f->kind == PACK_BLOCK32) == (block == QK), what);
+        size_t rb = row_bytes(type, N), xs = sizeof xq[0][0];
+        random_rows(w, type, N, PACK_ROWS);
+        const int lens[2] = {N, N - block}; /* an even and an odd number of blocks */
+        for (int li = 0; li < 2; li++) {
+            int len = lens[li], same = 1;
+            if (packed_group_bytes(f, len) > sizeof group) {
+                check(0, "packed group fits the test's buffer");
+                continue;
+            }
+            pack_group(group, w, rb, TYPES[type].block_bytes, type, f, len);
+            float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
+            if (f->kind == PACK_BLOCK32) packed_scalar(f, group, len, xq[act][0], xs, TOKS, ref);
+            else packed_k_scalar(f, group, len, xq[act][0], xs, TOKS, ref);
+            for (int toks = 1; toks <= TOKS; toks++)
+                for (int t0 = 0; t0 + toks <= TOKS; t0 += toks) {
+                    K.type[type].packed(group, len, xq[act][t0], xs, toks, got);
+                    same &= memcmp(got, ref + t0 * PACK_ROWS, toks * PACK_ROWS * sizeof(float)) == 0;
+                }
+            snprintf(what, sizeof what, "%s %-4s packed (n %d, 1..%d tokens) equals its definition bit for bit", K.op.name,
+                     TYPES[type].name, len, TOKS);
+            check(same, what);
+            double mag = 3.0 * len, worst = 0;
+            for (int t = 0; t < TOKS; t++)
+                for (int r = 0; r < PACK_ROWS; r++)
+                    worst = fmax(worst, fabs(ref[t * PACK_ROWS + r] - TYPES[type].k[KSET_SCALAR].dot(w + r * rb, xq[act][t], len)) / mag);
+            snprintf(what, sizeof what, "%s %-4s packed definition (n %d) vs scalar dot: worst |diff| / sum|x| = %.2e", K.op.name,
+                     TYPES[type].name, len, worst);
+            check(worst < 1e-6, what);
+        }
+    }
+}
+
 /* Integer part exactly: with d = 1 scales, every set's int8 dot products
    must return the exact integer sum. */
 static void test_int_exact(void)
@@ -440,6 +494,7 @@ int main(void)
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
+        test_packed();
         test_attention();
         test_softmax();
         test_gates();
