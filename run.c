@@ -2118,18 +2118,31 @@ static int packs(const Tensor *t)
     return K.type[t->type].packed && f->bits && t->rows % PACK_ROWS == 0 && t->cols % TYPES[t->type].block == 0;
 }
 
+/* Releases rows [r0, r1) of tensor t from memory (madvise), the pages
+   they fill whole: the kernels read only the packed copy, and what else
+   reads them (a tied embedding's lookups) faults its few pages back in
+   from the file. */
+static void release_rows(const Tensor *t, size_t r0, size_t r1)
+{
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), ws = row_bytes(t->type, t->cols);
+    uintptr_t lo = align_up((uintptr_t)t->data + r0 * ws, page), hi = ((uintptr_t)t->data + r1 * ws) / page * page;
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
 /* Packs every matrix of the model that the kernel set in use reads packed,
    into aligned buffers the model owns (free_model frees them); once, after
-   build_model. One parallel loop over the groups of every tensor: the work
-   is a pass over the weights, not worth a team per tensor. The stored rows
-   are then released from memory (madvise): the kernels read only the
-   packed copy, and what else reads them (a tied embedding's lookups)
-   faults its few pages back in from the file. */
+   build_model. One parallel loop over runs of PACK_CHUNK groups of every
+   tensor (the work is one pass over the weights, not worth a team per
+   tensor); each run's stored rows are released as soon as it is packed,
+   and a tensor's last run releases the pages its runs shared, so memory
+   holds little more than one copy of the weights at any time. */
+#define PACK_CHUNK 64 /* groups per run: ~1 MB of q8_0 rows of 2048 columns */
 static void pack_weights(Model *m)
 {
     int n = 0, cap = m->c.n_layers * LAYER_MATRICES * MAX_PARTS + 1;
     Tensor **todo = xmalloc(cap * sizeof *todo);
-    size_t *first = xmalloc((cap + 1) * sizeof *first); /* first[i]: index of tensor i's first group */
+    size_t *first = xmalloc((cap + 1) * sizeof *first); /* first[i]: index of tensor i's first run */
+    atomic_size_t *done = xcalloc(cap, sizeof *done);     /* runs of tensor i packed so far */
     for (int l = 0; l < m->c.n_layers; l++) {
         Matrix *mats[LAYER_MATRICES];
         layer_matrices(&m->layers[l], mats);
@@ -2140,32 +2153,30 @@ static void pack_weights(Model *m)
     first[0] = 0;
     for (int i = 0; i < n; i++) {
         Tensor *t = todo[i];
-        size_t bytes = packed_group_bytes(&TYPES[t->type].pack, t->cols) * (t->rows / PACK_ROWS);
+        size_t groups = t->rows / PACK_ROWS, bytes = packed_group_bytes(&TYPES[t->type].pack, t->cols) * groups;
         /* whole huge pages where the kernel offers them: a fault (and a TLB entry) per 2 MB, not per 4 KB */
         size_t align = bytes >= HUGE_PAGE ? HUGE_PAGE : PACK_ALIGN;
         if (!(t->packed = aligned_alloc(align, align_up(bytes, align))))
             die(EXIT_RUNTIME, "out of memory packing tensor %s (%zu bytes)", t->name, bytes);
         if (align == HUGE_PAGE) madvise(t->packed, align_up(bytes, align), MADV_HUGEPAGE);
-        first[i + 1] = first[i] + t->rows / PACK_ROWS;
+        first[i + 1] = first[i] + (groups + PACK_CHUNK - 1) / PACK_CHUNK;
     }
-    #pragma omp parallel for schedule(dynamic, 16)
-    for (size_t g = 0; g < first[n]; g++) {
+    #pragma omp parallel for schedule(dynamic, 1)
+    for (size_t run = 0; run < first[n]; run++) {
         int i = 0;
-        while (first[i + 1] <= g) i++;
+        while (first[i + 1] <= run) i++;
         const Tensor *t = todo[i];
         const PackForm *f = &TYPES[t->type].pack;
-        size_t k = g - first[i];
-        pack_group((uint8_t *)t->packed + k * packed_group_bytes(f, t->cols), tensor_row(t, k * PACK_ROWS),
-                   row_bytes(t->type, t->cols), TYPES[t->type].block_bytes, t->type, f, t->cols);
-    }
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-    for (int i = 0; i < n; i++) {
-        uintptr_t lo = align_up((uintptr_t)todo[i]->data, page);
-        uintptr_t hi = ((uintptr_t)todo[i]->data + row_bytes(todo[i]->type, todo[i]->cols) * todo[i]->rows) / page * page;
-        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        size_t g0 = (run - first[i]) * PACK_CHUNK, g1 = g0 + PACK_CHUNK < (size_t)t->rows / PACK_ROWS ? g0 + PACK_CHUNK : (size_t)t->rows / PACK_ROWS;
+        for (size_t g = g0; g < g1; g++)
+            pack_group((uint8_t *)t->packed + g * packed_group_bytes(f, t->cols), tensor_row(t, g * PACK_ROWS),
+                       row_bytes(t->type, t->cols), TYPES[t->type].block_bytes, t->type, f, t->cols);
+        release_rows(t, g0 * PACK_ROWS, g1 * PACK_ROWS);
+        if (atomic_fetch_add(&done[i], 1) + 1 == first[i + 1] - first[i]) release_rows(t, 0, t->rows);
     }
     free(todo);
     free(first);
+    free(done);
 }
 
 /* One row of n elements of any type as floats (embedding rows, KV rows). */
@@ -2533,11 +2544,12 @@ static void packed_rows(float *out, int out_stride, const Tensor *w, Act in, int
         for (int t = 0; t < n_tok; t += PACK_TOKS) {
             int toks = min_i(PACK_TOKS, n_tok - t);
             fn((const uint8_t *)w->packed + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
-            for (int j = 0; j < toks; j++)
-                for (int r = a; r < b; r++) {
-                    float *o = out + (size_t)(t + j) * out_stride + r;
-                    *o = accumulate ? *o + v[j * PACK_ROWS + r % PACK_ROWS] : v[j * PACK_ROWS + r % PACK_ROWS];
-                }
+            for (int j = 0; j < toks; j++) {
+                float *o = out + (size_t)(t + j) * out_stride + a;
+                const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
+                if (accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
+                else memcpy(o, vj, (b - a) * sizeof(float));
+            }
         }
     }
 }
