@@ -610,7 +610,8 @@ def main() -> int:
         model = export("q4_1")
         ids = prompt_ids(model, 4000)
         rs = [run_once(model, ids, 129, args.threads) for _ in range(max(1, args.runs // 2))]
-        print(f"\nq4_1 decode at ~4k context ({mc['kernels']} kernels): {summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
+        print(f"\nq4_1 decode at ~4k context ({mc['kernels']} kernels): "
+              f"{summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
               f"{summary([r['gbps'] for r in rs], '{:.1f}')} GB/s (KV f16)")
     if args.llamacpp:
         ref = llamacpp_bench(args.dtypes, args.threads, args.runs)
