@@ -2845,7 +2845,7 @@ static int cache_attr(int index, const char *name, char word[MSG_BYTES])
    /sys lists for cpu0, one instance of it (on a chip of several core
    complexes, the L3 of one complex: what a core can hit in). sysconf's L3
    figure is the fallback only, since some x86 VMs report the whole
-   package's there (320 MB on an EPYC whose complexes have 32 MB each).
+   package's there (320 MiB on an EPYC whose complexes have 32 MiB each).
    0 when neither says. */
 static size_t llc_size(int *level)
 {
@@ -2967,7 +2967,7 @@ static void probe_machine(Machine *mc, int threads)
     fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s", threads,
             mc->gbps, mc->f32_gflops, mc->i8_gops);
     if (mc->llc_bytes)
-        fprintf(stderr, ", L%d cache (%.0f MB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
+        fprintf(stderr, ", L%d cache (%.0f MiB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
     else
         fprintf(stderr, ", last-level cache size unknown\n");
 }
@@ -3044,7 +3044,7 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
     char level[MSG_BYTES] = "DRAM", note[MSG_BYTES] = "";
     if (cached) {
         snprintf(level, sizeof level, "L%d", mc->llc_level);
-        snprintf(note, sizeof note, ": it fits in the %.0f MB L%d, so decode streams from there and is not DRAM-bound",
+        snprintf(note, sizeof note, ": it fits in the %.0f MiB L%d, so decode streams from there and is not DRAM-bound",
                  mc->llc_bytes / 1048576.0, mc->llc_level);
     }
     fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of %s bandwidth "

@@ -120,11 +120,11 @@ def probe(model: Path, threads: int, kernels: str | None = None) -> dict:
     out = subprocess.run([str(RUN), str(model), "--probe", "-v", "-n", "1", "-i", "x", "--threads", str(threads),
                           *extra], capture_output=True, text=True, check=True).stderr
     m = re.search(r"DRAM read ([\d.]+) GB/s, f32 FMA ([\d.]+) GFLOP/s, int8 ([\d.]+) GOP/s", out)
-    cache = re.search(r"L(\d) cache \(([\d.]+) MB\) read ([\d.]+) GB/s", out)
+    cache = re.search(r"L(\d) cache \(([\d.]+) MiB\) read ([\d.]+) GB/s", out)
     level = re.search(r"decode at \d+% of (\S+) bandwidth \([\d.]+ MB/token at ([\d.]+) GB/s", out)
     return {"kernels": re.search(r"(\w[\w-]*) kernels", out).group(1), "gbps": float(m.group(1)),
             "f32": float(m.group(2)), "i8": float(m.group(3)),
-            "llc": f"L{cache.group(1)} {cache.group(2)} MB" if cache else "last-level cache unknown",
+            "llc": f"L{cache.group(1)} {cache.group(2)} MiB" if cache else "last-level cache unknown",
             "llc_gbps": float(cache.group(3)) if cache else 0.0,
             "level": level.group(1), "level_gbps": float(level.group(2))}
 

@@ -252,7 +252,7 @@ def test_probe_sets_decode_against_the_level_it_streams_from():
         assert p.returncode == 0, err
         machine = re.search(r"^machine: \d+ threads, DRAM read [\d.]+ GB/s, .*$", err, re.M)
         assert machine, err
-        cache = f", L{level} cache ({size / 2**20:.0f} MB) read " if size else ", last-level cache size unknown"
+        cache = f", L{level} cache ({size / 2**20:.0f} MiB) read " if size else ", last-level cache size unknown"
         assert cache in machine.group(0), (cache, machine.group(0))
         roof = ROOFLINE_RE.search(err)
         assert roof, err
