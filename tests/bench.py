@@ -32,7 +32,7 @@ Q4_K_M as shipped) through our engine (export.py's default --dtype keep) and thr
 alternating the two run by run, and prints decode and 512-token prefill tok/s with their ratio.
 
 The per-kernel-set table (--sets) runs q4_1 and q8_0 (bench-DTYPE.bin) with every kernel set this CPU runs
-(./run --kernels NAME; the scalar set once, it is ~10x slower) and llama.cpp on the GGUF of the same weights,
+(./run --kernels NAME; the scalar set once, it is 3-15x slower) and llama.cpp on the GGUF of the same weights,
 alternating, and prints prefill 512 and decode tok/s, their ratios to llama.cpp, prefill as a share of the
 set's and of the machine's probed int8 peak, and decode as a share of the bandwidth of the level it streams
 from (./run's roofline: the last-level cache when a token's bytes fit in it, else DRAM), in the README's
@@ -483,7 +483,7 @@ def type_table(labels: list[str], scratch: Path, runs: int, threads: int, wait: 
 # ---- per kernel set: every set this CPU runs, beside llama.cpp (issue 15) ----
 
 SET_DTYPES = ("q4_1", "q8_0")
-SCALAR_RUNS = 1  # the scalar set (the reference kernels) is ~10x slower: one run of it, not a target
+SCALAR_RUNS = 1  # the scalar set (the reference kernels) is 3-15x slower: one run of it, not a target
 
 
 def kernel_sets(model: Path) -> list[str]:
