@@ -3222,45 +3222,118 @@ static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand,
    5. MEASUREMENT: ROOFLINE AND STATISTICS
    ========================================================================= */
 
-/* How fast could this machine go? Small probes (--probe) measure DRAM read
-   bandwidth and the f32 and int8 arithmetic peaks with the same thread
-   team; -v then puts each phase next to its own limit: decode against
-   bandwidth (bytes of weights and KV cache read per token), prefill against
-   arithmetic (FLOPs per prompt). */
+/* How fast could this machine go? Small probes (--probe) measure the read
+   bandwidth of DRAM and of the last-level cache and the f32 and int8
+   arithmetic peaks with the same thread team; -v then puts each phase next
+   to its own limit: decode against the bandwidth of the level its bytes
+   stream from (weights and KV cache read per token: the cache when they fit
+   in it, else DRAM), prefill against arithmetic (FLOPs per prompt). */
 
 typedef struct {
     double gbps;       /* DRAM read, GB/s */
+    double llc_gbps;   /* last-level cache read, GB/s (0: the cache's size is unknown) */
+    size_t llc_bytes;  /* its size: one instance, the cache this CPU's threads share (0: unknown) */
+    int llc_level;     /* its level: 3 on most x86-64 CPUs (0: unknown) */
     double f32_gflops; /* FMA peak, GFLOP/s */
     double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
 } Machine;
 
-#define PROBE_BYTES (256u << 20)  /* far beyond any L3 */
+#define PROBE_BYTES (256u << 20)  /* DRAM probe buffer: far beyond most L3s... */
+#define PROBE_DRAM_OVER_LLC 4     /* ...and at least this many times the last-level cache, which it then misses */
+#define PROBE_LLC_FRACTION 2      /* the cache probe reads 1/this of the cache (why: probe_llc) */
+#define PROBE_LLC_READ (2ull << 30) /* bytes the cache probe reads per timed pass: ~10 ms at 200 GB/s */
+#define PROBE_PASSES 3            /* timed passes of a bandwidth probe, the best one counts */
+#define PROBE_LANES 64            /* partial sums per thread: independent add chains, so the adds keep up with the loads */
 #define PROBE_ITERS 20000000      /* ~10 ms of arithmetic per thread */
+#define LLC_STREAM_SHARE 0.75     /* decode streams from the cache when it reads at most this share of it per token
+                                     (the rest holds activations, code and other processes' lines) */
 
-/* Read bandwidth: each thread sums its share of a buffer 8x larger than
-   the caches; best of three passes. */
-static double probe_bandwidth(void)
+/* cpu0's cache attribute `name` of cache `index` in /sys, one line
+   ("3", "Unified", "32768K"); 0 when there is no such cache. */
+static int cache_attr(int index, const char *name, char word[MSG_BYTES])
 {
-    size_t n = PROBE_BYTES / sizeof(float);
-    float *buf = xmalloc(PROBE_BYTES), best = 0;
-    memset(buf, 0, PROBE_BYTES);
-    float sink = 0;
-    for (int pass = 0; pass < 3; pass++) {
+    char path[MSG_BYTES];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/%s", index, name);
+    FILE *f = fopen(path, "r");
+    int ok = f && fgets(word, MSG_BYTES, f);
+    if (f) fclose(f);
+    if (ok) word[strcspn(word, "\n")] = 0;
+    return ok;
+}
+
+/* The size (bytes) and level of the last-level cache: the highest level
+   /sys lists for cpu0, one instance of it (on a chip of several core
+   complexes, the L3 of one complex: what a core can hit in). sysconf's L3
+   figure is the fallback only, since some x86 VMs report the whole
+   package's there (320 MiB on an EPYC whose complexes have 32 MiB each).
+   0 when neither says. */
+static size_t llc_size(int *level)
+{
+    size_t best = 0;
+    *level = 0;
+    char lv[MSG_BYTES], type[MSG_BYTES], size[MSG_BYTES];
+    for (int i = 0; cache_attr(i, "level", lv); i++) {
+        if (!cache_attr(i, "type", type) || !strcmp(type, "Instruction") || !cache_attr(i, "size", size)) continue;
+        char *unit;
+        size_t bytes = strtoull(size, &unit, 10);
+        bytes <<= *unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0;
+        if (bytes && atoi(lv) > *level) *level = atoi(lv), best = bytes;
+    }
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (!best && l3 > 0) *level = 3, best = (size_t)l3;
+#endif
+    return best;
+}
+
+/* Sums this thread's share of buf[n] `reps` times over (each thread its
+   own rows, as decode splits a matrix's rows); the sum keeps the loads. */
+static uint32_t read_share(const uint32_t *buf, size_t n, long reps)
+{
+    int lo, hi;
+    split((int)(n / PROBE_LANES), 1, thread_id(), thread_count(), &lo, &hi);
+    uint32_t acc[PROBE_LANES] = {0}, sum = 0;
+    for (long r = 0; r < reps; r++)
+        for (size_t i = (size_t)lo * PROBE_LANES; i < (size_t)hi * PROBE_LANES; i += PROBE_LANES)
+            for (int j = 0; j < PROBE_LANES; j++) acc[j] += buf[i + j];
+    for (int j = 0; j < PROBE_LANES; j++) sum += acc[j];
+    return sum;
+}
+
+/* Read bandwidth, GB/s, of every thread reading its share of a buffer of
+   `bytes`, `reps` times per pass. An untimed first pass faults the pages
+   in (and fills the cache when the buffer fits); of PROBE_PASSES timed
+   ones the best counts, as other processes may take the cores in any. */
+static double probe_read(size_t bytes, long reps)
+{
+    size_t n = bytes / sizeof(uint32_t);
+    uint32_t *buf = xmalloc(n * sizeof *buf), sum = 0;
+    memset(buf, 0, n * sizeof *buf);
+    double best = 0;
+    for (int pass = 0; pass <= PROBE_PASSES; pass++) {
         double t0 = now_ms();
-        #pragma omp parallel reduction(+ : sink)
-        {
-            int lo, hi;
-            split((int)(n / 64), 1, thread_id(), thread_count(), &lo, &hi);
-            float acc[16] = {0};
-            for (size_t i = (size_t)lo * 64; i < (size_t)hi * 64; i += 16)
-                for (int j = 0; j < 16; j++) acc[j] += buf[i + j];
-            for (int j = 0; j < 16; j++) sink += acc[j];
-        }
-        double gbps = PROBE_BYTES / ((now_ms() - t0) / 1e3) / 1e9;
-        if (gbps > best) best = gbps;
+        #pragma omp parallel reduction(+ : sum)
+        sum += read_share(buf, n, reps);
+        double gbps = (double)n * sizeof *buf * reps / ((now_ms() - t0) / 1e3) / 1e9;
+        if (pass > 0 && gbps > best) best = gbps;
     }
     free(buf);
-    return best + sink * 0; /* sink keeps the loads alive */
+    volatile uint32_t keep = sum; /* the sums are used: the loads stay */
+    (void)keep;
+    return best;
+}
+
+/* The cache's read bandwidth, from a buffer of half its size: a buffer as
+   large as the cache would partly miss, since the cache also holds code,
+   stacks and other processes' lines and does not replace perfectly
+   least-recently-used; half still leaves each of a few threads a share
+   larger than its own L2. Each pass reads the buffer many times over, so that
+   a pass lasts milliseconds, long against the clock and the thread start. */
+static double probe_llc(size_t llc_bytes)
+{
+    size_t bytes = llc_bytes / PROBE_LLC_FRACTION;
+    long reps = (long)(PROBE_LLC_READ / bytes) + 1;
+    return probe_read(bytes, reps);
 }
 
 /* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
@@ -3305,10 +3378,18 @@ static void probe_compute(double *f32_gflops, double *i8_gops)
 
 static void probe_machine(Machine *mc, int threads)
 {
-    mc->gbps = probe_bandwidth();
+    mc->llc_bytes = llc_size(&mc->llc_level);
+    size_t dram = PROBE_BYTES;
+    if (mc->llc_bytes > dram / PROBE_DRAM_OVER_LLC) dram = mc->llc_bytes * PROBE_DRAM_OVER_LLC;
+    mc->gbps = probe_read(dram, 1);
+    mc->llc_gbps = mc->llc_bytes ? probe_llc(mc->llc_bytes) : 0;
     probe_compute(&mc->f32_gflops, &mc->i8_gops);
-    fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s\n",
-            threads, mc->gbps, mc->f32_gflops, mc->i8_gops);
+    fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s", threads,
+            mc->gbps, mc->f32_gflops, mc->i8_gops);
+    if (mc->llc_bytes)
+        fprintf(stderr, ", L%d cache (%.0f MiB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
+    else
+        fprintf(stderr, ", last-level cache size unknown\n");
 }
 
 /* FLOPs to prefill n tokens after pos0 cached ones: 2 per weight per token
@@ -3376,10 +3457,20 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
     if (!mc) return;
     int int8 = matrix_act(&m->layers[0].w2) != ACT_F32;
     double peak = int8 ? mc->i8_gops : mc->f32_gflops;
-    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of DRAM bandwidth "
-            "(%.1f MB/token at %.1f GB/s); decode is %s-bound\n",
-            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / mc->gbps, bytes / 1e6, mc->gbps,
-            bytes / (mc->gbps * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? "memory" : "compute");
+    /* decode streams from the cache when a token's bytes stay in it from
+       one token to the next, with room to spare for everything else */
+    int cached = mc->llc_bytes && bytes <= LLC_STREAM_SHARE * mc->llc_bytes;
+    double bw = cached ? mc->llc_gbps : mc->gbps;
+    char level[MSG_BYTES] = "DRAM", note[MSG_BYTES] = "";
+    if (cached) {
+        snprintf(level, sizeof level, "L%d", mc->llc_level);
+        snprintf(note, sizeof note, ": it fits in the %.0f MiB L%d, so decode streams from there and is not DRAM-bound",
+                 mc->llc_bytes / 1048576.0, mc->llc_level);
+    }
+    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of %s bandwidth "
+            "(%.1f MB/token at %.1f GB/s%s); decode is %s-bound\n",
+            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / bw, level, bytes / 1e6, bw, note,
+            bytes / (bw * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? level : "compute");
 }
 
 /* ============================================================================
@@ -6625,8 +6716,9 @@ static void usage(FILE *f)
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
-        "  --probe        measure this machine's DRAM bandwidth and f32/int8 peaks first\n"
-        "                 (~0.5 s); with -v each phase is shown against its roofline\n"
+        "  --probe        measure this machine's DRAM and last-level cache read bandwidth\n"
+        "                 and f32/int8 peaks first (~0.5 s); with -v each phase is shown\n"
+        "                 against its roofline (decode: the level its bytes stream from)\n"
         "\n"
         "Tools (each a mode of its own: --ppl, --dump-logits, --tokenize and -m chat\n"
         "do not combine, and --ppl takes no prompt; such a combination is an error)\n"
