@@ -1453,9 +1453,10 @@ typedef void (*PackedFn)(const uint8_t *group, int n, const uint8_t *x, size_t x
 
 /* How a type packs (TYPES[].pack): its kind, bits per stored integer (0:
    the type does not pack), and a 32-element type's offset or minimum. */
-enum { PACK_BLOCK32, PACK_K4, PACK_K6 }; /* q4_0 .. q8_0; q4_k, q5_k; q6_k (see "packed K types") */
+/* q4_0 .. q8_0; q4_k, q5_k; q6_k (see "packed K types"); f32, f16, bf16 (see "packed floats") */
+enum { PACK_BLOCK32, PACK_K4, PACK_K6, PACK_FLOAT };
 typedef struct {
-    int bits;    /* 4 or 8 */
+    int bits;    /* 4 or 8 (floats: 32 or 16) */
     int offset;  /* value = (u - offset) * d ... */
     int has_min; /* ... or u * d + m */
     int kind;    /* PACK_* */
@@ -1477,14 +1478,18 @@ static size_t packed_ints_bytes(const PackForm *f) { return (size_t)PACK_ROWS * 
 /* Bytes of one record: one block of PACK_ROWS rows. */
 static size_t packed_record_bytes(const PackForm *f)
 {
+    if (f->kind == PACK_FLOAT) return PACK_ROWS * f->bits / 8;
     if (f->kind == PACK_BLOCK32) return packed_head_bytes(f) + packed_ints_bytes(f);
     return (f->kind == PACK_K4 ? K4_HEAD : K6_HEAD) + QK_K / QK * packed_ints_bytes(f);
 }
 
+/* Elements of a row per record. */
+static int packed_block(const PackForm *f) { return f->kind == PACK_FLOAT ? 1 : f->kind == PACK_BLOCK32 ? QK : QK_K; }
+
 /* Bytes of one group of PACK_ROWS rows of n elements. */
 static size_t packed_group_bytes(const PackForm *f, int n)
 {
-    return align_up(n / (f->kind == PACK_BLOCK32 ? QK : QK_K) * packed_record_bytes(f), PACK_ALIGN);
+    return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
 }
 
 /* The 4 bytes row r contributes to vector g of a block's integers (see
@@ -1522,6 +1527,13 @@ static void pack_group_k(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, i
 
 static void pack_group(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, int type, const PackForm *f, int n)
 {
+    if (f->kind == PACK_FLOAT) { /* element e of row r at (e * PACK_ROWS + r) * bytes */
+        size_t es = f->bits / 8;
+        memset(dst, 0, packed_group_bytes(f, n));
+        for (int e = 0; e < n; e++)
+            for (int r = 0; r < PACK_ROWS; r++) memcpy(dst + (e * PACK_ROWS + r) * es, w + r * ws + e * es, es);
+        return;
+    }
     if (f->kind != PACK_BLOCK32) {
         pack_group_k(dst, w, ws, bb, type, f, n);
         return;
@@ -1672,6 +1684,41 @@ __attribute__((unused)) static void packed_k_scalar(const PackForm *f, const uin
                 if (f->kind == PACK_K4) acc = fmaf((float)msum * a->d, -fp16_to_f32(d[PACK_ROWS + r]), acc);
             }
             out[t * PACK_ROWS + r] = acc;
+        }
+}
+
+/* --- packed floats ------------------------------------------------------------
+   f32, f16 and bf16 rows pack as one record per element: the element of
+   each of the group's 16 rows (64 or 32 bytes), so a broadcast of one
+   activation times one vector is 16 rows' products and decode streams one
+   group after another. Each output sums in PACK_FCHAINS chains, element e
+   into chain e % PACK_FCHAINS (one chain would wait on each FMA's
+   latency), added in chain order at the end. */
+#define PACK_FCHAINS 4
+
+/* Element e of row r of a packed float group, as a float. */
+static float packed_float(int type, const uint8_t *group, int e, int r)
+{
+    const uint8_t *p = group + (size_t)(e * PACK_ROWS + r) * (type == T_F32 ? 4 : 2);
+    uint16_t h;
+    float f;
+    if (type == T_F32) return memcpy(&f, p, 4), f;
+    memcpy(&h, p, 2);
+    return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
+}
+
+/* The packed float product's definition (activations: float rows). */
+__attribute__((unused)) static void packed_float_scalar(int type, const uint8_t *group, int n, const uint8_t *x, size_t xs,
+                                                        int toks, float *out)
+{
+    for (int t = 0; t < toks; t++)
+        for (int r = 0; r < PACK_ROWS; r++) {
+            const float *a = (const float *)(x + t * xs);
+            float acc[PACK_FCHAINS] = {0};
+            for (int e = 0; e < n; e++) acc[e % PACK_FCHAINS] = fmaf(packed_float(type, group, e, r), a[e], acc[e % PACK_FCHAINS]);
+            float sum = acc[0];
+            for (int c = 1; c < PACK_FCHAINS; c++) sum += acc[c];
+            out[t * PACK_ROWS + r] = sum;
         }
 }
 
@@ -1899,6 +1946,7 @@ AVX512_TILE(q4_0) AVX512_TILE(q4_1) AVX512_TILE(q5_0) AVX512_TILE(q5_1) AVX512_T
 #undef AVX512_TILE
 PACKED_PROTO(q4_0, avx512) PACKED_PROTO(q4_1, avx512) PACKED_PROTO(q5_0, avx512) PACKED_PROTO(q5_1, avx512)
 PACKED_PROTO(q8_0, avx512) PACKED_PROTO(q4_k, avx512) PACKED_PROTO(q5_k, avx512) PACKED_PROTO(q6_k, avx512)
+PACKED_PROTO(f32, avx512) PACKED_PROTO(f16, avx512) PACKED_PROTO(bf16, avx512)
 static int cpu_has_avx512_vnni(void);
 static double peak_f32_avx512(float *sink);
 static double peak_i8_avx512(int *sink);
@@ -1924,12 +1972,14 @@ static const WeightType TYPES[N_TYPES] = {
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
                {SCALAR(f32, from_float_f32_scalar),
                 AVX2({.dot = dot_f32_avx2, .gemv = {gemv_f32_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_f32_avx512, FLOAT_TILE_SHAPE_512}})}},
+                AVX512({.tile = {tile_f32_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_f32_avx512})},
+               .pack = {32, 0, 0, PACK_FLOAT}},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
                {SCALAR(f16, from_float_f16_scalar),
                 AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
                       .gemv = {gemv_f16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_f16_avx512, FLOAT_TILE_SHAPE_512}})}},
+                AVX512({.tile = {tile_f16_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_f16_avx512})},
+               .pack = {16, 0, 0, PACK_FLOAT}},
     [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
                 {SCALAR(q4_0, from_float_q4_0_scalar),
                  AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
@@ -1993,7 +2043,8 @@ static const WeightType TYPES[N_TYPES] = {
     [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
                 {SCALAR(bf16, NULL),
                  AVX2({.dot = dot_bf16_avx2, .gemv = {gemv_bf16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_bf16_avx512, FLOAT_TILE_SHAPE_512}})}},
+                AVX512({.tile = {tile_bf16_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_bf16_avx512})},
+               .pack = {16, 0, 0, PACK_FLOAT}},
 #undef SCALAR
 };
 
@@ -8328,6 +8379,57 @@ INLINE void packed_512(const uint8_t *group, int n, const uint8_t *x, size_t xs,
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
 }
+
+/* Element e's 16 rows of a packed float group (see "packed floats"). */
+INLINE __m512 packed_floats_512(const uint8_t *group, int e, int type)
+{
+    if (type == T_F32) return _mm512_loadu_ps((const float *)group + (size_t)e * PACK_ROWS);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)group + (size_t)e * PACK_ROWS));
+    if (type == T_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16: the high half of an f32 */
+}
+
+/* The packed float product for T <= PACK_TOKS_F tokens: per element one
+   vector of 16 rows times the token's element broadcast, into the chain
+   e % PACK_FCHAINS; the chains added in order at the end
+   (packed_float_scalar). */
+#define PACK_TOKS_F 4
+INLINE void packed_f_512_part(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type)
+{
+    const size_t rb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
+    __m512 acc[PACK_TOKS_F][PACK_FCHAINS];
+    for (int t = 0; t < T; t++) for (int c = 0; c < PACK_FCHAINS; c++) acc[t][c] = _mm512_setzero_ps();
+    int e = 0;
+    for (; e + PACK_FCHAINS <= n; e += PACK_FCHAINS) {
+        for (size_t b = 0; T == 1 && b < PACK_FCHAINS * rb; b += CACHE_LINE) /* decode reads each byte once */
+            _mm_prefetch((const char *)group + e * rb + b + PREFETCH_AHEAD, _MM_HINT_T0);
+        for (int c = 0; c < PACK_FCHAINS; c++) {
+            __m512 w = packed_floats_512(group, e + c, type);
+            for (int t = 0; t < T; t++) acc[t][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(((const float *)(x + t * xs))[e + c]), acc[t][c]);
+        }
+    }
+    for (int c = 0; e < n; e++, c++) {
+        __m512 w = packed_floats_512(group, e, type);
+        for (int t = 0; t < T; t++) acc[t][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(((const float *)(x + t * xs))[e]), acc[t][c]);
+    }
+    for (int t = 0; t < T; t++) {
+        __m512 sum = acc[t][0];
+        for (int c = 1; c < PACK_FCHAINS; c++) sum = _mm512_add_ps(sum, acc[t][c]);
+        _mm512_storeu_ps(out + t * PACK_ROWS, sum);
+    }
+}
+
+INLINE void packed_f_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type, int unused1,
+                         int unused2)
+{
+    (void)unused1, (void)unused2;
+    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_F)
+        packed_f_512_part(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_F ? T - t0 : PACK_TOKS_F, out + t0 * PACK_ROWS, type);
+}
+
+PACKED_KERNEL(f32, avx512, packed_f_512, T_F32, 0, 0)
+PACKED_KERNEL(f16, avx512, packed_f_512, T_F16, 0, 0)
+PACKED_KERNEL(bf16, avx512, packed_f_512, T_BF16, 0, 0)
 
 /* The packed K products (see "packed K types") for T <= PACK_TOKS_K
    tokens: per 32-element stretch each token's integer sums of 16 rows in
