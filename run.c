@@ -166,6 +166,11 @@ _Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, 
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
 _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
+#define ATT_QK_Q 4     /* prefill scores' register tile: queries ... */
+#define ATT_QK_K 2     /* ... times keys, 8 sums (one tree of horizontal adds) */
+#define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
+#define ATT_PV_V 2     /* ... times vectors of output elements */
+_Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
@@ -1465,6 +1470,41 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     return sum;
 }
 
+/* Prefill's kernels take a tile of queries at once and read K and V rows
+   straight from the cache, in its type (T_F32 or T_F16; attend_queries
+   converts the other cache types to f32 rows first). A K or V element
+   loaded into a register then feeds several queries' FMAs, where the
+   one-query kernels above load (and first convert into a buffer) every
+   element once per query. Decode has one token, `group` queries per KV
+   head: nothing to share, so it keeps the kernels above. Row j of K or V
+   is at k[j] (rows of a block need not be adjacent: pages, ring buffers). */
+
+/* Element i of a cached row of type T_F32 or T_F16. */
+static float kv_elem(const void *row, int type, int i)
+{
+    return type == T_F16 ? fp16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* s[a * ATT_KTILE + j] = q_a . k_j for a < nq, j < nk (q is [nq, hd]). */
+static void att_qk_scalar(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    for (int a = 0; a < nq; a++)
+        for (int j = 0; j < nk; j++) {
+            float sum = 0;
+            for (int i = 0; i < hd; i++) sum += q[(size_t)a * hd + i] * kv_elem(k[j], type, i);
+            s[a * ATT_KTILE + j] = sum;
+        }
+}
+
+/* o_a += sum over j < nk of p[a * ATT_KTILE + j] * v_j for a < nq, where
+   o_a is the hd floats at o + a * os. */
+static void att_pv_scalar(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    for (int a = 0; a < nq; a++)
+        for (int j = 0; j < nk; j++)
+            for (int i = 0; i < hd; i++) o[(size_t)a * os + i] += p[a * ATT_KTILE + j] * kv_elem(v[j], type, i);
+}
+
 /* ============================================================================
    THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
    Everything the engine knows about a tensor type is one row of TYPES:
@@ -1584,6 +1624,8 @@ static void att_scores_avx2(float *out, const float *q, const float *kt, int hd,
 static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n);
 static float att_softmax_avx2(float *sc, int n, float scale, float *m);
 static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n);
+static void att_qk_avx2(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
+static void att_pv_avx2(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static void swiglu_avx2(float *g, const float *u, int n);
 static void geglu_avx2(float *g, const float *u, int n);
 static int cpu_has_avx2(void);
@@ -1687,6 +1729,8 @@ typedef struct {
     void (*att_scores_rows)(float *out, const float *q, const float *k, int hd, int n);
     float (*att_softmax)(float *sc, int n, float scale, float *m);
     void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
+    void (*att_qk)(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk); /* prefill */
+    void (*att_pv)(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
@@ -1699,11 +1743,13 @@ static int always(void) { return 1; }
 
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
-                     att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, swiglu_scalar,
+                     att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, att_qk_scalar,
+                     att_pv_scalar, swiglu_scalar,
                      geglu_scalar, peak_f32_scalar, peak_i8_scalar, .exact_tiles = 0},
 #ifdef HAVE_X86_SETS
     [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
-                   att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, swiglu_avx2, geglu_avx2,
+                   att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, att_qk_avx2, att_pv_avx2,
+                   swiglu_avx2, geglu_avx2,
                    peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
     /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
     [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
@@ -1739,7 +1785,8 @@ static void select_kernels(int set)
         const OpKernels *ref = &OPS[s];
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
         for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-        FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(swiglu); FILL(geglu);
+        FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(att_qk); FILL(att_pv);
+        FILL(swiglu); FILL(geglu);
         FILL(peak_f32); FILL(peak_i8);
 #undef FILL
         for (int t = 0; t < N_TYPES; t++) {
@@ -1795,6 +1842,14 @@ static void att_scores(float *out, const float *q, const float *kt, int hd, int 
 static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { K.op.att_scores_rows(out, q, k, hd, n); }
 static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
 static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
+static void att_qk(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    K.op.att_qk(s, q, nq, k, type, hd, nk);
+}
+static void att_pv(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    K.op.att_pv(o, os, p, nq, v, type, hd, nk);
+}
 static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
 static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 
@@ -1946,6 +2001,8 @@ typedef struct {
     float *vrow;    /* [n_threads, head_dim] a K row as floats */
     float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
+    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] prefill: a tile's queries, gathered */
+    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] prefill: their scores, then weights */
     uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes]; paged: [page, layer, kv_head, PAGE_TOKENS, kv_row] */
     uint8_t *value_cache; /* the same for V */
     int *tok_pos;   /* [chunk] the position of each token of the pass */
@@ -2016,6 +2073,8 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
+    s->qblock = xcalloc((size_t)n_threads * ATT_QTILE * group * c->head_dim, sizeof(float));
+    s->pblock = xcalloc((size_t)n_threads * ATT_QTILE * group * ATT_KTILE, sizeof(float));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
     s->kv_cap = xcalloc(c->n_layers, sizeof(int));
@@ -2036,7 +2095,7 @@ static void free_state(RunState *s)
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
     for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
     free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
-    free(s->kblock); free(s->vblock);
+    free(s->kblock); free(s->vblock); free(s->qblock); free(s->pblock);
     free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
 }
 
@@ -2328,6 +2387,63 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
     }
 }
 
+/* Prefill's attend_tile: the same partials for the same (tokens, KV head,
+   positions), computed a block of ATT_KTILE positions at a time by the
+   multi-query kernels, which read the block's K and V rows where they lie
+   in the cache (f32 and f16 caches; the other types are converted into
+   f32 rows first). All the tile's (t1 - t0) * group queries meet each
+   block: scores for all of them, then each query's online-softmax step,
+   then one weighted V sum for all of them. A query's weights past its own
+   position (and, on a local layer, before its window) are 0, so the block
+   is one GEMM for every query of the tile. */
+static void attend_queries(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
+    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
+    int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
+    float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
+    float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
+    const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
+    int window = is_local(c, l) ? c->window : 0;
+    for (int k = 0; k < nq; k++) {
+        float *p = part + (size_t)k * (hd + 2);
+        p[0] = -INFINITY, p[1] = 0;
+        memset(p + 2, 0, hd * sizeof(float));
+        memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
+    }
+    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
+        int nj = min_i(ATT_KTILE, last + 1 - j0);
+        for (int j = 0; j < nj; j++) {
+            const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
+            prefetch_ahead(kc, s->kv_row);
+            prefetch_ahead(vc, s->kv_row);
+            krow[j] = kc, vrow[j] = vc;
+            if (native) continue;
+            to_float(kb + (size_t)j * hd, kc, s->kv_type, hd);
+            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
+            krow[j] = kb + (size_t)j * hd, vrow[j] = vb + (size_t)j * hd;
+        }
+        att_qk(pb, q, nq, krow, type, hd, nj);
+        for (int k = 0; k < nq; k++) {
+            int t = t0 + k / group, n = min_i(nj, pos0 + t + 1 - j0);
+            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
+            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * (hd + 2), m = p[0];
+            if (n <= hidden) { /* the whole block lies in this token's future (or out of its window) */
+                memset(sc, 0, nj * sizeof(float));
+                continue;
+            }
+            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
+            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
+            for (int j = n; j < nj; j++) sc[j] = 0; /* the future: weight 0 in the shared V sum */
+            if (rescale != 1.0f)
+                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
+            p[1] = p[1] * rescale + sum;
+            p[0] = m;
+        }
+        att_pv(part + 2, hd + 2, pb, nq, vrow, type, hd, nj);
+    }
+}
+
 /* The outputs of KV head g's query heads for token t, merged from their
    n_chunks partials into s->xb ([n, q_dim]), and converted into s->xq in
    activation format fmt unless that is ACT_F32 (the caller checked that
@@ -2359,7 +2475,7 @@ static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, 
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
             int first = window ? max_i(0, s->tok_pos[t0] - window + 1) : 0; /* the tile's oldest visible key */
-            attend_tile(s, c, l, g, t0, t1, first, s->tok_pos[t1 - 1] + 1, parts, me);
+            attend_queries(s, c, l, g, t0, t1, first, s->tok_pos[t1 - 1] + 1, parts, me);
             for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
         }
         return;
@@ -7413,6 +7529,108 @@ static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int
     }
     for (; i < hd; i++)
         for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
+}
+
+/* Prefill's multi-query kernels (contracts at att_qk_scalar). A row of
+   the cache comes in as floats through load8_f32 or load8_f16, so an f16
+   cache is converted in registers, and each loaded K or V vector serves a
+   tile of queries. f16 is a constant in every caller of the INLINE tiles,
+   so each type gets its own loop. */
+
+/* Scores of ATT_QK_Q queries times ATT_QK_K keys from query a0 and key j0:
+   each key vector is loaded once for all the tile's queries, each query
+   vector once for all its keys, and the eight sums are reduced together by
+   one tree of horizontal adds. A tile short of queries or keys repeats the
+   last one and drops those sums, which keeps one straight-line body. */
+INLINE void att_qk_tile_avx2(float *s, const float *q, int nq, int a0, const void *const *k, int nk, int j0, int hd, int f16)
+{
+    const float *qa[ATT_QK_Q];
+    const uint8_t *kb[ATT_QK_K];
+    for (int a = 0; a < ATT_QK_Q; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
+    for (int b = 0; b < ATT_QK_K; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
+    __m256 acc[ATT_QK_Q * ATT_QK_K];
+    for (int r = 0; r < ATT_QK_Q * ATT_QK_K; r++) acc[r] = _mm256_setzero_ps();
+    int vec = hd / 8 * 8;
+    for (int i = 0; i < vec; i += 8) {
+        __m256 kv[ATT_QK_K];
+        for (int b = 0; b < ATT_QK_K; b++) kv[b] = f16 ? load8_f16(kb[b], i) : load8_f32(kb[b], i);
+        for (int a = 0; a < ATT_QK_Q; a++) {
+            __m256 qv = _mm256_loadu_ps(qa[a] + i);
+            for (int b = 0; b < ATT_QK_K; b++) acc[a * ATT_QK_K + b] = _mm256_fmadd_ps(qv, kv[b], acc[a * ATT_QK_K + b]);
+        }
+    }
+    float sums[ATT_QK_Q * ATT_QK_K];
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+    for (int a = 0; a < ATT_QK_Q && a0 + a < nq; a++)
+        for (int b = 0; b < ATT_QK_K && j0 + b < nk; b++) {
+            float sum = sums[a * ATT_QK_K + b];
+            for (int i = vec; i < hd; i++) sum += qa[a][i] * kv_elem(kb[b], f16 ? T_F16 : T_F32, i);
+            s[(a0 + a) * ATT_KTILE + j0 + b] = sum;
+        }
+}
+
+INLINE void att_qk_type_avx2(float *s, const float *q, int nq, const void *const *k, int hd, int nk, int f16)
+{
+    for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q)
+        for (int j0 = 0; j0 < nk; j0 += ATT_QK_K) att_qk_tile_avx2(s, q, nq, a0, k, nk, j0, hd, f16);
+}
+
+static void att_qk_avx2(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    if (type == T_F16) att_qk_type_avx2(s, q, nq, k, hd, nk, 1);
+    else att_qk_type_avx2(s, q, nq, k, hd, nk, 0);
+}
+
+/* Outputs [i, i + 8 * nv) of queries a0 .. a0 + qt - 1: qt * nv sums kept
+   in registers over all nk rows, each V vector loaded once for the qt
+   queries. */
+INLINE void att_pv_tile_avx2(float *o, int os, const float *p, int a0, int qt, const void *const *v, int nk, int i, int nv, int f16)
+{
+    __m256 acc[ATT_PV_Q][ATT_PV_V];
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) acc[a][c] = _mm256_loadu_ps(o + (size_t)(a0 + a) * os + i + 8 * c);
+    for (int j = 0; j < nk; j++) {
+        __m256 vv[ATT_PV_V];
+        for (int c = 0; c < nv; c++) vv[c] = f16 ? load8_f16(v[j], i + 8 * c) : load8_f32(v[j], i + 8 * c);
+        for (int a = 0; a < qt; a++) {
+            __m256 pj = _mm256_broadcast_ss(p + (a0 + a) * ATT_KTILE + j);
+            for (int c = 0; c < nv; c++) acc[a][c] = _mm256_fmadd_ps(pj, vv[c], acc[a][c]);
+        }
+    }
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) _mm256_storeu_ps(o + (size_t)(a0 + a) * os + i + 8 * c, acc[a][c]);
+}
+
+/* qt (a constant) queries from a0: the head's outputs in tiles of
+   ATT_PV_V vectors, then single vectors, then a scalar tail. */
+INLINE void att_pv_rows_avx2(float *o, int os, const float *p, int a0, int qt, const void *const *v, int hd, int nk, int f16)
+{
+    int i = 0;
+    for (; i + 8 * ATT_PV_V <= hd; i += 8 * ATT_PV_V) att_pv_tile_avx2(o, os, p, a0, qt, v, nk, i, ATT_PV_V, f16);
+    for (; i + 8 <= hd; i += 8) att_pv_tile_avx2(o, os, p, a0, qt, v, nk, i, 1, f16);
+    for (int a = a0; a < a0 + qt; a++)
+        for (int j = 0; j < nk; j++)
+            for (int e = i; e < hd; e++) o[(size_t)a * os + e] += p[a * ATT_KTILE + j] * kv_elem(v[j], f16 ? T_F16 : T_F32, e);
+}
+
+INLINE void att_pv_type_avx2(float *o, int os, const float *p, int nq, const void *const *v, int hd, int nk, int f16)
+{
+    _Static_assert(ATT_PV_Q == 4, "the tail below covers 1 to 3 queries");
+    int a0 = 0;
+    for (; a0 + ATT_PV_Q <= nq; a0 += ATT_PV_Q) att_pv_rows_avx2(o, os, p, a0, ATT_PV_Q, v, hd, nk, f16);
+    switch (nq - a0) {
+    case 3: att_pv_rows_avx2(o, os, p, a0, 3, v, hd, nk, f16); break;
+    case 2: att_pv_rows_avx2(o, os, p, a0, 2, v, hd, nk, f16); break;
+    case 1: att_pv_rows_avx2(o, os, p, a0, 1, v, hd, nk, f16); break;
+    }
+}
+
+static void att_pv_avx2(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    if (type == T_F16) att_pv_type_avx2(o, os, p, nq, v, hd, nk, 1);
+    else att_pv_type_avx2(o, os, p, nq, v, hd, nk, 0);
 }
 
 /* The KV cache's types, 8 elements per step: attention converts every

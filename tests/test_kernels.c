@@ -351,6 +351,55 @@ static void test_attention(void)
     check(worst_r < 1e-6, what);
 }
 
+/* Prefill's multi-query kernels (scores of nq queries against nk key rows,
+   and nq weighted sums of V rows) against the scalar set's, for each cache
+   type they read in place: head sizes of SmolLM2 (64) and Gemma 3 (256)
+   and odd ones that take the SIMD tails, query counts on and off the
+   register tile, key counts from 1 to a whole block. The rows sit in a
+   shuffled order in their pool, as a paged or ring cache may hand them. */
+static void test_attention_multi(void)
+{
+    enum { HD = 256, NQ = 13, OS = HD + 2 };
+    static float q[NQ * HD], p[NQ * ATT_KTILE], sref[NQ * ATT_KTILE], sgot[NQ * ATT_KTILE], oref[NQ * OS], ogot[NQ * OS];
+    static uint8_t kpool[ATT_KTILE * HD * 4], vpool[ATT_KTILE * HD * 4];
+    const int types[] = {T_F32, T_F16}, hds[] = {64, 256, 72, 18, 2}, nqs[] = {1, 3, 4, 7, NQ}, nks[] = {1, 7, 33, ATT_KTILE};
+    const OpKernels *ref = &OPS[KSET_SCALAR];
+    for (int ti = 0; ti < 2; ti++) {
+        double worst_s = 0, worst_a = 0;
+        int type = types[ti];
+        for (int a = 0; a < 5; a++) {
+            int hd = hds[a];
+            size_t rb = row_bytes(type, hd);
+            const void *k[ATT_KTILE], *v[ATT_KTILE];
+            random_rows(kpool, type, hd, ATT_KTILE);
+            random_rows(vpool, type, hd, ATT_KTILE);
+            for (int j = 0; j < ATT_KTILE; j++) k[j] = kpool + (j * 37 % ATT_KTILE) * rb, v[j] = vpool + (j * 23 % ATT_KTILE) * rb;
+            for (int i = 0; i < NQ * HD; i++) q[i] = frand();
+            for (int i = 0; i < NQ * ATT_KTILE; i++) p[i] = (frand() + 1) / 2;
+            for (int b = 0; b < 5; b++)
+                for (int c = 0; c < 4; c++) {
+                    int nq = nqs[b], nk = nks[c];
+                    ref->att_qk(sref, q, nq, k, type, hd, nk);
+                    K.op.att_qk(sgot, q, nq, k, type, hd, nk);
+                    for (int i = 0; i < NQ * OS; i++) oref[i] = ogot[i] = frand();
+                    ref->att_pv(oref, OS, p, nq, v, type, hd, nk);
+                    K.op.att_pv(ogot, OS, p, nq, v, type, hd, nk);
+                    for (int r = 0; r < nq; r++)
+                        for (int j = 0; j < nk; j++) worst_s = fmax(worst_s, fabs(sgot[r * ATT_KTILE + j] - sref[r * ATT_KTILE + j]) / hd);
+                    /* every float of the buffer: the outputs, and the untouched rest (other queries, the gap) */
+                    for (int i = 0; i < NQ * OS; i++) worst_a = fmax(worst_a, fabs(ogot[i] - oref[i]) / nk);
+                }
+        }
+        char what[160];
+        snprintf(what, sizeof what, "%s %s multi-query attention scores vs scalar: worst |diff| / hd = %.2e", K.op.name,
+                 TYPES[type].name, worst_s);
+        check(worst_s < 1e-6, what);
+        snprintf(what, sizeof what, "%s %s multi-query weighted V sums vs scalar: worst |diff| / n = %.2e", K.op.name,
+                 TYPES[type].name, worst_a);
+        check(worst_a < 1e-6, what);
+    }
+}
+
 /* The online-softmax step: the set's running maximum must equal the scalar
    one exactly, its exponentials (a polynomial, not libm's expf) agree
    within a few ulp, and so does the sum; every score count takes the
@@ -441,6 +490,7 @@ int main(void)
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
         test_attention();
+        test_attention_multi();
         test_softmax();
         test_gates();
     }
