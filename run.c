@@ -171,6 +171,10 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
 #define ATT_PV_V 2     /* ... times vectors of output elements */
 _Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
+#define ATT_QK_Q_512 4 /* the same tiles with AVX-512's 32 registers: 4 x 4 scores ... */
+#define ATT_QK_K_512 4
+#define ATT_PV_V_512 4 /* ... and 4 queries x 4 vectors of outputs */
+_Static_assert(ATT_QK_Q_512 == 4 && ATT_QK_K_512 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
@@ -1422,12 +1426,14 @@ static void geglu_scalar(float *g, const float *u, int n)
 }
 
 /* --- attention kernels -----------------------------------------------------
-   Attention works on blocks of ATT_KTILE cached positions held as floats.
-   Prefill's many queries take K transposed (kt[i * ATT_KTILE + j] is
-   element i of key j), so one broadcast query element meets 8 keys in a
-   vector; decode's few take K as rows. V is rows. These are small GEMMs,
-   exact up to summation order; the softmax step between them uses a
-   polynomial exp in its SIMD version. */
+   Decode (attend_tile) works on blocks of ATT_KTILE cached positions
+   converted to floats. A large group of queries takes K transposed
+   (kt[i * ATT_KTILE + j] is element i of key j), so one broadcast query
+   element meets 8 keys in a vector; a small one takes K as rows. V is rows.
+   Prefill (attend_queries) reads the cache's rows in place through the
+   multi-query kernels att_qk and att_pv below. These are small GEMMs, exact
+   up to summation order; the softmax step between them uses a polynomial
+   exp in its SIMD version. */
 
 /* out[j] = q . k_j for j < n (out has room for ATT_KTILE scores). */
 static void att_scores_scalar(float *out, const float *q, const float *kt, int hd, int n)
@@ -1638,6 +1644,8 @@ AVX512_TILE(f32) AVX512_TILE(f16) AVX512_TILE(bf16)
 AVX512_TILE(q4_0) AVX512_TILE(q4_1) AVX512_TILE(q5_0) AVX512_TILE(q5_1) AVX512_TILE(q8_0)
 #undef AVX512_TILE
 static int cpu_has_avx512_vnni(void);
+static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
+static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static double peak_f32_avx512(float *sink);
 static double peak_i8_avx512(int *sink);
 TARGET_END
@@ -1752,7 +1760,8 @@ static const OpKernels OPS[N_KSETS] = {
                    swiglu_avx2, geglu_avx2,
                    peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
     /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
-    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
+    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
+                     .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
 #endif
 #ifdef HAVE_NEON_SET
     /* NEON: the int8 matrix products; the rest is the scalar set's */
@@ -2331,7 +2340,8 @@ static void merge_chunks(const float *parts, int n_chunks, int group, int hd, fl
     }
 }
 
-/* Attention of the query tokens [t0, t1) of the batch (consecutive
+/* Decode's attention (and a verification pass's, token by token, so that
+   it stays bit for bit a decode step): of the query tokens [t0, t1) of the batch (consecutive
    positions of one sequence, from s->tok_pos[t0]) and their `group` query heads that share KV head g, to the cached
    positions [j_lo, j_hi) that each token may see (those <= its own), in the
    style of flash attention. Positions are taken ATT_KTILE at a time and
@@ -2354,8 +2364,8 @@ static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int 
         memset(p + 2, 0, hd * sizeof(float));
     }
     /* Transposing K costs a scattered store per element; it pays when many
-       queries share the block (prefill), not for decode's `group` queries,
-       which take one dot product per key row instead. */
+       queries share the block (a large group), not for a few, which take
+       one dot product per key row instead. */
     int transpose = nq >= ATT_TRANSPOSE_MIN;
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0);
@@ -2459,7 +2469,9 @@ static void attention_out(RunState *s, const Config *c, const float *parts, int 
 
 /* The attention step of a layer for the pass's n tokens, thread
    me's share (attention_out writes the results). Prefill deals (query tile,
-   KV head) jobs round-robin, each over all the positions its tokens see.
+   KV head) jobs round-robin, each over all the positions its tokens see
+   (attend_queries: ATT_QTILE tokens times `group` heads share each K and V
+   load). A job's result does not depend on which thread runs it.
    Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
    jobs, so that even one KV head's long context is spread over every
    thread, then merges the chunks; a verification batch (s->exact) does
@@ -7480,8 +7492,17 @@ static void att_scores_avx2(float *out, const float *q, const float *kt, int hd,
     }
 }
 
-/* Eight keys at a time: eight independent sums, reduced together by a
-   tree of horizontal adds instead of one reduction per key. */
+/* The horizontal sums of eight vectors, as lanes 0..7 of one: a tree of
+   horizontal adds instead of eight separate reductions. */
+INLINE __m256 sum8_avx2(const __m256 a[8])
+{
+    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+/* Eight keys at a time: eight independent sums, reduced together by
+   sum8_avx2 instead of one reduction per key. */
 static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
 {
     int j = 0, vec = hd / 8 * 8;
@@ -7492,9 +7513,7 @@ static void att_scores_rows_avx2(float *out, const float *q, const float *k, int
             __m256 qv = _mm256_loadu_ps(q + i);
             for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
         }
-        __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-        _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+        _mm256_storeu_ps(out + j, sum8_avx2(a));
         for (int r = 0; r < 8; r++)
             for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
     }
@@ -7559,10 +7578,17 @@ INLINE void att_qk_tile_avx2(float *s, const float *q, int nq, int a0, const voi
             for (int b = 0; b < ATT_QK_K; b++) acc[a * ATT_QK_K + b] = _mm256_fmadd_ps(qv, kv[b], acc[a * ATT_QK_K + b]);
         }
     }
+    __m256 sum = sum8_avx2(acc);
+    if (vec == hd && a0 + ATT_QK_Q <= nq && j0 + ATT_QK_K <= nk) { /* a whole tile: a pair of scores per query */
+        for (int a = 0; a < ATT_QK_Q; a++) {
+            __m128 half = a < 2 ? _mm256_castps256_ps128(sum) : _mm256_extractf128_ps(sum, 1);
+            if (a % 2) _mm_storeh_pi((__m64 *)(s + (a0 + a) * ATT_KTILE + j0), half);
+            else _mm_storel_pi((__m64 *)(s + (a0 + a) * ATT_KTILE + j0), half);
+        }
+        return;
+    }
     float sums[ATT_QK_Q * ATT_QK_K];
-    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    _mm256_storeu_ps(sums, _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31)));
+    _mm256_storeu_ps(sums, sum);
     for (int a = 0; a < ATT_QK_Q && a0 + a < nq; a++)
         for (int b = 0; b < ATT_QK_K && j0 + b < nk; b++) {
             float sum = sums[a * ATT_QK_K + b];
@@ -7856,6 +7882,108 @@ static __m512 load16_bf16(const uint8_t *row, int i)
     return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 FLOAT_TILES(avx512, __m512, 16, FTILE_ROWS_512, FTILE_TOKS_512, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps)
+
+/* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
+   with 16 floats per vector and 32 registers: a 4 x 4 tile of scores and
+   4 queries x 64 outputs of the V sum, a head's last partial vector taken
+   with a mask instead of a scalar tail. Zen 4 splits a 512-bit FMA in two,
+   so the gain over AVX2 is in the instructions around it: each f16 row is
+   loaded and converted 16 elements per instruction, and a query or key
+   vector feeds four FMAs instead of two. */
+INLINE __mmask16 lanes_512(int n) { return (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1); }
+INLINE __m512 load16_kv(const void *row, int i, __mmask16 live, int f16)
+{
+    if (f16) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, (const uint16_t *)row + i));
+    return _mm512_maskz_loadu_ps(live, (const float *)row + i);
+}
+
+/* ATT_QK_Q_512 queries from a0 times ATT_QK_K_512 keys from j0, short
+   tiles repeating their last query or key as in att_qk_tile_avx2; the 16
+   sums are halved to 256 bits and reduced by two sum8_avx2 trees. */
+INLINE void att_qk_tile_avx512(float *s, const float *q, int nq, int a0, const void *const *k, int nk, int j0, int hd, int f16)
+{
+    const float *qa[ATT_QK_Q_512];
+    const void *kb[ATT_QK_K_512];
+    for (int a = 0; a < ATT_QK_Q_512; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
+    for (int b = 0; b < ATT_QK_K_512; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
+    __m512 acc[ATT_QK_Q_512 * ATT_QK_K_512];
+    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++) acc[r] = _mm512_setzero_ps();
+    for (int i = 0; i < hd; i += 16) {
+        __mmask16 live = lanes_512(hd - i);
+        __m512 kv[ATT_QK_K_512];
+        for (int b = 0; b < ATT_QK_K_512; b++) kv[b] = load16_kv(kb[b], i, live, f16);
+        for (int a = 0; a < ATT_QK_Q_512; a++) {
+            __m512 qv = _mm512_maskz_loadu_ps(live, qa[a] + i);
+            for (int b = 0; b < ATT_QK_K_512; b++) acc[a * ATT_QK_K_512 + b] = _mm512_fmadd_ps(qv, kv[b], acc[a * ATT_QK_K_512 + b]);
+        }
+    }
+    __m256 half[ATT_QK_Q_512 * ATT_QK_K_512];
+    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++)
+        half[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
+    float sums[ATT_QK_Q_512 * ATT_QK_K_512];
+    _mm256_storeu_ps(sums, sum8_avx2(half));     /* queries 0, 1: four keys each */
+    _mm256_storeu_ps(sums + 8, sum8_avx2(half + 8)); /* queries 2, 3 */
+    for (int a = 0; a < ATT_QK_Q_512 && a0 + a < nq; a++) {
+        float *dst = s + (a0 + a) * ATT_KTILE + j0;
+        if (j0 + ATT_QK_K_512 <= nk) _mm_storeu_ps(dst, _mm_loadu_ps(sums + a * ATT_QK_K_512));
+        else for (int b = 0; j0 + b < nk; b++) dst[b] = sums[a * ATT_QK_K_512 + b];
+    }
+}
+
+static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q_512)
+        for (int j0 = 0; j0 < nk; j0 += ATT_QK_K_512) {
+            if (type == T_F16) att_qk_tile_avx512(s, q, nq, a0, k, nk, j0, hd, 1);
+            else att_qk_tile_avx512(s, q, nq, a0, k, nk, j0, hd, 0);
+        }
+}
+
+/* Outputs [i, i + 16 * nv) of queries a0 .. a0 + qt - 1 (the last vector
+   masked to the head's end), summed in registers over all nk rows. */
+INLINE void att_pv_tile_avx512(float *o, int os, const float *p, int a0, int qt, const void *const *v, int nk, int hd, int i,
+                               int nv, int f16)
+{
+    __m512 acc[ATT_PV_Q][ATT_PV_V_512];
+    __mmask16 live[ATT_PV_V_512];
+    for (int c = 0; c < nv; c++) live[c] = lanes_512(hd - i - 16 * c);
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) acc[a][c] = _mm512_maskz_loadu_ps(live[c], o + (size_t)(a0 + a) * os + i + 16 * c);
+    for (int j = 0; j < nk; j++) {
+        __m512 vv[ATT_PV_V_512];
+        for (int c = 0; c < nv; c++) vv[c] = load16_kv(v[j], i + 16 * c, live[c], f16);
+        for (int a = 0; a < qt; a++) {
+            __m512 pj = _mm512_set1_ps(p[(a0 + a) * ATT_KTILE + j]);
+            for (int c = 0; c < nv; c++) acc[a][c] = _mm512_fmadd_ps(pj, vv[c], acc[a][c]);
+        }
+    }
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) _mm512_mask_storeu_ps(o + (size_t)(a0 + a) * os + i + 16 * c, live[c], acc[a][c]);
+}
+
+INLINE void att_pv_rows_avx512(float *o, int os, const float *p, int a0, int qt, const void *const *v, int hd, int nk, int f16)
+{
+    int i = 0;
+    for (; i + 16 * ATT_PV_V_512 <= hd; i += 16 * ATT_PV_V_512) att_pv_tile_avx512(o, os, p, a0, qt, v, nk, hd, i, ATT_PV_V_512, f16);
+    for (; i < hd; i += 16) att_pv_tile_avx512(o, os, p, a0, qt, v, nk, hd, i, 1, f16);
+}
+
+INLINE void att_pv_type_avx512(float *o, int os, const float *p, int nq, const void *const *v, int hd, int nk, int f16)
+{
+    int a0 = 0;
+    for (; a0 + ATT_PV_Q <= nq; a0 += ATT_PV_Q) att_pv_rows_avx512(o, os, p, a0, ATT_PV_Q, v, hd, nk, f16);
+    switch (nq - a0) { /* ATT_PV_Q is 4 (att_pv_type_avx2) */
+    case 3: att_pv_rows_avx512(o, os, p, a0, 3, v, hd, nk, f16); break;
+    case 2: att_pv_rows_avx512(o, os, p, a0, 2, v, hd, nk, f16); break;
+    case 1: att_pv_rows_avx512(o, os, p, a0, 1, v, hd, nk, f16); break;
+    }
+}
+
+static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    if (type == T_F16) att_pv_type_avx512(o, os, p, nq, v, hd, nk, 1);
+    else att_pv_type_avx512(o, os, p, nq, v, hd, nk, 0);
+}
 
 /* AVX2's requirements, AVX-512 F/DQ/BW/VL and VNNI (cpuid leaf 7), and an
    OS that saves the opmask and all 32 ZMM registers (XCR0 bits 5-7). */
