@@ -171,7 +171,7 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
 #define ATT_PV_V 2     /* ... times vectors of output elements */
 _Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
-#define ATT_QK_Q_512 4 /* the same tiles with AVX-512's 32 registers: 4 x 4 scores ... */
+#define ATT_QK_Q_512 4 /* the same tiles with 32 registers (AVX-512, NEON): 4 x 4 scores ... */
 #define ATT_QK_K_512 4
 #define ATT_PV_V_512 4 /* ... and 4 queries x 4 vectors of outputs */
 _Static_assert(ATT_QK_Q_512 == 4 && ATT_QK_K_512 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
@@ -1653,9 +1653,11 @@ TARGET_END
 static double peak_f32_scalar(float *sink);
 static double peak_i8_scalar(int *sink);
 #ifdef HAVE_NEON_SET
-/* The NEON set, defined in the third appendix: the int8 matrix products. */
+/* The NEON set, defined in the third appendix: the int8 matrix products, prefill's attention. */
 BLOCK_KERNEL_PROTOS(q4_0, neon) BLOCK_KERNEL_PROTOS(q4_1, neon) BLOCK_KERNEL_PROTOS(q5_0, neon)
 BLOCK_KERNEL_PROTOS(q5_1, neon) BLOCK_KERNEL_PROTOS(q8_0, neon)
+static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
+static void att_pv_neon(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 TARGET_BEGIN(ISA_DOTPROD)
 BLOCK_KERNEL_PROTOS(q4_0, sdot) BLOCK_KERNEL_PROTOS(q4_1, sdot) BLOCK_KERNEL_PROTOS(q5_0, sdot)
 BLOCK_KERNEL_PROTOS(q5_1, sdot) BLOCK_KERNEL_PROTOS(q8_0, sdot)
@@ -1752,20 +1754,18 @@ static int always(void) { return 1; }
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
                      att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, att_qk_scalar,
-                     att_pv_scalar, swiglu_scalar,
-                     geglu_scalar, peak_f32_scalar, peak_i8_scalar, .exact_tiles = 0},
+                     att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar, .exact_tiles = 0},
 #ifdef HAVE_X86_SETS
     [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
                    att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, att_qk_avx2, att_pv_avx2,
-                   swiglu_avx2, geglu_avx2,
-                   peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
+                   swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
     /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
     [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
                      .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
 #endif
 #ifdef HAVE_NEON_SET
-    /* NEON: the int8 matrix products; the rest is the scalar set's */
-    [KSET_NEON] = {.name = "neon", .available = always, .inherits = KSET_SCALAR},
+    /* NEON: the int8 matrix products and prefill's attention; the rest is the scalar set's */
+    [KSET_NEON] = {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon},
     /* with sdot: the int8 matrix products; the rest is NEON's (and so the scalar set's) */
     [KSET_NEON_DOT] = {.name = "neon-dot", .available = cpu_has_sdot, .inherits = KSET_NEON},
 #endif
@@ -8018,8 +8018,9 @@ TARGET_END
    APPENDIX C: THE NEON KERNEL SET (aarch64)
    The 32-element types' int8 matrix products with 128-bit NEON: widening
    int8 multiplies (vmull_s8, vmlal_s8) summed pairwise into 32 bits, the
-   same integers as the scalar set's, scaled per block in float. Every
-   other kernel is the scalar set's (OPS[].inherits). Checked against the
+   same integers as the scalar set's, scaled per block in float; and
+   prefill's multi-query attention. Every other kernel is the scalar set's
+   (OPS[].inherits). Checked against the
    scalar set by tests/test_kernels.c, cross-compiled and run under
    qemu-aarch64 (tests/test_kernels.py).
    ========================================================================= */
@@ -8141,6 +8142,95 @@ INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1, neon, isum32_neon)
 INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0, neon, isum32_neon)
 INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, neon, isum32_neon)
 INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, neon, isum32_neon)
+
+/* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
+   with 4 floats per vector and 32 registers, the tiles of AVX-512's
+   (4 x 4 scores; 4 queries x 4 vectors of outputs); an f16 row is widened
+   4 elements per instruction. Without them the set would inherit the
+   scalar ones, which convert every f16 element once per query. */
+NEON_INLINE float32x4_t load4_kv_neon(const void *row, int i, int f16)
+{
+    if (f16) return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)row + i)));
+    return vld1q_f32((const float *)row + i);
+}
+
+NEON_INLINE void att_qk_tile_neon(float *s, const float *q, int nq, int a0, const void *const *k, int nk, int j0, int hd, int f16)
+{
+    const float *qa[ATT_QK_Q_512];
+    const void *kb[ATT_QK_K_512];
+    for (int a = 0; a < ATT_QK_Q_512; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
+    for (int b = 0; b < ATT_QK_K_512; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
+    float32x4_t acc[ATT_QK_Q_512 * ATT_QK_K_512];
+    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++) acc[r] = vdupq_n_f32(0);
+    int vec = hd / 4 * 4;
+    for (int i = 0; i < vec; i += 4) {
+        float32x4_t kv[ATT_QK_K_512];
+        for (int b = 0; b < ATT_QK_K_512; b++) kv[b] = load4_kv_neon(kb[b], i, f16);
+        for (int a = 0; a < ATT_QK_Q_512; a++) {
+            float32x4_t qv = vld1q_f32(qa[a] + i);
+            for (int b = 0; b < ATT_QK_K_512; b++) acc[a * ATT_QK_K_512 + b] = vfmaq_f32(acc[a * ATT_QK_K_512 + b], qv, kv[b]);
+        }
+    }
+    for (int a = 0; a < ATT_QK_Q_512 && a0 + a < nq; a++)
+        for (int b = 0; b < ATT_QK_K_512 && j0 + b < nk; b++) {
+            float sum = vaddvq_f32(acc[a * ATT_QK_K_512 + b]);
+            for (int i = vec; i < hd; i++) sum += qa[a][i] * kv_elem(kb[b], f16 ? T_F16 : T_F32, i);
+            s[(a0 + a) * ATT_KTILE + j0 + b] = sum;
+        }
+}
+
+static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q_512)
+        for (int j0 = 0; j0 < nk; j0 += ATT_QK_K_512) {
+            if (type == T_F16) att_qk_tile_neon(s, q, nq, a0, k, nk, j0, hd, 1);
+            else att_qk_tile_neon(s, q, nq, a0, k, nk, j0, hd, 0);
+        }
+}
+
+NEON_INLINE void att_pv_tile_neon(float *o, int os, const float *p, int a0, int qt, const void *const *v, int nk, int i, int nv, int f16)
+{
+    float32x4_t acc[ATT_PV_Q][ATT_PV_V_512];
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) acc[a][c] = vld1q_f32(o + (size_t)(a0 + a) * os + i + 4 * c);
+    for (int j = 0; j < nk; j++) {
+        float32x4_t vv[ATT_PV_V_512];
+        for (int c = 0; c < nv; c++) vv[c] = load4_kv_neon(v[j], i + 4 * c, f16);
+        for (int a = 0; a < qt; a++) {
+            float pj = p[(a0 + a) * ATT_KTILE + j];
+            for (int c = 0; c < nv; c++) acc[a][c] = vfmaq_n_f32(acc[a][c], vv[c], pj);
+        }
+    }
+    for (int a = 0; a < qt; a++)
+        for (int c = 0; c < nv; c++) vst1q_f32(o + (size_t)(a0 + a) * os + i + 4 * c, acc[a][c]);
+}
+
+NEON_INLINE void att_pv_rows_neon(float *o, int os, const float *p, int a0, int qt, const void *const *v, int hd, int nk, int f16)
+{
+    int i = 0;
+    for (; i + 4 * ATT_PV_V_512 <= hd; i += 4 * ATT_PV_V_512) att_pv_tile_neon(o, os, p, a0, qt, v, nk, i, ATT_PV_V_512, f16);
+    for (; i + 4 <= hd; i += 4) att_pv_tile_neon(o, os, p, a0, qt, v, nk, i, 1, f16);
+    for (int a = a0; a < a0 + qt; a++)
+        for (int j = 0; j < nk; j++)
+            for (int e = i; e < hd; e++) o[(size_t)a * os + e] += p[a * ATT_KTILE + j] * kv_elem(v[j], f16 ? T_F16 : T_F32, e);
+}
+
+NEON_INLINE void att_pv_type_neon(float *o, int os, const float *p, int nq, const void *const *v, int hd, int nk, int f16)
+{
+    int a0 = 0;
+    for (; a0 + ATT_PV_Q <= nq; a0 += ATT_PV_Q) att_pv_rows_neon(o, os, p, a0, ATT_PV_Q, v, hd, nk, f16);
+    switch (nq - a0) { /* ATT_PV_Q is 4 (att_pv_type_avx2) */
+    case 3: att_pv_rows_neon(o, os, p, a0, 3, v, hd, nk, f16); break;
+    case 2: att_pv_rows_neon(o, os, p, a0, 2, v, hd, nk, f16); break;
+    case 1: att_pv_rows_neon(o, os, p, a0, 1, v, hd, nk, f16); break;
+    }
+}
+
+static void att_pv_neon(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    if (type == T_F16) att_pv_type_neon(o, os, p, nq, v, hd, nk, 1);
+    else att_pv_type_neon(o, os, p, nq, v, hd, nk, 0);
+}
 
 /* The dot-product extension: sdot sums four int8 products into each 32-bit
    lane, one instruction per 16 bytes where NEON takes a widening multiply,
