@@ -171,10 +171,8 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
 #define ATT_PV_V 2     /* ... times vectors of output elements */
 _Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
-#define ATT_QK_Q_512 4 /* the same tiles with 32 registers (AVX-512, NEON): 4 x 4 scores ... */
-#define ATT_QK_K_512 4
-#define ATT_PV_V_512 4 /* ... and 4 queries x 4 vectors of outputs */
-_Static_assert(ATT_QK_Q_512 == 4 && ATT_QK_K_512 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
+#define ATT_QK_NEON 4  /* NEON's 32 registers: 4 x 4 scores ... */
+#define ATT_PV_V32 4   /* ... and, there and in AVX-512's, 4 queries x 4 vectors of outputs */
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
@@ -1644,7 +1642,6 @@ AVX512_TILE(f32) AVX512_TILE(f16) AVX512_TILE(bf16)
 AVX512_TILE(q4_0) AVX512_TILE(q4_1) AVX512_TILE(q5_0) AVX512_TILE(q5_1) AVX512_TILE(q8_0)
 #undef AVX512_TILE
 static int cpu_has_avx512_vnni(void);
-static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
 static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static double peak_f32_avx512(float *sink);
 static double peak_i8_avx512(int *sink);
@@ -1760,7 +1757,7 @@ static const OpKernels OPS[N_KSETS] = {
                    att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, att_qk_avx2, att_pv_avx2,
                    swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
     /* AVX-512 with VNNI: the int8 and float matrix products; the rest is AVX2's */
-    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
+    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_pv = att_pv_avx512,
                      .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
 #endif
 #ifdef HAVE_NEON_SET
@@ -7883,13 +7880,16 @@ static __m512 load16_bf16(const uint8_t *row, int i)
 }
 FLOAT_TILES(avx512, __m512, 16, FTILE_ROWS_512, FTILE_TOKS_512, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 
-/* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
-   with 16 floats per vector and 32 registers: a 4 x 4 tile of scores and
-   4 queries x 64 outputs of the V sum, a head's last partial vector taken
-   with a mask instead of a scalar tail. Zen 4 splits a 512-bit FMA in two,
-   so the gain over AVX2 is in the instructions around it: each f16 row is
-   loaded and converted 16 elements per instruction, and a query or key
-   vector feeds four FMAs instead of two. */
+/* Prefill's weighted V sum (contract at att_pv_scalar) with 16 floats
+   per vector and 32 registers: 4 queries x 64 outputs, a head's last
+   partial vector taken with a mask instead of a scalar tail. Zen 4 splits
+   a 512-bit FMA in two, so the gain over AVX2 is in the instructions around
+   it: an f16 row is loaded and converted 16 elements per instruction, and a
+   V vector feeds four FMAs (measured in cache, f16, 48 queries: 101 against
+   AVX2's 91 GFLOP/s). The scores stay AVX2's: each 512-bit sum costs more
+   to reduce, and with a 64-element head the 4 x 4 tile of them ran at 64
+   against the AVX2 tile's 73 GFLOP/s (a 4 x 4 tile of 256-bit sums in the
+   32 registers: 66). */
 INLINE __mmask16 lanes_512(int n) { return (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1); }
 INLINE __m512 load16_kv(const void *row, int i, __mmask16 live, int f16)
 {
@@ -7897,60 +7897,18 @@ INLINE __m512 load16_kv(const void *row, int i, __mmask16 live, int f16)
     return _mm512_maskz_loadu_ps(live, (const float *)row + i);
 }
 
-/* ATT_QK_Q_512 queries from a0 times ATT_QK_K_512 keys from j0, short
-   tiles repeating their last query or key as in att_qk_tile_avx2; the 16
-   sums are halved to 256 bits and reduced by two sum8_avx2 trees. */
-INLINE void att_qk_tile_avx512(float *s, const float *q, int nq, int a0, const void *const *k, int nk, int j0, int hd, int f16)
-{
-    const float *qa[ATT_QK_Q_512];
-    const void *kb[ATT_QK_K_512];
-    for (int a = 0; a < ATT_QK_Q_512; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
-    for (int b = 0; b < ATT_QK_K_512; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
-    __m512 acc[ATT_QK_Q_512 * ATT_QK_K_512];
-    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++) acc[r] = _mm512_setzero_ps();
-    for (int i = 0; i < hd; i += 16) {
-        __mmask16 live = lanes_512(hd - i);
-        __m512 kv[ATT_QK_K_512];
-        for (int b = 0; b < ATT_QK_K_512; b++) kv[b] = load16_kv(kb[b], i, live, f16);
-        for (int a = 0; a < ATT_QK_Q_512; a++) {
-            __m512 qv = _mm512_maskz_loadu_ps(live, qa[a] + i);
-            for (int b = 0; b < ATT_QK_K_512; b++) acc[a * ATT_QK_K_512 + b] = _mm512_fmadd_ps(qv, kv[b], acc[a * ATT_QK_K_512 + b]);
-        }
-    }
-    __m256 half[ATT_QK_Q_512 * ATT_QK_K_512];
-    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++)
-        half[r] = _mm256_add_ps(_mm512_castps512_ps256(acc[r]), _mm512_extractf32x8_ps(acc[r], 1));
-    float sums[ATT_QK_Q_512 * ATT_QK_K_512];
-    _mm256_storeu_ps(sums, sum8_avx2(half));     /* queries 0, 1: four keys each */
-    _mm256_storeu_ps(sums + 8, sum8_avx2(half + 8)); /* queries 2, 3 */
-    for (int a = 0; a < ATT_QK_Q_512 && a0 + a < nq; a++) {
-        float *dst = s + (a0 + a) * ATT_KTILE + j0;
-        if (j0 + ATT_QK_K_512 <= nk) _mm_storeu_ps(dst, _mm_loadu_ps(sums + a * ATT_QK_K_512));
-        else for (int b = 0; j0 + b < nk; b++) dst[b] = sums[a * ATT_QK_K_512 + b];
-    }
-}
-
-static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
-{
-    for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q_512)
-        for (int j0 = 0; j0 < nk; j0 += ATT_QK_K_512) {
-            if (type == T_F16) att_qk_tile_avx512(s, q, nq, a0, k, nk, j0, hd, 1);
-            else att_qk_tile_avx512(s, q, nq, a0, k, nk, j0, hd, 0);
-        }
-}
-
 /* Outputs [i, i + 16 * nv) of queries a0 .. a0 + qt - 1 (the last vector
    masked to the head's end), summed in registers over all nk rows. */
 INLINE void att_pv_tile_avx512(float *o, int os, const float *p, int a0, int qt, const void *const *v, int nk, int hd, int i,
                                int nv, int f16)
 {
-    __m512 acc[ATT_PV_Q][ATT_PV_V_512];
-    __mmask16 live[ATT_PV_V_512];
+    __m512 acc[ATT_PV_Q][ATT_PV_V32];
+    __mmask16 live[ATT_PV_V32];
     for (int c = 0; c < nv; c++) live[c] = lanes_512(hd - i - 16 * c);
     for (int a = 0; a < qt; a++)
         for (int c = 0; c < nv; c++) acc[a][c] = _mm512_maskz_loadu_ps(live[c], o + (size_t)(a0 + a) * os + i + 16 * c);
     for (int j = 0; j < nk; j++) {
-        __m512 vv[ATT_PV_V_512];
+        __m512 vv[ATT_PV_V32];
         for (int c = 0; c < nv; c++) vv[c] = load16_kv(v[j], i + 16 * c, live[c], f16);
         for (int a = 0; a < qt; a++) {
             __m512 pj = _mm512_set1_ps(p[(a0 + a) * ATT_KTILE + j]);
@@ -7964,7 +7922,7 @@ INLINE void att_pv_tile_avx512(float *o, int os, const float *p, int a0, int qt,
 INLINE void att_pv_rows_avx512(float *o, int os, const float *p, int a0, int qt, const void *const *v, int hd, int nk, int f16)
 {
     int i = 0;
-    for (; i + 16 * ATT_PV_V_512 <= hd; i += 16 * ATT_PV_V_512) att_pv_tile_avx512(o, os, p, a0, qt, v, nk, hd, i, ATT_PV_V_512, f16);
+    for (; i + 16 * ATT_PV_V32 <= hd; i += 16 * ATT_PV_V32) att_pv_tile_avx512(o, os, p, a0, qt, v, nk, hd, i, ATT_PV_V32, f16);
     for (; i < hd; i += 16) att_pv_tile_avx512(o, os, p, a0, qt, v, nk, hd, i, 1, f16);
 }
 
@@ -8144,9 +8102,10 @@ INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, neon, isum32_neon)
 INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, neon, isum32_neon)
 
 /* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
-   with 4 floats per vector and 32 registers, the tiles of AVX-512's
-   (4 x 4 scores; 4 queries x 4 vectors of outputs); an f16 row is widened
-   4 elements per instruction. Without them the set would inherit the
+   with 4 floats per vector and 32 registers: 4 x 4 scores, each summed
+   across its vector once at the end, and 4 queries x 4 vectors of outputs;
+   an f16 row is widened 4 elements per instruction (not measured on
+   hardware: tests/test_kernels.py checks them under qemu). Without them the set would inherit the
    scalar ones, which convert every f16 element once per query. */
 NEON_INLINE float32x4_t load4_kv_neon(const void *row, int i, int f16)
 {
@@ -8156,24 +8115,24 @@ NEON_INLINE float32x4_t load4_kv_neon(const void *row, int i, int f16)
 
 NEON_INLINE void att_qk_tile_neon(float *s, const float *q, int nq, int a0, const void *const *k, int nk, int j0, int hd, int f16)
 {
-    const float *qa[ATT_QK_Q_512];
-    const void *kb[ATT_QK_K_512];
-    for (int a = 0; a < ATT_QK_Q_512; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
-    for (int b = 0; b < ATT_QK_K_512; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
-    float32x4_t acc[ATT_QK_Q_512 * ATT_QK_K_512];
-    for (int r = 0; r < ATT_QK_Q_512 * ATT_QK_K_512; r++) acc[r] = vdupq_n_f32(0);
+    const float *qa[ATT_QK_NEON];
+    const void *kb[ATT_QK_NEON];
+    for (int a = 0; a < ATT_QK_NEON; a++) qa[a] = q + (size_t)min_i(a0 + a, nq - 1) * hd;
+    for (int b = 0; b < ATT_QK_NEON; b++) kb[b] = k[min_i(j0 + b, nk - 1)];
+    float32x4_t acc[ATT_QK_NEON * ATT_QK_NEON];
+    for (int r = 0; r < ATT_QK_NEON * ATT_QK_NEON; r++) acc[r] = vdupq_n_f32(0);
     int vec = hd / 4 * 4;
     for (int i = 0; i < vec; i += 4) {
-        float32x4_t kv[ATT_QK_K_512];
-        for (int b = 0; b < ATT_QK_K_512; b++) kv[b] = load4_kv_neon(kb[b], i, f16);
-        for (int a = 0; a < ATT_QK_Q_512; a++) {
+        float32x4_t kv[ATT_QK_NEON];
+        for (int b = 0; b < ATT_QK_NEON; b++) kv[b] = load4_kv_neon(kb[b], i, f16);
+        for (int a = 0; a < ATT_QK_NEON; a++) {
             float32x4_t qv = vld1q_f32(qa[a] + i);
-            for (int b = 0; b < ATT_QK_K_512; b++) acc[a * ATT_QK_K_512 + b] = vfmaq_f32(acc[a * ATT_QK_K_512 + b], qv, kv[b]);
+            for (int b = 0; b < ATT_QK_NEON; b++) acc[a * ATT_QK_NEON + b] = vfmaq_f32(acc[a * ATT_QK_NEON + b], qv, kv[b]);
         }
     }
-    for (int a = 0; a < ATT_QK_Q_512 && a0 + a < nq; a++)
-        for (int b = 0; b < ATT_QK_K_512 && j0 + b < nk; b++) {
-            float sum = vaddvq_f32(acc[a * ATT_QK_K_512 + b]);
+    for (int a = 0; a < ATT_QK_NEON && a0 + a < nq; a++)
+        for (int b = 0; b < ATT_QK_NEON && j0 + b < nk; b++) {
+            float sum = vaddvq_f32(acc[a * ATT_QK_NEON + b]);
             for (int i = vec; i < hd; i++) sum += qa[a][i] * kv_elem(kb[b], f16 ? T_F16 : T_F32, i);
             s[(a0 + a) * ATT_KTILE + j0 + b] = sum;
         }
@@ -8181,8 +8140,8 @@ NEON_INLINE void att_qk_tile_neon(float *s, const float *q, int nq, int a0, cons
 
 static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
 {
-    for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q_512)
-        for (int j0 = 0; j0 < nk; j0 += ATT_QK_K_512) {
+    for (int a0 = 0; a0 < nq; a0 += ATT_QK_NEON)
+        for (int j0 = 0; j0 < nk; j0 += ATT_QK_NEON) {
             if (type == T_F16) att_qk_tile_neon(s, q, nq, a0, k, nk, j0, hd, 1);
             else att_qk_tile_neon(s, q, nq, a0, k, nk, j0, hd, 0);
         }
@@ -8190,11 +8149,11 @@ static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, 
 
 NEON_INLINE void att_pv_tile_neon(float *o, int os, const float *p, int a0, int qt, const void *const *v, int nk, int i, int nv, int f16)
 {
-    float32x4_t acc[ATT_PV_Q][ATT_PV_V_512];
+    float32x4_t acc[ATT_PV_Q][ATT_PV_V32];
     for (int a = 0; a < qt; a++)
         for (int c = 0; c < nv; c++) acc[a][c] = vld1q_f32(o + (size_t)(a0 + a) * os + i + 4 * c);
     for (int j = 0; j < nk; j++) {
-        float32x4_t vv[ATT_PV_V_512];
+        float32x4_t vv[ATT_PV_V32];
         for (int c = 0; c < nv; c++) vv[c] = load4_kv_neon(v[j], i + 4 * c, f16);
         for (int a = 0; a < qt; a++) {
             float pj = p[(a0 + a) * ATT_KTILE + j];
@@ -8208,7 +8167,7 @@ NEON_INLINE void att_pv_tile_neon(float *o, int os, const float *p, int a0, int 
 NEON_INLINE void att_pv_rows_neon(float *o, int os, const float *p, int a0, int qt, const void *const *v, int hd, int nk, int f16)
 {
     int i = 0;
-    for (; i + 4 * ATT_PV_V_512 <= hd; i += 4 * ATT_PV_V_512) att_pv_tile_neon(o, os, p, a0, qt, v, nk, i, ATT_PV_V_512, f16);
+    for (; i + 4 * ATT_PV_V32 <= hd; i += 4 * ATT_PV_V32) att_pv_tile_neon(o, os, p, a0, qt, v, nk, i, ATT_PV_V32, f16);
     for (; i + 4 <= hd; i += 4) att_pv_tile_neon(o, os, p, a0, qt, v, nk, i, 1, f16);
     for (int a = a0; a < a0 + qt; a++)
         for (int j = 0; j < nk; j++)
