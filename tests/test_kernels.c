@@ -354,7 +354,8 @@ static void test_attention(void)
 /* Prefill's multi-query kernels (scores of nq queries against nk key rows,
    and nq weighted sums of V rows) against the scalar set's, for each cache
    type they read in place: head sizes of SmolLM2 (64) and Gemma 3 (256)
-   and odd ones that take the SIMD tails, query counts on and off the
+   and odd ones that take the SIMD tails (on both sides of AVX-512's
+   ATT_QK_512_MIN_HD), query counts on and off the
    register tile, key counts from 1 to a whole block. The rows sit in a
    shuffled order in their pool, as a paged or ring cache may hand them. */
 static void test_attention_multi(void)
@@ -362,12 +363,12 @@ static void test_attention_multi(void)
     enum { HD = 256, NQ = 13, OS = HD + 2 };
     static float q[NQ * HD], p[NQ * ATT_KTILE], sref[NQ * ATT_KTILE], sgot[NQ * ATT_KTILE], oref[NQ * OS], ogot[NQ * OS];
     static uint8_t kpool[ATT_KTILE * HD * 4], vpool[ATT_KTILE * HD * 4];
-    const int types[] = {T_F32, T_F16}, hds[] = {64, 256, 72, 18, 2}, nqs[] = {1, 3, 4, 7, NQ}, nks[] = {1, 7, 33, ATT_KTILE};
+    const int types[] = {T_F32, T_F16}, hds[] = {64, 256, 136, 130, 72, 18, 2}, nqs[] = {1, 3, 4, 7, NQ}, nks[] = {1, 7, 33, ATT_KTILE};
     const OpKernels *ref = &OPS[KSET_SCALAR];
     for (int ti = 0; ti < 2; ti++) {
         double worst_s = 0, worst_a = 0;
         int type = types[ti];
-        for (int a = 0; a < 5; a++) {
+        for (size_t a = 0; a < sizeof hds / sizeof *hds; a++) {
             int hd = hds[a];
             size_t rb = row_bytes(type, hd);
             const void *k[ATT_KTILE], *v[ATT_KTILE];
