@@ -3,7 +3,8 @@
    a set added there is tested here without a new line: per weight type the
    row conversions (to_float, from_float), the dot product, decode's GEMV
    tile and prefill's register tile; per set the activation quantizers,
-   the attention kernels, the softmax step and SwiGLU. Also the f16
+   the attention kernels (decode's and prefill's multi-query ones),
+   prefill's attention step against decode's, the softmax step and SwiGLU. Also the f16
    conversions against the compiler's over every half, the integer part of
    the int8 dot products exactly, the vector exp, and the activation
    quantizer's error bound. Includes run.c whole so the static kernels are
@@ -401,6 +402,73 @@ static void test_attention_multi(void)
     }
 }
 
+/* Prefill's attention (attend_queries, the multi-query kernels) against
+   decode's (attend_tile, one query at a time over converted blocks, with
+   the scalar set's kernels) on a synthetic cache: every (query tile, KV
+   head) job of a 37-token pass after 100-120 cached positions, as
+   attention_part deals them, with grouped heads, a sliding window over a
+   ring-buffer cache and each cache type. The scalar set's two paths add
+   the same products in the same order (a masked position's weight is an
+   exact 0), so they must agree bit for bit; a SIMD set within float
+   rounding. */
+static void test_attend_queries(void)
+{
+    static const struct { int hd, heads, kv_heads, window, prev, type; } CASES[] = {
+        {64, 9, 3, 0, 100, T_F16}, {256, 4, 1, 50, 120, T_F16}, {64, 9, 3, 0, 100, T_F32},
+        {128, 8, 2, 0, 100, T_Q8_0}, {72, 6, 2, 30, 110, T_F32},
+    };
+    enum { N = 37 };
+    double worst = 0;
+    int exact = 1;
+    for (size_t ci = 0; ci < sizeof CASES / sizeof *CASES; ci++) {
+        int hd = CASES[ci].hd, group = CASES[ci].heads / CASES[ci].kv_heads, total = CASES[ci].prev + N;
+        Config c = {.head_dim = hd, .n_heads = CASES[ci].heads, .n_kv_heads = CASES[ci].kv_heads, .n_layers = 1,
+                    .window = CASES[ci].window, .att_scale = 1 / sqrtf((float)hd)};
+        /* a local layer's ring holds window + N positions: the pass's own rows never evict one it reads */
+        int cap = c.window ? c.window + N : total, qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * hd;
+        size_t off = 0, part = (size_t)ATT_QTILE * group * (hd + 2);
+        RunState s = {.kv_type = CASES[ci].type, .kv_row = row_bytes(CASES[ci].type, hd), .kv_cap = &cap, .kv_off = &off};
+        s.key_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row), s.value_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row);
+        s.qkv = calloc((size_t)N * qkv_dim, sizeof(float)), s.tok_pos = calloc(N, sizeof(int));
+        s.scores = calloc(ATT_KTILE, sizeof(float)), s.vrow = calloc(hd, sizeof(float));
+        s.kblock = calloc((size_t)hd * ATT_KTILE, sizeof(float)), s.vblock = calloc((size_t)hd * ATT_KTILE, sizeof(float));
+        s.qblock = calloc((size_t)ATT_QTILE * group * hd, sizeof(float));
+        s.pblock = calloc((size_t)ATT_QTILE * group * ATT_KTILE, sizeof(float));
+        float *row = calloc(hd, sizeof(float)), *want = calloc(part, sizeof(float)), *got = calloc(part, sizeof(float));
+        for (int t = 0; t < N; t++) s.tok_pos[t] = CASES[ci].prev + t;
+        for (size_t i = 0; i < (size_t)N * qkv_dim; i++) s.qkv[i] = frand() * 2;
+        for (int pos = 0; pos < total; pos++) /* the cache in position order, as prefill and decode write it */
+            for (int g = 0; g < c.n_kv_heads; g++)
+                for (int kv = 0; kv < 2; kv++) {
+                    for (int i = 0; i < hd; i++) row[i] = frand() * 2;
+                    TYPES[s.kv_type].k[KSET_SCALAR].from_float(cache_row(&s, kv ? s.value_cache : s.key_cache, &c, 0, 0, g, pos), row, hd);
+                }
+        for (int t0 = 0; t0 < N; t0 += ATT_QTILE)
+            for (int g = 0; g < c.n_kv_heads; g++) {
+                int t1 = min_i(t0 + ATT_QTILE, N), first = c.window ? max_i(0, s.tok_pos[t0] - c.window + 1) : 0;
+                int set = K.set, nq = (t1 - t0) * group;
+                select_kernels(KSET_SCALAR);
+                attend_tile(&s, &c, 0, g, t0, t1, first, s.tok_pos[t1 - 1] + 1, want, 0);
+                select_kernels(set);
+                attend_queries(&s, &c, 0, g, t0, t1, first, s.tok_pos[t1 - 1] + 1, got, 0);
+                exact &= memcmp(want, got, (size_t)nq * (hd + 2) * sizeof(float)) == 0;
+                for (int k = 0; k < nq; k++) { /* the attention output: sum of v weighted, over the weights' sum */
+                    const float *w = want + (size_t)k * (hd + 2), *o = got + (size_t)k * (hd + 2);
+                    for (int i = 0; i < hd; i++) worst = fmax(worst, fabs(o[2 + i] / o[1] - w[2 + i] / w[1]));
+                }
+            }
+        free(s.key_cache), free(s.value_cache), free(s.qkv), free(s.tok_pos), free(s.scores), free(s.vrow);
+        free(s.kblock), free(s.vblock), free(s.qblock), free(s.pblock), free(row), free(want), free(got);
+    }
+    char what[160];
+    if (K.set == KSET_SCALAR) {
+        check(exact, "scalar prefill attention (attend_queries) equals decode's (attend_tile) bit for bit");
+        return;
+    }
+    snprintf(what, sizeof what, "%s prefill attention vs scalar decode attention: worst |diff| of an output %.2e", K.op.name, worst);
+    check(worst < 1e-5, what);
+}
+
 /* The online-softmax step: the set's running maximum must equal the scalar
    one exactly, its exponentials (a polynomial, not libm's expf) agree
    within a few ulp, and so does the sum; every score count takes the
@@ -487,6 +555,7 @@ int main(void)
         test_quantize_act(set);
         test_int_exact();
         test_int_exact_k();
+        test_attend_queries();
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
