@@ -173,9 +173,8 @@ _Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 _Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
 #define ATT_QK_NEON 4  /* NEON's 32 registers: 4 x 4 scores ... */
 #define ATT_PV_V32 4   /* ... and, there and in AVX-512's, 4 queries x 4 vectors of outputs */
-#define ATT_QK_Q32 4   /* AVX-512's score tile for long heads: 4 x 4 512-bit sums ... */
+#define ATT_QK_Q32 4   /* AVX-512's score tile: 4 x 4 512-bit sums */
 #define ATT_QK_K32 4
-#define ATT_QK_512_MIN_HD 128 /* ... from this head size (shorter ones: AVX2's tile) */
 _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
@@ -7890,14 +7889,11 @@ FLOAT_TILES(avx512, __m512, 16, FTILE_ROWS_512, FTILE_TOKS_512, _mm512_setzero_p
    4 queries x 64 outputs of the V sum, a head's last partial vector taken
    with a mask instead of a scalar tail. Zen 4 splits a 512-bit FMA in two,
    so the gain over AVX2 is in the instructions around it: an f16 row is
-   loaded and converted 16 elements per instruction, and a vector feeds
-   four FMAs. Measured in cache (f16, 48 queries): the V sum 101 against
-   AVX2's 91 GFLOP/s. A 512-bit score costs more to reduce, which a short
-   head does not repay: at head_dim 64 the 4 x 4 tile ran at 64 against
-   the AVX2 tile's 73 GFLOP/s, so below ATT_QK_512_MIN_HD the scores are
-   AVX2's; at 128 and 256, where a tile's rows no longer fit L1 and the 4 x 4
-   tile reads half the bytes per score, one layer's prefill attention over
-   2048 tokens took 12-15 % less time with it. */
+   loaded and converted 16 elements per instruction, a vector feeds four
+   FMAs, and a 4 x 4 tile reads half the bytes per score of AVX2's 4 x 2.
+   Measured on one layer's prefill attention over 2048 tokens (f16 cache,
+   one thread), against the same code with AVX2's score tile: head_dim 64
+   79 against 83 ms, 128 241 against 272, 256 107 against 125. */
 INLINE __mmask16 lanes_512(int n) { return (__mmask16)(n >= 16 ? 0xffff : (1u << n) - 1); }
 INLINE __m512 load16_kv(const void *row, int i, __mmask16 live, int f16)
 {
@@ -7940,10 +7936,6 @@ INLINE void att_qk_tile_avx512(float *s, const float *q, int nq, int a0, const v
 
 static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
 {
-    if (hd < ATT_QK_512_MIN_HD) {
-        att_qk_avx2(s, q, nq, k, type, hd, nk);
-        return;
-    }
     for (int a0 = 0; a0 < nq; a0 += ATT_QK_Q32)
         for (int j0 = 0; j0 < nk; j0 += ATT_QK_K32) {
             if (type == T_F16) att_qk_tile_avx512(s, q, nq, a0, k, nk, j0, hd, 1);

@@ -355,10 +355,10 @@ static void test_attention(void)
 /* Prefill's multi-query kernels (scores of nq queries against nk key rows,
    and nq weighted sums of V rows) against the scalar set's, for each cache
    type they read in place: head sizes of SmolLM2 (64) and Gemma 3 (256)
-   and odd ones that take the SIMD tails (on both sides of AVX-512's
-   ATT_QK_512_MIN_HD), query counts on and off the
-   register tile, key counts from 1 to a whole block. The rows sit in a
-   shuffled order in their pool, as a paged or ring cache may hand them. */
+   and odd ones that take the SIMD tails (whole 16s plus 8, plus 2, and
+   less than one vector), query counts on and off the register tile, key
+   counts from 1 to a whole block. The rows sit in a shuffled order in
+   their pool, as a paged or ring cache may hand them. */
 static void test_attention_multi(void)
 {
     enum { HD = 256, NQ = 13, OS = HD + 2 };
