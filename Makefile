@@ -120,7 +120,7 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
 bench: run $(MODEL_BIN) $(GEMMA_GGUF)
-	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --lookup
+	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --lookup
 	$(PYTHON) tests/bench.py --json-only --runs 3
 	$(PYTHON) tests/bench_batch.py --runs 3
 

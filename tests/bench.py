@@ -7,7 +7,8 @@ median [min-max] of: load time, TTFT and prefill tok/s for 128- and
 512-token prompts, decode tok/s and inter-token latency (p50, p90) over
 128 tokens, and peak RSS. The machine's DRAM read bandwidth and f32/int8
 peaks come from ./run --probe; each phase is shown as a fraction of its own
-roofline (decode: GB/s achieved / bandwidth; prefill: GFLOP/s / peak).
+roofline (decode: GB/s achieved / bandwidth of the level it streams from, DRAM or the last-level
+cache; prefill: GFLOP/s / peak).
 With llama-cpp-python installed, llama.cpp runs the same GGUF in the same
 session and the ratio is printed.
 
@@ -30,7 +31,17 @@ quantizer from the F32 GGUF, as tests/oracle/make_quant_goldens.py writes it, an
 Q4_K_M as shipped) through our engine (export.py's default --dtype keep) and through llama.cpp,
 alternating the two run by run, and prints decode and 512-token prefill tok/s with their ratio.
 
+The per-kernel-set table (--sets) runs q4_1 and q8_0 (bench-DTYPE.bin) with every kernel set this CPU runs
+(./run --kernels NAME; the scalar set once, it is 3-15x slower) and llama.cpp on the GGUF of the same weights,
+alternating, and prints prefill 512 and decode tok/s, their ratios to llama.cpp, prefill as a share of the
+set's and of the machine's probed int8 peak, and decode as a share of the bandwidth of the level it streams
+from (./run's roofline: the last-level cache when a token's bytes fit in it, else DRAM), in the README's
+markdown, under a line naming the machine (CPU, cores, threads, probes, load average).
+
+Every table names the kernel set that ran.
+
     python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup] [--json-only]
+    python3 tests/bench.py --sets-only --runs 5 [--scratch DIR]
     python3 tests/bench.py --per-type-only --runs 5 --threads 2 [--types q4_k_m,gemma3-q4_k_m]
 """
 from __future__ import annotations
@@ -101,11 +112,46 @@ def run_once(model: Path, ids: str, n_gen: int, threads: int, extra: list[str] |
     return r
 
 
-def probe(model: Path, threads: int) -> dict:
-    out = subprocess.run([str(RUN), str(model), "--probe", "-v", "-n", "1", "-i", "x", "--threads", str(threads)],
-                         capture_output=True, text=True, check=True).stderr
+def probe(model: Path, threads: int, kernels: str | None = None) -> dict:
+    """./run --probe -v on `model` with a kernel set (default: the best one): the set that ran, DRAM and
+    last-level cache read GB/s, the set's f32 and int8 peaks, and for this model the level its decode
+    streams from ("DRAM", or "L3" when a token's bytes fit in the cache) with that level's GB/s."""
+    extra = ["--kernels", kernels] if kernels else []
+    out = subprocess.run([str(RUN), str(model), "--probe", "-v", "-n", "1", "-i", "x", "--threads", str(threads),
+                          *extra], capture_output=True, text=True, check=True).stderr
     m = re.search(r"DRAM read ([\d.]+) GB/s, f32 FMA ([\d.]+) GFLOP/s, int8 ([\d.]+) GOP/s", out)
-    return {"gbps": float(m.group(1)), "f32": float(m.group(2)), "i8": float(m.group(3))}
+    cache = re.search(r"L(\d) cache \(([\d.]+) MiB\) read ([\d.]+) GB/s", out)
+    level = re.search(r"decode at \d+% of (\S+) bandwidth \([\d.]+ MB/token at ([\d.]+) GB/s", out)
+    return {"kernels": re.search(r"(\w[\w-]*) kernels", out).group(1), "gbps": float(m.group(1)),
+            "f32": float(m.group(2)), "i8": float(m.group(3)),
+            "llc": f"L{cache.group(1)} {cache.group(2)} MiB" if cache else "last-level cache unknown",
+            "llc_gbps": float(cache.group(3)) if cache else 0.0,
+            "level": level.group(1), "level_gbps": float(level.group(2))}
+
+
+PROBES = 3  # a peak is a maximum: the best of a few probes, since other work on the cores only lowers one
+
+
+def best_probe(model: Path, threads: int, kernels: str | None = None) -> dict:
+    """probe() PROBES times; each figure's best."""
+    runs = [probe(model, threads, kernels) for _ in range(PROBES)]
+    return {k: max(r[k] for r in runs) if isinstance(v, float) else v for k, v in runs[0].items()}
+
+
+def machine_line(mc: dict, threads: int) -> str:
+    """The machine a table was measured on: CPU, cores, threads, caches and probes, load average now."""
+    load = os.getloadavg()
+    cache = f"{mc['llc']} read {mc['llc_gbps']:.0f} GB/s" if mc["llc_gbps"] else mc["llc"]
+    return (f"machine: {cpu_name()}, {os.cpu_count()} cores, {threads} threads; ./run --probe: DRAM read "
+            f"{mc['gbps']:.1f} GB/s, {cache}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
+def decode_share(gbps: list[float], model: Path, threads: int, mc: dict) -> str:
+    """Decode GB/s (median) as a share of the bandwidth of the level it streams from, as ./run's roofline
+    decides it for this model (the cache when a token's bytes fit in it): "73% of DRAM"."""
+    level = probe(model, threads, mc["kernels"])["level"]
+    bw = mc["gbps"] if level == "DRAM" else mc["llc_gbps"]
+    return f"{statistics.median(gbps) / bw * 100:.0f}% of {level}"
 
 
 def summary(values: list[float], fmt: str = "{:.0f}") -> str:
@@ -148,7 +194,8 @@ LOOKUP_TASKS = [
 
 def lookup_bench(dtypes: list[str], runs: int, threads: int, llamacpp: bool) -> None:
     """Decode tok/s of each task with and without lookup decoding (same greedy text), alternating."""
-    print("\nLookup decoding (greedy, -c, 128 tokens at most; median of runs, with and without alternating):\n")
+    print(f"\nLookup decoding ({kernel_set(threads)} kernels, greedy, -c, 128 tokens at most; median of runs, "
+          "with and without alternating):\n")
     ref = llamacpp_tasks(threads, runs) if llamacpp else {}
     print("| dtype | task | tokens | decode tok/s, --lookup 0 | decode tok/s, lookup | ratio | accepted | "
           "tokens per pass | llama.cpp decode tok/s |")
@@ -191,8 +238,8 @@ def json_bench(runs: int, threads: int, n_gen: int = 128) -> None:
     """Decode tok/s with and without --json-schema (and --json), alternating; median [min-max] of runs."""
     schema = Path(os.environ.get("TMPDIR", "/tmp")) / f"bench-schema-{os.getpid()}.json"
     schema.write_text(json.dumps(JSON_SCHEMA))
-    print(f"\nConstrained output (greedy, -c, --lookup 0, {n_gen} tokens; median [min–max] of {runs} alternating runs;"
-          f" --json may finish its value sooner):\n")
+    print(f"\nConstrained output ({kernel_set(threads)} kernels, greedy, -c, --lookup 0, {n_gen} tokens; median "
+          f"[min–max] of {runs} alternating runs; --json may finish its value sooner):\n")
     print("| model | vocabulary | decode tok/s | with --json-schema | ratio | with --json | ratio | "
           "mask walks (ms each) / cache hits, schema |")
     print("|---|---|---|---|---|---|---|---|")
@@ -256,8 +303,9 @@ def llamacpp_bench(dtypes: str, threads: int, runs: int) -> dict | None:
         return None
 
 
-def print_ratios(ours: dict, ref: dict) -> None:
-    print("\nllama.cpp on the same machine in this run (same GGUF, same type; its timing counters):\n")
+def print_ratios(ours: dict, ref: dict, kernels: str) -> None:
+    print(f"\nllama.cpp on the same machine in this run (same GGUF, same type; its timing counters; ours: {kernels} "
+          "kernels):\n")
     print("| dtype | llama.cpp prefill 128 tok/s | llama.cpp prefill 512 tok/s | llama.cpp decode tok/s | "
           "ours ÷ llama.cpp prefill 512 | ours ÷ llama.cpp decode |")
     print("|---|---|---|---|---|---|")
@@ -342,11 +390,11 @@ def open_llamacpp(gguf: Path, threads: int):
                            **CONFIGS["llamacpp_default"])
 
 
-def ours_speed(model: Path, ids128: str, ids512: str, threads: int) -> dict[str, float]:
-    """Decode tok/s over positions 128..255 and prefill tok/s of one 512-token prompt."""
-    plain = ["--lookup", "0"]
-    return {"decode": run_once(model, ids128, 129, threads, plain)["decode_tps"],
-            "prefill": run_once(model, ids512, 1, threads, plain)["prefill_tps"]}
+def ours_speed(model: Path, ids128: str, ids512: str, threads: int, extra: list[str] | None = None) -> dict[str, float]:
+    """Decode tok/s (and GB/s) over positions 128..255 and prefill tok/s (and GFLOP/s) of one 512-token prompt."""
+    plain = ["--lookup", "0", *(extra or [])]
+    dec, pre = run_once(model, ids128, 129, threads, plain), run_once(model, ids512, 1, threads, plain)
+    return {"decode": dec["decode_tps"], "gbps": dec["gbps"], "prefill": pre["prefill_tps"], "gflops": pre["gflops"]}
 
 
 def llamacpp_speed(llm, ids512: list[int]) -> dict[str, float]:
@@ -379,9 +427,10 @@ def bench_type(label: str, scratch: Path, runs: int, threads: int) -> dict:
 
 
 def kernel_set(threads: int) -> str:
+    """The kernel set ./run picks on this CPU (its -v model line)."""
     err = subprocess.run([str(RUN), str(ROOT / "models" / "smollm2-135m-instruct.bin"), "-v", "-n", "1", "-i", "x",
                           "--threads", str(threads)], capture_output=True, text=True).stderr
-    m = re.search(r"(\w+) kernels", err)
+    m = re.search(r"(\w[\w-]*) kernels", err)
     return m.group(1) if m else "unknown"
 
 
@@ -431,6 +480,88 @@ def type_table(labels: list[str], scratch: Path, runs: int, threads: int, wait: 
           "the cores, and the absolute numbers are low; the ratios are of runs interleaved in time)")
 
 
+# ---- per kernel set: every set this CPU runs, beside llama.cpp (issue 15) ----
+
+SET_DTYPES = ("q4_1", "q8_0")
+SCALAR_RUNS = 1  # the scalar set (the reference kernels) is 3-15x slower: one run of it, not a target
+
+
+def kernel_sets(model: Path) -> list[str]:
+    """The kernel sets this build runs on this CPU, as ./run lists them when --kernels names none of them."""
+    err = subprocess.run([str(RUN), str(model), "--kernels", "?", "-n", "1", "-i", "x"], capture_output=True,
+                         text=True).stderr
+    m = re.search(r"\(available: ([^)]*)\)", err)
+    if not m:
+        raise RuntimeError(f"./run --kernels ? did not list the kernel sets: {err.strip()[-300:]}")
+    return [s.strip() for s in m.group(1).split(",")]
+
+
+def set_rows(dtype: str, sets: list[str], peaks: dict[str, float], mc: dict, llm, runs: int, threads: int) -> list[str]:
+    """One model (bench-DTYPE.bin; llm: llama.cpp on the GGUF of the same weights, or None) run with every
+    kernel set and llama.cpp, the order reversed every other run; the table rows of the medians. peaks: each
+    set's int8 GOP/s; mc: the probe on this model (the level its decode streams from, and that level's GB/s)."""
+    model = export(dtype)
+    ids512 = prompt_ids(model, 512)
+    ids128 = " ".join(ids512.split()[:128])
+    ids = [int(i) for i in ids512.split()]
+    who_all = [*sets, "llama.cpp"] if llm else sets
+    ours_speed(model, ids128, ids512, threads)        # warm-up: page the weights in
+    if llm:
+        llamacpp_speed(llm, ids)                      # ... and spin up llama.cpp's thread pool
+    res: dict[str, list[dict[str, float]]] = {who: [] for who in who_all}
+    for i in range(runs):
+        for who in (who_all if i % 2 == 0 else who_all[::-1]):
+            if who == "scalar" and i >= SCALAR_RUNS:
+                continue
+            res[who].append(llamacpp_speed(llm, ids) if who == "llama.cpp" else
+                            ours_speed(model, ids128, ids512, threads, ["--kernels", who]))
+    med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for who, rs in res.items()}
+    ref = med.get("llama.cpp")
+    rows = []
+    for s in sets:
+        o = med[s]
+        ratio = (f"{ref['prefill']:.0f} | {ref['decode']:.1f} | {o['prefill'] / ref['prefill']:.2f}× | "
+                 f"{o['decode'] / ref['decode']:.2f}×") if ref else "— | — | — | —"
+        rows.append(f"| {dtype} | {s} | {len(res[s])} | {o['prefill']:.0f} | {o['gflops'] / peaks[s] * 100:.0f}% | "
+                    f"{o['gflops'] / max(peaks.values()) * 100:.0f}% | {o['decode']:.1f} | "
+                    f"{o['gbps'] / mc['level_gbps'] * 100:.0f}% of {mc['level']} | {ratio} |")
+    return rows
+
+
+def set_table(runs: int, threads: int, scratch: Path, wait: str = "auto") -> None:
+    """The per-kernel-set table (README "Performance"), printed in the README's markdown: prefill 512 and decode
+    tok/s of each set this CPU runs on q4_1 and q8_0, llama.cpp on the same weights when it is installed."""
+    wait = omp_wait_policy(wait, threads) if "llama_cpp" not in sys.modules else "as already loaded"
+    try:
+        import llama_cpp
+        version = f"llama-cpp-python {llama_cpp.__version__}, KV f16, flash attention on"
+    except ImportError:
+        llama_cpp, version = None, "not installed: no llama.cpp columns"
+    sets = kernel_sets(export("q4_1"))
+    peaks = {s: best_probe(export("q4_1"), threads, s)["i8"] for s in sets}
+    mcs = {d: best_probe(export(d), threads) for d in SET_DTYPES}
+    print(f"\nPer kernel set, SmolLM2-135M-Instruct, {threads} threads, median of {runs} runs (scalar: "
+          f"{SCALAR_RUNS}), alternating the sets and llama.cpp; prefill = one 512-token prompt, decode = 128 tokens "
+          f"after a 128-token prompt, KV f16. llama.cpp: {version}, on the GGUF of the same weights; "
+          f"OpenMP wait policy: {wait}.\n")
+    print(machine_line(mcs[SET_DTYPES[0]], threads) + "\n")
+    print(f"int8 peaks (./run --probe --kernels SET, best of {PROBES}): " +
+          ", ".join(f"{s} {peaks[s]:.0f} GOP/s" for s in sets) +
+          "; decode streams from: " + ", ".join(f"{d} {mcs[d]['level']}" for d in SET_DTYPES) + "\n")
+    print("| model | kernel set | runs | prefill 512 tok/s | % of the set's int8 peak | % of the machine's int8 peak | "
+          "decode tok/s | decode, % of the bandwidth it streams from | llama.cpp prefill 512 tok/s | "
+          "llama.cpp decode tok/s | ours ÷ llama.cpp, prefill | ours ÷ llama.cpp, decode |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for dtype in SET_DTYPES:
+        llm = open_llamacpp(type_gguf(dtype, scratch, threads), threads) if llama_cpp else None
+        for row in set_rows(dtype, sets, peaks, mcs[dtype], llm, runs, threads):
+            print(row, flush=True)
+        if llm:
+            llm.close()
+    load = os.getloadavg()
+    print(f"\nload average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -445,8 +576,11 @@ def main() -> int:
                     help="also the per-type table: each GGUF type run by our engine and by llama.cpp")
     ap.add_argument("--per-type-only", action="store_true", help="only the per-type table")
     ap.add_argument("--types", default=",".join(TYPES), help="rows of the per-type table (comma-separated)")
+    ap.add_argument("--sets", action="store_true",
+                    help="also the per-kernel-set table: q4_1 and q8_0 with every set this CPU runs, and llama.cpp")
+    ap.add_argument("--sets-only", action="store_true", help="only the per-kernel-set table")
     ap.add_argument("--omp-wait", choices=("auto", "default", "passive", "active"), default="auto",
-                    help="OMP_WAIT_POLICY for the per-type table (auto: passive when the machine is busy)")
+                    help="OMP_WAIT_POLICY for the per-type and per-set tables (auto: passive when the machine is busy)")
     ap.add_argument("--scratch", type=Path, default=ROOT / "models",
                     help="where the per-type table's GGUFs (made by llama.cpp's quantizer) and exports go")
     args = ap.parse_args()
@@ -459,38 +593,44 @@ def main() -> int:
     if args.per_type_only:
         type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
         return 0
+    if args.sets_only:
+        set_table(args.runs, args.threads, args.scratch, args.omp_wait)
+        return 0
     if args.lookup_only:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
         return 0
-    mc = probe(export("q4_1"), args.threads)
-    print(f"machine: {cpu_name()}, {os.cpu_count()} cores, {args.threads} threads; "
-          f"DRAM read {mc['gbps']:.1f} GB/s, f32 {mc['f32']:.0f} GFLOP/s, int8 {mc['i8']:.0f} GOP/s (./run --probe)")
-    print(f"median [min–max] of {args.runs} runs\n")
+    mc = best_probe(export("q4_1"), args.threads)
+    print(machine_line(mc, args.threads))
+    print(f"kernel set: {mc['kernels']} (./run's choice here); its peaks: f32 {mc['f32']:.0f} GFLOP/s, "
+          f"int8 {mc['i8']:.0f} GOP/s; median [min–max] of {args.runs} runs\n")
     print("| dtype | file MB | load ms | TTFT 128 ms | prefill 128 tok/s | TTFT 512 ms | prefill 512 tok/s | "
-          "prefill % of peak | decode tok/s | ITL p50 ms | ITL p90 ms | decode % of DRAM BW | peak RSS MB |")
+          "prefill % of peak | decode tok/s | ITL p50 ms | ITL p90 ms | decode % of the bandwidth it streams from | "
+          "peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ours = {}
     for dtype in args.dtypes.split(","):
         b = ours[dtype] = bench_dtype(dtype, args.runs, args.threads)
         peak = mc["i8"] if dtype in ("q8_0", "q4_1") else mc["f32"]
         pct_pp = statistics.median(b["gflops512"]) / peak * 100
-        pct_bw = statistics.median(b["gbps"]) / mc["gbps"] * 100
         print(f"| {dtype} | {b['file_mb']:.0f} | {summary(b['load_ms'], '{:.1f}')} | {summary(b['ttft128'])} | "
               f"{summary(b['pp128'])} | {summary(b['ttft512'])} | {summary(b['pp512'])} | {pct_pp:.0f}% | "
               f"{summary(b['tg128'], '{:.1f}')} | {summary(b['p50'], '{:.2f}')} | {summary(b['p90'], '{:.2f}')} | "
-              f"{pct_bw:.0f}% | {summary(b['rss'])} |", flush=True)
+              f"{decode_share(b['gbps'], export(dtype), args.threads, mc)} | {summary(b['rss'])} |", flush=True)
     if args.long:
         model = export("q4_1")
         ids = prompt_ids(model, 4000)
         rs = [run_once(model, ids, 129, args.threads) for _ in range(max(1, args.runs // 2))]
-        print(f"\nq4_1 decode at ~4k context: {summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
+        print(f"\nq4_1 decode at ~4k context ({mc['kernels']} kernels): "
+              f"{summary([r['decode_tps'] for r in rs], '{:.1f}')} tok/s, "
               f"{summary([r['gbps'] for r in rs], '{:.1f}')} GB/s (KV f16)")
     if args.llamacpp:
         ref = llamacpp_bench(args.dtypes, args.threads, args.runs)
         if ref:
-            print_ratios(ours, ref)
+            print_ratios(ours, ref, mc["kernels"])
     if args.per_type:
         type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
+    if args.sets:
+        set_table(args.runs, args.threads, args.scratch, args.omp_wait)
     if args.lookup:
         lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
     return 0

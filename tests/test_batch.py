@@ -348,9 +348,15 @@ def test_json_and_schema_fields_match_the_single_request_mode():
     schema_file.write_text(json.dumps(PERSON))
     single = run([model(), "-c", "-t", "0", "-n", 64, "--json-schema", schema_file, "-i", ask]).stdout.decode()
     assert recs[0]["text"] == single and json.loads(single).keys() == {"name", "age"}, (recs[0], single)
+    assert recs[0]["finish"] == "stop", recs[0]
     single = run([model(), "-c", "-t", "0", "-n", 48, "--json", "-i", reqs[1]["prompt"]]).stdout.decode()
-    assert recs[1]["text"] == single and recs[1]["finish"] == "stop", (recs[1], single)
-    json.loads(single)
+    assert recs[1]["text"] == single, (recs[1], single)
+    # whether the model closes a free-form value within n tokens is the model's business (SmolLM2 may
+    # count on and on); the record must say which it was
+    if recs[1]["finish"] == "stop":
+        json.loads(single)
+    else:
+        assert recs[1]["finish"] == "length" and recs[1]["json_complete"] is False, recs[1]
     assert recs[2]["json_complete"] is False and recs[2]["tokens"] == 3, recs[2]
     assert "json_complete" not in recs[0] and "json_complete" not in recs[5], recs
     assert recs[3]["error"] == 'line 4: "schema": $.minimum: keyword not supported', recs[3]
@@ -358,4 +364,6 @@ def test_json_and_schema_fields_match_the_single_request_mode():
     # the command line's --json applies to every line, "json": false turns it off for one
     code, recs, err = batch(write_lines("json-default.jsonl", [{"prompt": reqs[1]["prompt"], "chat": True, "n": 48},
                                                                {"prompt": "Hello", "n": 6, "json": False}]), "-t", "0", "--json")
-    assert code == 0 and recs[0]["text"] == single and recs[1]["text"] == alone(model(), "Hello", 6), (code, recs, err)
+    complete = recs[0]["finish"] == "stop"  # exit 1 when a value is left incomplete
+    assert code == (0 if complete else 1) and recs[0]["text"] == single and recs[1]["text"] == alone(model(), "Hello", 6), \
+        (code, recs, err)

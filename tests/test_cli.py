@@ -3,7 +3,7 @@ pipes (`| head -c 40`), and the README's "Chat" and "Scripting" examples run
 verbatim.
 
 Expected values come from the issue's wording, the GGUF's own metadata
-(context length) and the operating system (core count), not from run.c.
+(context length) and the operating system (core count, cache sizes), not from run.c.
 """
 from __future__ import annotations
 
@@ -213,6 +213,57 @@ def test_verbose_only_on_stderr():
     dec = [m for line in lines if (m := DECODE_RE.match(line))]
     assert len(pre) == 1 and int(pre[0].group(1)) == n_prompt, f"prefill line with {n_prompt} tokens: {lines}"
     assert len(dec) == 1 and 1 <= int(dec[0].group(1)) <= 8, f"decode line: {lines}"
+
+
+# ----- --probe ---------------------------------------------------------------------------
+
+ROOFLINE_RE = re.compile(r"^roofline: .*; decode at \d+% of (\S+) bandwidth \([\d.]+ MB/token at [\d.]+ GB/s(.*)\); "
+                         r"decode is \S+-bound$", re.M)
+
+
+def last_level_cache() -> tuple[int, int]:
+    """(level, bytes) of cpu0's last-level data cache as the OS reports it: /sys, else getconf's L3;
+    (0, 0) when neither says."""
+    best = (0, 0)
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        if (d / "type").read_text().strip() == "Instruction":
+            continue
+        size = (d / "size").read_text().strip()
+        n = int(size.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(size[-1], 0)
+        best = max(best, (int((d / "level").read_text()), n))
+    if best == (0, 0):
+        out = subprocess.run(["getconf", "LEVEL3_CACHE_SIZE"], capture_output=True, text=True).stdout.strip()
+        best = (3, int(out)) if out.isdigit() and int(out) > 0 else best
+    return best
+
+
+def test_probe_sets_decode_against_the_level_it_streams_from():
+    """--probe -v measures DRAM and the last-level cache (its size as the OS reports it) and sets decode
+    against the level a token's bytes stream from: a model far smaller than the cache streams from the
+    cache and is said not to be DRAM-bound, one more than twice the cache's size streams from DRAM
+    (issue 15). The sizes come from the model files and /sys, not from run.c."""
+    from test_bad_inputs import tiny_model
+
+    level, size = last_level_cache()
+    checked = []
+    for path in (tiny_model(), Path(model())):
+        p = run([path, "--probe", "-v", "-n", "2", "-i", "a", "-t", "0"], timeout=120)
+        err = text(p.stderr)
+        assert p.returncode == 0, err
+        machine = re.search(r"^machine: \d+ threads, DRAM read [\d.]+ GB/s, .*$", err, re.M)
+        assert machine, err
+        cache = f", L{level} cache ({size / 2**20:.0f} MiB) read " if size else ", last-level cache size unknown"
+        assert cache in machine.group(0), (cache, machine.group(0))
+        roof = ROOFLINE_RE.search(err)
+        assert roof, err
+        weights = path.stat().st_size
+        if size and 4 * weights < size:
+            assert roof.group(1) == f"L{level}" and "not DRAM-bound" in roof.group(2), (path.name, roof.group(0))
+            checked.append("cache")
+        elif not size or weights > 2 * size:
+            assert roof.group(1) == "DRAM" and "DRAM-bound" not in roof.group(2), (path.name, roof.group(0))
+            checked.append("DRAM")
+    assert checked, "neither model is clearly inside or outside the cache"
 
 
 # ----- pipes -----------------------------------------------------------------------------

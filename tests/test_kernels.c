@@ -169,6 +169,63 @@ static void test_types(void)
     }
 }
 
+/* The packed products (run.c, "packed rows", "packed K types", "packed
+   floats") of the set in use: for every token count of a call, bit for bit
+   the type's definition, packed_scalar, packed_k_scalar or
+   packed_float_scalar (so a token's result does
+   not depend on how many share the call: decode, prefill and verification
+   agree), and that definition within float rounding of the scalar set's
+   dot product over the rows as stored. */
+static void test_packed(void)
+{
+    enum { N = 1536, TOKS = PACK_TOKS };
+    static float x[TOKS][N];
+    static uint8_t xq[N_ACTS][TOKS][N * 2], w[PACK_ROWS * N * sizeof(float)], group[PACK_ROWS * N * sizeof(float)];
+    for (int t = 0; t < TOKS; t++) {
+        for (int i = 0; i < N; i++) x[t][i] = frand() * 3;
+        for (int a = ACT_F32 + 1; a < N_ACTS; a++) OPS[KSET_SCALAR].quantize[a](xq[a][t], x[t], N);
+    }
+    for (int type = 0; type < N_TYPES; type++) {
+        const PackForm *f = &TYPES[type].pack;
+        if (!K.type[type].packed) continue;
+        char what[160];
+        int block = TYPES[type].block, act = TYPES[type].act;
+        snprintf(what, sizeof what, "%s %-4s packs: a pack form that fits its block and activations", K.op.name, TYPES[type].name);
+        check(f->bits && block == packed_block(f) && (act == ACT_F32) == (f->kind == PACK_FLOAT), what);
+        size_t rb = row_bytes(type, N), xs = act == ACT_F32 ? sizeof x[0] : sizeof xq[0][0];
+        const uint8_t *xa = act == ACT_F32 ? (const uint8_t *)x : xq[act][0];
+        random_rows(w, type, N, PACK_ROWS);
+        const int lens[2] = {N, N - (block == 1 ? 3 : block)}; /* an even and an odd number of blocks (floats: not of chains) */
+        for (int li = 0; li < 2; li++) {
+            int len = lens[li], same = 1;
+            if (packed_group_bytes(f, len) > sizeof group) {
+                check(0, "packed group fits the test's buffer");
+                continue;
+            }
+            pack_group(group, w, rb, TYPES[type].block_bytes, type, f, len);
+            float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
+            if (f->kind == PACK_BLOCK32) packed_scalar(f, group, len, xa, xs, TOKS, ref);
+            else if (f->kind == PACK_FLOAT) packed_float_scalar(type, group, len, xa, xs, TOKS, ref);
+            else packed_k_scalar(f, group, len, xa, xs, TOKS, ref);
+            for (int toks = 1; toks <= TOKS; toks++)
+                for (int t0 = 0; t0 + toks <= TOKS; t0 += toks) {
+                    K.type[type].packed(group, len, xa + t0 * xs, xs, toks, got);
+                    same &= memcmp(got, ref + t0 * PACK_ROWS, toks * PACK_ROWS * sizeof(float)) == 0;
+                }
+            snprintf(what, sizeof what, "%s %-4s packed (n %d, 1..%d tokens) equals its definition bit for bit", K.op.name,
+                     TYPES[type].name, len, TOKS);
+            check(same, what);
+            double mag = 3.0 * len, worst = 0;
+            for (int t = 0; t < TOKS; t++)
+                for (int r = 0; r < PACK_ROWS; r++)
+                    worst = fmax(worst, fabs(ref[t * PACK_ROWS + r] - TYPES[type].k[KSET_SCALAR].dot(w + r * rb, xa + t * xs, len)) / mag);
+            snprintf(what, sizeof what, "%s %-4s packed definition (n %d) vs scalar dot: worst |diff| / sum|x| = %.2e", K.op.name,
+                     TYPES[type].name, len, worst);
+            check(worst < 1e-6, what);
+        }
+    }
+}
+
 /* Integer part exactly: with d = 1 scales, every set's int8 dot products
    must return the exact integer sum. */
 static void test_int_exact(void)
@@ -559,6 +616,7 @@ int main(void)
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
+        test_packed();
         test_attention();
         test_attention_multi();
         test_softmax();
