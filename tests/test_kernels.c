@@ -3,7 +3,8 @@
    a set added there is tested here without a new line: per weight type the
    row conversions (to_float, from_float), the dot product, decode's GEMV
    tile and prefill's register tile; per set the activation quantizers,
-   the attention kernels, the softmax step and SwiGLU. Also the f16
+   the attention kernels (decode's and prefill's multi-query ones),
+   prefill's attention step against decode's, the softmax step and SwiGLU. Also the f16
    conversions against the compiler's over every half, the integer part of
    the int8 dot products exactly, the vector exp, and the activation
    quantizer's error bound. Includes run.c whole so the static kernels are
@@ -408,6 +409,123 @@ static void test_attention(void)
     check(worst_r < 1e-6, what);
 }
 
+/* Prefill's multi-query kernels (scores of nq queries against nk key rows,
+   and nq weighted sums of V rows) against the scalar set's, for each cache
+   type they read in place: head sizes of SmolLM2 (64) and Gemma 3 (256)
+   and odd ones that take the SIMD tails (whole 16s plus 8, plus 2, and
+   less than one vector), query counts on and off the register tile, key
+   counts from 1 to a whole block. The rows sit in a shuffled order in
+   their pool, as a paged or ring cache may hand them. */
+static void test_attention_multi(void)
+{
+    enum { HD = 256, NQ = 13, OS = HD + 2 };
+    static float q[NQ * HD], p[NQ * ATT_KTILE], sref[NQ * ATT_KTILE], sgot[NQ * ATT_KTILE], oref[NQ * OS], ogot[NQ * OS];
+    static uint8_t kpool[ATT_KTILE * HD * 4], vpool[ATT_KTILE * HD * 4];
+    const int types[] = {T_F32, T_F16}, hds[] = {64, 256, 136, 130, 72, 18, 2}, nqs[] = {1, 3, 4, 7, NQ}, nks[] = {1, 7, 33, ATT_KTILE};
+    const OpKernels *ref = &OPS[KSET_SCALAR];
+    for (int ti = 0; ti < 2; ti++) {
+        double worst_s = 0, worst_a = 0;
+        int type = types[ti];
+        for (size_t a = 0; a < sizeof hds / sizeof *hds; a++) {
+            int hd = hds[a];
+            size_t rb = row_bytes(type, hd);
+            const void *k[ATT_KTILE], *v[ATT_KTILE];
+            random_rows(kpool, type, hd, ATT_KTILE);
+            random_rows(vpool, type, hd, ATT_KTILE);
+            for (int j = 0; j < ATT_KTILE; j++) k[j] = kpool + (j * 37 % ATT_KTILE) * rb, v[j] = vpool + (j * 23 % ATT_KTILE) * rb;
+            for (int i = 0; i < NQ * HD; i++) q[i] = frand();
+            for (int i = 0; i < NQ * ATT_KTILE; i++) p[i] = (frand() + 1) / 2;
+            for (int b = 0; b < 5; b++)
+                for (int c = 0; c < 4; c++) {
+                    int nq = nqs[b], nk = nks[c];
+                    ref->att_qk(sref, q, nq, k, type, hd, nk);
+                    K.op.att_qk(sgot, q, nq, k, type, hd, nk);
+                    for (int i = 0; i < NQ * OS; i++) oref[i] = ogot[i] = frand();
+                    ref->att_pv(oref, OS, p, nq, v, type, hd, nk);
+                    K.op.att_pv(ogot, OS, p, nq, v, type, hd, nk);
+                    for (int r = 0; r < nq; r++)
+                        for (int j = 0; j < nk; j++) worst_s = fmax(worst_s, fabs(sgot[r * ATT_KTILE + j] - sref[r * ATT_KTILE + j]) / hd);
+                    /* every float of the buffer: the outputs, and the untouched rest (other queries, the gap) */
+                    for (int i = 0; i < NQ * OS; i++) worst_a = fmax(worst_a, fabs(ogot[i] - oref[i]) / nk);
+                }
+        }
+        char what[160];
+        snprintf(what, sizeof what, "%s %s multi-query attention scores vs scalar: worst |diff| / hd = %.2e", K.op.name,
+                 TYPES[type].name, worst_s);
+        check(worst_s < 1e-6, what);
+        snprintf(what, sizeof what, "%s %s multi-query weighted V sums vs scalar: worst |diff| / n = %.2e", K.op.name,
+                 TYPES[type].name, worst_a);
+        check(worst_a < 1e-6, what);
+    }
+}
+
+/* Prefill's attention (attend_queries, the multi-query kernels) against
+   decode's (attend_tile, one query at a time over converted blocks, with
+   the scalar set's kernels) on a synthetic cache: every (query tile, KV
+   head) job of a 37-token pass after 100-120 cached positions, as
+   attention_part deals them, with grouped heads, a sliding window over a
+   ring-buffer cache and each cache type. The scalar set's two paths add
+   the same products in the same order (a masked position's weight is an
+   exact 0), so they must agree bit for bit; a SIMD set within float
+   rounding. */
+static void test_attend_queries(void)
+{
+    static const struct { int hd, heads, kv_heads, window, prev, type; } CASES[] = {
+        {64, 9, 3, 0, 100, T_F16}, {256, 4, 1, 50, 120, T_F16}, {64, 9, 3, 0, 100, T_F32},
+        {128, 8, 2, 0, 100, T_Q8_0}, {72, 6, 2, 30, 110, T_F32},
+    };
+    enum { N = 37 };
+    double worst = 0;
+    int exact = 1;
+    for (size_t ci = 0; ci < sizeof CASES / sizeof *CASES; ci++) {
+        int hd = CASES[ci].hd, group = CASES[ci].heads / CASES[ci].kv_heads, total = CASES[ci].prev + N;
+        Config c = {.head_dim = hd, .n_heads = CASES[ci].heads, .n_kv_heads = CASES[ci].kv_heads, .n_layers = 1,
+                    .window = CASES[ci].window, .att_scale = 1 / sqrtf((float)hd)};
+        /* a local layer's ring holds window + N positions: the pass's own rows never evict one it reads */
+        int cap = c.window ? c.window + N : total, qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * hd;
+        size_t off = 0, part = (size_t)ATT_QTILE * group * (hd + 2);
+        RunState s = {.kv_type = CASES[ci].type, .kv_row = row_bytes(CASES[ci].type, hd), .kv_cap = &cap, .kv_off = &off};
+        s.key_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row), s.value_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row);
+        s.qkv = calloc((size_t)N * qkv_dim, sizeof(float)), s.tok_pos = calloc(N, sizeof(int));
+        s.scores = calloc(ATT_KTILE, sizeof(float)), s.vrow = calloc(hd, sizeof(float));
+        s.kblock = calloc((size_t)hd * ATT_KTILE, sizeof(float)), s.vblock = calloc((size_t)hd * ATT_KTILE, sizeof(float));
+        s.qblock = calloc((size_t)ATT_QTILE * group * hd, sizeof(float));
+        s.pblock = calloc((size_t)ATT_QTILE * group * ATT_KTILE, sizeof(float));
+        float *row = calloc(hd, sizeof(float)), *want = calloc(part, sizeof(float)), *got = calloc(part, sizeof(float));
+        for (int t = 0; t < N; t++) s.tok_pos[t] = CASES[ci].prev + t;
+        for (size_t i = 0; i < (size_t)N * qkv_dim; i++) s.qkv[i] = frand() * 2;
+        for (int pos = 0; pos < total; pos++) /* the cache in position order, as prefill and decode write it */
+            for (int g = 0; g < c.n_kv_heads; g++)
+                for (int kv = 0; kv < 2; kv++) {
+                    for (int i = 0; i < hd; i++) row[i] = frand() * 2;
+                    TYPES[s.kv_type].k[KSET_SCALAR].from_float(cache_row(&s, kv ? s.value_cache : s.key_cache, &c, 0, 0, g, pos), row, hd);
+                }
+        for (int t0 = 0; t0 < N; t0 += ATT_QTILE)
+            for (int g = 0; g < c.n_kv_heads; g++) {
+                int t1 = min_i(t0 + ATT_QTILE, N), first = c.window ? max_i(0, s.tok_pos[t0] - c.window + 1) : 0;
+                int set = K.set, nq = (t1 - t0) * group;
+                select_kernels(KSET_SCALAR);
+                attend_tile(&s, &c, 0, g, t0, t1, first, s.tok_pos[t1 - 1] + 1, want, 0);
+                select_kernels(set);
+                attend_queries(&s, &c, 0, g, t0, t1, first, s.tok_pos[t1 - 1] + 1, got, 0);
+                exact &= memcmp(want, got, (size_t)nq * (hd + 2) * sizeof(float)) == 0;
+                for (int k = 0; k < nq; k++) { /* the attention output: sum of v weighted, over the weights' sum */
+                    const float *w = want + (size_t)k * (hd + 2), *o = got + (size_t)k * (hd + 2);
+                    for (int i = 0; i < hd; i++) worst = fmax(worst, fabs(o[2 + i] / o[1] - w[2 + i] / w[1]));
+                }
+            }
+        free(s.key_cache), free(s.value_cache), free(s.qkv), free(s.tok_pos), free(s.scores), free(s.vrow);
+        free(s.kblock), free(s.vblock), free(s.qblock), free(s.pblock), free(row), free(want), free(got);
+    }
+    char what[160];
+    if (K.set == KSET_SCALAR) {
+        check(exact, "scalar prefill attention (attend_queries) equals decode's (attend_tile) bit for bit");
+        return;
+    }
+    snprintf(what, sizeof what, "%s prefill attention vs scalar decode attention: worst |diff| of an output %.2e", K.op.name, worst);
+    check(worst < 1e-5, what);
+}
+
 /* The online-softmax step: the set's running maximum must equal the scalar
    one exactly, its exponentials (a polynomial, not libm's expf) agree
    within a few ulp, and so does the sum; every score count takes the
@@ -494,11 +612,13 @@ int main(void)
         test_quantize_act(set);
         test_int_exact();
         test_int_exact_k();
+        test_attend_queries();
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
         test_packed();
         test_attention();
+        test_attention_multi();
         test_softmax();
         test_gates();
     }
