@@ -244,7 +244,12 @@ def tolerances(meta: dict) -> dict[str, float]:
     factor = TOL_FACTOR
     if "float64_numpy_same_weights" not in meta["measured_noise"]:
         factor, mean = TOL_FACTOR_ONE_TOKEN_ONLY, max(mean, MEAN_OVER_MAX * worst["full_rows_max"])
-    return {"margin": MARGIN_FACTOR * worst["margin_change_max"],
+    # The one-token source understates the gap noise as it understates the logit noise (above): without
+    # the float64 source the top-1 margin takes the same correction as the logit bounds. (Seen on SmolLM2
+    # Q5_0: our engine leaves llama.cpp's top-1 at a gap of 0.503, the 1.5x margin being 0.431, and that
+    # position's gap moves by 0.3 between our own kernel sets, i.e. with summation order alone.)
+    margin_factor = MARGIN_FACTOR * factor / TOL_FACTOR
+    return {"margin": margin_factor * worst["margin_change_max"],
             "greedy_margin": GREEDY_MARGIN_FACTOR * worst["margin_change_max"],
             "max": factor * max(worst["top10_max"], worst["full_rows_max"]),
             "mean": factor * mean}
