@@ -2041,7 +2041,7 @@ static const WeightType TYPES[N_TYPES] = {
                  NEON(INT8_KERNELS(q4_0, neon)),
                  NEON(INT8_KERNELS(q4_0, sdot)),
                  [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q4_0_avxvnni})},
-                .pack = {4, 8, 0}},
+                .pack = {4, 8, 0, PACK_BLOCK32}},
     [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
                 {SCALAR(q4_1, NULL),
                  AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
@@ -2050,7 +2050,7 @@ static const WeightType TYPES[N_TYPES] = {
                  NEON(INT8_KERNELS(q4_1, neon)),
                  NEON(INT8_KERNELS(q4_1, sdot)),
                  [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q4_1_avxvnni})},
-                .pack = {4, 0, 1}},
+                .pack = {4, 0, 1, PACK_BLOCK32}},
     [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
                 {SCALAR(q5_0, NULL),
                  AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
@@ -2059,7 +2059,7 @@ static const WeightType TYPES[N_TYPES] = {
                  NEON(INT8_KERNELS(q5_0, neon)),
                  NEON(INT8_KERNELS(q5_0, sdot)),
                  [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q5_0_avxvnni})},
-                .pack = {8, 16, 0}},
+                .pack = {8, 16, 0, PACK_BLOCK32}},
     [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
                 {SCALAR(q5_1, NULL),
                  AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
@@ -2068,7 +2068,7 @@ static const WeightType TYPES[N_TYPES] = {
                  NEON(INT8_KERNELS(q5_1, neon)),
                  NEON(INT8_KERNELS(q5_1, sdot)),
                  [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q5_1_avxvnni})},
-                .pack = {8, 0, 1}},
+                .pack = {8, 0, 1, PACK_BLOCK32}},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
                 {SCALAR(q8_0, from_float_q8_0_scalar),
                  AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
@@ -2077,7 +2077,7 @@ static const WeightType TYPES[N_TYPES] = {
                  NEON(INT8_KERNELS(q8_0, neon)),
                  NEON(INT8_KERNELS(q8_0, sdot)),
                  [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q8_0_avxvnni})},
-                .pack = {8, 128, 0}},
+                .pack = {8, 128, 0, PACK_BLOCK32}},
     [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
                 {SCALAR(q4_k, NULL),
                  AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}}),
@@ -8323,7 +8323,9 @@ INLINE void packed_256(const uint8_t *group, int n, const uint8_t *x, size_t xs,
 }
 
 /* A set's packed product for a type, one instance per token count (so
-   that T is a constant): packed_NAME_SET. */
+   that T is a constant): packed_NAME_SET, calling impl(group, n, x, xs, T,
+   out, bits, offset, has_min) and, after an empty argument, anything more
+   impl takes (", , dot4_avx2" passes the 256-bit kernels their dot4). */
 #define PACKED_KERNEL(name, set, impl, bits, offset, has_min, ...)                                                   \
     static void packed_##name##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
     {                                                                                                                \
