@@ -179,11 +179,17 @@ def test_escapes():
     args = ["-n", "30", *PRINTF]
     full = generate(args)
     assert b"\\n" in full and b"\n" in full and full.find(b"\\n") < full.find(b"\n"), f"need \\n then a newline: {full!r}"
-    for arg, want in (("\\n", full[:full.find(b"\n")]), ("\\\\n", full[:full.find(b"\\n")]), ("\\t", full)):
+    for arg, want in (("\\n", full[:full.find(b"\n")]), ("\\\\n", full[:full.find(b"\\n")])):
         for lookup in LOOKUPS:
             p = run([model(), "-t", "0", "--lookup", lookup, *args, "--stop", arg])
             assert p.returncode == 0 and p.stdout == want, f"--stop {arg!r}: exit {p.returncode}, {p.stdout!r}, want {want!r}"
-    assert b"\t" not in full and b"t" in full
+    # '\t' is a tab, not the letter t: on a text with t's and no tab it cuts nothing
+    args_t = ["-n", "30", "-i", "The capital of France is"]
+    text = generate(args_t)
+    assert b"\t" not in text and b"t" in text, f"need a text with a t and no tab: {text!r}"
+    for lookup in LOOKUPS:
+        p = run([model(), "-t", "0", "--lookup", lookup, *args_t, "--stop", "\\t"])
+        assert p.returncode == 0 and p.stdout == text, f"--stop '\\t': exit {p.returncode}, {p.stdout!r}, want {text!r}"
 
 
 def test_lookup_drafts_do_not_run_past_a_stop():
