@@ -273,8 +273,9 @@ def test_readme_batch_example_runs_verbatim():
     box = WORK / "readme"
     box.mkdir(exist_ok=True)
     for name, target in (("run", RUN), ("models", MODELS)):
-        if not (box / name).exists():
-            (box / name).symlink_to(target)
+        if (box / name).is_symlink():  # a scratch folder kept from a run of another checkout may point elsewhere
+            (box / name).unlink()
+        (box / name).symlink_to(target)
     r = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=box, capture_output=True, timeout=300)
     out = r.stdout.decode()
     assert r.returncode == 0, r.stderr.decode()
