@@ -1978,7 +1978,7 @@ static void swiglu_avx2(float *g, const float *u, int n);
 static void geglu_avx2(float *g, const float *u, int n);
 static int cpu_has_avx2(void);
 static double peak_f32_avx2(float *sink);
-static double peak_i8_avx2(int *sink);
+static double peak_i8_avx2(unsigned *sink);
 #define PACKED_PROTO(t, set) static void packed_##t##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
 PACKED_PROTO(q4_0, avx2) PACKED_PROTO(q4_1, avx2) PACKED_PROTO(q5_0, avx2) PACKED_PROTO(q5_1, avx2)
 TARGET_END
@@ -1986,7 +1986,7 @@ TARGET_BEGIN(ISA_AVXVNNI)
 PACKED_PROTO(q4_0, avxvnni) PACKED_PROTO(q4_1, avxvnni) PACKED_PROTO(q5_0, avxvnni) PACKED_PROTO(q5_1, avxvnni)
 PACKED_PROTO(q8_0, avxvnni)
 static int cpu_has_avxvnni(void);
-static double peak_i8_avxvnni(int *sink);
+static double peak_i8_avxvnni(unsigned *sink);
 TARGET_END
 TARGET_BEGIN(ISA_AVX512)
 #define AVX512_TILE(t) static void tile_##t##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
@@ -2000,11 +2000,11 @@ static int cpu_has_avx512_vnni(void);
 static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
 static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static double peak_f32_avx512(float *sink);
-static double peak_i8_avx512(int *sink);
+static double peak_i8_avx512(unsigned *sink);
 TARGET_END
 #endif
 static double peak_f32_scalar(float *sink);
-static double peak_i8_scalar(int *sink);
+static double peak_i8_scalar(unsigned *sink);
 #ifdef HAVE_NEON_SET
 /* The NEON set, defined in the last appendix: the int8 matrix products, prefill's attention. */
 BLOCK_KERNEL_PROTOS(q4_0, neon) BLOCK_KERNEL_PROTOS(q4_1, neon) BLOCK_KERNEL_PROTOS(q5_0, neon)
@@ -2116,7 +2116,7 @@ typedef struct {
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
-    double (*peak_i8)(int *sink);    /* ... of int8 multiply-add chains; returns ops (2 per MAC) */
+    double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
     int exact_tiles; /* every type's prefill tile adds each output's products in its GEMV's order, so a
                         verification pass may use the tiles and stay bit for bit a decode step (verify_step) */
 } OpKernels;
@@ -3530,12 +3530,12 @@ static double peak_f32_scalar(float *sink)
     return (double)PROBE_ITERS / 8 * 8 * 2;
 }
 
-static double peak_i8_scalar(int *sink)
+static double peak_i8_scalar(unsigned *sink)
 {
-    int acc[8];
+    unsigned acc[8]; /* unsigned: the chains' sums wrap, as the SIMD sets' int32 lanes do */
     for (int j = 0; j < 8; j++) acc[j] = j;
     for (long i = 0; i < PROBE_ITERS / 8; i++)
-        for (int j = 0; j < 8; j++) acc[j] += (int8_t)(i + j) * 3;
+        for (int j = 0; j < 8; j++) acc[j] += (unsigned)((int8_t)(i + j) * 3);
     for (int j = 0; j < 8; j++) *sink += acc[j];
     return (double)PROBE_ITERS / 8 * 8 * 2;
 }
@@ -3545,7 +3545,7 @@ static void probe_compute(double *f32_gflops, double *i8_gops)
 {
     double t0 = now_ms(), flops = 0, ops = 0;
     float fsink = 0;
-    int isink = 0;
+    unsigned isink = 0;
     #pragma omp parallel reduction(+ : flops, fsink)
     flops += K.op.peak_f32(&fsink);
     *f32_gflops = flops / ((now_ms() - t0) / 1e3) / 1e9;
@@ -8378,7 +8378,7 @@ PEAK_F32(avx2, __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, hsum256)
    constant ones let the compiler hoist the products out of the loop and
    time only the adds (it reported 1,100-1,250 GOP/s on 2 cores). */
 
-static double peak_i8_avx2(int *sink)
+static double peak_i8_avx2(unsigned *sink)
 {
     __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2), one = _mm256_set1_epi16(1);
     for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi32(j);
@@ -8387,7 +8387,7 @@ static double peak_i8_avx2(int *sink)
             KEEP_IN_REGISTER(a);
             acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), one));
         }
-    for (int j = 0; j < 8; j++) *sink += _mm256_extract_epi32(acc[j], 0);
+    for (int j = 0; j < 8; j++) *sink += (unsigned)_mm256_extract_epi32(acc[j], 0);
     return (double)PROBE_ITERS / 8 * 8 * 32 * 2;
 }
 TARGET_END
@@ -8424,13 +8424,13 @@ static int cpu_has_avxvnni(void)
 
 /* --probe's int8 peak for this set: 8 chains of 256-bit vpdpbusd (32 int8
    multiply-adds each). */
-static double peak_i8_avxvnni(int *sink)
+static double peak_i8_avxvnni(unsigned *sink)
 {
     __m256i acc[8], a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
     for (int j = 0; j < 8; j++) acc[j] = _mm256_set1_epi32(j);
     for (long i = 0; i < PROBE_ITERS / 8; i++)
         for (int j = 0; j < 8; j++) acc[j] = DPBUSD_256(acc[j], a, b);
-    for (int j = 0; j < 8; j++) *sink += _mm256_extract_epi32(acc[j], 0);
+    for (int j = 0; j < 8; j++) *sink += (unsigned)_mm256_extract_epi32(acc[j], 0);
     return (double)PROBE_ITERS / 8 * 8 * 32 * 2;
 }
 TARGET_END
@@ -8896,13 +8896,13 @@ static int cpu_has_avx512_vnni(void)
    (64 int8 multiply-adds each). */
 PEAK_F32(avx512, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 
-static double peak_i8_avx512(int *sink)
+static double peak_i8_avx512(unsigned *sink)
 {
     __m512i acc[8], a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
     for (int j = 0; j < 8; j++) acc[j] = _mm512_set1_epi32(j);
     for (long i = 0; i < PROBE_ITERS / 8; i++)
         for (int j = 0; j < 8; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], a, b);
-    for (int j = 0; j < 8; j++) *sink += _mm512_reduce_add_epi32(acc[j]);
+    for (int j = 0; j < 8; j++) *sink += (unsigned)_mm_cvtsi128_si32(_mm512_castsi512_si128(acc[j])); /* lane 0: a sum could overflow */
     return (double)PROBE_ITERS / 8 * 8 * 64 * 2;
 }
 TARGET_END
