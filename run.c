@@ -1428,8 +1428,9 @@ static float dot_q6_k_scalar(const void *w, const void *x, int n)
    sum into each of 16 int32 lanes. Rows as the file stores them put one
    row's elements across the lanes, so every block ends in a horizontal sum
    and every scale is a scalar. A kernel set that packs (TypeKernels.packed)
-   gets each matrix of a 32-element type repacked once at load
-   (pack_weights) into groups of PACK_ROWS rows with one row per lane: four
+   gets each matrix of such a type (the 32-element types here; the K types
+   and the float types below) repacked once at load (pack_weights) into
+   groups of PACK_ROWS rows with one row per lane: four
    bytes of activation broadcast to every lane feed 16 rows at once, each
    lane sums its row's block in integers, and a block's scale, convert and
    add are one vector operation for 16 rows. No sum crosses lanes, so an
