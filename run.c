@@ -1566,6 +1566,22 @@ static void pack_group(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, int
     }
 }
 
+/* Where integer e (0..31) of row r sits in a 32-element stretch of packed
+   ints: its byte, and the shift of its nibble (4-bit) within it. */
+static size_t packed_int_at(int bits, int r, int e, int *shift)
+{
+    *shift = bits == 8 ? 0 : e % 8 / 4 * 4;
+    return bits == 8 ? 64 * (e / 4) + 4 * r + e % 4 : 64 * (e / 8) + 4 * r + e % 4;
+}
+
+/* Stored integer e (0..31) of row r in a 32-element stretch of packed ints. */
+static int packed_int(const uint8_t *ints, int bits, int r, int e)
+{
+    int shift;
+    size_t at = packed_int_at(bits, r, e, &shift);
+    return bits == 8 ? ints[at] : ints[at] >> shift & 0xf;
+}
+
 /* The packed product's definition, which every set's PackedFn matches bit
    for bit (tests/test_kernels.c): per output, block by block, the exact
    integer sum, then f = isum * x.d; f += -offset * x.s; acc += f * d (or
@@ -1584,8 +1600,7 @@ __attribute__((unused)) static void packed_scalar(const PackForm *f, const uint8
                 const uint8_t *ints = group + k * rb + packed_head_bytes(f);
                 int isum = 0;
                 for (int e = 0; e < QK; e++) {
-                    int u = f->bits == 8 ? ints[64 * (e / 4) + 4 * r + e % 4] : ints[64 * (e / 8) + 4 * r + e % 4] >> (e % 8 / 4 * 4) & 0xf;
-                    isum += u * a->qs[e];
+                    isum += packed_int(ints, f->bits, r, e) * a->qs[e];
                 }
                 float v = (float)isum * a->d;
                 if (!f->has_min) v = fmaf(a->s, (float)-f->offset, v);
@@ -1645,20 +1660,14 @@ static void pack_group_k(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, i
             }
             for (int j = 0; j < QK_K / QK; j++) {
                 uint8_t *ints = rec + hb + j * ib;
-                for (int e = 0; e < QK; e++) {
-                    int u = k_uint(type, blk, QK * j + e);
-                    if (f->bits == 8) ints[64 * (e / 4) + 4 * r + e % 4] = (uint8_t)u;
-                    else ints[64 * (e / 8) + 4 * r + e % 4] |= (uint8_t)(u << (e % 8 / 4 * 4));
+                for (int e = 0; e < QK; e++) { /* the group was zeroed: or-ing in places every nibble */
+                    int shift;
+                    size_t at = packed_int_at(f->bits, r, e, &shift);
+                    ints[at] |= (uint8_t)(k_uint(type, blk, QK * j + e) << shift);
                 }
             }
         }
     }
-}
-
-/* Stored integer e (0..31) of row r in a 32-element stretch of packed ints. */
-static int packed_int(const uint8_t *ints, int bits, int r, int e)
-{
-    return bits == 8 ? ints[64 * (e / 4) + 4 * r + e % 4] : ints[64 * (e / 8) + 4 * r + e % 4] >> (e % 8 / 4 * 4) & 0xf;
 }
 
 /* The packed K product's definition (as packed_scalar for the 32-element
