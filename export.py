@@ -564,6 +564,157 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# The packed layout of the matrices (README.md, "Packed matrices"): the engine multiplies straight from
+# the mapped file, so each weight matrix is stored the way its kernels read it. Rows go in groups of
+# PACK_ROWS, one row per 32-bit lane of a 512-bit vector (two 256-bit or four 128-bit ones); a group is
+# one record per block (per element for the float types), and a record holds the block of each of the
+# group's rows: scales first as [field][row] planes, then the integers, 4 consecutive elements of a row
+# per lane. Every byte of ggml's blocks is kept, only moved: a packed matrix unpacks to the GGUF's blocks.
+
+PACK_ROWS = 16      # rows per group: one per int32 lane of a 512-bit vector
+PACK_ALIGN = 64     # every group starts on a cache line
+PACKED_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+def _group_rows(rows: np.ndarray, block_bytes: int) -> np.ndarray:
+    """(rows, row bytes) uint8 -> (groups, PACK_ROWS, blocks, block bytes), the last group padded with zero rows."""
+    n, rb = rows.shape
+    padded = np.zeros((align_up(n, PACK_ROWS), rb), dtype=np.uint8)
+    padded[:n] = rows
+    return padded.reshape(-1, PACK_ROWS, rb // block_bytes, block_bytes)
+
+
+def _plane(b: np.ndarray, start: int, width: int, unit: int = 1) -> np.ndarray:
+    """Bytes [start, start + width) of every row's block as planes of `unit`-byte fields, [field][row][unit]
+    (the fp16 scales: unit 2, the rows' scales side by side; the K types' scale bytes: unit 1)
+    -> (G, nb, width * 16)."""
+    G, R, nb, _ = b.shape
+    f = b[..., start:start + width].reshape(G, R, nb, width // unit, unit)
+    return f.transpose(0, 2, 3, 1, 4).reshape(G, nb, width * R)
+
+
+def _lanes(u: np.ndarray) -> np.ndarray:
+    """Integers (G, 16, nb, S, 32) of S 32-element stretches per record, 8-bit form: vector g holds elements
+    4g..4g+3 of each row, 4 bytes per row -> (G, nb, S * 512)."""
+    G, R, nb, S, _ = u.shape
+    return u.reshape(G, R, nb, S, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 512)
+
+
+def _nibble_lanes(u: np.ndarray) -> np.ndarray:
+    """Low 4 bits of integers (G, 16, nb, S, 32), 4-bit form: vector j (of 4) holds elements 8j+i in the low
+    nibble and 8j+4+i in the high nibble of byte 4r+i -> (G, nb, S * 256)."""
+    G, R, nb, S, _ = u.shape
+    v = (u & 0x0F).reshape(G, R, nb, S, 4, 2, 4)
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)
+    return packed.transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 256)
+
+
+def _high_planes(u: np.ndarray, extra: int) -> np.ndarray:
+    """Bits 4.. of integers (G, 16, nb, S, 32) with `extra` bits above the nibble: element 8j+4h+i = 4k+i of
+    row r is bit field k = 2j+h; plane p = k / (8/extra) holds it at bit (k % (8/extra)) * extra of byte 4r+i
+    -> (G, nb, S * 64 * extra)."""
+    G, R, nb, S, _ = u.shape
+    per_byte = 8 // extra
+    hi = (u >> 4).reshape(G, R, nb, S, extra, per_byte, 4)            # [.., p, k % per_byte, i]
+    planes = hi[..., 0, :].copy()
+    for kk in range(1, per_byte):
+        planes |= hi[..., kk, :] << (kk * extra)
+    return planes.transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 64 * extra)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-element nibble bytes (..., 16) -> (..., 32): element j in the low nibble of byte j, j+16 in the high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """q4_k/q5_k's 128 nibble bytes (..., 128) -> (..., 256): chunk c of 64 elements: low nibbles of bytes
+    32c..32c+31, then their high nibbles."""
+    q = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.concatenate([q & 0x0F, q >> 4], axis=-1).reshape(*qs.shape[:-1], 256)
+
+
+def _q6_k_ints(b: np.ndarray) -> np.ndarray:
+    """q6_k blocks (..., 210) -> the unsigned 6-bit integers (..., 256) in element order (ggml's
+    dequantize_row_q6_K)."""
+    ql = b[..., :128].reshape(*b.shape[:-1], 2, 64)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    return (low | (high << 4)).reshape(*b.shape[:-1], 256)
+
+
+def _pack_block32(b: np.ndarray, t: int) -> np.ndarray:
+    """Records of the 32-element types from grouped blocks (G, 16, nb, bytes)."""
+    heads = 2 if t in (Q4_1, Q5_1) else 1
+    head = _plane(b, 0, 2 * heads, 2)
+    if t == Q8_0:
+        u = (b[..., 2:34] ^ 0x80)[:, :, :, None, :]        # q + 128: the unsigned integers vpdpbusd takes
+        return np.concatenate([head, _lanes(u)], axis=2)
+    qs = b[..., -16:]
+    u = _nibbles32(qs)
+    if t in (Q5_0, Q5_1):   # qh: bit j (little-endian) is bit 4 of element j
+        bit4 = np.unpackbits(b[..., 2 * heads:2 * heads + 4], axis=-1, bitorder="little")
+        u = u | (bit4 << 4)
+        u = u[:, :, :, None, :]
+        return np.concatenate([head, _high_planes(u, 1), _nibble_lanes(u)], axis=2)
+    return np.concatenate([head, _nibble_lanes(u[:, :, :, None, :])], axis=2)
+
+
+def _pack_k(b: np.ndarray, t: int) -> np.ndarray:
+    """Records of the K types: d (and dmin), the 12 (q6_k: 16) scale bytes as planes, then per 32-element
+    stretch the high planes (q5_k, q6_k) and the nibbles."""
+    if t == Q6_K:
+        u = _q6_k_ints(b).reshape(*b.shape[:3], 8, 32)
+        head = np.concatenate([_plane(b, 208, 2, 2), _plane(b, 192, 16)], axis=2)
+        extra = 2
+    else:
+        u = _k_low_nibbles(b[..., -128:])
+        if t == Q5_K:                                          # bit j of qh[l]: bit 4 of element 32j + l
+            bits = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")   # [.., l, j]
+            u = u | (np.swapaxes(bits, -1, -2).reshape(*b.shape[:3], 256) << 4)
+        u = u.reshape(*b.shape[:3], 8, 32)
+        head = np.concatenate([_plane(b, 0, 4, 2), _plane(b, 4, 12)], axis=2)   # d, dmin; scales[12]
+        extra = 1 if t == Q5_K else 0
+    G, _, nb, _, _ = u.shape
+    if not extra:
+        return np.concatenate([head, _nibble_lanes(u)], axis=2)
+    stretches = np.concatenate([_high_planes(u, extra).reshape(G, nb, 8, -1),
+                                _nibble_lanes(u).reshape(G, nb, 8, -1)], axis=3)
+    return np.concatenate([head, stretches.reshape(G, nb, -1)], axis=2)
+
+
+def packed_record_bytes(t: int) -> int:
+    """Bytes of one record of PACK_ROWS rows: one block (one element for the float types)."""
+    return PACK_ROWS * GGML_TYPES[t][2]
+
+
+def packed_size(t: int, rows: int, cols: int) -> int:
+    """Bytes of a packed matrix: whole groups, each padded to PACK_ALIGN."""
+    group = align_up(cols // GGML_TYPES[t][1] * packed_record_bytes(t), PACK_ALIGN)
+    return align_up(rows, PACK_ROWS) // PACK_ROWS * group
+
+
+def pack_rows(rows: np.ndarray, t: int) -> np.ndarray:
+    """Rows of ggml blocks (n, row bytes), n any count, -> their packed groups as bytes (the last group padded
+    with zero rows, every group with zeros to PACK_ALIGN)."""
+    n, rb = rows.shape
+    bb = GGML_TYPES[t][2]
+    if GGML_TYPES[t][1] == 1:   # float types: element e of the 16 rows side by side
+        g = _group_rows(rows, bb)
+        rec = g.transpose(0, 2, 1, 3)
+    elif t in (Q4_K, Q5_K, Q6_K):
+        rec = _pack_k(_group_rows(rows, bb), t)
+    else:
+        rec = _pack_block32(_group_rows(rows, bb), t)
+    rec = rec.reshape(rec.shape[0], -1)
+    pad = align_up(rec.shape[1], PACK_ALIGN) - rec.shape[1]
+    if pad:
+        rec = np.concatenate([rec, np.zeros((rec.shape[0], pad), dtype=np.uint8)], axis=1)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
 # Source tensors (GGUF and safetensors) share one description: a ggml type and raw row bytes.
 
 @dataclass
@@ -1435,9 +1586,12 @@ class OutTensor:
     cols: int
     out_type: int = F32
     offset: int = 0
+    packed: bool = False          # a matrix product's weights: written in the packed layout (pack_rows)
 
     @property
     def nbytes(self) -> int:
+        if self.packed:
+            return packed_size(self.out_type, self.rows, self.cols)
         return self.rows * row_bytes(self.out_type, self.cols)
 
 
@@ -1604,6 +1758,38 @@ def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
 
 
 CHUNK_ELEMENTS = 1 << 16   # rows are converted in chunks of about this many values to bound memory
+
+
+# The tensors the engine multiplies by (README.md, "Packed matrices"), by the last part of their name; the
+# token embedding is one of them when it is also the output head.
+MATMUL_NAMES = ("wqkv", "wq", "wk", "wv", "wo", "w13", "w1", "w3", "w2", "output")
+PACK_CHUNK_ROWS = 64 * PACK_ROWS   # rows packed at a time: bounds export.py's memory on large matrices
+
+
+def is_matmul(name: str, tied: bool) -> bool:
+    return name.rpartition(".")[2] in MATMUL_NAMES or (tied and name == "tok_embeddings")
+
+
+class GroupWriter:
+    """Receives a packed tensor's rows of ggml blocks in any chunks and writes them as whole packed groups;
+    finish() writes the last group, padded with zero rows."""
+
+    def __init__(self, out_type: int, write: Callable[[np.ndarray], None]):
+        self.type, self.write, self.held = out_type, write, []
+
+    def add(self, rows: np.ndarray) -> None:
+        self.held.append(rows)
+        n = sum(len(r) for r in self.held)
+        if n >= PACK_CHUNK_ROWS:
+            rows = np.concatenate(self.held)
+            whole = n // PACK_ROWS * PACK_ROWS
+            self.write(pack_rows(rows[:whole], self.type))
+            self.held = [rows[whole:]] if whole < n else []
+
+    def finish(self) -> None:
+        if self.held:
+            self.write(pack_rows(np.concatenate(self.held), self.type))
+            self.held = []
 
 
 def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None]) -> None:
@@ -2135,7 +2321,8 @@ HEADER_SIZE = 256
 SECTION_ALIGN = 64
 TABLE_ENTRY = 80
 NAME_FIELD = 48
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: matrices in the packed layout (version 1 stored every tensor as rows)
+LAYOUT_ROWS, LAYOUT_PACKED = 0, 1  # a tensor table entry's layout field
 
 
 def pack_header(hp: Hyper, n_tensors: int, tok_off: int, tok_size: int, table_off: int, file_size: int) -> bytes:
@@ -2257,6 +2444,8 @@ def create_temp(path: Path) -> BinaryIO:
 def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) -> int:
     if len(vocab.texts) > hp.vocab_size and plan:
         raise ExportError(f"tokenizer has {len(vocab.texts)} tokens but the embedding has only {hp.vocab_size} rows")
+    for ot in plan:
+        ot.packed = is_matmul(ot.name, hp.tied)
     tok = vocab.serialize()
     tok_off = HEADER_SIZE
     table_off = align_up(tok_off + len(tok), SECTION_ALIGN)
@@ -2283,12 +2472,19 @@ def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) 
                 name = ot.name.encode("ascii")
                 if len(name) >= NAME_FIELD:
                     raise ExportError(f"tensor name '{ot.name}' is too long")
-                f.write(struct.pack("<48sIIIIQQ", name, ot.out_type, ot.rows, ot.cols, 0, ot.offset, ot.nbytes))
+                f.write(struct.pack("<48sIIIIQQ", name, ot.out_type, ot.rows, ot.cols, LAYOUT_PACKED if ot.packed else LAYOUT_ROWS,
+                                    ot.offset, ot.nbytes))
             progress = Progress(len(plan))
+            def put(a: np.ndarray) -> None:
+                f.write(np.ascontiguousarray(a).data)
+
             for ot in plan:
                 f.write(b"\0" * (ot.offset - f.tell()))
+                groups = GroupWriter(ot.out_type, put) if ot.packed else None
                 for part in ot.parts:
-                    convert_part(part, ot.out_type, lambda a: f.write(np.ascontiguousarray(a).data))
+                    convert_part(part, ot.out_type, groups.add if groups else put)
+                if groups:
+                    groups.finish()
                 if f.tell() != ot.offset + ot.nbytes:
                     raise ExportError(f"internal error: {ot.name} wrote {f.tell() - ot.offset} bytes, expected {ot.nbytes}")
                 progress.step(ot.name)

@@ -26,6 +26,9 @@ import numpy as np
 
 from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import modelfile  # noqa: E402
+
 EXPORT = ROOT / "export.py"
 WORK = SCRATCH / "export_errors"
 WORK.mkdir(parents=True, exist_ok=True)
@@ -337,9 +340,9 @@ def test_untied_output_head() -> None:
     assert struct.unpack_from("<I", a, 56)[0] & 1 == 0, "tied flag set on an untied model"
     assert struct.unpack_from("<I", a, 68)[0] == 1 + 6 * LAYERS + 2
     table = struct.unpack_from("<Q", a, 88)[0] + 80 * (1 + 6 * LAYERS + 1)
-    name, ttype, rows, cols, _, off, size = struct.unpack_from("<48sIIIIQQ", a, table)
-    assert (name.rstrip(b"\0"), ttype, rows, cols) == (b"output", 0, VOCAB, DIM)
-    assert a[off:off + size] == head.tobytes()
+    name, ttype, rows, cols, layout, off, size = struct.unpack_from("<48sIIIIQQ", a, table)
+    assert (name.rstrip(b"\0"), ttype, rows, cols, layout) == (b"output", 0, VOCAB, DIM, modelfile.LAYOUT_PACKED)
+    assert modelfile.unpack(ttype, rows, cols, a[off:off + size]) == head.tobytes()
 
 
 def test_real_gguf_header_is_parsed() -> None:

@@ -113,8 +113,11 @@ def unpermute(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def our_tensors(path: Path) -> dict[str, tuple[int, bytes]]:
+    """Our file's tensors as rows of ggml blocks: a packed matrix turned back into rows by tests/fuzz/modelfile.py
+    (written from README.md's "Packed matrices", independently of export.py), so that comparing them with the
+    GGUF's bytes also checks that packing loses nothing."""
     buf = path.read_bytes()
-    return {t.name: (t.type, buf[t.offset:t.offset + t.size]) for t in modelfile.tensors(buf)}
+    return {t.name: (t.type, modelfile.rows_of(buf, t)) for t in modelfile.tensors(buf)}
 
 
 FLAG_SPLIT = 32   # README "The model file": Q, K, V and gate, up stored as tensors of their own
