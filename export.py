@@ -7,9 +7,11 @@ ggml block type found in real model files is dequantized here.
 
 Output types (--dtype):
   keep    every tensor keeps the source's type and its blocks are copied bit for
-          bit (default for a GGUF input). Types the engine does not run (Q2_K,
-          Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
-          another --dtype to convert them. Our file stores Q|K|V (wqkv) and
+          bit (default for a GGUF input). Q2_K and Q3_K, which the engine does
+          not run, are refused, naming the tensor; another --dtype converts
+          them. Other ggml types (IQ*, TQ*, MXFP4, NVFP4, Q1_0, Q8_1, Q8_K, F64,
+          I8..I64) are not supported with any --dtype: export.py cannot decode
+          them. Our file stores Q|K|V (wqkv) and
           gate|up (w13) fused, one type per tensor; when the GGUF gives the parts
           of one of them different types, the file is written in the split form
           instead (header flag bit 5: wq, wk, wv and w1, w3 in every layer), each
@@ -266,6 +268,14 @@ DECODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q4_0: _dec_q4_0, Q4_1: _dec_q4_1, Q5_0: _dec_q5_0, Q5_1: _dec_q5_1, Q8_0: _dec_q8_0,
     Q2_K: _dec_q2_k, Q3_K: _dec_q3_k, Q4_K: _dec_q4_k, Q5_K: _dec_q5_k, Q6_K: _dec_q6_k,
 }
+
+
+def unsupported_type(t: SourceTensor) -> ExportError:
+    """The refusal of a tensor whose type export.py can neither copy (the engine does not run it) nor decode:
+    no --dtype helps, so none is suggested."""
+    return ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)} ({t.ggml_type}), which export.py "
+                       f"does not support: the engine does not run it and export.py cannot decode it to convert it "
+                       f"(it decodes {', '.join(type_name(d) for d in DECODERS)})")
 
 
 def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -603,7 +613,7 @@ def map_file(path: Path) -> tuple[mmap.mmap, int]:
 
 GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
 GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
-GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_UINT32, GGUF_STRING, GGUF_ARRAY = 4, 8, 9
 GGUF_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
                    8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 GGUF_DEFAULT_ALIGNMENT = 32
@@ -670,6 +680,23 @@ class _Cursor:
         raise ExportError(f"{self.path}: metadata '{key}' has invalid value type {vtype}")
 
 
+def check_tensor_offset(path: Path, name: str, offset: int, expected: int, alignment: int) -> None:
+    """The GGUF layout rule (ggml's gguf.cpp, gguf_init_from_file_impl, which llama.cpp applies to every
+    file): tensor data follows the tensor table's order, each tensor starting where the one before ends,
+    padded to general.alignment (the first at offset 0 of the data section). A misaligned, overlapping or
+    shuffled offset would otherwise read another tensor's bytes as weights."""
+    if offset == expected:
+        return
+    if offset % alignment:
+        why = f"not a multiple of general.alignment {alignment}"
+    elif offset < expected:
+        why = "overlapping the data of the tensors before it in the table"
+    else:
+        why = "leaving a gap before it"
+    raise ExportError(f"{path}: tensor '{name}' has offset {offset}, expected {expected} ({why}; GGUF tensor data "
+                      f"follows the table order, each tensor padded to general.alignment): corrupt GGUF")
+
+
 class GGUFFile:
     """A parsed GGUF v2/v3 file: metadata dict and tensors (data left in the mapping)."""
 
@@ -728,11 +755,16 @@ class GGUFFile:
             infos.append((name, ne, ttype, offset))
 
         alignment = self.kv.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        if "general.alignment" in self.kv and self.kv_types["general.alignment"] != GGUF_UINT32:
+            raise ExportError(f"{path}: general.alignment has type "
+                              f"{GGUF_TYPE_NAMES.get(self.kv_types['general.alignment'], '?')}, the GGUF format "
+                              f"requires uint32")
+        if alignment <= 0 or alignment & (alignment - 1):
             raise ExportError(f"{path}: general.alignment = {alignment!r} is not a power of two")
         data_start = align_up(cur.pos, alignment)
 
         self.tensors: dict[str, SourceTensor] = {}
+        expected = 0   # where the next tensor's data must start, relative to the data section
         for name, ne, ttype, offset in infos:
             if ttype not in GGML_TYPES:
                 raise ExportError(f"{path}: tensor '{show(name)}' has unknown ggml type {ttype}")
@@ -745,6 +777,8 @@ class GGUFFile:
             if start + nbytes > size:
                 raise ExportError(f"{path}: data of tensor '{show(name)}' (offset {start}, {nbytes} bytes) runs past the end "
                                   f"of the file ({size} bytes): truncated GGUF")
+            check_tensor_offset(path, show(name), offset, expected, alignment)
+            expected = offset + align_up(nbytes, alignment)
             self.tensors[name] = SourceTensor(name, ttype, tname, tuple(reversed(ne)), buf, start, nbytes, str(path))
 
     # Typed metadata access. Integer keys accept any integer type: docs/gguf.md gives e.g.
@@ -1482,6 +1516,8 @@ def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
     so the other parts are dequantized and rounded onto that finer grid. Returns the fused tensor's type."""
     for p in parts:
         t = p.tensor
+        if t.ggml_type not in DECODERS:
+            raise unsupported_type(t)
         if t.ggml_type not in NATIVE_TYPES:
             raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
                               f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
@@ -1576,8 +1612,7 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         out_type = choose_out_type(out_name, srcs, is_vector, dtype, hp, notes)
         for p in srcs:
             if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
-                raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
-                                  f"({p.tensor.ggml_type}), which export.py cannot decode")
+                raise unsupported_type(p.tensor)
         plan.append(OutTensor(out_name, srcs, rows, cols, out_type))
     for name in tensors:
         if name in used or any(re.fullmatch(rx, name) for rx in ignored):
