@@ -1694,8 +1694,42 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
 PRE_NONE, PRE_GPT2, PRE_SMOLLM, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3, 4
-GGUF_PRE = {"gpt-2": PRE_GPT2, "smollm": PRE_SMOLLM, "llama3": PRE_LLAMA3, "llama-bpe": PRE_LLAMA3,
-            "llama-v3": PRE_LLAMA3, "qwen2": PRE_QWEN2}
+BPE_DEFAULT_BOS = 11   # llama.cpp's BOS (and EOS) id for a gpt2-model vocabulary without bos_token_id
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """What llama.cpp makes of one tokenizer.ggml.pre name: the splitter (regexes) and the defaults it sets
+    for a file whose own keys do not say (add_bos_token, bos_token_id, add_sep_token). ignore_merges, the
+    other flag that changes ids, is set exactly for the llama3 splitter's names here, as tokenizer.c does."""
+    pre: int
+    add_bos: bool = False
+    bos: int = BPE_DEFAULT_BOS
+    add_sep: bool = False
+
+
+# llama.cpp's tokenizer.ggml.pre names whose regexes and flags tokenizer.c implements (src/llama-vocab.cpp,
+# llama_vocab::impl::load and llm_tokenizer_bpe, at ggml-org/llama.cpp@0c1e57098, vendored by llama-cpp-python
+# 0.3.36): the pre-types GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING share gpt-2's regex; STARCODER, REFACT,
+# COMMAND_R, CODESHELL, EXAONE, MINERVA, MELLUM2 smollm's; CHATGLM4 with ignore_merges (glm4, glm5) llama3's;
+# STABLELM2, HUNYUAN, SOLAR_OPEN, GROK_2 qwen2's. clean_spaces, which some set, only changes llama.cpp's
+# whole-text detokenizer, not the ids or the pieces streamed per token. Refused: names with other regexes, and
+# dbrx, smaug-bpe, chatglm-bpe (llama3's regex without ignore_merges).
+GGUF_PRE = {
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"),
+                    PreTokenizer(PRE_GPT2)),
+    **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), PreTokenizer(PRE_GPT2, add_sep=True)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    PreTokenizer(PRE_SMOLLM)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), PreTokenizer(PRE_LLAMA3, add_bos=True)),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer(PRE_LLAMA3, bos=-1)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+                     "grok-2"), PreTokenizer(PRE_QWEN2)),
+}
+# llama.cpp names that look like ours but are not: llama3's regex without its ignore_merges
+GGUF_PRE_WITHOUT_IGNORE_MERGES = ("dbrx", "smaug-bpe", "chatglm-bpe")
 CHAT_NONE, CHAT_CHATML, CHAT_GEMMA, CHAT_LLAMA3 = 0, 1, 2, 3
 # the end-of-turn token of each template kind; without a template, the first one in the vocabulary
 EOT_TEXTS = {CHAT_CHATML: "<|im_end|>", CHAT_GEMMA: "<end_of_turn>", CHAT_LLAMA3: "<|eot_id|>"}
@@ -1863,6 +1897,23 @@ def decode_spm_text(text: str, ttype: int, where: str, idx: int) -> bytes:
     return text.encode("utf-8", "surrogateescape")   # control, user-defined, unknown: literal
 
 
+def gguf_pre_tokenizer(g: GGUFFile) -> PreTokenizer:
+    """The pre-tokenizer a byte-level BPE GGUF names, refused unless tokenizer.c splits and flags its text as
+    llama.cpp does (GGUF_PRE); a file without tokenizer.ggml.pre gets llama.cpp's 'default' splitter, refused."""
+    where = str(g.path)
+    name = g.get("tokenizer.ggml.pre", str, "default")
+    spec = GGUF_PRE.get(name)
+    if spec is None:
+        why = (" (llama.cpp splits it with llama3's regex but without ignore_merges, which the engine does not "
+               "implement)" if name in GGUF_PRE_WITHOUT_IGNORE_MERGES else "")
+        raise ExportError(f"{where}: unsupported pre-tokenizer '{show(name)}'{why}; the engine splits text as "
+                          f"llama.cpp does for these names: {', '.join(GGUF_PRE)}")
+    if g.get("tokenizer.ggml.add_sep_token", bool, spec.add_sep):
+        raise ExportError(f"{where}: pre-tokenizer '{show(name)}' with add_sep (a SEP token after the text, as llama.cpp "
+                          f"sets for it or tokenizer.ggml.add_sep_token asks), which the engine does not implement")
+    return spec
+
+
 def vocab_from_gguf(g: GGUFFile, fam: Family) -> Vocab:
     where = str(g.path)
     if "tokenizer.ggml.model" not in g.kv:
@@ -1882,16 +1933,14 @@ def vocab_from_gguf(g: GGUFFile, fam: Family) -> Vocab:
     ids = {t: i for i, t in enumerate(tokens)}   # later duplicates win, as in llama.cpp's token_to_id
 
     if model == "gpt2":
-        pre_name = g.get("tokenizer.ggml.pre", str, "default")
-        if pre_name not in GGUF_PRE:
-            raise ExportError(f"{where}: unsupported pre-tokenizer '{pre_name}' (supported: {', '.join(GGUF_PRE)})")
-        kind, pre = KIND_BYTE_BPE, GGUF_PRE[pre_name]
+        spec = gguf_pre_tokenizer(g)
+        kind, pre = KIND_BYTE_BPE, spec.pre
         inv, bad = gpt2_unicode_to_byte(), []
         texts = [decode_bpe_text(t, int(ty), inv, bad) for t, ty in zip(tokens, types)]
         if bad:
             warn(f"{len(bad)} normal tokens are not in the GPT-2 byte alphabet (e.g. {bad[0]!r}); stored as UTF-8")
         merges = resolve_merges(g.get("tokenizer.ggml.merges", list), ids, where)
-        defaults = dict(bos=11, eos=11, unk=-1, add_bos=pre == PRE_LLAMA3, space=False)
+        defaults = dict(bos=spec.bos, eos=BPE_DEFAULT_BOS, unk=-1, add_bos=spec.add_bos, space=False)
     elif model == "llama":
         kind, pre = KIND_SPM, PRE_NONE
         texts = [decode_spm_text(t, int(ty), where, i) for i, (t, ty) in enumerate(zip(tokens, types))]

@@ -826,6 +826,21 @@ def test_unknown_pre_tokenizer() -> None:
                    "pre-tokenizer", "no-such-pre")
 
 
+def test_add_sep_refused() -> None:
+    """add_sep (a SEP token after the text), which llama.cpp sets for roberta-bpe and reads from
+    tokenizer.ggml.add_sep_token for any name, is not implemented: refused; roberta-bpe whose file turns it
+    off is gpt-2's splitter and exports like gpt-2."""
+    weights = gguf_tensors(hf_weights())
+    sep_on = gguf_kvs(pre="gpt-2", extra=[("tokenizer.ggml.add_sep_token", BOOL, True)])
+    expect_failure(write_gguf("sep_on.gguf", gguf_bytes(sep_on, weights)), "'gpt-2'", "add_sep")
+    expect_failure(write_gguf("sep_roberta.gguf", gguf_bytes(gguf_kvs(pre="roberta-bpe"), weights)), "'roberta-bpe'",
+                   "add_sep")
+    sep_off = gguf_kvs(pre="roberta-bpe", extra=[("tokenizer.ggml.add_sep_token", BOOL, False)])
+    a = expect_success(write_gguf("sep_off.gguf", gguf_bytes(sep_off, weights)), WORK / "sep_off.bin")
+    b = expect_success(write_gguf("sep_gpt2.gguf", gguf_bytes(gguf_kvs(pre="gpt-2"), weights)), WORK / "sep_gpt2.bin")
+    assert a == b, "roberta-bpe without add_sep exports differently from gpt-2"
+
+
 def test_merge_not_in_vocab() -> None:
     kvs = [kv if kv[0] != "tokenizer.ggml.merges" else (kv[0], ARR, (STR, ["Ġ t", "q z"])) for kv in gguf_kvs()]
     expect_failure(write_gguf("merge.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "merge", "'qz'")
