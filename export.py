@@ -1519,7 +1519,7 @@ def llama_cpp_rule(role: str, layer: int, cols: int, dtype: str, tied: bool, n_l
 
 @dataclass
 class TypeNotes:
-    """What part_types did that the user should hear about, one warning line each."""
+    """What choose_out_type did that the user should hear about, one warning line each."""
     unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F16
     fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
     promoted: list[str] = field(default_factory=list)      # fused parts that need different activations
