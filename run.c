@@ -3885,6 +3885,12 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
 #define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
 #define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
+#define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
+#ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
+#define JSON_MEM_BASE 65536  /* ... plus this much: any small document fits, a long one of tiny values does not */
+#endif
+#define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
+#define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
 #define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
@@ -4001,22 +4007,36 @@ static void json_put_number(Buf *b, double x)
 
 typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonKind;
 
+/* One value: 32 bytes, the fields of each kind sharing their place, so
+   that a long array of small values costs as little as it can (read only
+   the fields of v->kind). */
 typedef struct Json {
     JsonKind kind;
-    int boolean;            /* JSON_BOOL */
-    double number;          /* JSON_NUMBER (its text also in str/len, as written) */
-    char *str; size_t len;  /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes); JSON_NUMBER: its text */
-    int n;                  /* ARRAY / OBJECT: element count */
-    struct Json *items;     /* ARRAY: the elements; OBJECT: the values */
-    char **keys; size_t *key_lens; /* OBJECT: the keys, decoded, in document order */
+    int n;                  /* ARRAY / OBJECT: element count (0 for the other kinds) */
+    union {
+        int boolean;        /* JSON_BOOL */
+        double number;      /* JSON_NUMBER (its text in str/len, as written) */
+        char **keys;        /* OBJECT: the keys, decoded, in document order */
+    };
+    union {
+        char *str;          /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes), NUL-terminated; JSON_NUMBER:
+                               its text inside the parsed text (not a copy, not NUL-terminated) */
+        struct Json *items; /* ARRAY: the elements; OBJECT: the values */
+    };
+    union {
+        size_t len;         /* JSON_STRING, JSON_NUMBER: str's length */
+        size_t *key_lens;   /* OBJECT: the keys' lengths */
+    };
 } Json;
 
-/* The reader's position in text[0..len); err receives the first error. */
+/* The reader's position in text[0..len); err receives the first error;
+   spent counts the bytes allocated, at most `budget`. */
 typedef struct {
     const unsigned char *s;
     size_t len, at;
     char *err;
     size_t err_len;
+    size_t spent, budget;
 } JsonReader;
 
 /* Records "at byte N: REASON" (N counts from 0) and returns -1. */
@@ -4041,6 +4061,17 @@ static int json_unexpected(JsonReader *r, const char *what)
     unsigned c = r->s[r->at];
     if (c > 0x20 && c < 0x7f) return json_fail(r, "expected %s, found '%c'", what, c);
     return json_fail(r, "expected %s, found byte 0x%02x%s", what, c, c ? "" : " (NUL)");
+}
+
+/* Counts n more bytes allocated for the tree: a text of many tiny values
+   (`[0,0,...]`, 2 bytes each for a 32-byte node) is refused once it needs
+   more than JSON_MEM_PER_BYTE bytes per byte, so that no line or file
+   takes more memory than a small multiple of its size. */
+static int json_charge(JsonReader *r, size_t n)
+{
+    if (n <= r->budget - r->spent) { r->spent += n; return 0; }
+    return json_fail(r, "too many values for the length of the text: holding them takes more than %d bytes of memory "
+                     "per byte of it", JSON_MEM_PER_BYTE);
 }
 
 static void json_space(JsonReader *r)
@@ -4125,11 +4156,16 @@ static int json_string_body(JsonReader *r, Buf *b)
 }
 
 /* The string at r->at (its opening quote), decoded into a malloc'd
-   NUL-terminated *out of *n bytes. */
+   NUL-terminated *out of *n bytes. Decoding never lengthens it (an escape
+   is longer than what it stands for), so one block of its written length
+   holds it. */
 static int json_string(JsonReader *r, char **out, size_t *n)
 {
-    Buf b = {0};
-    buf_reserve(&b, 0);
+    size_t end = r->at + 1;
+    while (end < r->len && r->s[end] != '"') end += r->s[end] == '\\' ? 2 : 1;
+    size_t room = (end < r->len ? end : r->len) - r->at; /* the written bytes after the quote, and the NUL */
+    if (json_charge(r, room + JSON_ALLOC_COST) != 0) return -1;
+    Buf b = {xmalloc(room), 0, room};
     b.p[0] = 0;
     r->at++;
     if (json_string_body(r, &b) != 0) { free(b.p); return -1; }
@@ -4162,22 +4198,36 @@ static int json_number(JsonReader *r, Json *v)
         if (!json_digits(r)) return json_unexpected(r, "a digit in the exponent");
     }
     v->len = r->at - start;
-    v->str = xmalloc(v->len + 1);
-    memcpy(v->str, r->s + start, v->len);
-    v->str[v->len] = 0;
-    v->number = strtod(v->str, NULL);
-    if (isinf(v->number)) { r->at = start; return json_fail(r, "number %.*s is out of the range of a double", JSON_QUOTE_MAX, v->str); }
+    v->str = (char *)r->s + start;
+    /* strtod wants a NUL after the digits, which the text need not have */
+    char stack[JSON_NUMBER_BYTES], *copy = v->len < sizeof stack ? stack : xmalloc(v->len + 1);
+    memcpy(copy, v->str, v->len);
+    copy[v->len] = 0;
+    v->number = strtod(copy, NULL);
+    if (copy != stack) free(copy);
+    if (isinf(v->number)) {
+        r->at = start;
+        return json_fail(r, "number %.*s is out of the range of a double", (int)(v->len < JSON_QUOTE_MAX ? v->len : JSON_QUOTE_MAX), v->str);
+    }
     return 0;
 }
 
 static int json_value(JsonReader *r, Json *v, int depth);
 
-/* Makes room in an array or object for element v->n; *cap is its size. */
-static void json_grow(Json *v, int *cap)
+typedef struct { const char *key; size_t len, at; } JsonKey; /* an object's key, for the duplicate check */
+
+/* Makes room in an array or object for element v->n; *cap is its size.
+   Doubling from 1 leaves a small container without slack. An object's
+   member also needs the place of its key (json_object's ats, and the
+   duplicate check's JsonKey), counted here too. */
+static int json_grow(JsonReader *r, Json *v, int *cap)
 {
-    if (v->n < *cap) return;
+    if (v->n < *cap) return 0;
     if (*cap > INT_MAX / 2) die(EXIT_RUNTIME, "out of memory");
-    *cap = *cap ? 2 * *cap : 4;
+    int more = *cap ? *cap : 1;
+    size_t member = sizeof *v->items + (v->kind == JSON_OBJECT ? sizeof *v->keys + sizeof *v->key_lens + sizeof(size_t) + sizeof(JsonKey) : 0);
+    if (json_charge(r, (size_t)more * member) != 0) return -1;
+    *cap += more;
     v->items = realloc(v->items, *cap * sizeof *v->items);
     if (v->kind == JSON_OBJECT) {
         v->keys = realloc(v->keys, *cap * sizeof *v->keys);
@@ -4185,6 +4235,7 @@ static void json_grow(Json *v, int *cap)
         if (!v->keys || !v->key_lens) die(EXIT_RUNTIME, "out of memory");
     }
     if (!v->items) die(EXIT_RUNTIME, "out of memory");
+    return 0;
 }
 
 /* '[' was read: the elements and the closing ']'. */
@@ -4193,7 +4244,7 @@ static int json_array(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (json_eat(r, ']')) return 0;
     for (int cap = 0;;) {
-        json_grow(v, &cap);
+        if (json_grow(r, v, &cap) != 0) return -1;
         v->items[v->n++] = (Json){0};
         if (json_value(r, &v->items[v->n - 1], depth) != 0) return -1;
         json_space(r);
@@ -4215,8 +4266,6 @@ static int json_member(JsonReader *r, Json *v, int depth, size_t *key_at)
     if (!json_eat(r, ':')) return json_unexpected(r, "':' after an object's key");
     return json_value(r, &v->items[v->n - 1], depth);
 }
-
-typedef struct { const char *key; size_t len, at; } JsonKey;
 
 static int by_key_then_place(const void *a, const void *b)
 {
@@ -4256,7 +4305,7 @@ static int json_object(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (!json_eat(r, '}'))
         for (;;) {
-            json_grow(v, &cap);
+            if ((rc = json_grow(r, v, &cap)) != 0) break;
             if (!(ats = realloc(ats, cap * sizeof *ats))) die(EXIT_RUNTIME, "out of memory");
             if ((rc = json_member(r, v, depth, &ats[v->n])) != 0) break;
             json_space(r);
@@ -4298,14 +4347,15 @@ static int json_value(JsonReader *r, Json *v, int depth)
 
 static void json_free(Json *v)
 {
-    for (int i = 0; i < v->n; i++) {
-        json_free(&v->items[i]);
-        if (v->keys) free(v->keys[i]);
+    if (v->kind == JSON_STRING) free(v->str);
+    if (v->kind == JSON_ARRAY || v->kind == JSON_OBJECT) {
+        for (int i = 0; i < v->n; i++) {
+            json_free(&v->items[i]);
+            if (v->kind == JSON_OBJECT) free(v->keys[i]);
+        }
+        free(v->items);
     }
-    free(v->items);
-    free(v->keys);
-    free(v->key_lens);
-    free(v->str);
+    if (v->kind == JSON_OBJECT) free(v->keys), free(v->key_lens);
     *v = (Json){0};
 }
 
@@ -4315,10 +4365,14 @@ static void json_free(Json *v)
    trailing commas, single quotes, leading zeros, '+', NaN or Infinity;
    strings of well-formed UTF-8 without raw control characters, only the
    RFC's escapes, surrogates only in pairs; numbers within the double
-   range; no key twice in an object; at most JSON_MAX_DEPTH levels. */
+   range; no key twice in an object; at most JSON_MAX_DEPTH levels. The
+   tree takes at most JSON_MEM_PER_BYTE bytes of memory per byte of text
+   (and JSON_MEM_BASE): more values than that for the text's length are
+   refused. A number's str points into text: keep text while *out is used. */
 static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
 {
-    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len};
+    size_t budget = len > (SIZE_MAX - JSON_MEM_BASE) / JSON_MEM_PER_BYTE ? SIZE_MAX : len * JSON_MEM_PER_BYTE + JSON_MEM_BASE;
+    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len, 0, budget};
     *out = (Json){0};
     int rc = json_value(&r, out, 0);
     if (rc == 0) {
@@ -5558,11 +5612,11 @@ static int compile_schema_file(JsonGrammar *g, const char *path)
     Json v;
     char err[MSG_BYTES];
     if (json_parse(text, len, &v, err, sizeof err) != 0) die(EXIT_USAGE, "--json-schema %s: not valid JSON: %s", path, err);
-    free(text);
     if (v.kind != JSON_OBJECT) die(EXIT_USAGE, "--json-schema %s: the schema must be a JSON object", path);
     SchemaCtx cx = {g, path, NULL, NULL, 0};
     int root = compile_schema(&cx, &v, "$", 0);
     json_free(&v);
+    free(text); /* after v: its numbers' texts point into it */
     return root;
 }
 

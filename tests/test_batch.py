@@ -368,3 +368,24 @@ def test_json_and_schema_fields_match_the_single_request_mode():
     complete = recs[0]["finish"] == "stop"  # exit 1 when a value is left incomplete
     assert code == (0 if complete else 1) and recs[0]["text"] == single and recs[1]["text"] == alone(model(), "Hello", 6), \
         (code, recs, err)
+
+
+def test_one_json_line_takes_a_bounded_multiple_of_its_bytes():
+    """A 3 MB line of [0,0,...] under an unknown field raised peak RSS by ~49 bytes per byte of the line;
+    the JSON reader now takes at most 16 per byte (and 64 KiB), so the rise stays under 20x the line,
+    room for the line's own buffers."""
+    small = write_lines("mem-small.jsonl", ['{"prompt": "hi", "foo": [0]}'])
+    big = WORK / "mem-big.jsonl"
+    big.write_text('{"prompt": "hi", "foo": [' + ",".join(["0"] * 1_500_000) + "]}\n")
+    peaks = []
+    for path in (small, big):
+        p = subprocess.Popen([str(RUN), model(), "--batch", path, "-t", "0", "-n", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        out, err = p.stdout.read(), p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 1 and b'"error"' in out, (out, err)
+        peaks.append(usage.ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
+    rise = peaks[1] - peaks[0]
+    assert rise < 20 * big.stat().st_size, f"peak RSS rose by {rise / big.stat().st_size:.1f} bytes per byte of the line"
+    print(f"a {big.stat().st_size / 1e6:.1f} MB line raised peak RSS by {rise / 1e6:.1f} MB "
+          f"({rise / big.stat().st_size:.1f} bytes per byte)")
