@@ -5545,7 +5545,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     JsonGrammar *g = cx->g;
     char at[SCHEMA_PATH_BYTES];
     if (v->kind != JSON_OBJECT) schema_error(cx, path, "a schema must be a JSON object (true and false are not supported)");
-    if (level >= JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
+    /* the value at `level` sits inside that many arrays and objects; it may be one itself only below JSON_GEN_DEPTH */
+    if (level > JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
     if (g->n_nodes >= UINT16_MAX) schema_error(cx, path, "the schema is too large (at most %d schemas)", UINT16_MAX - 1);
     const Json *en = json_get(v, "enum"), *cn = json_get(v, "const");
     for (int i = 0; i < v->n; i++) {
@@ -5560,6 +5561,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     const Json *t = json_get(v, "type");
     unsigned types = JT_ANY;
     if (t) schema_path(at, path, "type", 4, 0), types = schema_types(cx, at, t);
+    if (level == JSON_GEN_DEPTH && !(types & ~(JT_ARRAY | JT_OBJECT)))
+        schema_error(cx, path, "an array or object here would be nested deeper than %d levels", JSON_GEN_DEPTH);
     int node = json_add_node(g, types);
     if (en || cn) {
         schema_path(at, path, en ? "enum" : "const", en ? 4 : 5, 0);
