@@ -5912,6 +5912,19 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
 /* When the conversation plus room for an answer no longer fits, drops the
    oldest exchanges (keeping the opening: BOS and system turn) until it fits
    in half the context, or at least fits, so that the next turns can reuse
@@ -6035,7 +6048,13 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (st.json_incomplete) fprintf(stderr, "run: this answer is not a complete JSON value\n"), incomplete++;
+        if (st.json_incomplete) {
+            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
+                        json_stop_cause(why, &out, cause, sizeof cause));
+            fputs(msg, stderr);
+            incomplete++;
+        }
         if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
@@ -7433,8 +7452,9 @@ int main(int argc, char **argv)
         int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
+        char cause[STOP_MAX_BYTES + 32];
         if (st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", why == STOP_CONTEXT ? "the end of the context" : "-n");
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
     } else if (jcp) {
         die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }

@@ -460,6 +460,24 @@ def test_readme_jq_pipeline() -> None:
     print(f"README pipeline prints: {out.strip()}")
 
 
+def test_incomplete_value_names_what_ended_it() -> None:
+    """Issue 23: a stop string that ends the text before the value is complete is named (the message said
+    "-n"); -n running out with a stop string that never matched still says -n. The stop is the one -v reports."""
+    person = "Give a JSON object describing a person."
+    ask = ["-c", "-t", "0", "-n", "48", "--json", "-i", person]
+    r = run([model(), *ask, "--stop", ",", "-v"])
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "stopped at stop string 1\n" in err, err
+    assert "run: the JSON value is incomplete: generation stopped at stop string 1 (',')\n" in err, err
+    assert b"," not in r.stdout and classify(r.stdout) == "prefix", r.stdout
+    r = run([model(), "-c", "-t", "0", "-n", "5", "--json", "-i", person, "--stop", "zzz"])
+    assert r.returncode == 1 and r.stderr.decode() == "run: the JSON value is incomplete: generation stopped at -n\n", r.stderr
+    r = run([model(), "-m", "chat", "-t", "0", "-n", "48", "--json", "--stop", ","], stdin=person.encode() + b"\n")
+    assert r.returncode == 1 and r.stderr.decode().splitlines() == [
+        "run: this answer is not a complete JSON value: generation stopped at stop string 1 (',')",
+        "run: 1 answer was not a complete JSON value"], r.stderr
+
+
 def nested_arrays(levels: int) -> dict:
     """`levels` arrays, each of exactly one item, around an integer."""
     schema: dict = {"type": "integer"}
