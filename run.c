@@ -3787,13 +3787,14 @@ static const char *chat_problem(Chat *ch, const Model *m)
     return NULL;
 }
 
-static void build_chat(Chat *ch, const Model *m, const char *system)
+/* system[0..system_len) (any bytes, NUL too), or NULL for the template's default. */
+static void build_chat(Chat *ch, const Model *m, const char *system, size_t system_len)
 {
     const tok_info *ti = tok_get_info(m->tok);
     const char *problem = chat_problem(ch, m);
     if (problem) die(EXIT_RUNTIME, "%s", problem);
     ch->system = system ? system : ti->default_system;
-    ch->system_len = system ? strlen(system) : ti->default_system_len;
+    ch->system_len = system ? system_len : ti->default_system_len;
     ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
     /* An explicit -y "" is an empty system message: the turn is still
        rendered (templates add their default only without one). */
@@ -3864,11 +3865,11 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    with BOS where the model wants one and control-token texts parsed only
    with `special`. */
 static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
-                            Tokens *t)
+                            size_t system_len, Tokens *t)
 {
     if (chat_wrap) {
         Chat ch;
-        build_chat(&ch, m, system);
+        build_chat(&ch, m, system, system_len);
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, len);
     } else {
@@ -6001,7 +6002,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 {
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
-    build_chat(&ch, m, o->system);
+    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -6091,6 +6092,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 #define BATCH_KV_MB 1024     /* --kv-mem default: the page pool, MB */
 #define BATCH_DEFAULT_MAX 32 /* --parallel default at most */
 #define BATCH_JSON_SLACK 6   /* a JSON line may spell each byte of its prompt as \u00XX */
+#define UTF8_BOM "\xef\xbb\xbf"  /* a byte order mark, which some editors put first in a file */
 #define PROGRESS_MS 250      /* the progress line on a terminal is redrawn at most this often */
 #define PROGRESS_LOG_MS 2000 /* -v without a terminal: a progress line this often */
 #define MAX_POOL_PAGES (1 << 22)
@@ -6147,13 +6149,18 @@ typedef struct {
    --batch -`) must not stall them. */
 typedef struct {
     int fd;
+    const char *name;   /* the input, for messages: its path, or "the --batch input on stdin" */
     char *buf;          /* bytes read and not yet taken: [start, end) */
     size_t start, end, cap, scanned; /* scanned: bytes after start known to hold no newline */
     int eof;
     int dropping;       /* the line being read is too long: its bytes are dropped up to its newline */
+    size_t dropped;     /* ... this many so far */
+    int endless;        /* a too long line ran on past BATCH_SKIP_MAX bytes: the input was given up */
 } LineReader;
 
 #define READ_CHUNK 65536
+#define BATCH_SKIP_MAX (64u << 20) /* bytes of a too long line skipped to find the next line; past them the
+                                      input is given up (/dev/zero has no next line) */
 
 typedef struct {
     const Model *m;
@@ -6178,6 +6185,7 @@ typedef struct {
     PagePool pool;
     Records out;
     Candidate *cand;
+    int progress_shown; /* the progress line is on the terminal, unfinished: erase it before writing there */
     /* statistics */
     double t0, last_progress, prefill_ms;
     long done, gen_tokens, prefill_tokens;
@@ -6298,35 +6306,44 @@ static int read_more(LineReader *r, int wait)
         die(EXIT_RUNTIME, "out of memory reading the --batch input");
     ssize_t got = read(r->fd, r->buf + r->end, r->cap - r->end);
     if (got < 0 && errno == EINTR) return 0;
-    if (got < 0) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno));
+    if (got < 0) die(EXIT_RUNTIME, "cannot read %s: %s", r->name, strerror(errno));
     if (got == 0) r->eof = 1;
     r->end += got;
     return 1;
 }
 
 /* The next line of input (without its newline and trailing CRs), in a
-   malloc'd buffer; a line longer than max is dropped as it arrives and
-   comes back empty with *too_long set. NULL when no whole line is there
-   yet (!wait, or Ctrl-C) or at the end of the input (then r->eof). */
+   malloc'd buffer. A line longer than max comes back empty with *too_long
+   set as soon as that is known, without waiting for its end; the rest of
+   it is then skipped up to its newline, and if none comes within
+   BATCH_SKIP_MAX bytes the input is given up (r->endless, r->eof). NULL
+   when no whole line is there yet (!wait, or Ctrl-C) or at the end of
+   the input (then r->eof). */
 static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *too_long)
 {
     while (1) {
         char *nl = r->buf ? memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned) : NULL;
-        if (nl || (r->eof && (r->end > r->start || r->dropping))) {
-            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
-            char *line = xmalloc(n + 1);
-            *too_long = r->dropping || n > max;
-            if (*too_long) n = 0;
-            if (n) memcpy(line, r->buf + r->start, n);
-            r->start += nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
-            r->scanned = 0, r->dropping = 0;
+        if (r->dropping) { /* the rest of a too long line */
+            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
+            r->start += n, r->scanned = 0, r->dropped += n;
+            if (nl) r->dropping = 0;
+            else if (r->dropped > BATCH_SKIP_MAX) { r->endless = r->eof = 1; return NULL; }
+            else if (r->eof || !read_more(r, wait)) return NULL;
+            continue;
+        }
+        size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
+        *too_long = n > max;
+        if (nl || *too_long || (r->eof && r->end > r->start)) {
+            char *line = xmalloc(*too_long ? 1 : n + 1);
+            if (*too_long) r->dropping = 1, r->dropped = 0, n = 0; /* its bytes are skipped above, from the next call */
+            else memcpy(line, r->buf + r->start, n), r->start += nl ? n + 1 : n;
+            r->scanned = 0;
             while (n && line[n - 1] == '\r') n--;
             line[n] = 0;
             *len = n;
             return line;
         }
-        r->scanned = r->end - r->start;
-        if (r->scanned > max) r->start = r->end, r->scanned = 0, r->dropping = 1; /* no need to keep it */
+        r->scanned = n;
         if (r->eof || !read_more(r, wait)) return NULL;
     }
 }
@@ -6392,6 +6409,15 @@ static int json_int(const Json *v, long lo, long hi, long *out)
     return 0;
 }
 
+/* Whether number v's text has a nonzero digit before its exponent (0.1e-999
+   has, though it reads as 0). */
+static int written_nonzero(const Json *v)
+{
+    for (size_t i = 0; i < v->len && (v->str[i] | 0x20) != 'e'; i++)
+        if (v->str[i] >= '1' && v->str[i] <= '9') return 1;
+    return 0;
+}
+
 /* A line's "stop": a string or an array of up to STOP_MAX strings, each
    of 1 to STOP_MAX_BYTES bytes (JSON's own escapes, no others). */
 static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_len)
@@ -6437,7 +6463,12 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind == JSON_STRING) json_put_string(&q->id, x->str, x->len);
             else if (x->kind == JSON_NULL) buf_put(&q->id, "null", 4);
             else if (x->kind == JSON_BOOL) buf_printf(&q->id, "%s", x->boolean ? "true" : "false");
-            else buf_put(&q->id, x->str, x->len); /* a number as written */
+            else if (x->number == 0 && written_nonzero(x)) {
+                /* the reader refuses one beyond the double range; one that reads as 0 but is not 0 is refused too */
+                snprintf(why, why_len, "\"id\" %.*s is too small for a double: a reader would take it as 0 (an id number must "
+                         "lie within the double range)", (int)(x->len < JSON_QUOTE_MAX ? x->len : JSON_QUOTE_MAX), x->str);
+                return why;
+            } else buf_put(&q->id, x->str, x->len); /* a number exactly as written */
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
             q->n_predict = (int)n;
@@ -6470,6 +6501,16 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
     return *text ? NULL : "the line has no \"prompt\"";
 }
 
+/* Takes the progress line off the terminal (show_progress draws it again
+   at once), so that what is written next starts a line of its own. */
+static void progress_erase(Batch *b)
+{
+    if (!b->progress_shown) return;
+    fputs("\r\033[K", stderr);
+    b->progress_shown = 0;
+    b->last_progress = 0;
+}
+
 /* Reads input lines until one makes a request (into b->pending) or the
    input ends, or, unless wait, until no whole line is there yet; lines
    that cannot run get their error record on the way, and a request for no
@@ -6491,12 +6532,16 @@ static void read_request(Batch *b, int wait)
                    .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
+        if (no == 1 && len >= sizeof UTF8_BOM - 1 && !memcmp(line, UTF8_BOM, sizeof UTF8_BOM - 1)) /* an editor's mark, not text */
+            text += sizeof UTF8_BOM - 1, text_len -= sizeof UTF8_BOM - 1;
+        size_t lead = 0;
+        while (lead < text_len && (text[lead] == ' ' || text[lead] == '\t' || text[lead] == '\r')) lead++;
         int chat = b->chat, json = -1;
         const Json *schema = NULL;
         Json v = {0};
         if (too_long) problem = "the line is longer than the context can hold";
-        else if (len && line[0] == '{') {
-            if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
+        else if (lead < text_len && text[lead] == '{') {
+            if (json_parse(text, text_len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
             else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, &json, &schema, why, sizeof why);
         }
         if (!problem && json == 1 && schema) problem = "\"json\" and \"schema\" cannot be used together";
@@ -6504,17 +6549,25 @@ static void read_request(Batch *b, int wait)
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
         if (!problem) {
-            char *sys = system ? strndup(system, system_len) : NULL;
-            tokenize_prompt(b->m, text, text_len, chat, b->special, sys, &q->toks);
-            free(sys);
+            tokenize_prompt(b->m, text, text_len, chat, b->special, system, system_len, &q->toks);
             q->n_prompt = q->toks.n;
             if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
             else if (q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
+        if (!problem && b->o->print_ids) {
+            progress_erase(b);
+            fprintf(stderr, "ids (line %ld):", no);
+            for (int i = 0; i < q->n_prompt; i++) fprintf(stderr, " %d", q->toks.ids[i]);
+            fputc('\n', stderr);
+        }
         if (problem) record_error(b, no, &q->id, "%s", problem);
-        else if (q->n_predict == 0) q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        else if (q->n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
+            q->json_incomplete = q->jc != NULL;
+            b->failed |= q->json_incomplete;
+            q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        }
         json_free(&v);
         free(line);
         if (problem || q->n_predict == 0) drop_request(q);
@@ -6691,6 +6744,7 @@ static void show_progress(Batch *b, int final)
     if (b->total >= 0) snprintf(total, sizeof total, "/%ld", b->total);
     fprintf(stderr, "%sbatch: %ld%s done, %d in flight, %.1f tok/s%s", tty ? "\r" : "", b->done, total, b->in_flight,
             b->gen_tokens / ((now - b->t0) / 1e3), tty && !final ? "\033[K" : "\n");
+    b->progress_shown = tty && !final;
 }
 
 /* Lines in a regular file (for the progress line), -1 for anything else. */
@@ -6738,10 +6792,13 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
                .out = {.first = 1}};
-    b.in.fd = strcmp(bo->path, "-") ? open(bo->path, O_RDONLY) : STDIN_FILENO;
+    int on_stdin = !strcmp(bo->path, "-");
+    b.in.fd = on_stdin ? STDIN_FILENO : open(bo->path, O_RDONLY);
+    b.in.name = on_stdin ? "the --batch input on stdin" : bo->path;
     if (b.in.fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
     struct stat st;
-    if (fstat(b.in.fd, &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
+    if (fstat(b.in.fd, &st) != 0) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(errno)); /* a closed stdin */
+    if (S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(EISDIR));
     char why[ERR_BYTES];
     b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
     Chat ch;
@@ -6770,6 +6827,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
             for (int i = 0; i < b.parallel; i++)
                 if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
             if (b.pending.line) {
+                b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
                 b.pending.t_admit = now_ms();
                 record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
                 drop_request(&b.pending);
@@ -6783,11 +6841,19 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
         if (!b.in_flight && (b.eof || interrupted)) break;
         prefill_some(&b);
         decode_some(&b);
+        if (b.out.cap && b.out.ready[0]) progress_erase(&b); /* a record is due: not after the progress text */
         flush_records(&b.out);
         show_progress(&b, 0);
     }
+    progress_erase(&b);
     flush_records(&b.out);
     show_progress(&b, 1);
+    if (b.in.endless) {
+        char msg[LINE_BYTES];
+        format_line(msg, "line %ld of %s runs on past %u bytes without a newline: the input after it was not read", b.lines,
+                    b.in.name, BATCH_SKIP_MAX);
+        fputs(msg, stderr);
+    }
     if (o->verbose) report_batch(&b);
     if (b.in.fd != STDIN_FILENO) close(b.in.fd);
     free(b.in.buf);
@@ -6795,7 +6861,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     free_pool(&b.pool);
     if (b.have_trie) free_trie(&b.trie);
     if (b.have_plain) json_grammar_free(&b.plain.g);
-    return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;
+    return interrupted ? 130 : b.failed || b.in.endless ? EXIT_RUNTIME : EXIT_SUCCESS;
 }
 
 /* ----- all logits --------------------------------------------------------------- */
@@ -7253,7 +7319,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, t);
+    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0, t);
     free(text);
     return len;
 }

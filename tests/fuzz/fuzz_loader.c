@@ -66,7 +66,7 @@ static void fuzz_prompt(const Model *m, Tokens *t, int seq_len)
     int end = chatml ? special_id(m, "<|im_end|>") : gemma ? special_id(m, "<end_of_turn>") : -1;
     if (start >= 0 && end >= 0) {
         Chat ch;
-        build_chat(&ch, m, NULL);
+        build_chat(&ch, m, NULL, 0);
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, sizeof text - 1);
     } else {
