@@ -473,6 +473,7 @@ typedef struct {
     double matmul_params;  /* weights multiplied per token: layer matrices + output head */
     double weight_bytes;   /* bytes of those weights: what decode streams per token */
     const char *dtype;     /* the type of most weight bytes, for -v */
+    int tokenizer_only;    /* a file without tensors (export.py --tokenizer-only), loaded for --tokenize */
 } Model;
 
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -769,7 +770,9 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
     int want = 0;
     for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if ((int)n != want) {
+    if (n == 0 && !m->tokenizer_only)
+        LOAD_FAIL("the file holds a tokenizer but no tensors (export.py --tokenizer-only): only --tokenize runs on it");
+    if ((int)n != want && !m->tokenizer_only) {
         char missing[TENSOR_NAME_BYTES + 8] = "";
         if ((int)n < want) first_missing(m, n, off, missing);
         LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
@@ -818,7 +821,7 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     }
     if (end != m->map_size)
         LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
-    for (int s = 0; s < n_slots(c); s++) {
+    for (int s = 0; s < n_slots(c) && !m->tokenizer_only; s++) {
         if (t[s].name || !slot_present(c, s)) continue;
         char name[TENSOR_NAME_BYTES];
         slot_name(name, s);
@@ -933,10 +936,18 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     return 0;
 }
 
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err);
+
 /* Maps and validates a model file. Returns 0, or -1 with a one-line reason
    in err (ERR_BYTES); the caller then frees the partial model with
    free_model. Never reads outside the mapping, whatever the file holds. */
-static int build_model(Model *m, const char *path, char *err)
+static int build_model(Model *m, const char *path, char *err) { return load_model(m, path, 0, err); }
+
+/* build_model, or with tokenizer_only (--tokenize) also a file of the
+   header and tokenizer section alone (n_tensors 0, laid out and checked
+   as any other file): m->tokenizer_only is then set and no weights are
+   bound. */
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
 {
     memset(m, 0, sizeof *m);
     /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
@@ -952,8 +963,9 @@ static int build_model(Model *m, const char *path, char *err)
     m->map = p;
     m->map_size = st.st_size;
     Tensor *tab = NULL;
+    m->tokenizer_only = tokenizer_only && m->map_size >= HEADER_BYTES && rd_u32(m->map + HDR_N_TENSORS) == 0;
     int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
-             bind_weights(m, tab, err) ? -1 : 0;
+             (!m->tokenizer_only && bind_weights(m, tab, err)) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }
@@ -7435,9 +7447,10 @@ int main(int argc, char **argv)
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
-    if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
+        die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
-    pack_weights(&m);
+    if (!m.tokenizer_only) pack_weights(&m);
     if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");

@@ -215,6 +215,7 @@ def main() -> None:
     split.write_bytes(bytes(modelfile.split_form((models / "untied.q8_0.bin").read_bytes())))
     loader.append(split)
     spm_tok = export(src["spm"], models / "spm.tok.bin", "--tokenizer-only")
+    loader.append(export(src["tied"] / "model.f32.gguf", models / "tied.tok.bin", "--tokenizer-only"))  # BPE, no tensors
     smol_tok = export(SMOL_GGUF, models / "smollm2.tok.bin", "--tokenizer-only")
     gemma_tok = export(GEMMA_GGUF, models / "gemma3.tok.bin", "--tokenizer-only")
 
