@@ -471,6 +471,7 @@ typedef struct {
     double matmul_params;  /* weights multiplied per token: layer matrices + output head */
     double weight_bytes;   /* bytes of those weights: what decode streams per token */
     const char *dtype;     /* the type of most weight bytes, for -v */
+    int tokenizer_only;    /* a file without tensors (export.py --tokenizer-only), loaded for --tokenize */
 } Model;
 
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -777,7 +778,9 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
     int want = 0;
     for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if ((int)n != want) {
+    if (n == 0 && !m->tokenizer_only)
+        LOAD_FAIL("the file holds a tokenizer but no tensors (export.py --tokenizer-only): only --tokenize runs on it");
+    if ((int)n != want && !m->tokenizer_only) {
         char missing[TENSOR_NAME_BYTES + 8] = "";
         if ((int)n < want) first_missing(m, n, off, missing);
         LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
@@ -828,7 +831,7 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     }
     if (end != m->map_size)
         LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
-    for (int s = 0; s < n_slots(c); s++) {
+    for (int s = 0; s < n_slots(c) && !m->tokenizer_only; s++) {
         if (t[s].name || !slot_present(c, s)) continue;
         char name[TENSOR_NAME_BYTES];
         slot_name(name, s);
@@ -962,10 +965,18 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     return 0;
 }
 
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err);
+
 /* Maps and validates a model file. Returns 0, or -1 with a one-line reason
    in err (ERR_BYTES); the caller then frees the partial model with
    free_model. Never reads outside the mapping, whatever the file holds. */
-static int build_model(Model *m, const char *path, char *err)
+static int build_model(Model *m, const char *path, char *err) { return load_model(m, path, 0, err); }
+
+/* build_model, or with tokenizer_only (--tokenize) also a file of the
+   header and tokenizer section alone (n_tensors 0, laid out and checked
+   as any other file): m->tokenizer_only is then set and no weights are
+   bound. */
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
 {
     memset(m, 0, sizeof *m);
     /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
@@ -981,8 +992,9 @@ static int build_model(Model *m, const char *path, char *err)
     m->map = p;
     m->map_size = st.st_size;
     Tensor *tab = NULL;
+    m->tokenizer_only = tokenizer_only && m->map_size >= HEADER_BYTES && rd_u32(m->map + HDR_N_TENSORS) == 0;
     int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
-             bind_weights(m, tab, err) ? -1 : 0;
+             (!m->tokenizer_only && bind_weights(m, tab, err)) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }
@@ -3405,13 +3417,14 @@ static const char *chat_problem(Chat *ch, const Model *m)
     return NULL;
 }
 
-static void build_chat(Chat *ch, const Model *m, const char *system)
+/* system[0..system_len) (any bytes, NUL too), or NULL for the template's default. */
+static void build_chat(Chat *ch, const Model *m, const char *system, size_t system_len)
 {
     const tok_info *ti = tok_get_info(m->tok);
     const char *problem = chat_problem(ch, m);
     if (problem) die(EXIT_RUNTIME, "%s", problem);
     ch->system = system ? system : ti->default_system;
-    ch->system_len = system ? strlen(system) : ti->default_system_len;
+    ch->system_len = system ? system_len : ti->default_system_len;
     ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
     /* An explicit -y "" is an empty system message: the turn is still
        rendered (templates add their default only without one). */
@@ -3482,11 +3495,11 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    with BOS where the model wants one and control-token texts parsed only
    with `special`. */
 static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
-                            Tokens *t)
+                            size_t system_len, Tokens *t)
 {
     if (chat_wrap) {
         Chat ch;
-        build_chat(&ch, m, system);
+        build_chat(&ch, m, system, system_len);
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, len);
     } else {
@@ -3503,6 +3516,12 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
 #define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
 #define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
+#define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
+#ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
+#define JSON_MEM_BASE 65536  /* ... plus this much: any small document fits, a long one of tiny values does not */
+#endif
+#define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
+#define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
 #define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
@@ -3619,22 +3638,36 @@ static void json_put_number(Buf *b, double x)
 
 typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonKind;
 
+/* One value: 32 bytes, the fields of each kind sharing their place, so
+   that a long array of small values costs as little as it can (read only
+   the fields of v->kind). */
 typedef struct Json {
     JsonKind kind;
-    int boolean;            /* JSON_BOOL */
-    double number;          /* JSON_NUMBER (its text also in str/len, as written) */
-    char *str; size_t len;  /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes); JSON_NUMBER: its text */
-    int n;                  /* ARRAY / OBJECT: element count */
-    struct Json *items;     /* ARRAY: the elements; OBJECT: the values */
-    char **keys; size_t *key_lens; /* OBJECT: the keys, decoded, in document order */
+    int n;                  /* ARRAY / OBJECT: element count (0 for the other kinds) */
+    union {
+        int boolean;        /* JSON_BOOL */
+        double number;      /* JSON_NUMBER (its text in str/len, as written) */
+        char **keys;        /* OBJECT: the keys, decoded, in document order */
+    };
+    union {
+        char *str;          /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes), NUL-terminated; JSON_NUMBER:
+                               its text inside the parsed text (not a copy, not NUL-terminated) */
+        struct Json *items; /* ARRAY: the elements; OBJECT: the values */
+    };
+    union {
+        size_t len;         /* JSON_STRING, JSON_NUMBER: str's length */
+        size_t *key_lens;   /* OBJECT: the keys' lengths */
+    };
 } Json;
 
-/* The reader's position in text[0..len); err receives the first error. */
+/* The reader's position in text[0..len); err receives the first error;
+   spent counts the bytes allocated, at most `budget`. */
 typedef struct {
     const unsigned char *s;
     size_t len, at;
     char *err;
     size_t err_len;
+    size_t spent, budget;
 } JsonReader;
 
 /* Records "at byte N: REASON" (N counts from 0) and returns -1. */
@@ -3659,6 +3692,17 @@ static int json_unexpected(JsonReader *r, const char *what)
     unsigned c = r->s[r->at];
     if (c > 0x20 && c < 0x7f) return json_fail(r, "expected %s, found '%c'", what, c);
     return json_fail(r, "expected %s, found byte 0x%02x%s", what, c, c ? "" : " (NUL)");
+}
+
+/* Counts n more bytes allocated for the tree: a text of many tiny values
+   (`[0,0,...]`, 2 bytes each for a 32-byte node) is refused once it needs
+   more than JSON_MEM_PER_BYTE bytes per byte, so that no line or file
+   takes more memory than a small multiple of its size. */
+static int json_charge(JsonReader *r, size_t n)
+{
+    if (n <= r->budget - r->spent) { r->spent += n; return 0; }
+    return json_fail(r, "too many values for the length of the text: holding them takes more than %d bytes of memory "
+                     "per byte of it", JSON_MEM_PER_BYTE);
 }
 
 static void json_space(JsonReader *r)
@@ -3743,11 +3787,16 @@ static int json_string_body(JsonReader *r, Buf *b)
 }
 
 /* The string at r->at (its opening quote), decoded into a malloc'd
-   NUL-terminated *out of *n bytes. */
+   NUL-terminated *out of *n bytes. Decoding never lengthens it (an escape
+   is longer than what it stands for), so one block of its written length
+   holds it. */
 static int json_string(JsonReader *r, char **out, size_t *n)
 {
-    Buf b = {0};
-    buf_reserve(&b, 0);
+    size_t end = r->at + 1;
+    while (end < r->len && r->s[end] != '"') end += r->s[end] == '\\' ? 2 : 1;
+    size_t room = (end < r->len ? end : r->len) - r->at; /* the written bytes after the quote, and the NUL */
+    if (json_charge(r, room + JSON_ALLOC_COST) != 0) return -1;
+    Buf b = {xmalloc(room), 0, room};
     b.p[0] = 0;
     r->at++;
     if (json_string_body(r, &b) != 0) { free(b.p); return -1; }
@@ -3780,22 +3829,36 @@ static int json_number(JsonReader *r, Json *v)
         if (!json_digits(r)) return json_unexpected(r, "a digit in the exponent");
     }
     v->len = r->at - start;
-    v->str = xmalloc(v->len + 1);
-    memcpy(v->str, r->s + start, v->len);
-    v->str[v->len] = 0;
-    v->number = strtod(v->str, NULL);
-    if (isinf(v->number)) { r->at = start; return json_fail(r, "number %.*s is out of the range of a double", JSON_QUOTE_MAX, v->str); }
+    v->str = (char *)r->s + start;
+    /* strtod wants a NUL after the digits, which the text need not have */
+    char stack[JSON_NUMBER_BYTES], *copy = v->len < sizeof stack ? stack : xmalloc(v->len + 1);
+    memcpy(copy, v->str, v->len);
+    copy[v->len] = 0;
+    v->number = strtod(copy, NULL);
+    if (copy != stack) free(copy);
+    if (isinf(v->number)) {
+        r->at = start;
+        return json_fail(r, "number %.*s is out of the range of a double", (int)(v->len < JSON_QUOTE_MAX ? v->len : JSON_QUOTE_MAX), v->str);
+    }
     return 0;
 }
 
 static int json_value(JsonReader *r, Json *v, int depth);
 
-/* Makes room in an array or object for element v->n; *cap is its size. */
-static void json_grow(Json *v, int *cap)
+typedef struct { const char *key; size_t len, at; } JsonKey; /* an object's key, for the duplicate check */
+
+/* Makes room in an array or object for element v->n; *cap is its size.
+   Doubling from 1 leaves a small container without slack. An object's
+   member also needs the place of its key (json_object's ats, and the
+   duplicate check's JsonKey), counted here too. */
+static int json_grow(JsonReader *r, Json *v, int *cap)
 {
-    if (v->n < *cap) return;
+    if (v->n < *cap) return 0;
     if (*cap > INT_MAX / 2) die(EXIT_RUNTIME, "out of memory");
-    *cap = *cap ? 2 * *cap : 4;
+    int more = *cap ? *cap : 1;
+    size_t member = sizeof *v->items + (v->kind == JSON_OBJECT ? sizeof *v->keys + sizeof *v->key_lens + sizeof(size_t) + sizeof(JsonKey) : 0);
+    if (json_charge(r, (size_t)more * member) != 0) return -1;
+    *cap += more;
     v->items = realloc(v->items, *cap * sizeof *v->items);
     if (v->kind == JSON_OBJECT) {
         v->keys = realloc(v->keys, *cap * sizeof *v->keys);
@@ -3803,6 +3866,7 @@ static void json_grow(Json *v, int *cap)
         if (!v->keys || !v->key_lens) die(EXIT_RUNTIME, "out of memory");
     }
     if (!v->items) die(EXIT_RUNTIME, "out of memory");
+    return 0;
 }
 
 /* '[' was read: the elements and the closing ']'. */
@@ -3811,7 +3875,7 @@ static int json_array(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (json_eat(r, ']')) return 0;
     for (int cap = 0;;) {
-        json_grow(v, &cap);
+        if (json_grow(r, v, &cap) != 0) return -1;
         v->items[v->n++] = (Json){0};
         if (json_value(r, &v->items[v->n - 1], depth) != 0) return -1;
         json_space(r);
@@ -3833,8 +3897,6 @@ static int json_member(JsonReader *r, Json *v, int depth, size_t *key_at)
     if (!json_eat(r, ':')) return json_unexpected(r, "':' after an object's key");
     return json_value(r, &v->items[v->n - 1], depth);
 }
-
-typedef struct { const char *key; size_t len, at; } JsonKey;
 
 static int by_key_then_place(const void *a, const void *b)
 {
@@ -3874,7 +3936,7 @@ static int json_object(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (!json_eat(r, '}'))
         for (;;) {
-            json_grow(v, &cap);
+            if ((rc = json_grow(r, v, &cap)) != 0) break;
             if (!(ats = realloc(ats, cap * sizeof *ats))) die(EXIT_RUNTIME, "out of memory");
             if ((rc = json_member(r, v, depth, &ats[v->n])) != 0) break;
             json_space(r);
@@ -3916,14 +3978,15 @@ static int json_value(JsonReader *r, Json *v, int depth)
 
 static void json_free(Json *v)
 {
-    for (int i = 0; i < v->n; i++) {
-        json_free(&v->items[i]);
-        if (v->keys) free(v->keys[i]);
+    if (v->kind == JSON_STRING) free(v->str);
+    if (v->kind == JSON_ARRAY || v->kind == JSON_OBJECT) {
+        for (int i = 0; i < v->n; i++) {
+            json_free(&v->items[i]);
+            if (v->kind == JSON_OBJECT) free(v->keys[i]);
+        }
+        free(v->items);
     }
-    free(v->items);
-    free(v->keys);
-    free(v->key_lens);
-    free(v->str);
+    if (v->kind == JSON_OBJECT) free(v->keys), free(v->key_lens);
     *v = (Json){0};
 }
 
@@ -3933,10 +3996,14 @@ static void json_free(Json *v)
    trailing commas, single quotes, leading zeros, '+', NaN or Infinity;
    strings of well-formed UTF-8 without raw control characters, only the
    RFC's escapes, surrogates only in pairs; numbers within the double
-   range; no key twice in an object; at most JSON_MAX_DEPTH levels. */
+   range; no key twice in an object; at most JSON_MAX_DEPTH levels. The
+   tree takes at most JSON_MEM_PER_BYTE bytes of memory per byte of text
+   (and JSON_MEM_BASE): more values than that for the text's length are
+   refused. A number's str points into text: keep text while *out is used. */
 static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
 {
-    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len};
+    size_t budget = len > (SIZE_MAX - JSON_MEM_BASE) / JSON_MEM_PER_BYTE ? SIZE_MAX : len * JSON_MEM_PER_BYTE + JSON_MEM_BASE;
+    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len, 0, budget};
     *out = (Json){0};
     int rc = json_value(&r, out, 0);
     if (rc == 0) {
@@ -5109,7 +5176,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     JsonGrammar *g = cx->g;
     char at[SCHEMA_PATH_BYTES];
     if (v->kind != JSON_OBJECT) schema_error(cx, path, "a schema must be a JSON object (true and false are not supported)");
-    if (level >= JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
+    /* the value at `level` sits inside that many arrays and objects; it may be one itself only below JSON_GEN_DEPTH */
+    if (level > JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
     if (g->n_nodes >= UINT16_MAX) schema_error(cx, path, "the schema is too large (at most %d schemas)", UINT16_MAX - 1);
     const Json *en = json_get(v, "enum"), *cn = json_get(v, "const");
     for (int i = 0; i < v->n; i++) {
@@ -5124,6 +5192,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     const Json *t = json_get(v, "type");
     unsigned types = JT_ANY;
     if (t) schema_path(at, path, "type", 4, 0), types = schema_types(cx, at, t);
+    if (level == JSON_GEN_DEPTH && !(types & ~(JT_ARRAY | JT_OBJECT)))
+        schema_error(cx, path, "an array or object here would be nested deeper than %d levels", JSON_GEN_DEPTH);
     int node = json_add_node(g, types);
     if (en || cn) {
         schema_path(at, path, en ? "enum" : "const", en ? 4 : 5, 0);
@@ -5176,11 +5246,11 @@ static int compile_schema_file(JsonGrammar *g, const char *path)
     Json v;
     char err[MSG_BYTES];
     if (json_parse(text, len, &v, err, sizeof err) != 0) die(EXIT_USAGE, "--json-schema %s: not valid JSON: %s", path, err);
-    free(text);
     if (v.kind != JSON_OBJECT) die(EXIT_USAGE, "--json-schema %s: the schema must be a JSON object", path);
     SchemaCtx cx = {g, path, NULL, NULL, 0};
     int root = compile_schema(&cx, &v, "$", 0);
     json_free(&v);
+    free(text); /* after v: its numbers' texts point into it */
     return root;
 }
 
@@ -5474,6 +5544,19 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
 /* When the conversation plus room for an answer no longer fits, drops the
    oldest exchanges (keeping the opening: BOS and system turn) until it fits
    in half the context, or at least fits, so that the next turns can reuse
@@ -5550,7 +5633,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 {
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
-    build_chat(&ch, m, o->system);
+    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -5597,7 +5680,13 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (st.json_incomplete) fprintf(stderr, "run: this answer is not a complete JSON value\n"), incomplete++;
+        if (st.json_incomplete) {
+            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
+                        json_stop_cause(why, &out, cause, sizeof cause));
+            fputs(msg, stderr);
+            incomplete++;
+        }
         if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
@@ -5634,6 +5723,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 #define BATCH_KV_MB 1024     /* --kv-mem default: the page pool, MB */
 #define BATCH_DEFAULT_MAX 32 /* --parallel default at most */
 #define BATCH_JSON_SLACK 6   /* a JSON line may spell each byte of its prompt as \u00XX */
+#define UTF8_BOM "\xef\xbb\xbf"  /* a byte order mark, which some editors put first in a file */
 #define PROGRESS_MS 250      /* the progress line on a terminal is redrawn at most this often */
 #define PROGRESS_LOG_MS 2000 /* -v without a terminal: a progress line this often */
 #define MAX_POOL_PAGES (1 << 22)
@@ -5690,13 +5780,18 @@ typedef struct {
    --batch -`) must not stall them. */
 typedef struct {
     int fd;
+    const char *name;   /* the input, for messages: its path, or "the --batch input on stdin" */
     char *buf;          /* bytes read and not yet taken: [start, end) */
     size_t start, end, cap, scanned; /* scanned: bytes after start known to hold no newline */
     int eof;
     int dropping;       /* the line being read is too long: its bytes are dropped up to its newline */
+    size_t dropped;     /* ... this many so far */
+    int endless;        /* a too long line ran on past BATCH_SKIP_MAX bytes: the input was given up */
 } LineReader;
 
 #define READ_CHUNK 65536
+#define BATCH_SKIP_MAX (64u << 20) /* bytes of a too long line skipped to find the next line; past them the
+                                      input is given up (/dev/zero has no next line) */
 
 typedef struct {
     const Model *m;
@@ -5721,6 +5816,7 @@ typedef struct {
     PagePool pool;
     Records out;
     Candidate *cand;
+    int progress_shown; /* the progress line is on the terminal, unfinished: erase it before writing there */
     /* statistics */
     double t0, last_progress, prefill_ms;
     long done, gen_tokens, prefill_tokens;
@@ -5841,35 +5937,44 @@ static int read_more(LineReader *r, int wait)
         die(EXIT_RUNTIME, "out of memory reading the --batch input");
     ssize_t got = read(r->fd, r->buf + r->end, r->cap - r->end);
     if (got < 0 && errno == EINTR) return 0;
-    if (got < 0) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno));
+    if (got < 0) die(EXIT_RUNTIME, "cannot read %s: %s", r->name, strerror(errno));
     if (got == 0) r->eof = 1;
     r->end += got;
     return 1;
 }
 
 /* The next line of input (without its newline and trailing CRs), in a
-   malloc'd buffer; a line longer than max is dropped as it arrives and
-   comes back empty with *too_long set. NULL when no whole line is there
-   yet (!wait, or Ctrl-C) or at the end of the input (then r->eof). */
+   malloc'd buffer. A line longer than max comes back empty with *too_long
+   set as soon as that is known, without waiting for its end; the rest of
+   it is then skipped up to its newline, and if none comes within
+   BATCH_SKIP_MAX bytes the input is given up (r->endless, r->eof). NULL
+   when no whole line is there yet (!wait, or Ctrl-C) or at the end of
+   the input (then r->eof). */
 static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *too_long)
 {
     while (1) {
         char *nl = r->buf ? memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned) : NULL;
-        if (nl || (r->eof && (r->end > r->start || r->dropping))) {
-            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
-            char *line = xmalloc(n + 1);
-            *too_long = r->dropping || n > max;
-            if (*too_long) n = 0;
-            if (n) memcpy(line, r->buf + r->start, n);
-            r->start += nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
-            r->scanned = 0, r->dropping = 0;
+        if (r->dropping) { /* the rest of a too long line */
+            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
+            r->start += n, r->scanned = 0, r->dropped += n;
+            if (nl) r->dropping = 0;
+            else if (r->dropped > BATCH_SKIP_MAX) { r->endless = r->eof = 1; return NULL; }
+            else if (r->eof || !read_more(r, wait)) return NULL;
+            continue;
+        }
+        size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
+        *too_long = n > max;
+        if (nl || *too_long || (r->eof && r->end > r->start)) {
+            char *line = xmalloc(*too_long ? 1 : n + 1);
+            if (*too_long) r->dropping = 1, r->dropped = 0, n = 0; /* its bytes are skipped above, from the next call */
+            else memcpy(line, r->buf + r->start, n), r->start += nl ? n + 1 : n;
+            r->scanned = 0;
             while (n && line[n - 1] == '\r') n--;
             line[n] = 0;
             *len = n;
             return line;
         }
-        r->scanned = r->end - r->start;
-        if (r->scanned > max) r->start = r->end, r->scanned = 0, r->dropping = 1; /* no need to keep it */
+        r->scanned = n;
         if (r->eof || !read_more(r, wait)) return NULL;
     }
 }
@@ -5935,6 +6040,15 @@ static int json_int(const Json *v, long lo, long hi, long *out)
     return 0;
 }
 
+/* Whether number v's text has a nonzero digit before its exponent (0.1e-999
+   has, though it reads as 0). */
+static int written_nonzero(const Json *v)
+{
+    for (size_t i = 0; i < v->len && (v->str[i] | 0x20) != 'e'; i++)
+        if (v->str[i] >= '1' && v->str[i] <= '9') return 1;
+    return 0;
+}
+
 /* A line's "stop": a string or an array of up to STOP_MAX strings, each
    of 1 to STOP_MAX_BYTES bytes (JSON's own escapes, no others). */
 static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_len)
@@ -5980,7 +6094,12 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind == JSON_STRING) json_put_string(&q->id, x->str, x->len);
             else if (x->kind == JSON_NULL) buf_put(&q->id, "null", 4);
             else if (x->kind == JSON_BOOL) buf_printf(&q->id, "%s", x->boolean ? "true" : "false");
-            else buf_put(&q->id, x->str, x->len); /* a number as written */
+            else if (x->number == 0 && written_nonzero(x)) {
+                /* the reader refuses one beyond the double range; one that reads as 0 but is not 0 is refused too */
+                snprintf(why, why_len, "\"id\" %.*s is too small for a double: a reader would take it as 0 (an id number must "
+                         "lie within the double range)", (int)(x->len < JSON_QUOTE_MAX ? x->len : JSON_QUOTE_MAX), x->str);
+                return why;
+            } else buf_put(&q->id, x->str, x->len); /* a number exactly as written */
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
             q->n_predict = (int)n;
@@ -6013,6 +6132,16 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
     return *text ? NULL : "the line has no \"prompt\"";
 }
 
+/* Takes the progress line off the terminal (show_progress draws it again
+   at once), so that what is written next starts a line of its own. */
+static void progress_erase(Batch *b)
+{
+    if (!b->progress_shown) return;
+    fputs("\r\033[K", stderr);
+    b->progress_shown = 0;
+    b->last_progress = 0;
+}
+
 /* Reads input lines until one makes a request (into b->pending) or the
    input ends, or, unless wait, until no whole line is there yet; lines
    that cannot run get their error record on the way, and a request for no
@@ -6034,12 +6163,16 @@ static void read_request(Batch *b, int wait)
                    .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
+        if (no == 1 && len >= sizeof UTF8_BOM - 1 && !memcmp(line, UTF8_BOM, sizeof UTF8_BOM - 1)) /* an editor's mark, not text */
+            text += sizeof UTF8_BOM - 1, text_len -= sizeof UTF8_BOM - 1;
+        size_t lead = 0;
+        while (lead < text_len && (text[lead] == ' ' || text[lead] == '\t' || text[lead] == '\r')) lead++;
         int chat = b->chat, json = -1;
         const Json *schema = NULL;
         Json v = {0};
         if (too_long) problem = "the line is longer than the context can hold";
-        else if (len && line[0] == '{') {
-            if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
+        else if (lead < text_len && text[lead] == '{') {
+            if (json_parse(text, text_len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
             else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, &json, &schema, why, sizeof why);
         }
         if (!problem && json == 1 && schema) problem = "\"json\" and \"schema\" cannot be used together";
@@ -6047,17 +6180,25 @@ static void read_request(Batch *b, int wait)
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
         if (!problem) {
-            char *sys = system ? strndup(system, system_len) : NULL;
-            tokenize_prompt(b->m, text, text_len, chat, b->special, sys, &q->toks);
-            free(sys);
+            tokenize_prompt(b->m, text, text_len, chat, b->special, system, system_len, &q->toks);
             q->n_prompt = q->toks.n;
             if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
             else if (q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
+        if (!problem && b->o->print_ids) {
+            progress_erase(b);
+            fprintf(stderr, "ids (line %ld):", no);
+            for (int i = 0; i < q->n_prompt; i++) fprintf(stderr, " %d", q->toks.ids[i]);
+            fputc('\n', stderr);
+        }
         if (problem) record_error(b, no, &q->id, "%s", problem);
-        else if (q->n_predict == 0) q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        else if (q->n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
+            q->json_incomplete = q->jc != NULL;
+            b->failed |= q->json_incomplete;
+            q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        }
         json_free(&v);
         free(line);
         if (problem || q->n_predict == 0) drop_request(q);
@@ -6234,6 +6375,7 @@ static void show_progress(Batch *b, int final)
     if (b->total >= 0) snprintf(total, sizeof total, "/%ld", b->total);
     fprintf(stderr, "%sbatch: %ld%s done, %d in flight, %.1f tok/s%s", tty ? "\r" : "", b->done, total, b->in_flight,
             b->gen_tokens / ((now - b->t0) / 1e3), tty && !final ? "\033[K" : "\n");
+    b->progress_shown = tty && !final;
 }
 
 /* Lines in a regular file (for the progress line), -1 for anything else. */
@@ -6281,10 +6423,13 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
                .out = {.first = 1}};
-    b.in.fd = strcmp(bo->path, "-") ? open(bo->path, O_RDONLY) : STDIN_FILENO;
+    int on_stdin = !strcmp(bo->path, "-");
+    b.in.fd = on_stdin ? STDIN_FILENO : open(bo->path, O_RDONLY);
+    b.in.name = on_stdin ? "the --batch input on stdin" : bo->path;
     if (b.in.fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
     struct stat st;
-    if (fstat(b.in.fd, &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
+    if (fstat(b.in.fd, &st) != 0) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(errno)); /* a closed stdin */
+    if (S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(EISDIR));
     char why[ERR_BYTES];
     b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
     Chat ch;
@@ -6313,6 +6458,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
             for (int i = 0; i < b.parallel; i++)
                 if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
             if (b.pending.line) {
+                b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
                 b.pending.t_admit = now_ms();
                 record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
                 drop_request(&b.pending);
@@ -6326,11 +6472,19 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
         if (!b.in_flight && (b.eof || interrupted)) break;
         prefill_some(&b);
         decode_some(&b);
+        if (b.out.cap && b.out.ready[0]) progress_erase(&b); /* a record is due: not after the progress text */
         flush_records(&b.out);
         show_progress(&b, 0);
     }
+    progress_erase(&b);
     flush_records(&b.out);
     show_progress(&b, 1);
+    if (b.in.endless) {
+        char msg[LINE_BYTES];
+        format_line(msg, "line %ld of %s runs on past %u bytes without a newline: the input after it was not read", b.lines,
+                    b.in.name, BATCH_SKIP_MAX);
+        fputs(msg, stderr);
+    }
     if (o->verbose) report_batch(&b);
     if (b.in.fd != STDIN_FILENO) close(b.in.fd);
     free(b.in.buf);
@@ -6338,7 +6492,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     free_pool(&b.pool);
     if (b.have_trie) free_trie(&b.trie);
     if (b.have_plain) json_grammar_free(&b.plain.g);
-    return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;
+    return interrupted ? 130 : b.failed || b.in.endless ? EXIT_RUNTIME : EXIT_SUCCESS;
 }
 
 /* ----- all logits --------------------------------------------------------------- */
@@ -6796,7 +6950,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, t);
+    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0, t);
     free(text);
     return len;
 }
@@ -6913,7 +7067,8 @@ int main(int argc, char **argv)
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
-    if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
+        die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
     if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
@@ -6995,8 +7150,9 @@ int main(int argc, char **argv)
         int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
+        char cause[STOP_MAX_BYTES + 32];
         if (st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", why == STOP_CONTEXT ? "the end of the context" : "-n");
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
     } else if (jcp) {
         die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }

@@ -389,3 +389,24 @@ def test_benchmark_report() -> None:
             mbs = float(r.stdout.split("encode")[1].split()[0])
             print(f"{name} {text}: {r.stdout.strip()}")
             assert mbs > 2.0, f"{name} {text}: encoding at {mbs} MB/s"
+
+
+def test_tokenize_runs_on_a_tokenizer_only_file() -> None:
+    """Issue 23: `./run FILE --tokenize` refused a --tokenizer-only export (no tensors), which export.py calls
+    valid. --tokenize now runs on it and prints llama.cpp's ids; every other mode refuses it by name."""
+    from common import run
+    corpus = load_corpus()
+    golden = load_golden("smollm2", "plain")
+    tok = exported("smollm2")
+    picked = [i for i, e in enumerate(corpus) if e["cat"] == "english" and golden[i] != "skip"][:6]
+    assert picked, "no English entries in the corpus"
+    for i in picked:
+        r = run([tok, "--tokenize"], stdin=entry_bytes(corpus[i]) + b"\n")  # stdin loses one final newline
+        assert r.returncode == 0 and r.stdout.decode().split() == golden[i].split(), (i, r.stdout, golden[i], r.stderr)
+    r = run([tok, "-c", "--tokenize", "-i", "Hi"])
+    assert r.returncode == 0 and r.stdout.split()[:3] == [b"1", b"9690", b"198"], r  # <|im_start|> system \n
+    for args in (["-i", "Hi"], ["-m", "chat"], ["--batch", "-"], ["--ppl", tok]):
+        r = run([tok, *args], stdin=b"Hi\n")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and r.stdout == b"" and err.count("\n") == 1 and \
+            "no tensors (export.py --tokenizer-only): only --tokenize runs on it" in err, (args, r.returncode, err)
