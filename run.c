@@ -2076,12 +2076,20 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
 
 /* A sequence's KV cache in batch mode: its positions in pages of
-   PAGE_TOKENS, page[i] the pool page holding positions [i * PAGE_TOKENS,
-   (i + 1) * PAGE_TOKENS) of every layer. A page of a prompt prefix that
-   several sequences share is one pool page in each of their tables. */
+   PAGE_TOKENS, each page one slab per layer: slab[i * n_layers + l] is the
+   pool slab holding layer l's rows of positions [i * PAGE_TOKENS, (i + 1) *
+   PAGE_TOKENS). A slab of a prompt prefix that several sequences share is
+   one pool slab in each of their tables. A sliding-window layer's slabs are
+   taken as the sequence's passes reach them and given back once no later
+   query can see them (page_window); the first `released` pages' local
+   entries then name the pool's spare slab, which only masked keys are
+   ever read from. */
 typedef struct {
-    int *page; /* [pages reserved] pool page ids */
-    int n;     /* pages reserved */
+    int *slab;    /* [n * n_layers] pool slab ids; -1: a local layer's, not taken yet */
+    int n;        /* pages reserved */
+    int released; /* pages whose local layers' slabs were given back */
+    int budget;   /* local slabs admission counted for it: the most it holds at once */
+    int freed;    /* local slabs it gave back that went back to the pool (for -v) */
 } PageTable;
 
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
@@ -2324,13 +2332,13 @@ static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Mat
    [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
    attention streams them in order. A local layer keeps the last kv_cap
    positions only, as a ring: position pos lives in slot pos % kv_cap. In
-   batch mode a page holds [layer][kv_head][PAGE_TOKENS][head_dim]: runs of
-   PAGE_TOKENS positions are still contiguous. */
+   batch mode a slab holds one layer's [kv_head][PAGE_TOKENS][head_dim]:
+   runs of PAGE_TOKENS positions are still contiguous. */
 static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int t, int l, int h, int pos)
 {
     if (s->paged) {
-        size_t page = s->tok_pages[t]->page[pos / PAGE_TOKENS];
-        return cache + (((page * c->n_layers + l) * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
+        size_t slab = s->tok_pages[t]->slab[(size_t)(pos / PAGE_TOKENS) * c->n_layers + l];
+        return cache + ((slab * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
     }
     return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
 }
@@ -2969,29 +2977,6 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
     int id = draw(sm, cand, keep, total, -1);
-    if (sm->report) report_kept(sm->report, cand, keep, total, id);
-    return id;
-}
-
-/* Samples the token that follows, given a drafted guess d (lookup
-   decoding): d stands with probability p(d), the probability sample()
-   would give it; otherwise the token is drawn from p with d left out,
-   renormalized. The result is distributed exactly as sample()'s (for any
-   x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
-   changes what is generated, only how many forward passes it takes. With
-   -t 0 it is the argmax, which stands for d exactly when it equals it.
-   The report (--logprobs) is p's, as sample() would give it. */
-static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d, const uint8_t *allowed)
-{
-    check_logits(logits, n);
-    mask_logits(logits, n, allowed);
-    if (sm->temperature == 0) return sample_greedy(sm, logits, n);
-    float total;
-    int keep = sampling_dist(sm, logits, n, cand, &total), at = -1, id;
-    for (int i = 0; i < keep; i++) if (cand[i].id == d) at = i;
-    if (at < 0) id = draw(sm, cand, keep, total, -1); /* p(d) = 0: d never stands */
-    else if (random_f32(&sm->rng) * total < cand[at].p) id = d;
-    else id = draw(sm, cand, keep, total - cand[at].p, d);
     if (sm->report) report_kept(sm->report, cand, keep, total, id);
     return id;
 }
@@ -5356,57 +5341,160 @@ static void text_end(TextOut *o)
    costs about the same weight reads as producing one (verify_step). Text
    that copies from its input (summaries, extractions, edits, code) often
    continues with tokens the context already holds, so the guesses come
-   from the context itself: the latest earlier occurrence of the longest
-   suffix n-gram proposes the tokens that followed it. Greedy output stays
-   byte for byte what plain decoding gives, because the verification pass
-   computes each position exactly as a decode step; sampled output keeps
-   its distribution (sample_with_draft). */
+   from the context itself: a copy pointer into it. Where the end of the
+   text matches an earlier stretch (the longest match, the latest of equal
+   ones), the tokens that followed that stretch are the guesses, and the
+   pointer then moves along with every token that matches, so a long copy
+   (a function body) keeps drafting from the same place instead of
+   searching again; a token that does not match drops it, and the next
+   search starts from the text as it now ends. Greedy output stays byte for
+   byte what plain decoding gives, because the verification pass computes
+   each position exactly as a decode step; sampled output is drawn exactly
+   as without lookup (see decode_next).
 
-#define LOOKUP_NGRAM 3    /* longest suffix n-gram matched */
-#define LOOKUP_PROBE_NGRAM 2 /* a probe after failures drafts only from a match this long */
-#define LOOKUP_COOLDOWN 16 /* plain decode steps before probing again after drafts stopped standing ... */
-#define LOOKUP_MAX_WAIT 512 /* ... doubling with each failed probe up to this */
-#define LOOKUP_DEFAULT 8   /* --lookup: the longest draft */
+   How many to guess is a trade: a pass of m tokens costs more than a decode
+   step wherever decode is not purely bound by memory (lookup_cost), and a
+   guess only pays if it stands, which grows likelier the longer the match
+   has held (lookup_odds). Both are measured while generating, the costs
+   from the passes' own times, the odds from every token that met a
+   pointer, drafted or not; lookup_plan then picks the guesses that give
+   the most tokens per unit of time. */
+
+#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
+#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
+#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
+#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
+#define LOOKUP_EMA 0.25     /* weight of a new pass in the measured pass costs */
+#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
+
+/* What forward passes cost here, measured: the time of a pass of m
+   tokens, per m. It is not proportional to m. A decode step's time goes to
+   reading every weight once, which a few more tokens share at little cost
+   while decode waits on memory; past that every token adds its arithmetic,
+   in steps of the kernels' token tiles (on AVX2 a third token costs about
+   what a fourth does). A size not timed yet is taken to cost what the
+   cheapest token seen so far (a prefill chunk's, usually) would cost in it,
+   or a decode step if that is more: a hopeful guess, which its first
+   timing then corrects. */
+typedef struct {
+    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
+    double tok_ms;               /* the least time per token of any pass of several */
+    double min_ms;               /* the least time of any pass: at least a decode step's */
+} PassCost;
 
 typedef struct {
-    int max;  /* --lookup: longest draft (0 = off) */
-    int len;  /* current draft length, adapted to how many drafts stand */
-    int idle; /* plain steps since drafting stopped (len 0) */
-    int wait; /* plain steps before the next probe */
+    int max;      /* --lookup: longest draft (0 = off) */
+    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
+    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
+    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
 } Lookup;
 
-/* Up to k tokens that followed the latest earlier occurrence of the longest
-   suffix n-gram (n = LOOKUP_NGRAM down to min_n) of ids[0..n) into draft;
-   returns how many (0: no such n-gram of the suffix occurred before). */
-static int lookup_draft(const int *ids, int n, int k, int min_n, int *draft)
+/* Takes the time of a pass of m tokens into pc (a prefill of several
+   chunks counts as chunks of CHUNK_TOKENS). */
+static void lookup_time(PassCost *pc, int m, double ms)
 {
-    for (int g = min_i(LOOKUP_NGRAM, n - 1); g >= min_n; g--)
-        for (int i = n - g - 1; i >= 0; i--)
-            if (!memcmp(ids + i, ids + n - g, g * sizeof *ids)) {
-                int c = min_i(k, n - (i + g));
-                memcpy(draft, ids + i + g, c * sizeof *ids);
-                return c;
-            }
-    return 0;
+    if (m > CHUNK_TOKENS) ms *= (double)CHUNK_TOKENS / m, m = CHUNK_TOKENS;
+    pc->ms[m] = pc->ms[m] > 0 ? pc->ms[m] + LOOKUP_EMA * (ms - pc->ms[m]) : ms;
+    pc->min_ms = pc->min_ms > 0 ? fmin(pc->min_ms, pc->ms[m]) : pc->ms[m];
+    if (m > 1) pc->tok_ms = pc->tok_ms > 0 ? fmin(pc->tok_ms, ms / m) : ms / m;
 }
 
-/* After a verification that kept `kept` of k drafts: all stood, so guess
-   further next time; none, so halve the guess, down to not drafting at all;
-   some, so guess one more than stood. Not drafting, decode probes again
-   after `wait` plain steps with one guess from a strong match, and every
-   failed probe doubles the wait: open-ended text, where guesses rarely
-   stand, pays for a probe only every few hundred tokens. A verification
-   pass costs more than a decode step wherever decode is bound by arithmetic
-   rather than by memory (each guessed token is still computed), so a guess
-   is worth making only when it is likely to stand. */
-static void lookup_adapt(Lookup *lk, int kept, int k)
+/* The expected time of a pass of m tokens (0: nothing timed yet). */
+static double lookup_cost(const PassCost *pc, int m)
 {
-    int probe = lk->len == 1 && lk->idle >= lk->wait;
-    if (kept == k) lk->len = min_i(lk->max, 2 * lk->len);
-    else if (kept == 0) lk->len /= 2;
-    else lk->len = min_i(lk->max, kept + 1);
-    lk->wait = kept ? LOOKUP_COOLDOWN : probe ? min_i(2 * lk->wait, LOOKUP_MAX_WAIT) : lk->wait;
-    lk->idle = 0;
+    if (pc->ms[m] > 0) return pc->ms[m];
+    double step = pc->ms[1] > 0 ? pc->ms[1] : pc->min_ms;
+    return fmax(step, m * pc->tok_ms);
+}
+
+static int lookup_class(int run)
+{
+    int c = 0;
+    while (run > 1 && c < LOOKUP_CLASSES - 1) run >>= 1, c++;
+    return c;
+}
+
+/* The probability that the guess after a match of `run` tokens stands:
+   what its class has seen, starting from r / (r + 2). */
+static double lookup_odds(const Lookup *lk, int run)
+{
+    int c = lookup_class(run);
+    return (lk->stood[c] + LOOKUP_PRIOR * run / (run + 2.0)) / (lk->seen[c] + LOOKUP_PRIOR);
+}
+
+/* Where to copy from when ids[0..n) ends as it does: the earlier position
+   whose preceding tokens match the longest end of the text (at most
+   LOOKUP_MATCH_MAX tokens; of equal ones the latest). Sets *src to the
+   index of the token that followed it and returns the match's length, 0
+   when the last token never occurred before. */
+static int lookup_draft(const int *ids, int n, int *src)
+{
+    int best = 0;
+    for (int i = n - 2; i >= 0 && best < LOOKUP_MATCH_MAX; i--) {
+        if (ids[i] != ids[n - 1]) continue;
+        int g = 1;
+        while (g < LOOKUP_MATCH_MAX && g <= i && ids[i - g] == ids[n - 1 - g]) g++;
+        if (g > best) best = g, *src = i + 1;
+    }
+    return best;
+}
+
+/* After ids[n - 1] joined the text: with a pointer, that token is one
+   observation of its run class (did the guess stand, drafted or not) and
+   moves the pointer on, or drops it; without one, a new source is looked for. */
+static void lookup_adapt(Lookup *lk, const int *ids, int n)
+{
+    if (!lk->max) return;
+    if (lk->src >= 0) {
+        int c = lookup_class(lk->run), hit = ids[lk->src] == ids[n - 1];
+        lk->seen[c] = lk->seen[c] * (1 - 1 / LOOKUP_MEMORY) + 1;
+        lk->stood[c] = lk->stood[c] * (1 - 1 / LOOKUP_MEMORY) + hit;
+        if (hit) {
+            lk->src++, lk->run++;
+            return;
+        }
+    }
+    lk->run = lookup_draft(ids, n, &lk->src);
+    if (!lk->run) lk->src = -1;
+}
+
+/* The drafts of one forward pass shared by n sequences (one in the
+   single-request mode; every sequence decoding in batch mode), each
+   feeding one token: sequence i may guess up to room[i] tokens from its
+   pointer. Whatever the pass's size, the guesses worth making are the
+   likeliest to stand (the j-th guess of a sequence stands only if the
+   j - 1 before it do), so they are ranked so, and the pass takes as many
+   as give the most expected tokens per unit of time (none: plain decode
+   steps), at most max_rows tokens in all. Sets k[i]; returns the pass's
+   tokens. */
+static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost *pc, int max_rows, int *k)
+{
+    double odds[BATCH_MAX], yield = n, best_rate = pc->min_ms > 0 ? n / lookup_cost(pc, n) : INFINITY;
+    int pick[BATCH_MAX], best_rows = n;
+    for (int i = 0; i < n; i++) {
+        k[i] = 0;
+        odds[i] = room[i] > 0 ? lookup_odds(lk[i], lk[i]->run) : 0;
+    }
+    for (int rows = n; rows < max_rows; rows++) {
+        int best = -1;
+        for (int i = 0; i < n; i++)
+            if (k[i] < room[i] && (best < 0 || odds[i] > odds[best])) best = i;
+        if (best < 0) break;
+        pick[rows - n] = best;
+        yield += odds[best];
+        odds[best] *= lookup_odds(lk[best], lk[best]->run + ++k[best]);
+        if (yield / lookup_cost(pc, rows + 1) > best_rate) best_rate = yield / lookup_cost(pc, rows + 1), best_rows = rows + 1;
+    }
+    for (int i = 0; i < n; i++) k[i] = 0;
+    for (int j = 0; j < best_rows - n; j++) k[pick[j]]++;
+    return best_rows;
+}
+
+/* How many guesses the pointer has for text t: what the source holds,
+   at most --lookup and `limit`. */
+static int lookup_room(const Lookup *lk, const Tokens *t, int limit)
+{
+    return lk->src >= 0 ? max_i(0, min_i(min_i(lk->max, limit), t->n - lk->src)) : 0;
 }
 
 /* Takes the sampled token: an end token stops (never printed, never fed
@@ -5440,38 +5528,47 @@ static int take_token(const Model *m, const GenOpts *o, JsonMask *jm, TextOut *o
 }
 
 /* One step of the decode loop: feeds `token` (taken, at position *pos) and
-   returns the next sampled token. With lookup, drafts follow it in one
-   verification pass; each draft that stands is taken on the spot (and may
-   stop generation: then *why is set). conv receives every token fed, so
-   conv->n == *pos after the step. */
+   returns the next sampled token. With lookup, the pointer's guesses (as
+   many as lookup_plan finds worth their cost) follow it in one
+   verification pass; each that stands is taken on the spot (and may stop
+   generation: then *why is set). Every row is sampled as a decode step's
+   would be, the same draw from the same generator, and a guess stands
+   when the draw equals it. For a guess of one token that is exact
+   speculative sampling: it stands with probability p(d), and when it
+   falls the token is distributed as p without d, renormalized. And since
+   the draws are those of plain decoding, a seed gives the same text with
+   or without lookup, whatever number of guesses the measured costs chose.
+   conv receives every token fed, so conv->n == *pos after the step. */
 static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, JsonMask *jm, Lookup *lk, Candidate *cand,
                        Tokens *conv, int *pos, int n_predict, TextOut *out, Stats *st, int token, int *why)
 {
-    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k = 0;
+    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k;
     push(conv, token);
-    if (lk->max && !lk->len && ++lk->idle >= lk->wait) lk->len = 1;
-    int room = min_i(min_i(lk->len, VERIFY_MAX_TOKENS - 1), min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
-    int min_n = lk->idle >= lk->wait ? LOOKUP_PROBE_NGRAM : 1; /* a probe wants a strong match */
-    if (room > 0) k = lookup_draft(conv->ids, conv->n, room, min_n, batch + 1);
+    lookup_adapt(lk, conv->ids, conv->n);
+    int room = lookup_room(lk, conv, min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
+    lookup_plan(&lk, &room, 1, &lk->cost, VERIFY_MAX_TOKENS, &k);
     st->passes++;
+    double t0 = now_ms();
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
+        lookup_time(&lk->cost, 1, now_ms() - t0);
         return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
     }
     batch[0] = token;
+    memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch);
     verify_step(m, s, batch, k + 1, *pos);
+    lookup_time(&lk->cost, k + 1, now_ms() - t0);
     st->drafted += k;
     int i = 0, kept = 0, next;
     for (;; i++) { /* row i holds the logits after batch[0..i]; jm's state is after them too (drafts stood) */
-        next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1,
-                                 jm ? json_mask_allowed(jm) : NULL);
+        next = sample(sm, s->logits + (size_t)i * vocab, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
         if (i == k || next != batch[i + 1]) break;
         kept++;
         if ((*why = take_token(m, o, jm, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
         push(conv, next);
+        lookup_adapt(lk, conv->ids, conv->n);
     }
     st->accepted += kept;
-    lookup_adapt(lk, kept, k);
     *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
     return next;
 }
@@ -5493,7 +5590,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     sm->report = o->logprobs >= 0 ? &lp : NULL;
     JsonMask mask, *jm = NULL;
     if (o->json) json_mask_init(jm = &mask, o->json, m->c.vocab_size);
-    Lookup lk = {o->lookup, o->lookup ? min_i(o->lookup, 2) : 0, 0, LOOKUP_COOLDOWN};
+    Lookup lk = {.max = o->lookup, .src = -1};
     int n = conv->n - *pos, why = STOP_LIMIT;
     *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
     if (o->print_ids) {
@@ -5507,6 +5604,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
+    if (n > 0) lookup_time(&lk.cost, n, st->prefill_ms); /* the per-token cost of a large pass */
     *last = token;
     while (n_predict > 0) {
         if ((why = take_token(m, o, jm, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
@@ -5715,15 +5813,28 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 #define PROGRESS_MS 250      /* the progress line on a terminal is redrawn at most this often */
 #define PROGRESS_LOG_MS 2000 /* -v without a terminal: a progress line this often */
 #define MAX_POOL_PAGES (1 << 22)
+#define MAX_POOL_SLABS (1 << 24) /* the free stack is committed: 64 MB at most */
 
 _Static_assert(BATCH_MAX <= CHUNK_TOKENS, "one decode step of every sequence in flight is one pass");
 
-/* Free pages, and how many page tables hold each page. */
+/* The KV cache's slabs: free ones, and how many page tables hold each.
+   Admission never promises more than the pool holds: `committed` counts
+   the global layers' slabs in use (taken when a sequence is admitted) and,
+   for every sequence in flight, the most slabs its sliding-window layers
+   hold at once (taken and given back as it goes). Slabs in use are at most
+   that: each local slab is held by some sequence within its budget. */
 typedef struct {
-    int n_pages;
-    int *free_ids, n_free; /* a stack: the page freed last is reused first, its memory already resident */
-    int *refs;             /* [n_pages] */
-    int peak;              /* most pages in use at once */
+    int n_pages;           /* the pool in pages of every layer: what --kv-mem holds */
+    int n_slabs;           /* n_pages * n_layers; slab n_slabs is the spare */
+    int *free_ids, n_free; /* a stack: the slab freed last is reused first, its memory already resident */
+    int *refs;             /* [n_slabs] */
+    int committed;         /* slabs promised: see above */
+    int spare;             /* what released local pages point to: never written, its (zero) keys read only masked */
+    int n_local;           /* sliding-window layers (0: none) */
+    int local_pages;       /* the most pages a sequence's sliding-window layers hold at once */
+    int peak;              /* most slabs in use at once */
+    int live_freed;        /* local slabs given back by sequences still in flight ... */
+    int peak_kept;         /* ... and the most slabs in use at once had they been kept to the end (-v) */
 } PagePool;
 
 enum { SEQ_IDLE, SEQ_PREFILL, SEQ_DECODE };
@@ -5752,6 +5863,7 @@ typedef struct {
     JsonMask jm;       /* with jc: where the automaton stands */
     TextOut out;       /* the answer's text goes through the stop matcher into text */
     Buf text;
+    Lookup lk;         /* lookup decoding's pointer into toks, and its odds */
     double t_admit, t_first, t_prev;
 } Seq;
 
@@ -5808,6 +5920,8 @@ typedef struct {
     /* statistics */
     double t0, last_progress, prefill_ms;
     long done, gen_tokens, prefill_tokens;
+    PassCost cost;     /* the passes' times, for lookup_plan */
+    long steps, rows, drafted, accepted; /* decode steps, the tokens they fed, guesses among them, guesses that stood */
     double *itl;       /* gaps between one sequence's tokens, every sequence */
     long n_itl, cap_itl;
 } Batch;
@@ -5817,26 +5931,91 @@ static size_t page_bytes(const Config *c, const RunState *s)
     return (size_t)c->n_layers * c->n_kv_heads * PAGE_TOKENS * s->kv_row;
 }
 
-/* Turns s's cache into a pool of n_pages pages (both K and V). */
+/* Turns s's cache into a pool of n_pages pages of every layer (both K
+   and V), in slabs of one layer, and one spare slab. A sliding-window
+   layer's query at position pos sees keys from pos - window + 1 on; a pass
+   of up to CHUNK_TOKENS tokens from pos holds the pages from that key's to
+   its last token's: at most local_pages. */
 static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages)
 {
     free(s->key_cache);
     free(s->value_cache);
-    s->key_cache = xcalloc(n_pages, page_bytes(c, s));
-    s->value_cache = xcalloc(n_pages, page_bytes(c, s));
-    p->n_pages = p->n_free = n_pages;
-    p->free_ids = xmalloc(n_pages * sizeof(int));
-    p->refs = xcalloc(n_pages, sizeof(int));
-    p->peak = 0;
-    for (int i = 0; i < n_pages; i++) p->free_ids[i] = n_pages - 1 - i;
+    *p = (PagePool){.n_pages = n_pages, .n_slabs = n_pages * c->n_layers};
+    size_t slab = page_bytes(c, s) / c->n_layers;
+    s->key_cache = xcalloc((size_t)p->n_slabs + 1, slab);
+    s->value_cache = xcalloc((size_t)p->n_slabs + 1, slab);
+    p->n_free = p->n_slabs;
+    p->spare = p->n_slabs;
+    p->free_ids = xmalloc(p->n_slabs * sizeof(int));
+    p->refs = xcalloc(p->n_slabs + 1, sizeof(int));
+    for (int i = 0; i < p->n_slabs; i++) p->free_ids[i] = p->n_slabs - 1 - i;
+    for (int l = 0; l < c->n_layers; l++) p->n_local += is_local(c, l);
+    if (p->n_local) p->local_pages = (c->window + CHUNK_TOKENS - 2) / PAGE_TOKENS + 2;
 }
 
 static void free_pool(PagePool *p) { free(p->free_ids); free(p->refs); }
 
-static void page_release(PagePool *p, PageTable *pt)
+/* A free slab, held once. Admission promised it (see PagePool). */
+static int slab_take(PagePool *p)
 {
-    for (int i = 0; i < pt->n; i++)
-        if (--p->refs[pt->page[i]] == 0) p->free_ids[p->n_free++] = pt->page[i];
+    if (!p->n_free) die(EXIT_RUNTIME, "internal error: the KV page pool ran out of slabs it had promised");
+    int id = p->free_ids[--p->n_free];
+    p->refs[id] = 1;
+    int used = p->n_slabs - p->n_free;
+    p->peak = max_i(p->peak, used);
+    p->peak_kept = max_i(p->peak_kept, used + p->live_freed);
+    return id;
+}
+
+/* Lets go of one hold on slab id; returns 1 when that freed it. */
+static int slab_drop(PagePool *p, int id)
+{
+    if (--p->refs[id]) return 0;
+    p->free_ids[p->n_free++] = id;
+    return 1;
+}
+
+/* The first page a query at position pos or later can see on a sliding-window layer. */
+static int window_page(const Config *c, int pos) { return max_i(0, pos - c->window + 1) / PAGE_TOKENS; }
+
+/* Slabs admission counts for a sequence of `pages` pages whose first
+   `shared` are a donor's: the global layers' slabs of its own pages, and
+   the most its local layers hold at once (from the first page its first
+   query sees). */
+static int slabs_needed(const PagePool *p, const Config *c, int pages, int shared)
+{
+    int first = p->n_local ? window_page(c, shared * PAGE_TOKENS) : 0;
+    return (c->n_layers - p->n_local) * (pages - shared) + p->n_local * min_i(pages - first, p->local_pages);
+}
+
+/* Before a pass over a sequence's positions [pos, pos + m): its
+   sliding-window layers give back the slabs of the pages no query from pos
+   on can see (freed when no other sequence holds them), and take slabs
+   for the pages the pass writes. */
+static void page_window(PagePool *p, const Config *c, PageTable *pt, int pos, int m)
+{
+    if (!p->n_local) return;
+    for (int first = window_page(c, pos); pt->released < first; pt->released++)
+        for (int l = 0; l < c->n_layers; l++) {
+            int *e = &pt->slab[(size_t)pt->released * c->n_layers + l];
+            if (!is_local(c, l) || *e == p->spare) continue;
+            if (*e >= 0 && slab_drop(p, *e)) pt->freed++, p->live_freed++;
+            *e = p->spare;
+        }
+    for (int i = pos / PAGE_TOKENS; i <= (pos + m - 1) / PAGE_TOKENS; i++)
+        for (int l = 0; l < c->n_layers; l++)
+            if (is_local(c, l) && pt->slab[(size_t)i * c->n_layers + l] < 0) pt->slab[(size_t)i * c->n_layers + l] = slab_take(p);
+}
+
+/* A finished sequence lets go of every slab it holds, and of its promise. */
+static void page_release(PagePool *p, const Config *c, PageTable *pt)
+{
+    for (size_t i = 0; i < (size_t)pt->n * c->n_layers; i++) {
+        int id = pt->slab[i];
+        if (id >= 0 && id != p->spare && slab_drop(p, id) && !is_local(c, (int)(i % c->n_layers))) p->committed--;
+    }
+    p->committed -= pt->budget;
+    p->live_freed -= pt->freed;
     pt->n = 0;
 }
 
@@ -6195,7 +6374,9 @@ static void read_request(Batch *b, int wait)
 
 /* The sequence in flight whose prompt shares the most whole pages with
    q's (at most all but q's last prompt token: q must prefill one token to
-   get its first logits); their count goes to *shared. */
+   get its first logits); their count goes to *shared. With sliding-window
+   layers, a donor that has given back the local slabs of a page q's first
+   queries would see cannot be one. */
 static Seq *prefix_donor(Batch *b, const Seq *q, int *shared)
 {
     Seq *best = NULL;
@@ -6205,9 +6386,33 @@ static Seq *prefix_donor(Batch *b, const Seq *q, int *shared)
         if (d->state == SEQ_IDLE) continue;
         int n = min_i(d->n_prompt, q->n_prompt - 1), k = 0;
         while (k < n && d->toks.ids[k] == q->toks.ids[k]) k++;
-        if (k / PAGE_TOKENS > *shared) *shared = k / PAGE_TOKENS, best = &b->seq[i];
+        k /= PAGE_TOKENS;
+        if (b->pool.n_local && d->pt.released > window_page(&b->m->c, k * PAGE_TOKENS)) continue;
+        if (k > *shared) *shared = k, best = &b->seq[i];
     }
     return best;
+}
+
+/* Fills the page table of q, admitted with `need` pages, the first `shared`
+   of them the donor's: the global layers' slabs taken (or the donor's held
+   again), the local layers' of shared pages its first queries see held
+   again too, taken now for both when the donor's passes have not reached
+   them yet; the rest of the local slabs are taken as q's passes reach them. */
+static void page_admit(PagePool *p, const Config *c, PageTable *pt, int need, PageTable *donor, int shared)
+{
+    int layers = c->n_layers, first = p->n_local ? window_page(c, shared * PAGE_TOKENS) : 0;
+    *pt = (PageTable){.slab = xmalloc((size_t)need * layers * sizeof(int)), .n = need, .released = first,
+                      .budget = p->n_local * min_i(need - first, p->local_pages)};
+    p->committed += pt->budget;
+    for (int i = 0; i < need; i++)
+        for (int l = 0; l < layers; l++) {
+            int *e = &pt->slab[(size_t)i * layers + l], *from = i < shared ? &donor->slab[(size_t)i * layers + l] : NULL;
+            if (is_local(c, l) && i < first) *e = p->spare;
+            else if (from && *from >= 0) p->refs[*e = *from]++;
+            else if (from) p->refs[*e = *from = slab_take(p)]++; /* local, not reached by the donor yet */
+            else if (is_local(c, l)) *e = -1;
+            else *e = slab_take(p), p->committed++;
+        }
 }
 
 /* Admits the pending request into free slot q when the pool has its pages:
@@ -6221,34 +6426,32 @@ static int admit(Batch *b, Seq *slot)
     int seq_len = b->s->seq_len;
     if (q->n_predict > seq_len - q->n_prompt + 1) q->n_predict = seq_len - q->n_prompt + 1, q->capped = 1;
     int shared, need = (q->n_prompt + q->n_predict - 1 + PAGE_TOKENS - 1) / PAGE_TOKENS;
+    const Config *c = &b->m->c;
+    PagePool *p = &b->pool;
     Seq *donor = prefix_donor(b, q, &shared);
-    if (need - shared > b->pool.n_free) {
+    if (p->committed + slabs_needed(p, c, need, shared) > p->n_slabs) {
         if (b->in_flight) return 0; /* wait for pages */
-        int room = b->pool.n_pages * PAGE_TOKENS;
-        if (q->n_prompt > room) {
+        int most = need; /* alone in the pool (no donor): the pages it holds */
+        while (most > 0 && slabs_needed(p, c, most, 0) > p->n_slabs) most--;
+        if (q->n_prompt > most * PAGE_TOKENS) {
             record_error(b, q->line, &q->id, "the prompt needs %d KV cache pages of %d tokens but --kv-mem holds %d",
-                         (q->n_prompt + PAGE_TOKENS - 1) / PAGE_TOKENS, PAGE_TOKENS, b->pool.n_pages);
+                         (q->n_prompt + PAGE_TOKENS - 1) / PAGE_TOKENS, PAGE_TOKENS, most);
             drop_request(q);
             return 0;
         }
-        q->n_predict = room - q->n_prompt + 1, q->capped = 1;
-        need = b->pool.n_pages;
+        q->n_predict = most * PAGE_TOKENS - q->n_prompt + 1, q->capped = 1;
+        need = most;
     }
     *slot = *q;
     q->line = 0;
-    slot->pt.page = xmalloc(need * sizeof(int));
-    for (int i = 0; i < need; i++) {
-        slot->pt.page[i] = i < shared ? donor->pt.page[i] : b->pool.free_ids[--b->pool.n_free];
-        b->pool.refs[slot->pt.page[i]]++;
-    }
-    slot->pt.n = need;
-    b->pool.peak = max_i(b->pool.peak, b->pool.n_pages - b->pool.n_free);
+    page_admit(p, c, &slot->pt, need, donor ? &donor->pt : NULL, shared);
     slot->pos = shared * PAGE_TOKENS;
     slot->state = SEQ_PREFILL;
     slot->order = b->admitted++;
     /* each line its own stream of random numbers, from -s and the line number */
     slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
     slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
+    slot->lk = (Lookup){.max = b->o->lookup, .src = -1};
     text_open(&slot->out, NULL, &slot->text, &slot->stops);
     if (slot->jc) json_mask_init(&slot->jm, slot->jc, b->m->c.vocab_size);
     slot->t_admit = now_ms();
@@ -6267,8 +6470,8 @@ static void finish_seq(Batch *b, Seq *q, int finish)
     }
     record_answer(b, q, finish, now);
     free_line_grammar(q);
-    page_release(&b->pool, &q->pt);
-    free(q->pt.page);
+    page_release(&b->pool, &b->m->c, &q->pt);
+    free(q->pt.slab);
     free(q->toks.ids);
     free(q->text.p);
     free(q->logprobs.p);
@@ -6282,14 +6485,7 @@ static void finish_seq(Batch *b, Seq *q, int finish)
    the context or on Ctrl-C. */
 static void seq_take(Batch *b, Seq *q, int token)
 {
-    double now = now_ms();
-    if (q->n_gen == 0) q->t_first = now;
-    else {
-        if (b->n_itl == b->cap_itl && !(b->itl = realloc(b->itl, (b->cap_itl = 2 * b->cap_itl + 1024) * sizeof(double))))
-            die(EXIT_RUNTIME, "out of memory");
-        b->itl[b->n_itl++] = now - q->t_prev;
-    }
-    q->t_prev = now;
+    if (q->n_gen == 0) q->t_first = q->t_prev = now_ms();
     q->token = token;
     if (q->sm.report) { /* every token drawn, the end token included, as in the single-request mode */
         if (q->logprobs.len) buf_put(&q->logprobs, ", ", 2);
@@ -6319,8 +6515,10 @@ static void prefill_some(Batch *b)
         if (b->seq[i].state == SEQ_PREFILL && (!q || b->seq[i].order < q->order)) q = &b->seq[i];
     if (!q) return;
     int k = min_i(q->n_prompt - q->pos, CHUNK_TOKENS), last = q->pos + k == q->n_prompt;
+    page_window(&b->pool, &b->m->c, &q->pt, q->pos, k);
     double t0 = now_ms();
     forward_chunk(b->m, b->s, &q->pt, q->toks.ids + q->pos, k, q->pos, last ? k - 1 : k);
+    lookup_time(&b->cost, k, now_ms() - t0);
     b->prefill_ms += now_ms() - t0;
     b->prefill_tokens += k;
     q->pos += k;
@@ -6329,25 +6527,71 @@ static void prefill_some(Batch *b)
     seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
 }
 
-/* One decode step: the last sampled token of every decoding sequence, fed
-   in one pass, then the next token of each sampled. */
+/* One token's latency, for the -v percentiles. */
+static void add_latency(Batch *b, double ms)
+{
+    if (b->n_itl == b->cap_itl && !(b->itl = realloc(b->itl, (b->cap_itl = 2 * b->cap_itl + 1024) * sizeof(double))))
+        die(EXIT_RUNTIME, "out of memory");
+    b->itl[b->n_itl++] = ms;
+}
+
+/* One decode step: the last sampled token of every decoding sequence, and
+   after it the guesses of lookup decoding that lookup_plan finds worth
+   their rows, fed in one pass (a sequence's rows at consecutive positions
+   of its own pages). Each sequence then checks its rows as decode_next
+   does: a guess stands when the token sampled before it equals it, and is
+   taken; the first that does not is replaced by that token. The cache rows
+   of guesses that fell lie past the sequence's position, and its next pass
+   writes them again before any query reads them. Guesses stay before the
+   position of the last answer token (never fed), so they fall in pages
+   the sequence reserved. A token's latency is the time since the
+   sequence's previous step, shared by the tokens this step gave it. */
 static void decode_some(Batch *b)
 {
-    int tokens[BATCH_MAX], pos[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
+    int tokens[BATCH_MAX], pos[BATCH_MAX], room[BATCH_MAX], k[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
     const PageTable *pages[BATCH_MAX];
     Seq *who[BATCH_MAX];
+    Lookup *lks[BATCH_MAX];
     for (int i = 0; i < b->parallel; i++) {
         Seq *q = &b->seq[i];
         if (q->state != SEQ_DECODE) continue;
-        tokens[n] = q->token, pos[n] = q->pos, pages[n] = &q->pt, who[n++] = q;
+        push(&q->toks, q->token);
+        lookup_adapt(&q->lk, q->toks.ids, q->toks.n);
+        room[n] = lookup_room(&q->lk, &q->toks, min_i(b->s->seq_len - q->pos - 1, q->n_predict - q->n_gen - 1));
+        lks[n] = &q->lk, who[n++] = q;
     }
     if (!n) return;
-    decode_batch(b->m, b->s, tokens, pos, pages, n);
-    for (int t = 0; t < n; t++) {
+    int rows = lookup_plan(lks, room, n, &b->cost, BATCH_MAX, k);
+    for (int t = 0, r = 0; t < n; t++) {
+        page_window(&b->pool, &b->m->c, &who[t]->pt, who[t]->pos, k[t] + 1);
+        for (int j = 0; j <= k[t]; j++, r++) {
+            tokens[r] = j ? who[t]->toks.ids[who[t]->lk.src + j - 1] : who[t]->token;
+            pos[r] = who[t]->pos + j, pages[r] = &who[t]->pt;
+        }
+    }
+    double t0 = now_ms();
+    decode_batch(b->m, b->s, tokens, pos, pages, rows);
+    double t1 = now_ms();
+    lookup_time(&b->cost, rows, t1 - t0);
+    b->steps++, b->rows += rows, b->drafted += rows - n;
+    for (int t = 0, r = 0; t < n; r += k[t++] + 1) {
         Seq *q = who[t];
-        push(&q->toks, q->token);
+        double prev = q->t_prev;
+        int taken = 0;
         q->pos++;
-        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
+        for (int i = 0;; i++) { /* row r + i: the logits after the sequence's token and its first i guesses */
+            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL);
+            int stood = i < k[t] && next == tokens[r + i + 1];
+            taken++;
+            b->accepted += stood;
+            seq_take(b, q, next);
+            if (!stood || q->state != SEQ_DECODE) break;
+            push(&q->toks, next);
+            q->pos++;
+            lookup_adapt(&q->lk, q->toks.ids, q->toks.n);
+        }
+        for (int i = 0; i < taken; i++) add_latency(b, (t1 - prev) / taken);
+        if (q->state == SEQ_DECODE) q->t_prev = t1;
     }
 }
 
@@ -6384,6 +6628,9 @@ static long count_lines(int fd)
     return n + (last != '\n');
 }
 
+/* Slabs as pages of every layer, rounded up. */
+static int pages_of(const Batch *b, int slabs) { return (slabs + b->m->c.n_layers - 1) / b->m->c.n_layers; }
+
 /* The -v summary of a batch: aggregate speed and the per-token latency. */
 static void report_batch(Batch *b)
 {
@@ -6393,8 +6640,15 @@ static void report_batch(Batch *b)
             "per-token latency p50 %.2f ms, p90 %.2f ms; KV pages: %d of %d used at most (%.1f MB each)\n",
             b->done, b->gen_tokens, sec, b->gen_tokens / sec, b->prefill_tokens,
             b->prefill_ms > 0 ? b->prefill_tokens / (b->prefill_ms / 1e3) : 0.0, b->n_itl ? b->itl[(b->n_itl - 1) / 2] : 0.0,
-            b->n_itl ? b->itl[(long)(0.9 * (b->n_itl - 1))] : 0.0, b->pool.peak, b->pool.n_pages,
+            b->n_itl ? b->itl[(long)(0.9 * (b->n_itl - 1))] : 0.0, pages_of(b, b->pool.peak), b->pool.n_pages,
             2 * page_bytes(&b->m->c, b->s) / 1e6);
+    if (b->pool.n_local)
+        fprintf(stderr, "sliding-window layers: %d of %d layers give back their pages out of the window; pages in use "
+                "at most %d, %d had they kept them\n", b->pool.n_local, b->m->c.n_layers, pages_of(b, b->pool.peak),
+                pages_of(b, b->pool.peak_kept));
+    if (b->drafted)
+        fprintf(stderr, "lookup: %ld drafted, %ld accepted (%.0f%%), %.2f tokens per sequence per step\n", b->drafted,
+                b->accepted, 100.0 * b->accepted / b->drafted, (double)(b->rows - b->drafted + b->accepted) / (b->rows - b->drafted));
 }
 
 /* Runs every line of path ("-": stdin) and writes the records. Returns
@@ -6425,17 +6679,21 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     b.total = count_lines(b.in.fd);
     int kv_mb = bo->kv_mb ? bo->kv_mb : BATCH_KV_MB;
     double fit = (double)kv_mb * 1e6 / (2 * page_bytes(&m->c, s));
-    int pages = fit > MAX_POOL_PAGES ? MAX_POOL_PAGES : (int)fit;
+    int pages = (int)fmin(fit, fmin(MAX_POOL_PAGES, MAX_POOL_SLABS / m->c.n_layers));
     if (pages < 1) die(EXIT_USAGE, "--kv-mem %d MB holds no KV cache page (one page is %.1f MB)", kv_mb, 2 * page_bytes(&m->c, s) / 1e6);
     build_pool(&b.pool, s, &m->c, pages);
     /* by default as many sequences as the pool holds at a typical size: -n answer tokens after a page of prompt */
     int typical = (o->n_predict + 2 * PAGE_TOKENS - 1) / PAGE_TOKENS;
-    b.parallel = bo->parallel ? bo->parallel : max_i(1, min_i(BATCH_DEFAULT_MAX, pages / typical));
+    b.parallel = bo->parallel ? bo->parallel : max_i(1, min_i(BATCH_DEFAULT_MAX, b.pool.n_slabs / slabs_needed(&b.pool, &m->c, typical, 0)));
     b.seq = xcalloc(b.parallel, sizeof *b.seq);
     b.cand = xmalloc((size_t)m->c.vocab_size * sizeof *b.cand);
-    if (o->verbose)
-        fprintf(stderr, "batch: up to %d sequences in flight, KV pool of %d pages of %d positions (%.1f MB)\n", b.parallel, pages,
+    if (o->verbose) {
+        fprintf(stderr, "batch: up to %d sequences in flight, KV pool of %d pages of %d positions (%.1f MB)", b.parallel, pages,
                 PAGE_TOKENS, pages * 2 * page_bytes(&m->c, s) / 1e6);
+        if (b.pool.n_local)
+            fprintf(stderr, "; the %d sliding-window layers of a sequence hold at most %d pages", b.pool.n_local, b.pool.local_pages);
+        fputc('\n', stderr);
+    }
     struct sigaction sa = {0};
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
@@ -6661,9 +6919,9 @@ static void usage(FILE *f)
         "                 at least 3)\n"
         "  --kv TYPE      KV cache precision: f32, f16, q8 or q4 (default f16)\n"
         "  --lookup N     lookup decoding: guess up to N (0-15) next tokens from the\n"
-        "                 context and check them in one pass; 0 turns it off (default\n"
-        "                 8). The output is the same as without it: greedy text byte\n"
-        "                 for byte, sampled text in distribution\n"
+        "                 context and check them in one pass, as many as the passes'\n"
+        "                 measured costs make worth it; 0 turns it off (default 15).\n"
+        "                 The output is the same as without it (with -s, the same text)\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"

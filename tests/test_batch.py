@@ -10,8 +10,12 @@
 3. Every kind of bad line gets its own error record (with its line number) while the other lines
    run, and the exit status says whether any failed; random lines never crash it.
 4. The page pool: a request that can never fit ends with "finish": "context" after the text the
-   pool can hold; prompts sharing a header share its pages (less prefill).
+   pool can hold; prompts sharing a header share its pages (less prefill). Gemma 3's sliding-window layers
+   give back the pages every query has moved past, so a pool too small for one long sequence's every page
+   runs two at once.
 5. Ctrl-C: exit 130, the records written are whole JSON lines in input order.
+6. Lookup decoding in batch mode leaves every record as it is (greedy: the single runs' texts; sampled:
+   the same records with lookup on and off), and its drafts stand on copy prompts.
 """
 from __future__ import annotations
 
@@ -143,6 +147,70 @@ def test_gemma_sliding_window_past_the_window():
     code, recs, err = batch(path, "-t", "0", "--parallel", "3", model_path=g, timeout=900)
     assert code == 0, err
     check_identity(recs, reqs, g)
+
+
+COPY_LINES = [
+    {"prompt": "Repeat the following sentence exactly, word for word: The quick brown fox jumps over the lazy dog near "
+               "the old river bank.", "chat": True, "n": 48},
+    {"prompt": "Rename the function add to sum in this code and print the whole code:\ndef add(a, b):\n    return a + b"
+               "\n\nprint(add(2, 3))\n", "chat": True, "n": 60},
+    {"prompt": "Copy this list exactly: apples, pears, plums, cherries, grapes, lemons, limes, oranges, figs, dates.",
+     "chat": True, "n": 50},
+    {"prompt": "Once upon a time", "n": 40},
+    {"prompt": HEADER + "Q: What is 50 plus 7?\nA:", "n": 12},
+]
+
+
+def test_lookup_in_batch_gives_the_single_run_texts():
+    """Each sequence drafts from its own prompt and output, its verification rows join the step's pass: greedy
+    records equal the single runs with lookup off and on, one and three at a time; with one at a time (the
+    single mode's costs) the copy prompts' drafts stand; the per-token latency percentiles stay reported."""
+    path = write_lines("lookup.jsonl", COPY_LINES)
+    stood = 0
+    for lookup in ("0", "15"):
+        for b in ("1", "3"):
+            code, recs, err = batch(path, "-t", "0", "--parallel", b, "--lookup", lookup, "-v")
+            assert code == 0, err
+            check_identity(recs, COPY_LINES, model())
+            lat = re.search(r"per-token latency p50 ([\d.]+) ms, p90 ([\d.]+) ms", err)
+            assert lat and 0 < float(lat.group(1)) <= float(lat.group(2)), err
+            lk = re.search(r"lookup: (\d+) drafted, (\d+) accepted", err)
+            assert not lk if lookup == "0" else True, f"--lookup 0 drafted: {err}"
+            if lk and b == "1":
+                stood += int(lk.group(2))
+    assert stood > 20, f"only {stood} drafts stood over the copy prompts: lookup hardly ran in batch mode"
+
+
+def test_sampled_batch_records_do_not_depend_on_lookup():
+    reqs = [{"prompt": p["prompt"], "n": 40, "chat": p.get("chat", False)} for p in COPY_LINES]
+    path = write_lines("lookup-sampled.jsonl", reqs)
+    texts = []
+    for lookup in ("0", "15"):
+        code, recs, err = batch(path, "-t", "0.8", "-s", "5", "--parallel", "3", "--lookup", lookup)
+        assert code == 0, err
+        texts.append([r["text"] for r in recs])
+    assert texts[0] == texts[1], f"lookup changed sampled records:\n{texts[0]}\n{texts[1]}"
+
+
+def test_gemma_window_pages_go_back_to_the_pool():
+    """Sliding-window reclaim: two ~2000-token Gemma prompts (28 pages) that share all but their last page, in a
+    21-page pool (--kv-mem 28). Without giving back the pages of the 15 local layers that every query has moved past,
+    one sequence alone would not fit (it would end at the pool's end); with it, both run at once, the second holding
+    the first's prefix, also its local pages its first queries see, and the texts are the single runs'."""
+    g = str(require(GEMMA, "run `make model-gemma`"))
+    long = "The history of the printing press. " * 285
+    reqs = [{"prompt": long + "In summary,", "n": 16}, {"prompt": long + "The first printer was", "n": 12}]
+    path = write_lines("gemma-reclaim.jsonl", reqs)
+    code, recs, err = batch(path, "-t", "0", "--parallel", "2", "--kv-mem", "28", "-v", model_path=g, timeout=900)
+    assert code == 0, err
+    assert all(27 * 72 < r["prompt_tokens"] <= 28 * 72 - r["tokens"] for r in recs), recs  # 28 pages each, as planned
+    check_identity(recs, reqs, g)
+    pages = re.search(r"KV pages: (\d+) of (\d+) used", err)
+    kept = re.search(r"pages in use at most (\d+), (\d+) had they kept them", err)
+    assert pages and int(pages.group(2)) == 21, err
+    assert kept and int(kept.group(1)) <= 21 < int(kept.group(2)), f"no pages given back, or not needed: {err}"
+    prefilled = int(re.search(r"prefill (\d+) tokens", err).group(1))
+    assert prefilled < recs[0]["prompt_tokens"] + 100, f"the second prompt did not share the first's pages: {err}"
 
 
 def test_sampled_records_depend_only_on_seed_and_line():

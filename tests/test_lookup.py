@@ -11,12 +11,18 @@
    with probabilities near 0.5 / 0.3 / 0.2 (so lookup's drafts both stand and fall), many seeds
    with and without lookup, and a chi-square test of homogeneity per generated position. The
    same test must detect a small real change (temperature 1.0 vs 1.6): it has the power to fail.
+   And since a draft stands exactly when the draw plain decoding makes equals it, a seed gives
+   the same sampled text with and without lookup, byte for byte.
+4. The drafting logic (tests/lookup_driver.c, which includes run.c) against references written
+   from its contracts: the copy pointer's search and its moves, and the planner's draft lengths
+   against every combination of lengths.
 """
 from __future__ import annotations
 
 import functools
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,6 +122,34 @@ def test_greedy_text_identical_with_and_without_lookup():
     assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
     assert p.stdout == base.stdout, f"chat with lookup differs:\n{base.stdout!r}\n{p.stdout!r}"
     assert lookup_stats(p.stderr)[1] > 0, "chat: no draft stood"
+
+
+def test_sampled_text_identical_with_and_without_lookup():
+    """A draft stands when the token drawn as plain decoding draws it equals the draft: one seed, one text,
+    whatever number of drafts the pass costs measured here made worth it."""
+    m = model()
+    accepted = 0
+    for prompt, args in ((COPY, ["-c"]), (CODE, ["-c"]), (STORY, [])):
+        for seed in ("1", "2", "3"):
+            common = [m, "-t", "0.8", "-s", seed, "-n", "48", "-i", prompt, *args]
+            base = run([*common, "--lookup", "0"])
+            p = run([*common, "-v"])
+            assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
+            assert p.stdout == base.stdout, (f"-s {seed}: lookup changed the sampled text:\n"
+                                             f"without: {base.stdout!r}\nwith:    {p.stdout!r}")
+            accepted += lookup_stats(p.stderr)[1]
+    assert accepted > 10, f"only {accepted} drafts stood: the sampled verification path hardly ran"
+
+
+def test_drafting_logic_against_references():
+    exe = SCRATCH / "lookup_driver"
+    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
+                         str(ROOT / "tests/lookup_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
+                        capture_output=True, text=True)
+    assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    print(out.stdout, end="")
+    assert out.returncode == 0 and "all lookup checks passed" in out.stdout, out.stdout + out.stderr
 
 
 # ----------------------------------------------------------------------------------------------------------------
