@@ -5364,7 +5364,9 @@ static void text_end(TextOut *o)
 #define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
 #define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
 #define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
-#define LOOKUP_EMA 0.25     /* weight of a new pass in the measured pass costs */
+#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
+#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
+#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
 #define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
 
 /* What forward passes cost here, measured: the time of a pass of m
@@ -5373,13 +5375,11 @@ static void text_end(TextOut *o)
    while decode waits on memory; past that every token adds its arithmetic,
    in steps of the kernels' token tiles (on AVX2 a third token costs about
    what a fourth does). A size not timed yet is taken to cost what the
-   cheapest token seen so far (a prefill chunk's, usually) would cost in it,
-   or a decode step if that is more: a hopeful guess, which its first
-   timing then corrects. */
+   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
+   a hopeful guess, which its first timing then corrects. */
 typedef struct {
     double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
     double tok_ms;               /* the least time per token of any pass of several */
-    double min_ms;               /* the least time of any pass: at least a decode step's */
 } PassCost;
 
 typedef struct {
@@ -5394,17 +5394,22 @@ typedef struct {
 static void lookup_time(PassCost *pc, int m, double ms)
 {
     if (m > CHUNK_TOKENS) ms *= (double)CHUNK_TOKENS / m, m = CHUNK_TOKENS;
-    pc->ms[m] = pc->ms[m] > 0 ? pc->ms[m] + LOOKUP_EMA * (ms - pc->ms[m]) : ms;
-    pc->min_ms = pc->min_ms > 0 ? fmin(pc->min_ms, pc->ms[m]) : pc->ms[m];
+    pc->ms[m] = pc->ms[m] > 0 ? pc->ms[m] + LOOKUP_EMA * (fmin(ms, LOOKUP_SPIKE * pc->ms[m]) - pc->ms[m]) : ms;
     if (m > 1) pc->tok_ms = pc->tok_ms > 0 ? fmin(pc->tok_ms, ms / m) : ms / m;
 }
 
-/* The expected time of a pass of m tokens (0: nothing timed yet). */
+/* The expected time of a pass of m tokens: its measured time, or the
+   guess, kept between the times measured for fewer tokens and for more (a
+   pass never costs less than a shorter one nor more than a longer one: a
+   slow outlier at one size would otherwise keep the planner from ever
+   timing it again). */
 static double lookup_cost(const PassCost *pc, int m)
 {
-    if (pc->ms[m] > 0) return pc->ms[m];
-    double step = pc->ms[1] > 0 ? pc->ms[1] : pc->min_ms;
-    return fmax(step, m * pc->tok_ms);
+    double t = pc->ms[m] > 0 ? pc->ms[m] : m * pc->tok_ms;
+    for (int j = 1; j < m; j++) t = fmax(t, pc->ms[j]);
+    for (int j = m + 1; j <= CHUNK_TOKENS; j++)
+        if (pc->ms[j] > 0) t = fmin(t, pc->ms[j]);
+    return t;
 }
 
 static int lookup_class(int run)
@@ -5465,11 +5470,12 @@ static void lookup_adapt(Lookup *lk, const int *ids, int n)
    likeliest to stand (the j-th guess of a sequence stands only if the
    j - 1 before it do), so they are ranked so, and the pass takes as many
    as give the most expected tokens per unit of time (none: plain decode
-   steps), at most max_rows tokens in all. Sets k[i]; returns the pass's
-   tokens. */
+   steps, unless drafts promise LOOKUP_MARGIN more), at most max_rows tokens
+   in all. Until a pass of the n tokens alone has been timed, none: that is
+   the time the drafts must beat. Sets k[i]; returns the pass's tokens. */
 static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost *pc, int max_rows, int *k)
 {
-    double odds[BATCH_MAX], yield = n, best_rate = pc->min_ms > 0 ? n / lookup_cost(pc, n) : INFINITY;
+    double odds[BATCH_MAX], yield = n, best_rate = pc->ms[n] > 0 ? n / lookup_cost(pc, n) * (1 + LOOKUP_MARGIN) : INFINITY;
     int pick[BATCH_MAX], best_rows = n;
     for (int i = 0; i < n; i++) {
         k[i] = 0;

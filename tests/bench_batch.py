@@ -22,6 +22,11 @@ The single-sequence baseline is --parallel 1 over every 4th prompt (16 of 64, th
 of lengths): decode speed per sequence does not depend on how many prompts follow, and the
 whole file at B = 1 would take longer than everything else together.
 
+Lookup decoding is off (--lookup 0) unless --lookup: the rows then measure batching alone. The
+last line runs Gemma 3 270M (make model-gemma) on 8 prompts of 1,100 words (~1,100 tokens) in a
+64 MB pool: how many run at once when the sliding-window layers give back the pages every query
+has moved past, against what the pool would hold if they kept them.
+
 For reference, llama.cpp (llama-cpp-python's low-level batched API) decodes the same prompts on
 the shipped Q4_1 GGUF with the same number of sequences in flight, continuous refill, greedy
 argmax and 128 tokens each; the q8_0 rows have no llama.cpp number (no Q8_0 GGUF ships).
@@ -137,11 +142,11 @@ def check_records(out: Path, n_records: int, n_gen: int) -> int:
     return sum(r["prompt_tokens"] for r in recs)
 
 
-def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: int) -> dict:
+def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: int, lookup: bool = False) -> dict:
     """One ./run --batch -v; the -v summary, the child's peak RSS and CPU time."""
     out = WORK / f"out-{os.getpid()}.jsonl"
     cmd = [str(RUN), str(model), "--batch", str(prompts), "--parallel", str(parallel), "-t", "0", "--ignore-eos",
-           "-n", str(n_gen), "-v"]
+           "-n", str(n_gen), "-v", *([] if lookup else ["--lookup", "0"])]
     with open(out, "wb") as stdout:
         p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE)
         err = p.stderr.read().decode(errors="replace")
@@ -272,7 +277,7 @@ def median(runs: list[dict], key: str) -> float:
 
 
 def measure(models: dict[str, Path], files: dict[int, tuple[Path, int]], parallels: list[int], runs: int,
-            n_gen: int) -> dict[tuple[str, int], list[dict]]:
+            n_gen: int, lookup: bool = False) -> dict[tuple[str, int], list[dict]]:
     """Every (model, B) `runs` times; the order of B is reversed on every other run so that a slow
     stretch of the shared machine does not land on one configuration only."""
     results: dict[tuple[str, int], list[dict]] = {(m, b): [] for m in models for b in parallels}
@@ -281,7 +286,7 @@ def measure(models: dict[str, Path], files: dict[int, tuple[Path, int]], paralle
         for name, path in models.items():
             for b in order:
                 prompts, n_prompts = files[b]
-                r = run_batch(path, prompts, n_prompts, b, n_gen)
+                r = run_batch(path, prompts, n_prompts, b, n_gen, lookup)
                 results[(name, b)].append(r)
                 print(f"run {i + 1}/{runs} {name} B={b}: {r['agg_tps']:.1f} tok/s aggregate, {r['decode_tps']:.1f} "
                       f"decode, prefill {r['prefill_tps']:.0f} tok/s, {r['tok_per_cpu_s']:.1f} tok/CPU-s, "
@@ -328,6 +333,32 @@ def rooflines(name: str, model: Path, results: dict[tuple[str, int], list[dict]]
     return f"{name} decode: " + "; ".join(parts)
 
 
+GEMMA = DEFAULT_MODEL.parent / "gemma3-270m.bin"
+PAGE_TOKENS = 72  # positions per KV page (run.c)
+IN_FLIGHT = re.compile(r"batch: \d+(?:/\d+)? done, (\d+) in flight")
+
+
+def gemma_reclaim(n_prompts: int, words: int, kv_mb: int, n_gen: int) -> str:
+    """Gemma 3 270M's sliding-window layers (15 of 18, a 512-position window) give their pages back once every
+    query is past them: how many long sequences a fixed --kv-mem runs at once, and the pages in use against
+    what they would have kept, from one -v run (the progress lines every 2 s give the sequences in flight)."""
+    prompts = write_prompts("gemma.txt", make_prompts(n_prompts, words, words, seed=SEED + 1))
+    cmd = [str(RUN), str(GEMMA), "--batch", str(prompts), "--kv-mem", str(kv_mb), "--parallel", str(n_prompts),
+           "-t", "0", "--ignore-eos", "-n", str(n_gen), "-v", "--lookup", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    recs = [json.loads(line) for line in p.stdout.splitlines()]
+    pool = re.search(r"KV pool of (\d+) pages of \d+ positions \(([\d.]+) MB\)", p.stderr)
+    used = re.search(r"pages in use at most (\d+), (\d+) had they kept them", p.stderr)
+    flights = [int(x) for x in IN_FLIGHT.findall(p.stderr)]
+    positions = max(r["prompt_tokens"] for r in recs) + n_gen - 1
+    full = -(-positions // PAGE_TOKENS)
+    return (f"Gemma 3 270M, {n_prompts} prompts of {min(r['prompt_tokens'] for r in recs)}-{max(r['prompt_tokens'] for r in recs)} "
+            f"tokens, {n_gen} tokens each, --kv-mem {kv_mb} ({pool.group(1)} pages of every layer, {pool.group(2)} MB): "
+            f"at most {max(flights, default=0)} sequences in flight (progress lines every 2 s) where keeping every page "
+            f"({full} per sequence) would fit {int(pool.group(1)) // full}; pages in use at most {used.group(1)}, "
+            f"{used.group(2)} had the window's old pages been kept; {sum(r['tokens'] for r in recs)} tokens in all")
+
+
 def llamacpp_installed() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -350,6 +381,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads (./run takes its default)")
     ap.add_argument("--llamacpp-cap", type=float, default=180, help="seconds llama.cpp may run at most")
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
+    ap.add_argument("--lookup", action="store_true", help="lookup decoding on (default: --lookup 0, batching alone)")
+    ap.add_argument("--no-gemma", action="store_true", help="leave out the Gemma 3 sliding-window reclaim line")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.single, args.runs = 16, 4, 1
@@ -372,7 +405,7 @@ def main() -> None:
     print(f"{len(prompts)} prompts of 5-400 words (seed {SEED}), {args.tokens} tokens each (-t 0 --ignore-eos); "
           f"B=1 baseline: --parallel 1 over {len(prompts[::step])} of them (every {step}th); "
           f"medians of {args.runs} runs", flush=True)
-    results = measure(models, files, parallels, args.runs, args.tokens)
+    results = measure(models, files, parallels, args.runs, args.tokens, args.lookup)
     ref = None
     if not args.no_llamacpp and "q4_1" in models and llamacpp_installed():
         ref = llamacpp_batch(DEFAULT_GGUF, prompts, args.parallel, args.tokens, args.threads, args.llamacpp_cap)
@@ -386,6 +419,8 @@ def main() -> None:
     print()
     for name, path in models.items():
         print(rooflines(name, path, results, eng, args.parallel))
+    if GEMMA.exists() and not args.no_gemma:
+        print(gemma_reclaim(8, 1100, 64, 32))
     print(f"load average after: {load_average()}; {time.perf_counter() - t_start:.0f} s in all")
 
 

@@ -11,8 +11,12 @@
    3. lookup_plan: for random odds and random pass costs (measured sizes
       and guessed ones, not monotone), its drafts give the best expected
       tokens per unit of time that any combination of draft lengths gives
-      (all enumerated), and it drafts nothing when every pass costs its
-      tokens' decode steps.
+      (all enumerated; drafting only when that beats none by
+      LOOKUP_MARGIN, and once a pass without drafts was timed), and it
+      drafts nothing when every pass costs its tokens' decode steps.
+   4. lookup_cost / lookup_time: the expected cost never falls as the pass
+      grows, is the measured time where measured times rise, and a spike
+      moves a size's average by a bounded step.
    Includes run.c whole; prints one line per check and exits 1 if any
    failed. Build: cc -O2 -I. tests/lookup_driver.c tokenizer.c -lm */
 #define main run_main
@@ -105,17 +109,19 @@ static double plan_rate(Lookup *const *lk, int n, const int *k, const PassCost *
     return yield / lookup_cost(pc, rows);
 }
 
-/* The best rate over every combination of lengths up to room[i]. */
+/* The best rate over every combination of lengths up to room[i]; the
+   rate without drafts unless some combination beats it by LOOKUP_MARGIN. */
 static double best_rate(Lookup *const *lk, int n, const int *room, const PassCost *pc)
 {
     int k[SEQS_MAX] = {0};
-    double best = 0;
+    double plain = plan_rate(lk, n, k, pc), best = 0;
+    if (pc->ms[n] <= 0) return plain; /* the time to beat is not known yet */
     while (1) {
-        best = fmax(best, plan_rate(lk, n, k, pc));
         int i = 0;
         while (i < n && k[i] == room[i]) k[i++] = 0;
-        if (i == n) return best;
+        if (i == n) return best > plain * (1 + LOOKUP_MARGIN) ? best : plain;
         k[i]++;
+        best = fmax(best, plan_rate(lk, n, k, pc));
     }
 }
 
@@ -144,7 +150,7 @@ static void test_plan(void)
         int rows = lookup_plan(lk, room, n, &pc, BATCH_MAX, k), sum = n;
         for (int i = 0; i < n; i++) sum += k[i], bad += k[i] < 0 || k[i] > room[i];
         double got = plan_rate(lk, n, k, &pc), want = best_rate(lk, n, room, &pc);
-        bad += rows != sum || got < want * (1 - 1e-12);
+        bad += rows != sum || fabs(got - want) > want * 1e-12;
         drafted += sum > n;
         cases++;
     }
@@ -162,11 +168,47 @@ static void test_plan(void)
           "lookup_plan: no drafts when a pass of m tokens costs m decode steps");
 }
 
+/* lookup_cost's contract: never less for more tokens (a slow outlier at one
+   size must not make a longer pass look cheaper, nor a shorter dearer), the
+   measured time itself where the measured times already rise with m, and a
+   size not timed between its measured neighbours; lookup_time's: a spike
+   (a descheduled thread) moves the average by at most LOOKUP_EMA of
+   LOOKUP_SPIKE - 1 times it. */
+static void test_cost(void)
+{
+    int bad = 0;
+    for (int trial = 0; trial < 1000; trial++) {
+        PassCost pc = {0};
+        int rising = rand_below(2);
+        double last = 0;
+        for (int m = 1; m <= CHUNK_TOKENS; m++) {
+            if (m > 1 && rand_below(3)) continue; /* sizes not timed */
+            double ms = rising ? last + 1 + 10 * random_f32(&rng) : 1 + 100 * random_f32(&rng);
+            lookup_time(&pc, m, ms);
+            last = ms;
+        }
+        double prev = 0;
+        for (int m = 1; m <= CHUNK_TOKENS; m++) {
+            double c = lookup_cost(&pc, m);
+            bad += c < prev || (rising && pc.ms[m] > 0 && c != pc.ms[m]);
+            prev = c;
+        }
+        int m = 1 + rand_below(CHUNK_TOKENS);
+        double before = pc.ms[m];
+        if (before > 0) {
+            lookup_time(&pc, m, before * 1000);
+            bad += pc.ms[m] > before * (1 + LOOKUP_EMA * (LOOKUP_SPIKE - 1)) * (1 + 1e-12);
+        }
+    }
+    check(!bad, "lookup_cost: rises with the pass's tokens, is the measured time where those rise, spikes bounded");
+}
+
 int main(void)
 {
     test_draft();
     test_adapt();
     test_plan();
+    test_cost();
     printf("%s\n", failures ? "FAILED" : "all lookup checks passed");
     return failures != 0;
 }
