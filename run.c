@@ -1352,7 +1352,7 @@ static void to_float_q6_k_scalar(float *out, const void *row, int n)
    So a kernel turns 64 bytes into 16 rows x 4 elements with an and or a
    shift, and a 5- or 6-bit integer with a shift, an and and an or more.
    The float types' record is element e of the 16 rows (64 or 32 bytes).
-   packed_uint and packed_half are the accessors that say where a value
+   packed_stretch and packed_half are the accessors that say where a value
    lives; the definitions below read the matrix through them only. */
 #define PACK_ROWS 16  /* rows per group: one per int32 lane of a 512-bit vector */
 #define PACK_TOKS 8   /* tokens per kernel call: a group's bytes stay in cache for all of them */
@@ -1423,15 +1423,28 @@ static size_t packed_group_bytes(const PackForm *f, int n)
     return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
 }
 
-/* The unsigned integer e (0..STRETCH-1) of row r in a stretch of packed
-   integers of `bits` bits (the layout above). */
-static int packed_uint(const uint8_t *stretch, int bits, int r, int e)
+/* The accessor: the unsigned integers of a stretch of packed integers of
+   `bits` bits, u[r][e] = element e (0..STRETCH-1) of row r (the layout
+   above, read in its own order). */
+static void packed_stretch(const uint8_t *stretch, int bits, uint8_t u[PACK_ROWS][STRETCH])
 {
-    if (bits == 8) return stretch[64 * (e / 4) + 4 * r + e % 4];
-    int j = e / 8, h = e % 8 / 4, i = e % 4, extra = bits - 4, per_byte = extra ? 8 / extra : 1, k = 2 * j + h;
-    int u = stretch[(size_t)PACK_ROWS * STRETCH / 8 * extra + 64 * j + 4 * r + i] >> 4 * h & 0xf;
-    if (extra) u |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
-    return u;
+    if (bits == 8) { /* byte 64g + 4r + i = element 4g + i of row r */
+        for (int g = 0; g < STRETCH / 4; g++)
+            for (int r = 0; r < PACK_ROWS; r++) memcpy(&u[r][4 * g], stretch + 64 * g + 4 * r, 4);
+        return;
+    }
+    int extra = bits - 4, per_byte = extra ? 8 / extra : 1;
+    const uint8_t *nib = stretch + (size_t)PACK_ROWS * STRETCH / 8 * extra; /* the high planes come first */
+    for (int j = 0; j < STRETCH / 8; j++) /* byte 64j + 4r + i: element 8j + i low, 8j + 4 + i high */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t b = nib[64 * j + 4 * r + i];
+                u[r][8 * j + i] = b & 0xf, u[r][8 * j + 4 + i] = b >> 4;
+            }
+    for (int k = 0; k < STRETCH / 4 && extra; k++) /* field k of element 4k + i: bits above the nibble */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++)
+                u[r][4 * k + i] |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
 }
 
 /* Row r's fp16 field of a plane of PACK_ROWS of them, as a float. */
@@ -1449,23 +1462,28 @@ static void packed_k4_scales(const uint8_t *rec, int r, uint8_t s[12])
 }
 
 /* The definitions of the packed products, which every set's PackedFn
-   matches bit for bit (tests/test_kernels.c): one output, row r of a group
-   times one activation row, for n elements. Integer sums are exact; the
-   float steps, each correctly rounded, are the ones written here. The
-   32-element types, per block: isum = sum (u - offset) * x.q, then
-   acc += (isum * x.d) * d, and for a type with a minimum acc += m * x.s. */
-static float packed_dot_block32(const PackForm *f, const uint8_t *group, int r, const BlockQ8A *a, int n)
+   matches bit for bit (tests/test_kernels.c): out[r] = row r of a group
+   times one activation row, for the group's PACK_ROWS rows and n elements.
+   Integer sums are exact (so their order does not matter); the float
+   steps, each correctly rounded, are the ones written here. The 32-element
+   types, per block: isum = sum (u - offset) * x.q, then acc += (isum * x.d)
+   * d, and for a type with a minimum acc += m * x.s. */
+static void packed_dot_block32(const PackForm *f, const uint8_t *group, const BlockQ8A *a, int n, float out[PACK_ROWS])
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f);
-    float acc = 0;
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[PACK_ROWS][STRETCH];
     for (int k = 0; k < n / QK; k++, a++) {
         const uint8_t *rec = group + k * rb;
-        int isum = 0;
-        for (int e = 0; e < QK; e++) isum += (packed_uint(rec + hb, f->bits, r, e) - f->offset) * a->qs[e];
-        acc = fmaf((float)isum * a->d, packed_half(rec, r), acc);
-        if (f->has_min) acc = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc);
+        packed_stretch(rec + hb, f->bits, u);
+        for (int r = 0; r < PACK_ROWS; r++) {
+            int isum = 0;
+            for (int e = 0; e < QK; e++) isum += (u[r][e] - f->offset) * a->qs[e];
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->has_min) acc[r] = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc[r]);
+        }
     }
-    return acc;
+    memcpy(out, acc, sizeof acc);
 }
 
 /* The K types against Q8_K activations, per super-block: the sub-blocks'
@@ -1473,32 +1491,36 @@ static float packed_dot_block32(const PackForm *f, const uint8_t *group, int r, 
    the sum and for the minimums (q4_k, q5_k: acc += (isum * x.d) * d, then
    acc += (msum * x.d) * -dmin, msum = sum_j m_j * x's sum of sub-block j)
    or q6_k's offset of 32 (isum = sum_g sc_g * (s_g - 32 * x's sum of g)). */
-static float packed_dot_k(const PackForm *f, const uint8_t *group, int r, const BlockQ8K *a, int n)
+static void packed_dot_k(const PackForm *f, const uint8_t *group, const BlockQ8K *a, int n, float out[PACK_ROWS])
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
     int sub = f->kind == PACK_K4 ? STRETCH : 16; /* elements per sub-block */
-    float acc = 0;
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[QK_K / STRETCH][PACK_ROWS][STRETCH];
     for (int k = 0; k < n / QK_K; k++, a++) {
         const uint8_t *rec = group + k * rb;
-        uint8_t scales[12];
-        if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
-        int isum = 0, msum = 0;
-        for (int j = 0; j < QK_K / sub; j++) {
-            int s = 0, sc, m;
-            for (int e = j * sub; e < (j + 1) * sub; e++) s += packed_uint(rec + hb + e / STRETCH * sb, f->bits, r, e % STRETCH) * a->qs[e];
-            if (f->kind == PACK_K4) {
-                k4_scale_min(scales, j, &sc, &m);
-                isum += sc * s;
-                msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-            } else {
-                sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
-                isum += sc * (s - 32 * a->bsums[j]);
+        for (int j = 0; j < QK_K / STRETCH; j++) packed_stretch(rec + hb + j * sb, f->bits, u[j]);
+        for (int r = 0; r < PACK_ROWS; r++) {
+            uint8_t scales[12];
+            if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
+            int isum = 0, msum = 0;
+            for (int j = 0; j < QK_K / sub; j++) {
+                int s = 0, sc, m;
+                for (int e = j * sub; e < (j + 1) * sub; e++) s += u[e / STRETCH][r][e % STRETCH] * a->qs[e];
+                if (f->kind == PACK_K4) {
+                    k4_scale_min(scales, j, &sc, &m);
+                    isum += sc * s;
+                    msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+                } else {
+                    sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
+                    isum += sc * (s - 32 * a->bsums[j]);
+                }
             }
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->kind == PACK_K4) acc[r] = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc[r]);
         }
-        acc = fmaf((float)isum * a->d, packed_half(rec, r), acc);
-        if (f->kind == PACK_K4) acc = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc);
     }
-    return acc;
+    memcpy(out, acc, sizeof acc);
 }
 
 /* Element e of row r of a packed float group. */
@@ -1512,14 +1534,18 @@ static float packed_float(int bits, int type, const uint8_t *group, int e, int r
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
-/* The float types against float activations: PACK_FCHAINS chains. */
-static float packed_dot_float(int type, int bits, const uint8_t *group, int r, const float *a, int n)
+/* The float types against float activations: element e into chain
+   e % PACK_FCHAINS of each row, the chains added in order at the end. */
+static void packed_dot_float(int type, int bits, const uint8_t *group, const float *a, int n, float out[PACK_ROWS])
 {
-    float acc[PACK_FCHAINS] = {0};
-    for (int e = 0; e < n; e++) acc[e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[e % PACK_FCHAINS]);
-    float sum = acc[0];
-    for (int c = 1; c < PACK_FCHAINS; c++) sum += acc[c];
-    return sum;
+    float acc[PACK_ROWS][PACK_FCHAINS] = {{0}};
+    for (int e = 0; e < n; e++)
+        for (int r = 0; r < PACK_ROWS; r++)
+            acc[r][e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r][e % PACK_FCHAINS]);
+    for (int r = 0; r < PACK_ROWS; r++) {
+        out[r] = acc[r][0];
+        for (int c = 1; c < PACK_FCHAINS; c++) out[r] += acc[r][c];
+    }
 }
 
 /* Row r of a packed group as floats, as the row's own dequantization
@@ -1527,21 +1553,23 @@ static float packed_dot_float(int type, int bits, const uint8_t *group, int r, c
 static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    uint8_t u[PACK_ROWS][STRETCH];
     for (int e = 0; e < n; e++) {
-        const uint8_t *rec = group + e / packed_block(f) * rb;
-        int i = e % packed_block(f);
         if (f->kind == PACK_FLOAT) { out[e] = packed_float(f->bits, type, group, e, r); continue; }
-        int u = packed_uint(rec + hb + i / STRETCH * sb, f->bits, r, i % STRETCH), sc, m;
+        const uint8_t *rec = group + e / packed_block(f) * rb;
+        int i = e % packed_block(f), sc, m;
+        if (i % STRETCH == 0) packed_stretch(rec + hb + i / STRETCH * sb, f->bits, u);
+        int q = u[r][i % STRETCH];
         float d = packed_half(rec, r);
         if (f->kind == PACK_BLOCK32)
-            out[e] = f->has_min ? u * d + packed_half(rec + 2 * PACK_ROWS, r) : (u - f->offset) * d;
+            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
         else if (f->kind == PACK_K6)
-            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (u - 32);
+            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
         else {
             uint8_t scales[12];
             packed_k4_scales(rec, r, scales);
             k4_scale_min(scales, i / STRETCH, &sc, &m);
-            out[e] = d * sc * u - packed_half(rec + 2 * PACK_ROWS, r) * m;
+            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
         }
     }
 }
@@ -1708,13 +1736,12 @@ typedef struct {
 static void packed_scalar(int type, const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks,
                           float *out)
 {
-    for (int t = 0; t < toks; t++)
-        for (int r = 0; r < PACK_ROWS; r++) {
-            const void *a = x + t * xs;
-            out[t * PACK_ROWS + r] = f->kind == PACK_BLOCK32 ? packed_dot_block32(f, group, r, a, n)
-                                     : f->kind == PACK_FLOAT ? packed_dot_float(type, f->bits, group, r, a, n)
-                                                             : packed_dot_k(f, group, r, a, n);
-        }
+    for (int t = 0; t < toks; t++) {
+        const void *a = x + t * xs;
+        if (f->kind == PACK_BLOCK32) packed_dot_block32(f, group, a, n, out + t * PACK_ROWS);
+        else if (f->kind == PACK_FLOAT) packed_dot_float(type, f->bits, group, a, n, out + t * PACK_ROWS);
+        else packed_dot_k(f, group, a, n, out + t * PACK_ROWS);
+    }
 }
 
 /* Each type's packed form: kind, integer bits, offset, has a minimum. */
@@ -7608,7 +7635,7 @@ INLINE __m256i dot4_q8_avx2(__m256i acc, __m256i u, __m256i a)
 
 /* Integers 4g .. 4g + 3 (g = 0..7) of the 8 rows of half `half` in a
    stretch of `bits`-bit integers: a load and an and or a shift, and for 5
-   or 6 bits the high plane's bits moved to bit 4 (packed_uint). */
+   or 6 bits the high plane's bits moved to bit 4 (packed_stretch). */
 INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 {
     const uint8_t *p = stretch + 32 * half;
