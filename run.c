@@ -1051,8 +1051,9 @@ static void watch_model_file(const Model *m, const char *path)
 
 /* ============================================================================
    2. KERNELS
-   Each dot product has a scalar reference (the definition) and, where the
-   compiler targets AVX2+FMA+F16C, a SIMD version that must agree with it.
+   Each kernel has a plain scalar version, the definition, which the scalar
+   set runs; the SIMD sets in the appendices, one chosen at run time for the
+   CPU (select_kernels), must agree with it (tests/test_kernels.c).
    ========================================================================= */
 
 /* IEEE half -> float, including subnormals, infinities and NaN. */
@@ -1600,17 +1601,12 @@ static void geglu_scalar(float *g, const float *u, int n)
 }
 
 /* --- attention kernels -----------------------------------------------------
-   Decode (attend_tile) works on blocks of ATT_KTILE cached positions
-   converted to floats. A large group of queries takes K transposed
-   (kt[i * ATT_KTILE + j] is element i of key j), so one broadcast query
-   element meets 8 keys in a vector; a small one takes K as rows. V is rows.
-   Prefill (attend_queries) reads the cache's rows in place through the
-   multi-query kernels att_qk and att_pv below. These are small GEMMs, exact
-   up to summation order; the softmax step between them uses a polynomial
-   exp in its SIMD version. */
-
-
-
+   attend_chunk (section 3) scores a tile of queries against ATT_KTILE
+   cached keys at a time (att_qk), takes the online softmax step over the
+   block (att_softmax) and adds the weighted V rows (att_pv). Each query's
+   numbers come out the same whatever the other queries of the call: these
+   are small GEMMs whose sums run in a fixed order per query. The softmax
+   step uses a polynomial exp in its SIMD versions. */
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -1627,14 +1623,12 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     return sum;
 }
 
-/* Prefill's kernels take a tile of queries at once and read K and V rows
-   straight from the cache, in its type (T_F32 or T_F16; attend_queries
-   converts the other cache types to f32 rows first). A K or V element
-   loaded into a register then feeds several queries' FMAs, where the
-   one-query kernels above load (and first convert into a buffer) every
-   element once per query. Decode has one token, `group` queries per KV
-   head: nothing to share, so it keeps the kernels above. Row j of K or V
-   is at k[j] (rows of a block need not be adjacent: pages, ring buffers). */
+/* The multi-query kernels read K and V rows straight from the cache, in
+   its type (T_F32 or T_F16; attend_chunk converts the other cache types
+   to f32 rows first). A K or V element loaded into a register then feeds
+   every query of the tile (a token's `group` query heads, times the
+   tokens of a prefill tile). Row j of K or V is at k[j] (rows of a block
+   need not be adjacent: pages, ring buffers). */
 
 /* Element i of a cached row of type T_F32 or T_F16. */
 static float kv_elem(const void *row, int type, int i)
