@@ -4,6 +4,8 @@
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
                  [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
                  [--stop STR] [--json | --json-schema FILE] [--logprobs N]
+                 [--min-p P] [--repeat-penalty R] [--repeat-last-n N]
+                 [--presence-penalty X] [--frequency-penalty X]
      echo "PROMPT" | ./run MODEL
      ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
 
@@ -31,9 +33,10 @@
                      mode, a paged KV cache), each computed exactly as a
                      decode step. All attend over the cached K/V in blocks
                      with a running softmax (flash-attention style).
-     4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
-                     with a drafted token that keeps the distribution; each
-                     draw's log-probabilities on request (--logprobs).
+     4. sampling     repetition, presence and frequency penalties, then greedy,
+                     or temperature, top-k, top-p, min-p and a seeded RNG;
+                     sampling with a drafted token that keeps the distribution;
+                     each draw's log-probabilities on request (--logprobs).
      5. measurement  the roofline probe and the -v statistics.
      6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
                      -> detokenize, streamed to stdout UTF-8-safely through
@@ -68,6 +71,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <sched.h>
@@ -2017,14 +2021,6 @@ static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
     }
 }
 
-static void softmax(float *x, int n)
-{
-    float max = x[0], sum = 0;
-    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
-    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
-    for (int i = 0; i < n; i++) x[i] /= sum;
-}
-
 /* ============================================================================
    3. FORWARD PASS
    ========================================================================= */
@@ -2807,13 +2803,30 @@ typedef struct {
     TokenProb top[LOGPROBS_MAX];
 } Logprobs;
 
+/* The sampling chain's settings (README "Sampling": the order, the
+   defaults). A zero-initialized field turns its step off, so a Sampler
+   written with the first five fields only samples as before the penalties. */
 typedef struct {
     float temperature; /* 0 = greedy */
     float top_p;       /* nucleus: smallest set with probability >= top_p (1 = off) */
     int top_k;         /* keep the k most likely (0 = off) */
     uint64_t rng;      /* xorshift64* state */
     Logprobs *report;  /* each draw's report goes here (owned by the request); NULL: none */
+    float min_p;       /* keep the tokens with probability >= min_p x the most likely's (0 = off) */
+    float repeat;      /* repetition penalty: a repeated token's logit divided by it (1 = off) */
+    int repeat_last_n; /* the penalties look at the context's last N tokens (0 = no penalties) */
+    float presence;    /* subtracted from the logit of a token present in that window (0 = off) */
+    float frequency;   /* ... and this times its count there (0 = off) */
 } Sampler;
+
+#define TEMP_MAX 100    /* -t: the highest temperature */
+#define PENALTY_MAX 100 /* the highest repetition, presence and frequency penalties */
+/* -t, -p, -k, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty
+   and --frequency-penalty when not given: the sampler of earlier versions
+   (min-p and the penalties off, so a seed gives the text it gave), with
+   llama.cpp's window of 64 tokens for the penalties when they are on. */
+#define SAMPLING_DEFAULTS ((Sampler){.temperature = 0.8f, .top_p = 0.95f, .top_k = 40, .min_p = 0, .repeat = 1, \
+                                     .repeat_last_n = 64, .presence = 0, .frequency = 0})
 
 typedef struct {
     float p;
@@ -2830,10 +2843,30 @@ static uint32_t random_u32(uint64_t *state)
 
 static float random_f32(uint64_t *state) { return (random_u32(state) >> 8) / 16777216.0f; } /* [0,1) */
 
+#define MAX_LANES 16  /* independent maxima in max_of: a vector's worth, so the loop vectorizes */
+#define SCAN_BLOCK 64  /* gather_candidates skips blocks of this many probabilities below what it needs */
+
+/* The largest of x[0..n) (n >= 1; no NaN). MAX_LANES running maxima
+   instead of one: a single one is a chain of dependent compares, which the
+   compiler cannot turn into vector instructions without reassociating. */
+static float max_of(const float *x, int n)
+{
+    float lane[MAX_LANES];
+    int i = 0;
+    for (int j = 0; j < MAX_LANES; j++) lane[j] = x[0];
+    for (; i + MAX_LANES <= n; i += MAX_LANES)
+        for (int j = 0; j < MAX_LANES; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+    for (; i < n; i++) lane[0] = x[i] > lane[0] ? x[i] : lane[0];
+    for (int j = 1; j < MAX_LANES; j++) lane[0] = lane[j] > lane[0] ? lane[j] : lane[0];
+    return lane[0];
+}
+
+/* The first index of the largest logit (no NaN: see check_logits). */
 static int sample_argmax(const float *logits, int n)
 {
+    float max = max_of(logits, n);
     int best = 0;
-    for (int i = 1; i < n; i++) if (logits[i] > logits[best]) best = i;
+    while (logits[best] != max) best++;
     return best;
 }
 
@@ -2843,53 +2876,105 @@ static int by_prob_desc(const void *a, const void *b)
     return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
-/* Moves the k best of cand[0..n) (by_prob_desc's order, a total one: ties
-   go to the lower id) to cand[0..k), unsorted; returns k. A heap of the
-   best so far with the worst on top: O(n log k) instead of sorting all n,
-   which for a 262144-token vocabulary at -t 1 took longer than the
-   forward pass. */
-static int keep_top_k(Candidate *cand, int n, int k)
+/* Puts c into the heap cand[0..k) of the best candidates so far, the worst
+   (by_prob_desc's order) on top, in place of that worst one. */
+static void heap_replace_top(Candidate *cand, int k, Candidate c)
 {
-    for (int i = 0; i < n; i++) {
-        int at;
-        if (i < k) { /* grow the heap: sift up */
-            for (at = i; at > 0 && by_prob_desc(&cand[(at - 1) / 2], &cand[at]) < 0; at = (at - 1) / 2) {
-                Candidate t = cand[at]; cand[at] = cand[(at - 1) / 2]; cand[(at - 1) / 2] = t;
-            }
-            continue;
-        }
-        if (by_prob_desc(&cand[i], &cand[0]) >= 0) continue; /* no better than the worst kept */
-        cand[0] = cand[i];
-        for (at = 0;;) { /* sift down: the worse child rises */
-            int c = 2 * at + 1;
-            if (c >= k) break;
-            if (c + 1 < k && by_prob_desc(&cand[c + 1], &cand[c]) > 0) c++;
-            if (by_prob_desc(&cand[c], &cand[at]) <= 0) break;
-            Candidate t = cand[at]; cand[at] = cand[c]; cand[c] = t;
-            at = c;
-        }
+    int at = 0;
+    while (1) { /* sift down: the worse child rises */
+        int ch = 2 * at + 1;
+        if (ch >= k) break;
+        if (ch + 1 < k && by_prob_desc(&cand[ch + 1], &cand[ch]) > 0) ch++;
+        if (by_prob_desc(&cand[ch], &c) <= 0) break;
+        cand[at] = cand[ch];
+        at = ch;
     }
-    return k;
+    cand[at] = c;
 }
 
-/* The distribution the sampler draws from: softmax(logits / T) restricted
-   to the top-k, then to the top-p nucleus, as cand[0..keep) by falling
+/* Appends c to the heap cand[0..k) (worst on top), which grows by one. */
+static void heap_push(Candidate *cand, int k, Candidate c)
+{
+    int at = k;
+    for (; at > 0 && by_prob_desc(&cand[(at - 1) / 2], &c) < 0; at = (at - 1) / 2) cand[at] = cand[(at - 1) / 2];
+    cand[at] = c;
+}
+
+/* The tokens that can be kept: each with p[i] >= floor, and with top_k > 0
+   only the top_k most likely of them (by_prob_desc's order, a total one:
+   ties go to the lower id), into cand unsorted; returns their count. With
+   top-k a heap of the best so far, the worst on top: O(n log k) instead of
+   sorting all n. A block of SCAN_BLOCK probabilities whose largest (a
+   vectorized max) is below the floor, or no better than the heap's worst,
+   is skipped whole: with top-k and a vocabulary of 262144 almost every
+   block, once the heap is full. Tokens come in rising id order, so one
+   tied with the heap's worst is the worse of the two. */
+static int gather_candidates(const float *p, int n, float floor, int top_k, Candidate *cand)
+{
+    int nc = 0;
+    for (int i0 = 0; i0 < n; i0 += SCAN_BLOCK) {
+        int i1 = min_i(n, i0 + SCAN_BLOCK), full = top_k > 0 && nc == top_k;
+        float most = max_of(p + i0, i1 - i0);
+        if (most < floor || (full && most <= cand[0].p)) continue;
+        for (int i = i0; i < i1; i++) {
+            if (p[i] < floor) continue;
+            Candidate c = {p[i], i};
+            if (top_k <= 0) cand[nc++] = c;
+            else if (nc < top_k) heap_push(cand, nc++, c);
+            else if (p[i] > cand[0].p) heap_replace_top(cand, nc, c);
+        }
+    }
+    return nc;
+}
+
+/* The repetition penalties (llama.cpp's llama_sampler_penalties_apply):
+   each token that occurs c > 0 times among the last repeat_last_n ids of
+   hist[0..n_hist) (the context so far, prompt included) has its logit
+   divided by the repetition penalty (multiplied when it is not positive,
+   so that a penalty above 1 always lowers it), then lowered by
+   c * frequency + presence (OpenAI's frequency and presence penalties).
+   cand[t].id counts token t meanwhile: cand is scratch until the
+   candidates are gathered. */
+static void apply_penalties(const Sampler *sm, float *logits, const int *hist, int n_hist, Candidate *cand)
+{
+    if (sm->repeat_last_n <= 0 || !hist || (sm->repeat == 1 && sm->presence == 0 && sm->frequency == 0)) return;
+    int from = max_i(0, n_hist - sm->repeat_last_n);
+    for (int i = from; i < n_hist; i++) cand[hist[i]].id = 0;
+    for (int i = from; i < n_hist; i++) cand[hist[i]].id++;
+    for (int i = from; i < n_hist; i++) {
+        int t = hist[i], c = cand[t].id;
+        if (!c) continue; /* counted and penalized already */
+        cand[t].id = 0;
+        logits[t] = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
+        logits[t] -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+    }
+}
+
+/* The distribution the sampler draws from, as cand[0..keep) by falling
    probability (keep is returned; the kept probabilities sum to *total,
-   the normalizer). cand is scratch for n candidates. */
+   the normalizer). The temperature comes first, then three cuts, each of
+   which keeps a prefix of that order (so their own order does not matter):
+   p = softmax(logits / T) over the whole vocabulary; top-k keeps the k most
+   likely; top-p the shortest prefix whose p (normalized over the whole
+   vocabulary) reaches top_p; min-p the tokens with p >= min_p times the
+   most likely's p. logits is overwritten with p; cand is scratch for n
+   candidates. */
 static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *cand, float *total)
 {
-    /* (l - max) / T: the largest logit becomes exactly 0, so no temperature,
-       however small, can overflow it to inf (inf - inf = NaN in softmax) */
-    float max = logits[sample_argmax(logits, n)];
-    for (int i = 0; i < n; i++) logits[i] = (logits[i] - max) / sm->temperature;
-    softmax(logits, n);
-    /* Tokens below (1-p)/(n-1) can never be in the nucleus: skip sorting them. */
-    float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0;
-    int nc = 0;
-    for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
-    if (sm->top_k > 0 && nc > sm->top_k) nc = keep_top_k(cand, nc, sm->top_k);
+    /* logit - max: the largest becomes exactly 0, so no temperature, however
+       small, can overflow it to inf (inf - inf = NaN in the softmax); and
+       1/T is held to a finite float, so that 0 * (1/T) stays 0 */
+    int top = sample_argmax(logits, n);
+    float max = logits[top], scale = 1 / sm->temperature, running = -INFINITY;
+    if (!(scale <= FLT_MAX)) scale = FLT_MAX;
+    for (int i = 0; i < n; i++) logits[i] -= max;
+    float sum = att_softmax(logits, n, scale, &running); /* exp((logit - max) / T), vectorized; returns their sum */
+    for (int i = 0; i < n; i++) logits[i] /= sum;
+    /* Tokens below (1-p)/(n-1) can never be in the nucleus, and min-p drops
+       those below its floor: neither is gathered and sorted. */
+    float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0, floor = sm->min_p * logits[top];
+    int nc = gather_candidates(logits, n, floor > cutoff ? floor : cutoff, sm->top_k, cand);
     qsort(cand, nc, sizeof *cand, by_prob_desc);
-    if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
     int keep = nc;
     *total = 0;
     for (int i = 0; i < nc; i++) {
@@ -2953,7 +3038,9 @@ static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float tot
 
 static void check_logits(const float *logits, int n)
 {
-    for (int i = 0; i < n; i++)
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad |= !(fabsf(logits[i]) <= FLT_MAX); /* no early exit: the loop vectorizes */
+    for (int i = 0; bad && i < n; i++)
         if (!isfinite(logits[i]))
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
 }
@@ -2973,10 +3060,21 @@ static int sample_greedy(Sampler *sm, const float *logits, int n)
     return id;
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed)
+/* The chain's steps before the draw: the logits must be finite; the
+   penalties, then the mask (--json) change them. */
+static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist,
+                           int n_hist)
 {
     check_logits(logits, n);
+    apply_penalties(sm, logits, hist, n_hist, cand);
     mask_logits(logits, n, allowed);
+}
+
+/* The next token after the context hist[0..n_hist) (the ids fed so far,
+   the prompt's included; NULL: no penalties), from its logits. */
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist, int n_hist)
+{
+    prepare_logits(sm, logits, n, cand, allowed, hist, n_hist);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
@@ -2992,11 +3090,13 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint
    x != d: (1 - p(d)) * p(x) / (1 - p(d)) = p(x)), so drafting never
    changes what is generated, only how many forward passes it takes. With
    -t 0 it is the argmax, which stands for d exactly when it equals it.
-   The report (--logprobs) is p's, as sample() would give it. */
-static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d, const uint8_t *allowed)
+   The report (--logprobs) is p's, as sample() would give it. hist is
+   the context this row of logits follows, the drafts before it included:
+   each position is penalized with its own history. */
+static int sample_with_draft(Sampler *sm, float *logits, int n, Candidate *cand, int d, const uint8_t *allowed, const int *hist,
+                             int n_hist)
 {
-    check_logits(logits, n);
-    mask_logits(logits, n, allowed);
+    prepare_logits(sm, logits, n, cand, allowed, hist, n_hist);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total), at = -1, id;
@@ -5468,15 +5568,15 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
     st->passes++;
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
-        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
+        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
     }
     batch[0] = token;
     verify_step(m, s, batch, k + 1, *pos);
     st->drafted += k;
     int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i]; jm's state is after them too (drafts stood) */
+    for (;; i++) { /* row i holds the logits after batch[0..i], which conv ends with; jm's state is after them too */
         next = sample_with_draft(sm, s->logits + (size_t)i * vocab, vocab, cand, i < k ? batch[i + 1] : -1,
-                                 jm ? json_mask_allowed(jm) : NULL);
+                                 jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
         if (i == k || next != batch[i + 1]) break;
         kept++;
         if ((*why = take_token(m, o, jm, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
@@ -5516,7 +5616,8 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL) : -1;
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n)
+                              : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
     *last = token;
@@ -6071,8 +6172,48 @@ static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_le
     return NULL;
 }
 
-/* The fields of a JSON line: prompt (required), id, n, t, chat, system,
-   stop, json, schema, logprobs. Fills q's prompt text (*text, *len:
+/* A line's sampling fields, with the command line's names and bounds:
+   "t", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+   "frequency_penalty" (an integer). */
+typedef struct {
+    const char *key;
+    size_t at;       /* offsetof the Sampler field */
+    double lo, hi;
+    int lo_open;     /* lo itself is out of range (also what rounds to it as a float) */
+    int integer;     /* an int field (else a float) */
+} SamplingField;
+
+static const SamplingField SAMPLING_FIELDS[] = {
+    {"t", offsetof(Sampler, temperature), 0, TEMP_MAX, 0, 0},
+    {"min_p", offsetof(Sampler, min_p), 0, 1, 0, 0},
+    {"repeat_penalty", offsetof(Sampler, repeat), 0, PENALTY_MAX, 1, 0},
+    {"repeat_last_n", offsetof(Sampler, repeat_last_n), 0, MAX_SEQ, 0, 1},
+    {"presence_penalty", offsetof(Sampler, presence), 0, PENALTY_MAX, 0, 0},
+    {"frequency_penalty", offsetof(Sampler, frequency), 0, PENALTY_MAX, 0, 0},
+};
+
+/* Whether key is one of SAMPLING_FIELDS; if so, x's value goes into sm,
+   or, out of its range, the reason into why (else why is ""). */
+static int sampling_field(const char *key, const Json *x, Sampler *sm, char *why, size_t why_len)
+{
+    *why = 0;
+    for (size_t i = 0; i < sizeof SAMPLING_FIELDS / sizeof *SAMPLING_FIELDS; i++) {
+        const SamplingField *f = &SAMPLING_FIELDS[i];
+        if (strcmp(key, f->key)) continue;
+        double v = x->number;
+        if (x->kind != JSON_NUMBER || !(v >= f->lo && v <= f->hi) || (f->lo_open && (float)v == f->lo) ||
+            (f->integer && v != floor(v)))
+            snprintf(why, why_len, "\"%s\" must be %s in %c%.15g, %.15g]", key, f->integer ? "an integer" : "a number",
+                     f->lo_open ? '(' : '[', f->lo, f->hi);
+        else if (f->integer) *(int *)((char *)sm + f->at) = (int)v;
+        else *(float *)((char *)sm + f->at) = (float)v;
+        return 1;
+    }
+    return 0;
+}
+
+/* The fields of a JSON line: prompt (required), id, n, the sampling
+   fields, chat, system, stop, json, schema, logprobs. Fills q's prompt text (*text, *len:
    pointers into v), id and settings, *json (1, 0; -1 when absent) and
    *schema; returns NULL or the reason the line is refused. */
 static const char *read_fields(const Json *v, Seq *q, const char **text, size_t *len, int *chat, const char **system,
@@ -6103,9 +6244,8 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
             q->n_predict = (int)n;
-        } else if (!strcmp(k, "t")) {
-            if (x->kind != JSON_NUMBER || !(x->number >= 0 && x->number <= 100)) return "\"t\" must be a number in [0, 100]";
-            q->sm.temperature = (float)x->number;
+        } else if (sampling_field(k, x, &q->sm, why, why_len)) {
+            if (*why) return why;
         } else if (!strcmp(k, "chat")) {
             if (x->kind != JSON_BOOL) return "\"chat\" must be true or false";
             *chat = x->boolean;
@@ -6125,7 +6265,8 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, stop, json, schema, logprobs)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, min_p, repeat_penalty, repeat_last_n, "
+                     "presence_penalty, frequency_penalty, chat, system, stop, json, schema, logprobs)", k);
             return why;
         }
     }
@@ -6338,7 +6479,8 @@ static void prefill_some(Batch *b)
     q->pos += k;
     if (!last) return;
     q->state = SEQ_DECODE;
-    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
+    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+                          q->toks.ids, q->toks.n));
 }
 
 /* One decode step: the last sampled token of every decoding sequence, fed
@@ -6359,7 +6501,8 @@ static void decode_some(Batch *b)
         Seq *q = who[t];
         push(&q->toks, q->token);
         q->pos++;
-        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
+        seq_take(b, q, sample(&q->sm, b->s->logits + (size_t)t * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+                              q->toks.ids, q->toks.n));
     }
 }
 
@@ -6592,9 +6735,9 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 /* The command line. */
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
-    int top_k, threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
-    float temperature, top_p;
+    Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
     int json;            /* --json */
@@ -6623,6 +6766,17 @@ static void usage(FILE *f)
         "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
         "  -p TOPP        top-p nucleus, in (0, 1] (default 0.95)\n"
         "  -k TOPK        top-k, >= 0; 0 = off (default 40)\n"
+        "  --min-p P      keep the tokens whose probability is at least P x the most\n"
+        "                 likely one's, P in [0, 1] (default 0: off)\n"
+        "  --repeat-penalty R  each token among the last N of the context (the\n"
+        "                 prompt's included) has its logit divided by R (multiplied\n"
+        "                 when it is not positive), R > 0 (default 1: off)\n"
+        "  --repeat-last-n N  the penalties' window, N >= 0; 0 = no penalties (default 64)\n"
+        "  --presence-penalty X  lowers the logit of each token in that window by X,\n"
+        "                 X >= 0 (default 0)\n"
+        "  --frequency-penalty X  ... and by X times its count there, X >= 0 (default 0)\n"
+        "                 The chain: penalties, then -t, then -k, -p and --min-p\n"
+        "                 (README \"Sampling\")\n"
         "  -s SEED        random seed, >= 0 (default: from the clock)\n"
         "  -c             wrap the prompt in the model's chat template (one user turn)\n"
         "  -m MODE        generate (default) or chat\n"
@@ -6637,9 +6791,10 @@ static void usage(FILE *f)
         "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
         "                 {\"id\", \"text\", \"logprob\", \"top\": [{\"id\", \"text\", \"logprob\"},\n"
         "                 ...]}, top the N (0-20) most likely tokens. Log-probabilities\n"
-        "                 (natural log) of the distribution sampled from: after -t, -k\n"
-        "                 and -p (tokens they drop have no entry); with -t 0 the full\n"
-        "                 softmax at temperature 1. The end-of-turn token that stops\n"
+        "                 (natural log) of the distribution sampled from: after the\n"
+        "                 whole chain (tokens it drops have no entry); with -t 0 the\n"
+        "                 full softmax of the penalized logits at temperature 1. The\n"
+        "                 end-of-turn token that stops\n"
         "                 generation gets a record too. Chat: an empty line after each\n"
         "                 answer's records\n"
         "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
@@ -6704,8 +6859,10 @@ static void usage(FILE *f)
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
-        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"chat\",\n"
-        "                 \"system\", \"stop\", \"json\", \"schema\", \"logprobs\"}; one JSON\n"
+        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"min_p\",\n"
+        "                 \"repeat_penalty\", \"repeat_last_n\", \"presence_penalty\",\n"
+        "                 \"frequency_penalty\", \"chat\", \"system\", \"stop\", \"json\",\n"
+        "                 \"schema\", \"logprobs\"}; one JSON\n"
         "                 record per line on stdout, in input order (README \"Batch\");\n"
         "                 exit 1 if a line failed\n"
         "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
@@ -6819,12 +6976,13 @@ static void parse_stop(Stops *st, const char *v)
 
 static void parse_args(Args *a, int argc, char **argv)
 {
-    *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
+    *a = (Args){.sampling = SAMPLING_DEFAULTS, .mode = "generate", .kv_type = T_F16,
                 .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT, .logprobs = -1}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
                                        "--batch", "--parallel", "--kv-mem",
-                                       "--logprobs", "--stop", "--json-schema", NULL};
+                                       "--logprobs", "--stop", "--json-schema", "--min-p", "--repeat-penalty",
+                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -6841,9 +6999,14 @@ static void parse_args(Args *a, int argc, char **argv)
             }
         if (!strcmp(f, "-i")) a->prompt = v;
         else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
-        else if (!strcmp(f, "-t")) a->temperature = parse_float(f, v, 0, 100, 0);
-        else if (!strcmp(f, "-p")) a->top_p = parse_float(f, v, 0, 1, 1);
-        else if (!strcmp(f, "-k")) a->top_k = parse_long(f, v, 0, MAX_VOCAB);
+        else if (!strcmp(f, "-t")) a->sampling.temperature = parse_float(f, v, 0, TEMP_MAX, 0);
+        else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
+        else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
+        else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
+        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, 0, PENALTY_MAX, 1);
+        else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
+        else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
+        else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
         else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
         else if (!strcmp(f, "-m")) a->mode = v;
         else if (!strcmp(f, "-y")) a->gen.system = v;
@@ -7125,7 +7288,7 @@ int main(int argc, char **argv)
     }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
-    Sampler sm = {a.temperature, a.top_p, a.top_k, 0, NULL};
+    Sampler sm = a.sampling;
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);

@@ -18,6 +18,9 @@ open-ended one, each with and without lookup decoding (greedy, so both give
 the same text), alternating the two, and prints decode tok/s and their ratio;
 with --llamacpp also llama.cpp's plain decode speed on the same prompts.
 
+--sampling-only measures what the sampling chain costs (issue 27): decode tok/s greedy, with the default
+chain and with the full chain (min-p and every penalty on), --lookup 0, alternating, for both vocabularies.
+
 --json-only measures what constrained output costs: decode tok/s with and
 without --json-schema and --json (greedy, --lookup 0, a prompt that asks
 for a long JSON array; a fixed token count: --ignore-eos without, a schema
@@ -42,6 +45,7 @@ Every table names the kernel set that ran.
 
     python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup] [--json-only]
     python3 tests/bench.py --sets-only --runs 5 [--scratch DIR]
+    python3 tests/bench.py --sampling-only --runs 5
     python3 tests/bench.py --per-type-only --runs 5 --threads 2 [--types q4_k_m,gemma3-q4_k_m]
 """
 from __future__ import annotations
@@ -262,6 +266,36 @@ def json_bench(runs: int, threads: int, n_gen: int = 128) -> None:
               f"{statistics.median(res['schema']) / off:.2f}× | {summary(res['json'], '{:.1f}')} | "
               f"{statistics.median(res['json']) / off:.2f}× | {walks} |", flush=True)
     schema.unlink()
+
+
+# ---- the sampling chain (issue 27): what each draw costs beside the decode step that gave its logits ----
+
+SAMPLING_MODES = {
+    "greedy": ["-t", "0"],
+    "default chain": ["-t", "0.8", "-s", "1"],
+    "full chain": ["-t", "0.8", "-s", "1", "--min-p", "0.05", "--repeat-penalty", "1.1", "--presence-penalty", "0.3",
+                   "--frequency-penalty", "0.3"],
+}
+
+
+def sampling_bench(runs: int, threads: int, n_gen: int = 128) -> None:
+    """Decode tok/s greedy, with the default chain (-t 0.8 -k 40 -p 0.95) and with the full chain (min-p and every
+    penalty on), --lookup 0, a fixed token count, alternating the three; both vocabularies."""
+    print(f"\nSampling chain ({kernel_set(threads)} kernels, {n_gen} tokens after a 64-token prompt, --lookup 0, "
+          f"--ignore-eos; median [min–max] of {runs} alternating runs):\n")
+    print("| model | vocabulary | greedy tok/s | default chain | ratio | full chain | ratio to greedy | ratio to default |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, vocab in JSON_MODELS:
+        ids = prompt_ids(model, 64)
+        res: dict[str, list[float]] = {mode: [] for mode in SAMPLING_MODES}
+        for i in range(runs):
+            for mode in (list(SAMPLING_MODES) if i % 2 == 0 else list(SAMPLING_MODES)[::-1]):
+                r = run_once(model, ids, n_gen, threads, ["--lookup", "0", *SAMPLING_MODES[mode]])  # its -t overrides
+                res[mode].append(r["decode_tps"])
+        med = {mode: statistics.median(v) for mode, v in res.items()}
+        print(f"| {model.name} | {vocab} | {summary(res['greedy'], '{:.1f}')} | {summary(res['default chain'], '{:.1f}')} | "
+              f"{med['default chain'] / med['greedy']:.3f}× | {summary(res['full chain'], '{:.1f}')} | "
+              f"{med['full chain'] / med['greedy']:.3f}× | {med['full chain'] / med['default chain']:.3f}× |", flush=True)
 
 
 def llamacpp_tasks(threads: int, runs: int) -> dict[str, float]:
@@ -572,6 +606,8 @@ def main() -> int:
     ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
     ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
+    ap.add_argument("--sampling-only", action="store_true",
+                    help="only the sampling chain's cost: decode tok/s greedy, default chain, full chain, both vocabularies")
     ap.add_argument("--per-type", action="store_true",
                     help="also the per-type table: each GGUF type run by our engine and by llama.cpp")
     ap.add_argument("--per-type-only", action="store_true", help="only the per-type table")
@@ -586,6 +622,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.json_only:
         json_bench(args.runs, args.threads)
+        return 0
+    if args.sampling_only:
+        sampling_bench(args.runs, args.threads)
         return 0
     if not RUN.exists() or not GGUF.exists():
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)
