@@ -5,7 +5,7 @@
                  [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
                  [--stop STR] [--json | --json-schema FILE] [--logprobs N]
                  [--min-p P] [--repeat-penalty R] [--repeat-last-n N]
-                 [--presence-penalty X] [--frequency-penalty X]
+                 [--presence-penalty X] [--frequency-penalty X] [--prompt-cache FILE]
      echo "PROMPT" | ./run MODEL
      ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
 
@@ -42,6 +42,7 @@
                      -> detokenize, streamed to stdout UTF-8-safely through
                      the stop-string matcher (or as JSON records, --logprobs);
                      output constrained to JSON by a grammar mask (--json);
+                     a prompt's KV cache kept on disk (--prompt-cache);
                      chat; batch mode (continuous batching over a page pool);
                      perplexity and logits tools.
      7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
@@ -86,6 +87,9 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/mman.h>
+#ifndef MAP_POPULATE
+#define MAP_POPULATE 0 /* Linux: read the whole mapping in at once */
+#endif
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -3418,6 +3422,7 @@ typedef struct {
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     Stops stops;        /* --stop: the answer ends before the first of these */
     const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
+    struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
 
 /* Why an answer ended (generate's result). */
@@ -5463,6 +5468,408 @@ static void text_end(TextOut *o)
     if (o->f) check_stdout();
 }
 
+/* ----- prompt cache -------------------------------------------------------------
+   --prompt-cache FILE keeps on disk the KV cache of a prompt's tokens:
+   scripts that ask many questions about one long prefix (a system prompt,
+   a document) prefill it once. A run whose prompt begins with the file's
+   tokens copies their K and V rows into its cache and prefills only the
+   rest; it then writes its own prompt's rows there, unless the file holds
+   them already. What the file holds is what prefill would have computed
+   (the same model file, KV type, context and kernel set), so the output
+   is what it would be without the file, whenever prefill from a position
+   P gives the logits that prefilling the whole prompt gives.
+
+   The file (little-endian):
+     header        PCACHE_HEADER bytes: the fields of enum PC_* below; the
+                   rest zero, then an XXH64 of bytes [0, PC_HEADER_SUM)
+     token ids     n x i32, zero-padded to a multiple of PCACHE_ALIGN bytes
+     K and V rows  for each layer, its K then its V: for each KV head, the
+                   rows of positions 0..n-1 (kv_row bytes each, in the KV type)
+   so its size is the header, the ids and exactly n positions' K and V in
+   the KV type in use. The data after the header has a checksum: XXH64
+   chained over PCACHE_BLOCK-byte blocks (the seed of each is the sum of
+   the blocks before it). A file whose size, sums or identity do not fit is
+   ignored (refused with --prompt-cache-ro): never read as K and V. */
+
+#define PCACHE_MAGIC "LLMC"
+#define PCACHE_VERSION 1
+#define PCACHE_HEADER 256
+#define PCACHE_ALIGN 64
+#define PCACHE_BLOCK 65536     /* the data checksum's unit, and the writer's buffer */
+#define PCACHE_KERNELS 16      /* bytes for the kernel set's name */
+#define MODEL_SAMPLE_STRIDE (256 << 10) /* the model's identity: 64 bytes of every 256 KiB of its tensors ... */
+#define MODEL_SAMPLE_BYTES 64  /* ... (and all of its header, tokenizer and tensor table) */
+
+enum {
+    PC_MAGIC = 0, PC_VERSION = 4, PC_FILE_VERSION = 8, PC_KV_TYPE = 12, /* u32: the model file version this build reads */
+    PC_MODEL_SIZE = 16, PC_MODEL_HASH = 24,                            /* u64: the model file's size and identity hash */
+    PC_CTX = 32, PC_LAYERS = 36, PC_KV_HEADS = 40, PC_HEAD_DIM = 44, PC_ROW = 48, PC_TOKENS = 52, /* u32 */
+    PC_KERNELS = 56,                                                   /* char[PCACHE_KERNELS] */
+    PC_DATA_SUM = 72, PC_HEADER_SUM = 248                              /* u64 */
+};
+
+#define XXH_P1 0x9E3779B185EBCA87ull /* XXH64's primes (xxHash, Yann Collet) */
+#define XXH_P2 0xC2B2AE3D27D4EB4Full
+#define XXH_P3 0x165667B19E3779F9ull
+#define XXH_P4 0x85EBCA77C2B2AE63ull
+#define XXH_P5 0x27D4EB2F165667C5ull
+
+static uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static uint64_t xxh_round(uint64_t acc, uint64_t in) { return rotl64(acc + in * XXH_P2, 31) * XXH_P1; }
+static uint64_t xxh_merge(uint64_t h, uint64_t v) { return (h ^ xxh_round(0, v)) * XXH_P1 + XXH_P4; }
+
+/* XXH64 of p[0..n): four lanes over 32-byte stripes, so it runs at memory
+   speed, and every bit of the input reaches every bit of the sum (a
+   flipped byte, a truncated or reordered block changes it). */
+static uint64_t xxh64(const void *data, size_t n, uint64_t seed)
+{
+    const uint8_t *p = data, *end = p + n;
+    uint64_t h;
+    if (n >= 32) {
+        uint64_t v[4] = {seed + XXH_P1 + XXH_P2, seed + XXH_P2, seed, seed - XXH_P1};
+        for (; p + 32 <= end; p += 32)
+            for (int i = 0; i < 4; i++) v[i] = xxh_round(v[i], rd_u64(p + 8 * i));
+        h = rotl64(v[0], 1) + rotl64(v[1], 7) + rotl64(v[2], 12) + rotl64(v[3], 18);
+        for (int i = 0; i < 4; i++) h = xxh_merge(h, v[i]);
+    } else {
+        h = seed + XXH_P5;
+    }
+    h += n;
+    for (; p + 8 <= end; p += 8) h = rotl64(h ^ xxh_round(0, rd_u64(p)), 27) * XXH_P1 + XXH_P4;
+    if (p + 4 <= end) h = rotl64(h ^ (rd_u32(p) * XXH_P1), 23) * XXH_P2 + XXH_P3, p += 4;
+    for (; p < end; p++) h = rotl64(h ^ (*p * XXH_P5), 11) * XXH_P1;
+    h ^= h >> 33, h *= XXH_P2, h ^= h >> 29, h *= XXH_P3, h ^= h >> 32;
+    return h;
+}
+
+/* What identifies the model file's contents: XXH64 of its header, tokenizer
+   and tensor table, whole, and of a 64-byte sample of every 256 KiB of its
+   tensors. A different model, an export of other weights into the same
+   shapes (a fine-tune), another quantization, changes it; the same file
+   copied or re-exported does not. Hashing all the weights (1 GB for a
+   1.5B model) would cost more than the prefill a cache saves for short
+   prompts; a sample reads a page in 64, which the forward pass reads anyway. */
+static uint64_t model_identity(const Model *m)
+{
+    const uint8_t *f = m->map;
+    size_t data = align_up(rd_u64(f + HDR_TABLE_OFFSET) + (uint64_t)rd_u32(f + HDR_N_TENSORS) * TENSOR_ENTRY_BYTES,
+                           TENSOR_ALIGN);
+    uint64_t h = xxh64(f, data, 0);
+    for (size_t at = data; at + MODEL_SAMPLE_BYTES <= m->map_size; at += MODEL_SAMPLE_STRIDE)
+        h = xxh64(f + at, MODEL_SAMPLE_BYTES, h);
+    return xxh64(f + m->map_size - MODEL_SAMPLE_BYTES, MODEL_SAMPLE_BYTES, h); /* and the file's last bytes */
+}
+
+/* The prompt cache of a run. */
+typedef struct PromptCache {
+    const char *path;
+    int read_only;      /* --prompt-cache-ro: never written, and a file that cannot be used is an error */
+    int verbose;
+    uint8_t head[PCACHE_HEADER]; /* this run's identity fields: a file must carry the same */
+    uint8_t *map;       /* the file read at the start, while its tokens may still be loaded (NULL: none) */
+    size_t map_size;
+    const int32_t *ids; /* its tokens, n of them */
+    int n;
+    int saved;          /* batch mode: the first line's prompt has been written */
+} PromptCache;
+
+static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* Bytes of the K and V rows of n positions; where they start in a file of n tokens. */
+static size_t pcache_kv_bytes(const Config *c, const RunState *s, size_t n) { return 2 * n * c->n_layers * c->n_kv_heads * s->kv_row; }
+static size_t pcache_kv_at(size_t n) { return PCACHE_HEADER + align_up(n * sizeof(int32_t), PCACHE_ALIGN); }
+
+/* The run of cached rows of the sequence with pages pt (NULL: the single
+   cache) for layer l, K (v = 0) or V (1), KV head h, from position pos up
+   to end at most, that lie next to each other in memory: returns the
+   first, and their count in *len. */
+static uint8_t *kv_rows(RunState *s, const Config *c, const PageTable *pt, int v, int l, int h, int pos, int end, int *len)
+{
+    s->paged = pt != NULL;
+    s->tok_pages[0] = pt; /* cache_row finds a paged token's pages there: set before every pass, so free between them */
+    int run = pt ? PAGE_TOKENS - pos % PAGE_TOKENS : s->kv_cap[l] - pos % s->kv_cap[l];
+    *len = min_i(end - pos, run);
+    return cache_row(s, v ? s->value_cache : s->key_cache, c, 0, l, h, pos);
+}
+
+/* The reason the file's header (n tokens, size bytes) does not fit this
+   run, or NULL. */
+static const char *pcache_mismatch(const PromptCache *pc, const Config *c, const RunState *s, const uint8_t *h, size_t size,
+                                   char *why, size_t why_len)
+{
+    if (size < PCACHE_HEADER || memcmp(h + PC_MAGIC, PCACHE_MAGIC, 4)) return "not a prompt cache file";
+    if (rd_u32(h + PC_VERSION) != PCACHE_VERSION) return "written by another version of run";
+    if (rd_u64(h + PC_HEADER_SUM) != xxh64(h, PC_HEADER_SUM, 0)) return "damaged (its header's checksum does not match)";
+    if (memcmp(h, pc->head, PC_TOKENS)) {
+        if (memcmp(h + PC_MODEL_SIZE, pc->head + PC_MODEL_SIZE, 16)) return "made with another model file";
+        uint32_t kv = rd_u32(h + PC_KV_TYPE);
+        if (kv != (uint32_t)s->kv_type) {
+            snprintf(why, why_len, "made with --kv %s, this run uses --kv %s", kv < N_TYPES && TYPES[kv].kv_name ? TYPES[kv].kv_name : "?",
+                     TYPES[s->kv_type].kv_name);
+            return why;
+        }
+        if (rd_u32(h + PC_CTX) != rd_u32(pc->head + PC_CTX)) {
+            snprintf(why, why_len, "made with --ctx %u, this run's context is %d", rd_u32(h + PC_CTX), s->seq_len);
+            return why;
+        }
+        return "made for another model file version or shape";
+    }
+    if (memcmp(h + PC_KERNELS, pc->head + PC_KERNELS, PCACHE_KERNELS)) {
+        snprintf(why, why_len, "made with the %.*s kernel set, this run uses %s (their rounding differs)", PCACHE_KERNELS,
+                 (const char *)h + PC_KERNELS, (const char *)pc->head + PC_KERNELS);
+        return why;
+    }
+    size_t n = rd_u32(h + PC_TOKENS), want = pcache_kv_at(n) + pcache_kv_bytes(c, s, n);
+    if (n < 1 || n > (size_t)s->seq_len) return "damaged (its token count is out of range)";
+    if (size != want) {
+        snprintf(why, why_len, "truncated or damaged (%zu bytes, %zu tokens take %zu)", size, n, want);
+        return why;
+    }
+    return NULL;
+}
+
+/* A one-line reason the cache cannot be used: an error with
+   --prompt-cache-ro, else a -v line (the file is replaced after prefill). */
+static void pcache_unusable(const PromptCache *pc, const char *why)
+{
+    if (pc->read_only) die(EXIT_RUNTIME, "--prompt-cache-ro %s: %s", pc->path, why);
+    if (pc->verbose) fprintf(stderr, "prompt cache: %s ignored: %s\n", pc->path, why);
+}
+
+/* Opens --prompt-cache path for this run (s sized and typed as it will
+   run): a file that fits is mapped, its checksums verified, and its tokens
+   become loadable. Something other than a regular file at path (a
+   directory, a FIFO, a device; with write access, a symlink, which the
+   new file would replace) is an error, before any work. */
+static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, const char *path, int read_only, int verbose)
+{
+    const Config *c = &m->c;
+    *pc = (PromptCache){.path = path, .read_only = read_only, .verbose = verbose};
+    uint8_t *h = pc->head;
+    memcpy(h + PC_MAGIC, PCACHE_MAGIC, 4);
+    put_u32(h + PC_VERSION, PCACHE_VERSION), put_u32(h + PC_FILE_VERSION, FILE_VERSION), put_u32(h + PC_KV_TYPE, s->kv_type);
+    put_u64(h + PC_MODEL_SIZE, m->map_size), put_u64(h + PC_MODEL_HASH, model_identity(m));
+    put_u32(h + PC_CTX, s->seq_len), put_u32(h + PC_LAYERS, c->n_layers), put_u32(h + PC_KV_HEADS, c->n_kv_heads);
+    put_u32(h + PC_HEAD_DIM, c->head_dim), put_u32(h + PC_ROW, s->kv_row);
+    strncpy((char *)h + PC_KERNELS, K.op.name, PCACHE_KERNELS - 1);
+    struct stat st;
+    if ((read_only ? stat(path, &st) : lstat(path, &st)) == 0 && !S_ISREG(st.st_mode))
+        die(EXIT_RUNTIME, "--prompt-cache %s: not a regular file (a directory, FIFO, device%s is neither read nor replaced)", path,
+            read_only ? "" : " or symlink");
+    double t0 = now_ms();
+    int fd = open(path, O_RDONLY | O_NONBLOCK); /* O_NONBLOCK: a FIFO put there since the check must not hang the run */
+    if (fd < 0) {
+        int e = errno;
+        if (e != ENOENT || read_only) pcache_unusable(pc, strerror(e));
+        else if (verbose) fprintf(stderr, "prompt cache: %s does not exist yet: it is written after the prompt\n", path);
+        return;
+    }
+    char why[MSG_BYTES];
+    const char *problem = NULL;
+    uint8_t *map = NULL, head[PCACHE_HEADER];
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) problem = "not a regular file";
+    else if (st.st_size < PCACHE_HEADER || pread(fd, head, PCACHE_HEADER, 0) != PCACHE_HEADER)
+        problem = "not a prompt cache file (shorter than its header)";
+    else if (!(problem = pcache_mismatch(pc, c, s, head, st.st_size, why, sizeof why)) && /* the header first: ... */
+             (map = mmap(NULL, st.st_size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0)) == MAP_FAILED)
+        map = NULL, problem = strerror(errno); /* ... only a file of the right size is read whole */
+    close(fd);
+    if (!problem && memcmp(map, head, PCACHE_HEADER)) problem = "changed while it was read";
+    uint64_t sum = 0;
+    for (size_t at = PCACHE_HEADER, size = st.st_size; !problem && at < size; at += PCACHE_BLOCK)
+        sum = xxh64(map + at, size - at < PCACHE_BLOCK ? size - at : PCACHE_BLOCK, sum);
+    if (!problem && sum != rd_u64(map + PC_DATA_SUM)) problem = "damaged (its data's checksum does not match)";
+    int n = problem ? 0 : (int)rd_u32(map + PC_TOKENS);
+    const int32_t *ids = (const int32_t *)(map + PCACHE_HEADER); /* 4-byte aligned: the mapping is page-aligned */
+    for (int i = 0; i < n && !problem; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size) problem = "damaged (a token id outside the vocabulary)";
+    if (problem) {
+        if (map) munmap(map, st.st_size);
+        pcache_unusable(pc, problem);
+        return;
+    }
+    pc->map = map, pc->map_size = st.st_size, pc->ids = ids, pc->n = n;
+    double ms = now_ms() - t0;
+    if (verbose)
+        fprintf(stderr, "prompt cache: %s holds %d tokens (%.1f MB), read and checked in %.1f ms (%.2f GB/s)\n", path, n,
+                st.st_size / 1e6, ms, st.st_size / 1e6 / (ms > 0 ? ms : 1e-3));
+}
+
+static void pcache_close(PromptCache *pc)
+{
+    if (pc->map) munmap(pc->map, pc->map_size);
+    pc->map = NULL, pc->n = 0;
+}
+
+/* Positions [0, n) of ids are in the file. */
+static int pcache_holds(const PromptCache *pc, const int *ids, int n)
+{
+    return pc->map && n <= pc->n && !memcmp(pc->ids, ids, n * sizeof *ids);
+}
+
+/* Loads into the cache of the sequence with pages pt (NULL: the single
+   cache), whose positions [0, from) hold ids[0, from) already, the rows
+   of positions [from, L) from the file, L being the longest prefix of
+   ids[0, n) the file holds, but at most n - 1: the last token is always
+   prefilled, for its logits. Returns the positions now cached. */
+static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n, int from)
+{
+    if (!pc || !pc->map) return from;
+    const Config *c = &m->c;
+    int L = 0;
+    while (L < pc->n && L < n - 1 && pc->ids[L] == ids[L]) L++;
+    if (L <= from) {
+        if (pc->verbose && !from) fprintf(stderr, "prompt cache: the prompt's first token differs from %s's\n", pc->path);
+        return from;
+    }
+    double t0 = now_ms();
+    const uint8_t *kv = pc->map + pcache_kv_at(pc->n);
+    size_t seg = (size_t)pc->n * s->kv_row; /* one KV head's rows of one layer, K or V */
+    for (int l = 0; l < c->n_layers; l++)
+        for (int v = 0; v < 2; v++)
+            for (int h = 0; h < c->n_kv_heads; h++, kv += seg)
+                for (int pos = from, len; pos < L; pos += len) {
+                    uint8_t *dst = kv_rows(s, c, pt, v, l, h, pos, L, &len);
+                    memcpy(dst, kv + (size_t)pos * s->kv_row, (size_t)len * s->kv_row);
+                }
+    double ms = now_ms() - t0, mb = pcache_kv_bytes(c, s, L - from) / 1e6;
+    if (pc->verbose)
+        fprintf(stderr, "prompt cache: %d of the prompt's %d tokens loaded (%.1f MB of K and V) in %.1f ms (%.2f GB/s)\n", L - from,
+                n, mb, ms, mb / 1e3 / (ms > 0 ? ms / 1e3 : 1e-6));
+    return L;
+}
+
+/* Bytes into a file under construction, in PCACHE_BLOCK blocks, each
+   added to the data checksum as it is written. */
+typedef struct {
+    int fd, err;        /* err: the first write's errno (0: all written) */
+    uint8_t *buf;
+    size_t len;
+    uint64_t sum;
+} CacheWriter;
+
+static void cw_flush(CacheWriter *w)
+{
+    w->sum = xxh64(w->buf, w->len, w->sum);
+    for (size_t at = 0; at < w->len && !w->err;) {
+        ssize_t k = write(w->fd, w->buf + at, w->len - at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) w->err = k < 0 ? errno : EIO;
+        else at += k;
+    }
+    w->len = 0;
+}
+
+static void cw_put(CacheWriter *w, const void *p, size_t n)
+{
+    for (const uint8_t *q = p; n && !w->err;) {
+        size_t k = PCACHE_BLOCK - w->len < n ? PCACHE_BLOCK - w->len : n;
+        memcpy(w->buf + w->len, q, k);
+        w->len += k, q += k, n -= k;
+        if (w->len == PCACHE_BLOCK) cw_flush(w);
+    }
+}
+
+/* Writes the file's bytes (header placeholder, ids, rows) into fd; returns 0 or an errno. */
+static int pcache_write(CacheWriter *w, PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+{
+    const Config *c = &m->c;
+    uint8_t *h = pc->head, zero[PCACHE_HEADER] = {0};
+    if (write(w->fd, zero, PCACHE_HEADER) != PCACHE_HEADER) return errno ? errno : EIO; /* the header goes in last */
+    for (int i = 0; i < n; i++) {
+        int32_t id = ids[i];
+        cw_put(w, &id, sizeof id);
+    }
+    cw_put(w, zero, pcache_kv_at(n) - PCACHE_HEADER - n * sizeof(int32_t));
+    for (int l = 0; l < c->n_layers; l++)
+        for (int v = 0; v < 2; v++)
+            for (int hd = 0; hd < c->n_kv_heads; hd++)
+                for (int pos = 0, len; pos < n; pos += len) {
+                    const uint8_t *rows = kv_rows(s, c, pt, v, l, hd, pos, n, &len);
+                    cw_put(w, rows, (size_t)len * s->kv_row);
+                }
+    if (w->len && !w->err) cw_flush(w);
+    if (w->err) return w->err;
+    put_u32(h + PC_TOKENS, n), put_u64(h + PC_DATA_SUM, w->sum), put_u64(h + PC_HEADER_SUM, xxh64(h, PC_HEADER_SUM, 0));
+    if (pwrite(w->fd, h, PCACHE_HEADER, 0) != PCACHE_HEADER) return errno ? errno : EIO;
+    return fsync(w->fd) ? errno : 0;
+}
+
+/* The rename of a file into path reaches the disk with its directory. */
+static void sync_dir_of(const char *path)
+{
+    char dir[MSG_BYTES];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) strcpy(dir, ".");
+    else slash[slash == dir] = 0; /* "/f" keeps "/" */
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+/* After prefill: the K and V rows of ids[0, n), cached for the sequence with
+   pages pt (NULL: the single cache), become the file, unless it holds them
+   already (or is read-only). Written under a temporary name in the same
+   directory, synced and renamed over it: the file is the old one or the
+   new one, whole, whatever happens (a full disk, a signal: temp_path is
+   removed). A failure is a warning: the answer does not need the file. */
+static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+{
+    if (!pc || pc->read_only || n < 1) return;
+    if (pcache_holds(pc, ids, n)) {
+        if (pc->verbose) fprintf(stderr, "prompt cache: %s holds this prompt already: not rewritten\n", pc->path);
+        return;
+    }
+    double t0 = now_ms();
+    int e = 0;
+    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", pc->path, (long)getpid()) >= (int)sizeof temp_path) e = ENAMETOOLONG;
+    CacheWriter w = {.fd = e ? -1 : open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666)};
+    if (!e && w.fd < 0) e = errno;
+    else if (!e) {
+        w.buf = xmalloc(PCACHE_BLOCK);
+        e = pcache_write(&w, pc, m, s, pt, ids, n);
+        free(w.buf);
+        if (close(w.fd) != 0 && !e) e = errno;
+        if (!e && rename(temp_path, pc->path) != 0) e = errno;
+        if (e) unlink(temp_path);
+    }
+    temp_path[0] = 0;
+    if (e) {
+        char msg[LINE_BYTES];
+        format_line(msg, "warning: cannot write the prompt cache %s: %s (the answer goes on without it)", pc->path, strerror(e));
+        fputs(msg, stderr);
+        return;
+    }
+    sync_dir_of(pc->path);
+    pcache_close(pc); /* the file now holds no more than this run has: nothing further to load */
+    if (pc->verbose)
+        fprintf(stderr, "prompt cache: saved %d tokens (%.1f MB) to %s in %.1f ms\n", n,
+                (pcache_kv_at(n) + pcache_kv_bytes(&m->c, s, n)) / 1e6, pc->path, now_ms() - t0);
+}
+
+/* With a prompt cache, a sliding-window layer keeps every position, as
+   batch mode's pages do, instead of a ring of its last window +
+   CHUNK_TOKENS: the file stores every position's rows, so that a later
+   prompt can share any prefix of this one. Attention reads a layer's rows
+   by position (cache_row), so nothing it computes changes; the memory is
+   committed only as positions are written. */
+static void keep_every_position(RunState *s, const Config *c)
+{
+    if (!c->window) return;
+    free(s->key_cache);
+    free(s->value_cache);
+    for (int l = 0; l < c->n_layers; l++) {
+        s->kv_cap[l] = s->seq_len;
+        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->seq_len;
+    }
+    s->key_cache = xcalloc(kv_cache_bytes(c, s->seq_len, s->kv_type, 1) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, s->seq_len, s->kv_type, 1) / 2, 1);
+}
+
 /* ----- lookup decoding --------------------------------------------------------
    Decode reads every weight once per token, but checking k guessed tokens
    costs about the same weight reads as producing one (verify_step). Text
@@ -5596,7 +6003,10 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
    sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
    printed). With --logprobs the request's draws report into lp while it
    runs. With o->json every token is sampled under the grammar's mask;
-   st->json_incomplete tells whether the value was left unfinished. */
+   st->json_incomplete tells whether the value was left unfinished. With
+   o->cache, the prompt's rows (conv's first *pos tokens after the
+   prefill) are saved there once the first token is out, so that neither
+   the TTFT nor a run cut short by its reader (`| head`) goes without. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     TextOut *out, Stats *st, int *last)
 {
@@ -5616,6 +6026,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
     *pos += n;
+    int n_cached = *pos, saved = !o->cache; /* the prompt's rows go to --prompt-cache once its first token is out */
     int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n)
                               : -1;
     double t_prev = now_ms();
@@ -5623,6 +6034,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     *last = token;
     while (n_predict > 0) {
         if ((why = take_token(m, o, jm, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
+        if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached), saved = 1;
         int before = st->n_gen, stop = -1;
         token = decode_next(m, s, sm, o, jm, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
         *last = token;
@@ -5634,6 +6046,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         if (stop >= 0) { why = stop; break; }
     }
     text_end(out);
+    if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
     sm->report = NULL;
     if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", out->stop.hit);
     if (jm) {
@@ -5684,7 +6097,10 @@ static void on_sigint(int sig)
 {
     (void)sig;
     if (answering && !interrupted) interrupted = 1;
-    else _exit(130);
+    else {
+        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
+        _exit(130);
+    }
 }
 
 /* ----- input ------------------------------------------------------------------ */
@@ -5768,6 +6184,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
             check_stdout();
             continue;
         }
+        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
         if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         Stats st;
@@ -6396,7 +6813,7 @@ static int admit(Batch *b, Seq *slot)
     }
     slot->pt.n = need;
     b->pool.peak = max_i(b->pool.peak, b->pool.n_pages - b->pool.n_free);
-    slot->pos = shared * PAGE_TOKENS;
+    slot->pos = pcache_load(b->o->cache, b->m, b->s, &slot->pt, slot->toks.ids, slot->n_prompt, shared * PAGE_TOKENS);
     slot->state = SEQ_PREFILL;
     slot->order = b->admitted++;
     /* each line its own stream of random numbers, from -s and the line number */
@@ -6478,6 +6895,10 @@ static void prefill_some(Batch *b)
     b->prefill_tokens += k;
     q->pos += k;
     if (!last) return;
+    if (b->o->cache && !b->o->cache->saved) { /* the first prompt prefilled goes to --prompt-cache */
+        pcache_save(b->o->cache, b->m, b->s, &q->pt, q->toks.ids, q->n_prompt);
+        b->o->cache->saved = 1;
+    }
     q->state = SEQ_DECODE;
     seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
                           q->toks.ids, q->toks.n));
@@ -6735,6 +7156,8 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 /* The command line. */
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
+    const char *prompt_cache; /* --prompt-cache FILE */
+    int prompt_cache_ro;      /* --prompt-cache-ro */
     int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
@@ -6834,6 +7257,15 @@ static void usage(FILE *f)
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
+        "  --prompt-cache FILE  keep the prompt's K and V in FILE: a run whose prompt\n"
+        "                 begins with FILE's tokens loads them and prefills only the\n"
+        "                 rest (the output does not change), then stores its own\n"
+        "                 prompt's there (chat: the conversation at each turn; batch:\n"
+        "                 every line starts from FILE, the first line's prompt is\n"
+        "                 stored). A FILE made with another model, --kv, --ctx or\n"
+        "                 kernel set, or damaged, is ignored (-v says why) and replaced\n"
+        "  --prompt-cache-ro  with --prompt-cache: never write FILE, and a FILE that\n"
+        "                 cannot be used is an error\n"
         "  --probe        measure this machine's DRAM and last-level cache read bandwidth\n"
         "                 and f32/int8 peaks first (~0.5 s); with -v each phase is shown\n"
         "                 against its roofline (decode: the level its bytes stream from)\n"
@@ -6982,7 +7414,7 @@ static void parse_args(Args *a, int argc, char **argv)
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
                                        "--batch", "--parallel", "--kv-mem",
                                        "--logprobs", "--stop", "--json-schema", "--min-p", "--repeat-penalty",
-                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", NULL};
+                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", "--prompt-cache", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -7035,6 +7467,8 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
         else if (!strcmp(f, "--json")) a->json = 1;
         else if (!strcmp(f, "--json-schema")) a->json_schema = v;
+        else if (!strcmp(f, "--prompt-cache")) a->prompt_cache = v;
+        else if (!strcmp(f, "--prompt-cache-ro")) a->prompt_cache_ro = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -7073,6 +7507,10 @@ static void parse_args(Args *a, int argc, char **argv)
         {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
         {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},
         {(a->json || a->json_schema) && a->tokenize, a->json ? "--json" : "--json-schema", "--tokenize"},
+        {a->prompt_cache_ro && !a->prompt_cache, "--prompt-cache-ro", "no --prompt-cache"},
+        {a->prompt_cache && a->ppl, "--prompt-cache", "--ppl"},
+        {a->prompt_cache && a->dump_logits, "--prompt-cache", "--dump-logits"},
+        {a->prompt_cache && a->tokenize, "--prompt-cache", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -7277,14 +7715,26 @@ int main(int argc, char **argv)
         die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
             TYPES[a.kv_type].block, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
+    int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode's pages keep every position anyway */
+    if (keep_all) keep_every_position(&s, &m.c);
     if (a.gen.verbose) {
         static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
         fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
                 "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
-                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
-        if (m.c.window)
+                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, keep_all) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
+        if (m.c.window && !keep_all)
             fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
                     m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
+        else if (keep_all)
+            fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
+                    m.c.window);
+    }
+    PromptCache pc;
+    if (a.prompt_cache) {
+        pcache_open(&pc, &m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
+        a.gen.cache = &pc;
+        int sigs[] = {SIGINT, SIGTERM, SIGHUP}; /* a file being written is removed (chat and batch mode take SIGINT over) */
+        for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
     }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
@@ -7301,8 +7751,11 @@ int main(int argc, char **argv)
         int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
         if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
     }
-    else if (a.gen.n_predict > 0) {
-        int n_predict = a.gen.n_predict, pos = 0, last;
+    else if (jcp && a.gen.n_predict == 0) {
+        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
+    } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
+        int n_predict = a.gen.n_predict, last;
+        int pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
         if (n_predict > seq_len - prompt.n + 1) {
             n_predict = seq_len - prompt.n + 1;
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
@@ -7316,9 +7769,8 @@ int main(int argc, char **argv)
         char cause[STOP_MAX_BYTES + 32];
         if (st.json_incomplete)
             die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
-    } else if (jcp) {
-        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }
+    if (a.prompt_cache) pcache_close(&pc);
     if (a.gen.verbose) report_process(&m, load_ms);
     if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
     close_stdout();
