@@ -2021,6 +2021,14 @@ static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
     }
 }
 
+static void softmax(float *x, int n)
+{
+    float max = x[0], sum = 0;
+    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
 /* ============================================================================
    3. FORWARD PASS
    ========================================================================= */
