@@ -148,23 +148,27 @@ def test_chat_wrap_with_a_long_system_prompt_gives_the_same_output():
 
 
 def check_chat(m: str, name: str) -> str:
-    cache = fresh(name)
     base = ["-m", "chat", "-y", SYSTEM, "-n", "24"]
-    talks = [b"When did the first station open?\nAnd the last one?\n",
-             b"When did the first station open?\nAnd the last one?\n",
-             b"When did the first station open?\nWhich one was the longest?\nThank you.\n"]
-    counts = []
-    for msgs in talks:
-        err = same_with_cache(m, cache, base, stdin=msgs, where=f"chat {msgs[:40]!r}")
-        counts.append(loaded(err))
-    assert len(counts[1]) >= 2 and len(counts[2]) >= 2, f"later conversations did not load at each turn: {counts}"
-    return f"loaded per run {counts}"
+    first, other = b"When did the first station open?\nAnd the last one?\n", \
+        b"When did the first station open?\nWhich one was the longest?\nThank you.\n"
+    counts = {}
+    for mode in (["-t", "0", "--logprobs", "20"], ["-t", "0.8", "-s", "7"]):
+        cache = fresh(name)
+        for label, msgs in (("writes", first), ("the same again", first), ("another second message", other)):
+            want = engine([m, *base, *mode], stdin=msgs).stdout
+            p = engine([m, *base, *mode, "--prompt-cache", cache, "-v"], stdin=msgs)
+            assert p.stdout == want, (f"chat {' '.join(mode)}, {label}: the answers differ with the cache:\n"
+                                      f"without: {want[:600]!r}\nwith:    {p.stdout[:600]!r}")
+            counts[(mode[1], label)] = loaded(p.stderr)
+        assert len(counts[(mode[1], "the same again")]) == 2, f"the same conversation did not load at both turns: {counts}"
+        assert len(counts[(mode[1], "another second message")]) == 2, f"the shared part of turn 2 was not loaded: {counts}"
+    return f"loaded {counts}"
 
 
 def test_chat_mode_conversation_gives_the_same_answers():
-    """-m chat over stdin: the cache holds the conversation at each turn; the same conversation again loads it
-    (turn by turn), another second message loads the shared beginning. Every answer is the one without the
-    cache. SmolLM2 and Gemma 3."""
+    """-m chat over stdin (greedy with --logprobs 20, and sampled with a seed): the cache holds the conversation at
+    each turn; the same conversation again loads it at both turns (the first's answer, decoded, included), another
+    second message loads the shared part of turn 2. Every answer is the one without the cache. SmolLM2, Gemma 3."""
     print("    SmolLM2: " + check_chat(model(), "chat-smollm2.cache"))
     print("    Gemma 3: " + check_chat(gemma(), "chat-gemma.cache"))
 
