@@ -390,7 +390,7 @@ def as_gguf_tensors(model: Path, shapes: dict[str, list[int]]) -> dict[str, tupl
     for t in modelfile.tensors(buf):
         layer, _, base = t.name.rpartition(".")
         prefix = f"blk.{layer.split('.')[1]}." if layer else ""
-        rows = np.frombuffer(buf, np.uint8, t.size, t.offset).reshape(t.rows, -1)
+        rows = np.frombuffer(modelfile.rows_of(buf, t), np.uint8).reshape(t.rows, -1)   # packed matrices as rows
         at = 0
         for part in GGUF_PARTS[base]:
             name = f"{prefix}{part}.weight"
