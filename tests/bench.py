@@ -364,8 +364,8 @@ def prompt_cache_bench(runs: int, threads: int, cached: int = 2000) -> None:
         ttft = {k: [r["ttft_ms"] for r in v] for k, v in res.items()}
         med = {k: statistics.median(v) for k, v in ttft.items()}
         ro = res["ro"]
-        check = statistics.median(r["check_mb"] / r["check_ms"] for r in ro) / 1e3 if ro[0]["check_ms"] else 0
-        copy = statistics.median(r["copy_mb"] / r["copy_ms"] for r in ro) / 1e3 if ro[0]["copy_ms"] else 0
+        check = statistics.median(r["check_mb"] / r["check_ms"] for r in ro) if ro[0]["check_ms"] else 0  # MB/ms = GB/s
+        copy = statistics.median(r["copy_mb"] / r["copy_ms"] for r in ro) if ro[0]["copy_ms"] else 0
         print(f"| {model.name} | {len(ids.split())} | {summary(ttft['uncached'])} | {summary(ttft['ro'])} | "
               f"{med['ro'] / med['uncached']:.3f} | {summary(ttft['rw'])} | {ro[0]['check_mb']:.1f} | {check:.2f} | "
               f"{copy:.2f} |", flush=True)
