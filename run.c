@@ -1059,8 +1059,9 @@ static void watch_model_file(const Model *m, const char *path)
 
 /* ============================================================================
    2. KERNELS
-   Each dot product has a scalar reference (the definition) and, where the
-   compiler targets AVX2+FMA+F16C, a SIMD version that must agree with it.
+   Each kernel has a plain scalar version, the definition, which the scalar
+   set runs; the SIMD sets in the appendices, one chosen at run time for the
+   CPU (select_kernels), must agree with it (tests/test_kernels.c).
    ========================================================================= */
 
 /* IEEE half -> float, including subnormals, infinities and NaN. */
@@ -1367,8 +1368,6 @@ static void to_float_q6_k_scalar(float *out, const void *row, int n)
 #define PACK_ALIGN 64 /* every group starts on a cache line */
 #define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains (integer
                          adds: the same result in any order) */
-#define PACK_FCHAINS 4 /* a float output sums element e into chain e % PACK_FCHAINS (one chain would
-                          wait on each FMA's latency), the chains added in order at the end */
 #define STRETCH 32    /* elements per run of packed integers */
 _Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel calls");
 
@@ -1542,18 +1541,16 @@ static float packed_float(int bits, int type, const uint8_t *group, int e, int r
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
-/* The float types against float activations: element e into chain
-   e % PACK_FCHAINS of each row, the chains added in order at the end. */
+/* The float types against float activations: each row's products added
+   in element order, one fused multiply-add each. (A kernel keeps a vector
+   of rows per token, so several tokens, or a group's halves, give its
+   FMAs the independent chains they need.) */
 static void packed_dot_float(int type, int bits, const uint8_t *group, const float *a, int n, float out[PACK_ROWS])
 {
-    float acc[PACK_ROWS][PACK_FCHAINS] = {{0}};
+    float acc[PACK_ROWS] = {0};
     for (int e = 0; e < n; e++)
-        for (int r = 0; r < PACK_ROWS; r++)
-            acc[r][e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r][e % PACK_FCHAINS]);
-    for (int r = 0; r < PACK_ROWS; r++) {
-        out[r] = acc[r][0];
-        for (int c = 1; c < PACK_FCHAINS; c++) out[r] += acc[r][c];
-    }
+        for (int r = 0; r < PACK_ROWS; r++) acc[r] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r]);
+    memcpy(out, acc, sizeof acc);
 }
 
 /* Row r of a packed group as floats, as the row's own dequantization
@@ -1612,17 +1609,12 @@ static void geglu_scalar(float *g, const float *u, int n)
 }
 
 /* --- attention kernels -----------------------------------------------------
-   Decode (attend_tile) works on blocks of ATT_KTILE cached positions
-   converted to floats. A large group of queries takes K transposed
-   (kt[i * ATT_KTILE + j] is element i of key j), so one broadcast query
-   element meets 8 keys in a vector; a small one takes K as rows. V is rows.
-   Prefill (attend_queries) reads the cache's rows in place through the
-   multi-query kernels att_qk and att_pv below. These are small GEMMs, exact
-   up to summation order; the softmax step between them uses a polynomial
-   exp in its SIMD version. */
-
-
-
+   attend_chunk (section 3) scores a tile of queries against ATT_KTILE
+   cached keys at a time (att_qk), takes the online softmax step over the
+   block (att_softmax) and adds the weighted V rows (att_pv). Each query's
+   numbers come out the same whatever the other queries of the call: these
+   are small GEMMs whose sums run in a fixed order per query. The softmax
+   step uses a polynomial exp in its SIMD versions. */
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -1639,14 +1631,12 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     return sum;
 }
 
-/* Prefill's kernels take a tile of queries at once and read K and V rows
-   straight from the cache, in its type (T_F32 or T_F16; attend_queries
-   converts the other cache types to f32 rows first). A K or V element
-   loaded into a register then feeds several queries' FMAs, where the
-   one-query kernels above load (and first convert into a buffer) every
-   element once per query. Decode has one token, `group` queries per KV
-   head: nothing to share, so it keeps the kernels above. Row j of K or V
-   is at k[j] (rows of a block need not be adjacent: pages, ring buffers). */
+/* The multi-query kernels read K and V rows straight from the cache, in
+   its type (T_F32 or T_F16; attend_chunk converts the other cache types
+   to f32 rows first). A K or V element loaded into a register then feeds
+   every query of the tile (a token's `group` query heads, times the
+   tokens of a prefill tile). Row j of K or V is at k[j] (rows of a block
+   need not be adjacent: pages, ring buffers). */
 
 /* Element i of a cached row of type T_F32 or T_F16. */
 static float kv_elem(const void *row, int type, int i)
@@ -8239,7 +8229,7 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
    madd that widens them. */
 #define PACK_TOKS_256 2   /* tokens per pass over a group (32-element types: 2 int32 and 2 float sums per token) */
 #define PACK_TOKS_K256 2  /* ... (K types: 2 int16, 2 int32 and 2 float sums per token) */
-#define PACK_TOKS_F256 3  /* ... (float types: PACK_FCHAINS sums per token) */
+#define PACK_TOKS_F256 6  /* ... (float types: a sum per half per token, 12 of 16 registers) */
 typedef __m256i (*Dot4Fn)(__m256i acc, __m256i u, __m256i a);
 
 INLINE __m256i dot4_avx2(__m256i acc, __m256i u, __m256i a)
@@ -8434,47 +8424,49 @@ INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
     if (t0 < T) packedk_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind);
 }
 
-/* Element e's 8 rows of half `half` of a packed float group. */
-INLINE __m256 packed_floats_256(const uint8_t *group, int e, int type, int half)
+/* Element e's 8 rows of half h of a packed float group. */
+INLINE __m256 packed_floats_256(const uint8_t *group, int e, int type, int h)
 {
-    if (type == T_F32) return _mm256_loadu_ps((const float *)group + (size_t)e * PACK_ROWS + 8 * half);
-    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)group + (size_t)e * PACK_ROWS + 8 * half));
-    if (type == T_F16) return _mm256_cvtph_ps(h);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16: the high half of an f32 */
+    if (type == T_F32) return _mm256_loadu_ps((const float *)group + (size_t)e * PACK_ROWS + 8 * h);
+    __m128i v = _mm_loadu_si128((const __m128i *)((const uint16_t *)group + (size_t)e * PACK_ROWS + 8 * h));
+    if (type == T_F16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16)); /* bf16: the high half of an f32 */
 }
 
-/* The float types: rows 8 half .. 8 half + 7, T <= PACK_TOKS_F256 tokens,
-   element e into chain e % PACK_FCHAINS (packed_dot_float). */
-INLINE void packedf_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int half, int type)
+/* The float types for T <= PACK_TOKS_F256 tokens, both halves at each
+   element: a sum per half and token, element by element (packed_dot_float). */
+INLINE void packedf_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type)
 {
     const size_t eb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
-    __m256 acc[PACK_TOKS_F256][PACK_FCHAINS];
-    for (int t = 0; t < T; t++) for (int c = 0; c < PACK_FCHAINS; c++) acc[t][c] = _mm256_setzero_ps();
+    __m256 acc[PACK_TOKS_F256][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int e = 0; e < n; e++) {
-        int c = e % PACK_FCHAINS;
-        if (T == 1 && half == 0 && c == 0)
-            for (size_t b = 0; b < PACK_FCHAINS * eb; b += CACHE_LINE) decode_prefetch(group + e * eb + b);
-        __m256 w = packed_floats_256(group, e, type, half);
-        for (int t = 0; t < T; t++) acc[t][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(((const float *)(x + t * xs))[e]), acc[t][c]);
+        if (T == 1 && e * eb % CACHE_LINE == 0) decode_prefetch(group + e * eb);
+        __m256 w0 = packed_floats_256(group, e, type, 0), w1 = packed_floats_256(group, e, type, 1);
+        for (int t = 0; t < T; t++) {
+            __m256 a = _mm256_set1_ps(((const float *)(x + t * xs))[e]);
+            acc[t][0] = _mm256_fmadd_ps(w0, a, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(w1, a, acc[t][1]);
+        }
     }
-    for (int t = 0; t < T; t++) {
-        __m256 sum = acc[t][0];
-        for (int c = 1; c < PACK_FCHAINS; c++) sum = _mm256_add_ps(sum, acc[t][c]);
-        _mm256_storeu_ps(out + t * PACK_ROWS + 8 * half, sum);
-    }
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
 }
 
 INLINE void packedf_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type, int unused1,
                          int unused2, Dot4Fn unused_dot4)
 {
     (void)unused1, (void)unused2, (void)unused_dot4;
-    _Static_assert(PACK_TOKS_F256 == 3, "one or two tokens are left at most");
-    for (int half = 0; half < 2; half++) {
-        int t0 = 0;
-        for (; t0 + PACK_TOKS_F256 <= T; t0 += PACK_TOKS_F256)
-            packedf_256(group, n, x + t0 * xs, xs, PACK_TOKS_F256, out + t0 * PACK_ROWS, half, type);
-        if (T - t0 == 2) packedf_256(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, half, type);
-        if (T - t0 == 1) packedf_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, half, type);
+    _Static_assert(PACK_TOKS_F256 == 6, "PACK_TOKS tokens are one pass and a rest of 2");
+    int t0 = 0; /* every pass's token count a constant, so the sums stay in registers */
+    for (; t0 + PACK_TOKS_F256 <= T; t0 += PACK_TOKS_F256)
+        packedf_256(group, n, x + t0 * xs, xs, PACK_TOKS_F256, out + t0 * PACK_ROWS, type);
+    switch (T - t0) {
+    case 5: packedf_256(group, n, x + t0 * xs, xs, 5, out + t0 * PACK_ROWS, type); break;
+    case 4: packedf_256(group, n, x + t0 * xs, xs, 4, out + t0 * PACK_ROWS, type); break;
+    case 3: packedf_256(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, type); break;
+    case 2: packedf_256(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, type); break;
+    case 1: packedf_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, type); break;
     }
 }
 
@@ -8603,49 +8595,25 @@ INLINE __m512 packed_floats_512(const uint8_t *group, int e, int type)
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); /* bf16: the high half of an f32 */
 }
 
-/* The packed float product for T <= PACK_TOKS_F tokens: per element one
-   vector of 16 rows times the token's element broadcast, into the chain
-   e % PACK_FCHAINS; the chains added in order at the end
-   (packed_float_scalar). */
-#define PACK_TOKS_F 4
-INLINE void packed_f_512_part(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type)
-{
-    const size_t rb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
-    __m512 acc[PACK_TOKS_F][PACK_FCHAINS];
-    for (int t = 0; t < T; t++) for (int c = 0; c < PACK_FCHAINS; c++) acc[t][c] = _mm512_setzero_ps();
-    int e = 0;
-    for (; e + PACK_FCHAINS <= n; e += PACK_FCHAINS) {
-        for (size_t b = 0; T == 1 && b < PACK_FCHAINS * rb; b += CACHE_LINE) /* decode: into L1 (measured 5 % faster here) */
-            _mm_prefetch((const char *)group + e * rb + b + PREFETCH_AHEAD, _MM_HINT_T0);
-        for (int c = 0; c < PACK_FCHAINS; c++) {
-            __m512 w = packed_floats_512(group, e + c, type);
-            for (int t = 0; t < T; t++) acc[t][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(((const float *)(x + t * xs))[e + c]), acc[t][c]);
-        }
-    }
-    for (int c = 0; e < n; e++, c++) {
-        __m512 w = packed_floats_512(group, e, type);
-        for (int t = 0; t < T; t++) acc[t][c] = _mm512_fmadd_ps(w, _mm512_set1_ps(((const float *)(x + t * xs))[e]), acc[t][c]);
-    }
-    for (int t = 0; t < T; t++) {
-        __m512 sum = acc[t][0];
-        for (int c = 1; c < PACK_FCHAINS; c++) sum = _mm512_add_ps(sum, acc[t][c]);
-        _mm512_storeu_ps(out + t * PACK_ROWS, sum);
-    }
-}
-
+/* The float types for T <= PACK_TOKS_F tokens: per element one vector of
+   16 rows times each token's element broadcast, a sum per token
+   (packed_dot_float). */
+#define PACK_TOKS_F 8
 INLINE void packed_f_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type, int unused1,
                          int unused2)
 {
     (void)unused1, (void)unused2;
-    _Static_assert(PACK_TOKS_F == 4, "1 to 3 tokens are left at most");
-    int t0 = 0;
-    for (; t0 + PACK_TOKS_F <= T; t0 += PACK_TOKS_F) packed_f_512_part(group, n, x + t0 * xs, xs, PACK_TOKS_F, out + t0 * PACK_ROWS, type);
-    switch (T - t0) {
-    case 3: packed_f_512_part(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, type); break;
-    case 2: packed_f_512_part(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, type); break;
-    case 1: packed_f_512_part(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, type); break;
+    const size_t rb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
+    __m512 acc[PACK_TOKS_F];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int e = 0; e < n; e++) {
+        if (T == 1 && e * rb % CACHE_LINE == 0) decode_prefetch(group + e * rb);
+        __m512 w = packed_floats_512(group, e, type);
+        for (int t = 0; t < T; t++) acc[t] = _mm512_fmadd_ps(w, _mm512_set1_ps(((const float *)(x + t * xs))[e]), acc[t]);
     }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
 }
+_Static_assert(PACK_TOKS_F == PACK_TOKS, "one pass takes a call's tokens");
 
 PACKED_KERNEL(f32, avx512, packed_f_512, T_F32, 0, 0)
 PACKED_KERNEL(f16, avx512, packed_f_512, T_F16, 0, 0)

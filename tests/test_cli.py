@@ -360,3 +360,32 @@ def run_readme_examples(readme: Path) -> None:
                 errors = [l for l in text(p.stderr).splitlines() if l.startswith("run: ") or "rror" in l]
                 assert p.returncode == 0 and not errors, \
                     f"README '{section}': `{cmd}` exit {p.returncode}: {text(p.stderr)[-500:]!r}"
+
+
+# Names in README "How it works" that are not ours: libc, instructions.
+FOREIGN_NAMES = {"mmap", "expf", "maddubs", "madd", "vpdpbusd"}
+
+
+def defined_names(source: str) -> set[str]:
+    """Functions, macros, types and tables a C file defines (a name followed by '(' or '='
+    or ending a typedef, at the start of a definition line)."""
+    names = set(re.findall(r"^(?:static\s+|INLINE\s+|const\s+|inline\s+)*[\w\s\*]*?\b(\w+)\s*\(", source, re.M))
+    names |= set(re.findall(r"^#define\s+(\w+)", source, re.M))
+    names |= set(re.findall(r"^\}\s*(\w+);", source, re.M))
+    names |= set(re.findall(r"^static\s+(?:const\s+)?\w+\s+(\w+)\s*\[", source, re.M))
+    return names
+
+
+def test_readme_how_it_works_names_functions_that_exist():
+    """Every identifier README's "How it works" puts in backticks is defined in run.c or
+    tokenizer.c (or is a file that exists), so the walk through the code stays true."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## How it works\n", 1)[1].split("\n## ", 1)[0]
+    source = (ROOT / "run.c").read_text() + (ROOT / "tokenizer.c").read_text()
+    names = defined_names(source)
+    cited = set(re.findall(r"`([A-Za-z_]\w*)`", section))
+    assert len(cited) >= 30, f"only {len(cited)} names found in How it works"
+    missing = sorted(n for n in cited - FOREIGN_NAMES if n not in names)
+    assert not missing, f"README How it works names what run.c does not define: {missing}"
+    for path in re.findall(r"`(tests/[\w./]+)`", section):
+        assert (ROOT / path).exists(), f"README How it works names a missing file {path}"
