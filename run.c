@@ -4,6 +4,8 @@
      ./run MODEL [-i PROMPT] [-n N] [-t TEMP] [-p TOPP] [-k TOPK] [-s SEED]
                  [-c] [-m chat] [--threads N] [--ctx N] [--kv TYPE] [--lookup N] [-v]
                  [--stop STR] [--json | --json-schema FILE] [--logprobs N]
+                 [--min-p P] [--repeat-penalty R] [--repeat-last-n N]
+                 [--presence-penalty X] [--frequency-penalty X] [--prompt-cache FILE]
      echo "PROMPT" | ./run MODEL
      ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
 
@@ -31,14 +33,16 @@
                      mode, a paged KV cache), each computed exactly as a
                      decode step. All attend over the cached K/V in blocks
                      with a running softmax (flash-attention style).
-     4. sampling     greedy, temperature, top-k, top-p, seeded RNG; sampling
-                     with a drafted token that keeps the distribution; each
-                     draw's log-probabilities on request (--logprobs).
+     4. sampling     repetition, presence and frequency penalties, then greedy,
+                     or temperature, top-k, top-p, min-p and a seeded RNG;
+                     sampling with a drafted token that keeps the distribution;
+                     each draw's log-probabilities on request (--logprobs).
      5. measurement  the roofline probe and the -v statistics.
      6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
                      -> detokenize, streamed to stdout UTF-8-safely through
                      the stop-string matcher (or as JSON records, --logprobs);
                      output constrained to JSON by a grammar mask (--json);
+                     a prompt's KV cache kept on disk (--prompt-cache);
                      chat; batch mode (continuous batching over a page pool);
                      perplexity and logits tools.
      7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
@@ -68,6 +72,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <sched.h>
@@ -82,6 +87,9 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/mman.h>
+#ifndef MAP_POPULATE
+#define MAP_POPULATE 0 /* Linux: read the whole mapping in at once */
+#endif
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -2820,13 +2828,30 @@ typedef struct {
     TokenProb top[LOGPROBS_MAX];
 } Logprobs;
 
+/* The sampling chain's settings (README "Sampling": the order, the
+   defaults). A zero-initialized field turns its step off, so a Sampler
+   written with the first five fields only samples as before the penalties. */
 typedef struct {
     float temperature; /* 0 = greedy */
     float top_p;       /* nucleus: smallest set with probability >= top_p (1 = off) */
     int top_k;         /* keep the k most likely (0 = off) */
     uint64_t rng;      /* xorshift64* state */
     Logprobs *report;  /* each draw's report goes here (owned by the request); NULL: none */
+    float min_p;       /* keep the tokens with probability >= min_p x the most likely's (0 = off) */
+    float repeat;      /* repetition penalty: a repeated token's logit divided by it (1 = off) */
+    int repeat_last_n; /* the penalties look at the context's last N tokens (0 = no penalties) */
+    float presence;    /* subtracted from the logit of a token present in that window (0 = off) */
+    float frequency;   /* ... and this times its count there (0 = off) */
 } Sampler;
+
+#define TEMP_MAX 100    /* -t: the highest temperature */
+#define PENALTY_MAX 100 /* the highest repetition, presence and frequency penalties */
+/* -t, -p, -k, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty
+   and --frequency-penalty when not given: the sampler of earlier versions
+   (min-p and the penalties off, so a seed gives the text it gave), with
+   llama.cpp's window of 64 tokens for the penalties when they are on. */
+#define SAMPLING_DEFAULTS ((Sampler){.temperature = 0.8f, .top_p = 0.95f, .top_k = 40, .min_p = 0, .repeat = 1, \
+                                     .repeat_last_n = 64, .presence = 0, .frequency = 0})
 
 typedef struct {
     float p;
@@ -2843,10 +2868,30 @@ static uint32_t random_u32(uint64_t *state)
 
 static float random_f32(uint64_t *state) { return (random_u32(state) >> 8) / 16777216.0f; } /* [0,1) */
 
+#define MAX_LANES 16  /* independent maxima in max_of: a vector's worth, so the loop vectorizes */
+#define SCAN_BLOCK 64  /* gather_candidates skips blocks of this many probabilities below what it needs */
+
+/* The largest of x[0..n) (n >= 1; no NaN). MAX_LANES running maxima
+   instead of one: a single one is a chain of dependent compares, which the
+   compiler cannot turn into vector instructions without reassociating. */
+static float max_of(const float *x, int n)
+{
+    float lane[MAX_LANES];
+    int i = 0;
+    for (int j = 0; j < MAX_LANES; j++) lane[j] = x[0];
+    for (; i + MAX_LANES <= n; i += MAX_LANES)
+        for (int j = 0; j < MAX_LANES; j++) lane[j] = x[i + j] > lane[j] ? x[i + j] : lane[j];
+    for (; i < n; i++) lane[0] = x[i] > lane[0] ? x[i] : lane[0];
+    for (int j = 1; j < MAX_LANES; j++) lane[0] = lane[j] > lane[0] ? lane[j] : lane[0];
+    return lane[0];
+}
+
+/* The first index of the largest logit (no NaN: see check_logits). */
 static int sample_argmax(const float *logits, int n)
 {
+    float max = max_of(logits, n);
     int best = 0;
-    for (int i = 1; i < n; i++) if (logits[i] > logits[best]) best = i;
+    while (logits[best] != max) best++;
     return best;
 }
 
@@ -2856,53 +2901,105 @@ static int by_prob_desc(const void *a, const void *b)
     return pa < pb ? 1 : pa > pb ? -1 : ((const Candidate *)a)->id - ((const Candidate *)b)->id;
 }
 
-/* Moves the k best of cand[0..n) (by_prob_desc's order, a total one: ties
-   go to the lower id) to cand[0..k), unsorted; returns k. A heap of the
-   best so far with the worst on top: O(n log k) instead of sorting all n,
-   which for a 262144-token vocabulary at -t 1 took longer than the
-   forward pass. */
-static int keep_top_k(Candidate *cand, int n, int k)
+/* Puts c into the heap cand[0..k) of the best candidates so far, the worst
+   (by_prob_desc's order) on top, in place of that worst one. */
+static void heap_replace_top(Candidate *cand, int k, Candidate c)
 {
-    for (int i = 0; i < n; i++) {
-        int at;
-        if (i < k) { /* grow the heap: sift up */
-            for (at = i; at > 0 && by_prob_desc(&cand[(at - 1) / 2], &cand[at]) < 0; at = (at - 1) / 2) {
-                Candidate t = cand[at]; cand[at] = cand[(at - 1) / 2]; cand[(at - 1) / 2] = t;
-            }
-            continue;
-        }
-        if (by_prob_desc(&cand[i], &cand[0]) >= 0) continue; /* no better than the worst kept */
-        cand[0] = cand[i];
-        for (at = 0;;) { /* sift down: the worse child rises */
-            int c = 2 * at + 1;
-            if (c >= k) break;
-            if (c + 1 < k && by_prob_desc(&cand[c + 1], &cand[c]) > 0) c++;
-            if (by_prob_desc(&cand[c], &cand[at]) <= 0) break;
-            Candidate t = cand[at]; cand[at] = cand[c]; cand[c] = t;
-            at = c;
-        }
+    int at = 0;
+    while (1) { /* sift down: the worse child rises */
+        int ch = 2 * at + 1;
+        if (ch >= k) break;
+        if (ch + 1 < k && by_prob_desc(&cand[ch + 1], &cand[ch]) > 0) ch++;
+        if (by_prob_desc(&cand[ch], &c) <= 0) break;
+        cand[at] = cand[ch];
+        at = ch;
     }
-    return k;
+    cand[at] = c;
 }
 
-/* The distribution the sampler draws from: softmax(logits / T) restricted
-   to the top-k, then to the top-p nucleus, as cand[0..keep) by falling
+/* Appends c to the heap cand[0..k) (worst on top), which grows by one. */
+static void heap_push(Candidate *cand, int k, Candidate c)
+{
+    int at = k;
+    for (; at > 0 && by_prob_desc(&cand[(at - 1) / 2], &c) < 0; at = (at - 1) / 2) cand[at] = cand[(at - 1) / 2];
+    cand[at] = c;
+}
+
+/* The tokens that can be kept: each with p[i] >= floor, and with top_k > 0
+   only the top_k most likely of them (by_prob_desc's order, a total one:
+   ties go to the lower id), into cand unsorted; returns their count. With
+   top-k a heap of the best so far, the worst on top: O(n log k) instead of
+   sorting all n. A block of SCAN_BLOCK probabilities whose largest (a
+   vectorized max) is below the floor, or no better than the heap's worst,
+   is skipped whole: with top-k and a vocabulary of 262144 almost every
+   block, once the heap is full. Tokens come in rising id order, so one
+   tied with the heap's worst is the worse of the two. */
+static int gather_candidates(const float *p, int n, float floor, int top_k, Candidate *cand)
+{
+    int nc = 0;
+    for (int i0 = 0; i0 < n; i0 += SCAN_BLOCK) {
+        int i1 = min_i(n, i0 + SCAN_BLOCK), full = top_k > 0 && nc == top_k;
+        float most = max_of(p + i0, i1 - i0);
+        if (most < floor || (full && most <= cand[0].p)) continue;
+        for (int i = i0; i < i1; i++) {
+            if (p[i] < floor) continue;
+            Candidate c = {p[i], i};
+            if (top_k <= 0) cand[nc++] = c;
+            else if (nc < top_k) heap_push(cand, nc++, c);
+            else if (p[i] > cand[0].p) heap_replace_top(cand, nc, c);
+        }
+    }
+    return nc;
+}
+
+/* The repetition penalties (llama.cpp's llama_sampler_penalties_apply):
+   each token that occurs c > 0 times among the last repeat_last_n ids of
+   hist[0..n_hist) (the context so far, prompt included) has its logit
+   divided by the repetition penalty (multiplied when it is not positive,
+   so that a penalty above 1 always lowers it), then lowered by
+   c * frequency + presence (OpenAI's frequency and presence penalties).
+   cand[t].id counts token t meanwhile: cand is scratch until the
+   candidates are gathered. */
+static void apply_penalties(const Sampler *sm, float *logits, const int *hist, int n_hist, Candidate *cand)
+{
+    if (sm->repeat_last_n <= 0 || !hist || (sm->repeat == 1 && sm->presence == 0 && sm->frequency == 0)) return;
+    int from = max_i(0, n_hist - sm->repeat_last_n);
+    for (int i = from; i < n_hist; i++) cand[hist[i]].id = 0;
+    for (int i = from; i < n_hist; i++) cand[hist[i]].id++;
+    for (int i = from; i < n_hist; i++) {
+        int t = hist[i], c = cand[t].id;
+        if (!c) continue; /* counted and penalized already */
+        cand[t].id = 0;
+        logits[t] = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
+        logits[t] -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+    }
+}
+
+/* The distribution the sampler draws from, as cand[0..keep) by falling
    probability (keep is returned; the kept probabilities sum to *total,
-   the normalizer). cand is scratch for n candidates. */
+   the normalizer). The temperature comes first, then three cuts, each of
+   which keeps a prefix of that order (so their own order does not matter):
+   p = softmax(logits / T) over the whole vocabulary; top-k keeps the k most
+   likely; top-p the shortest prefix whose p (normalized over the whole
+   vocabulary) reaches top_p; min-p the tokens with p >= min_p times the
+   most likely's p. logits is overwritten with p; cand is scratch for n
+   candidates. */
 static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *cand, float *total)
 {
-    /* (l - max) / T: the largest logit becomes exactly 0, so no temperature,
-       however small, can overflow it to inf (inf - inf = NaN in softmax) */
-    float max = logits[sample_argmax(logits, n)];
-    for (int i = 0; i < n; i++) logits[i] = (logits[i] - max) / sm->temperature;
-    softmax(logits, n);
-    /* Tokens below (1-p)/(n-1) can never be in the nucleus: skip sorting them. */
-    float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0;
-    int nc = 0;
-    for (int i = 0; i < n; i++) if (logits[i] >= cutoff) cand[nc++] = (Candidate){logits[i], i};
-    if (sm->top_k > 0 && nc > sm->top_k) nc = keep_top_k(cand, nc, sm->top_k);
+    /* logit - max: the largest becomes exactly 0, so no temperature, however
+       small, can overflow it to inf (inf - inf = NaN in the softmax); and
+       1/T is held to a finite float, so that 0 * (1/T) stays 0 */
+    int top = sample_argmax(logits, n);
+    float max = logits[top], scale = 1 / sm->temperature, running = -INFINITY;
+    if (!(scale <= FLT_MAX)) scale = FLT_MAX;
+    for (int i = 0; i < n; i++) logits[i] -= max;
+    float sum = att_softmax(logits, n, scale, &running); /* exp((logit - max) / T), vectorized; returns their sum */
+    for (int i = 0; i < n; i++) logits[i] /= sum;
+    /* Tokens below (1-p)/(n-1) can never be in the nucleus, and min-p drops
+       those below its floor: neither is gathered and sorted. */
+    float cutoff = sm->top_p < 1 && n > 1 ? (1 - sm->top_p) / (n - 1) : 0, floor = sm->min_p * logits[top];
+    int nc = gather_candidates(logits, n, floor > cutoff ? floor : cutoff, sm->top_k, cand);
     qsort(cand, nc, sizeof *cand, by_prob_desc);
-    if (sm->top_k > 0 && nc > sm->top_k) nc = sm->top_k;
     int keep = nc;
     *total = 0;
     for (int i = 0; i < nc; i++) {
@@ -2966,7 +3063,9 @@ static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float tot
 
 static void check_logits(const float *logits, int n)
 {
-    for (int i = 0; i < n; i++)
+    int bad = 0;
+    for (int i = 0; i < n; i++) bad |= !(fabsf(logits[i]) <= FLT_MAX); /* no early exit: the loop vectorizes */
+    for (int i = 0; bad && i < n; i++)
         if (!isfinite(logits[i]))
             die(EXIT_RUNTIME, "the model computed a non-finite logit (token %d): are the model file's weights damaged?", i);
 }
@@ -2986,10 +3085,21 @@ static int sample_greedy(Sampler *sm, const float *logits, int n)
     return id;
 }
 
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed)
+/* The chain's steps before the draw: the logits must be finite; the
+   penalties, then the mask (--json) change them. */
+static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist,
+                           int n_hist)
 {
     check_logits(logits, n);
+    apply_penalties(sm, logits, hist, n_hist, cand);
     mask_logits(logits, n, allowed);
+}
+
+/* The next token after the context hist[0..n_hist) (the ids fed so far,
+   the prompt's included; NULL: no penalties), from its logits. */
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist, int n_hist)
+{
+    prepare_logits(sm, logits, n, cand, allowed, hist, n_hist);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
@@ -3308,6 +3418,7 @@ typedef struct {
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     Stops stops;        /* --stop: the answer ends before the first of these */
     const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
+    struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
 
 /* Why an answer ended (generate's result). */
@@ -5353,6 +5464,408 @@ static void text_end(TextOut *o)
     if (o->f) check_stdout();
 }
 
+/* ----- prompt cache -------------------------------------------------------------
+   --prompt-cache FILE keeps on disk the KV cache of a prompt's tokens:
+   scripts that ask many questions about one long prefix (a system prompt,
+   a document) prefill it once. A run whose prompt begins with the file's
+   tokens copies their K and V rows into its cache and prefills only the
+   rest; it then writes its own prompt's rows there, unless the file holds
+   them already. What the file holds is what prefill would have computed
+   (the same model file, KV type, context and kernel set), so the output
+   is what it would be without the file, whenever prefill from a position
+   P gives the logits that prefilling the whole prompt gives.
+
+   The file (little-endian):
+     header        PCACHE_HEADER bytes: the fields of enum PC_* below; the
+                   rest zero, then an XXH64 of bytes [0, PC_HEADER_SUM)
+     token ids     n x i32, zero-padded to a multiple of PCACHE_ALIGN bytes
+     K and V rows  for each layer, its K then its V: for each KV head, the
+                   rows of positions 0..n-1 (kv_row bytes each, in the KV type)
+   so its size is the header, the ids and exactly n positions' K and V in
+   the KV type in use. The data after the header has a checksum: XXH64
+   chained over PCACHE_BLOCK-byte blocks (the seed of each is the sum of
+   the blocks before it). A file whose size, sums or identity do not fit is
+   ignored (refused with --prompt-cache-ro): never read as K and V. */
+
+#define PCACHE_MAGIC "LLMC"
+#define PCACHE_VERSION 1
+#define PCACHE_HEADER 256
+#define PCACHE_ALIGN 64
+#define PCACHE_BLOCK 65536     /* the data checksum's unit, and the writer's buffer */
+#define PCACHE_KERNELS 16      /* bytes for the kernel set's name */
+#define MODEL_SAMPLE_STRIDE (256 << 10) /* the model's identity: 64 bytes of every 256 KiB of its tensors ... */
+#define MODEL_SAMPLE_BYTES 64  /* ... (and all of its header, tokenizer and tensor table) */
+
+enum {
+    PC_MAGIC = 0, PC_VERSION = 4, PC_FILE_VERSION = 8, PC_KV_TYPE = 12, /* u32: the model file version this build reads */
+    PC_MODEL_SIZE = 16, PC_MODEL_HASH = 24,                            /* u64: the model file's size and identity hash */
+    PC_CTX = 32, PC_LAYERS = 36, PC_KV_HEADS = 40, PC_HEAD_DIM = 44, PC_ROW = 48, PC_TOKENS = 52, /* u32 */
+    PC_KERNELS = 56,                                                   /* char[PCACHE_KERNELS] */
+    PC_DATA_SUM = 72, PC_HEADER_SUM = 248                              /* u64 */
+};
+
+#define XXH_P1 0x9E3779B185EBCA87ull /* XXH64's primes (xxHash, Yann Collet) */
+#define XXH_P2 0xC2B2AE3D27D4EB4Full
+#define XXH_P3 0x165667B19E3779F9ull
+#define XXH_P4 0x85EBCA77C2B2AE63ull
+#define XXH_P5 0x27D4EB2F165667C5ull
+
+static uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+static uint64_t xxh_round(uint64_t acc, uint64_t in) { return rotl64(acc + in * XXH_P2, 31) * XXH_P1; }
+static uint64_t xxh_merge(uint64_t h, uint64_t v) { return (h ^ xxh_round(0, v)) * XXH_P1 + XXH_P4; }
+
+/* XXH64 of p[0..n): four lanes over 32-byte stripes, so it runs at memory
+   speed, and every bit of the input reaches every bit of the sum (a
+   flipped byte, a truncated or reordered block changes it). */
+static uint64_t xxh64(const void *data, size_t n, uint64_t seed)
+{
+    const uint8_t *p = data, *end = p + n;
+    uint64_t h;
+    if (n >= 32) {
+        uint64_t v[4] = {seed + XXH_P1 + XXH_P2, seed + XXH_P2, seed, seed - XXH_P1};
+        for (; p + 32 <= end; p += 32)
+            for (int i = 0; i < 4; i++) v[i] = xxh_round(v[i], rd_u64(p + 8 * i));
+        h = rotl64(v[0], 1) + rotl64(v[1], 7) + rotl64(v[2], 12) + rotl64(v[3], 18);
+        for (int i = 0; i < 4; i++) h = xxh_merge(h, v[i]);
+    } else {
+        h = seed + XXH_P5;
+    }
+    h += n;
+    for (; p + 8 <= end; p += 8) h = rotl64(h ^ xxh_round(0, rd_u64(p)), 27) * XXH_P1 + XXH_P4;
+    if (p + 4 <= end) h = rotl64(h ^ (rd_u32(p) * XXH_P1), 23) * XXH_P2 + XXH_P3, p += 4;
+    for (; p < end; p++) h = rotl64(h ^ (*p * XXH_P5), 11) * XXH_P1;
+    h ^= h >> 33, h *= XXH_P2, h ^= h >> 29, h *= XXH_P3, h ^= h >> 32;
+    return h;
+}
+
+/* What identifies the model file's contents: XXH64 of its header, tokenizer
+   and tensor table, whole, and of a 64-byte sample of every 256 KiB of its
+   tensors. A different model, an export of other weights into the same
+   shapes (a fine-tune), another quantization, changes it; the same file
+   copied or re-exported does not. Hashing all the weights (1 GB for a
+   1.5B model) would cost more than the prefill a cache saves for short
+   prompts; a sample reads a page in 64, which the forward pass reads anyway. */
+static uint64_t model_identity(const Model *m)
+{
+    const uint8_t *f = m->map;
+    size_t data = align_up(rd_u64(f + HDR_TABLE_OFFSET) + (uint64_t)rd_u32(f + HDR_N_TENSORS) * TENSOR_ENTRY_BYTES,
+                           TENSOR_ALIGN);
+    uint64_t h = xxh64(f, data, 0);
+    for (size_t at = data; at + MODEL_SAMPLE_BYTES <= m->map_size; at += MODEL_SAMPLE_STRIDE)
+        h = xxh64(f + at, MODEL_SAMPLE_BYTES, h);
+    return xxh64(f + m->map_size - MODEL_SAMPLE_BYTES, MODEL_SAMPLE_BYTES, h); /* and the file's last bytes */
+}
+
+/* The prompt cache of a run. */
+typedef struct PromptCache {
+    const char *path;
+    int read_only;      /* --prompt-cache-ro: never written, and a file that cannot be used is an error */
+    int verbose;
+    uint8_t head[PCACHE_HEADER]; /* this run's identity fields: a file must carry the same */
+    uint8_t *map;       /* the file read at the start, while its tokens may still be loaded (NULL: none) */
+    size_t map_size;
+    const int32_t *ids; /* its tokens, n of them */
+    int n;
+    int saved;          /* batch mode: the first line's prompt has been written */
+} PromptCache;
+
+static void put_u32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put_u64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* Bytes of the K and V rows of n positions; where they start in a file of n tokens. */
+static size_t pcache_kv_bytes(const Config *c, const RunState *s, size_t n) { return 2 * n * c->n_layers * c->n_kv_heads * s->kv_row; }
+static size_t pcache_kv_at(size_t n) { return PCACHE_HEADER + align_up(n * sizeof(int32_t), PCACHE_ALIGN); }
+
+/* The run of cached rows of the sequence with pages pt (NULL: the single
+   cache) for layer l, K (v = 0) or V (1), KV head h, from position pos up
+   to end at most, that lie next to each other in memory: returns the
+   first, and their count in *len. */
+static uint8_t *kv_rows(RunState *s, const Config *c, const PageTable *pt, int v, int l, int h, int pos, int end, int *len)
+{
+    s->paged = pt != NULL;
+    s->tok_pages[0] = pt; /* cache_row finds a paged token's pages there: set before every pass, so free between them */
+    int run = pt ? PAGE_TOKENS - pos % PAGE_TOKENS : s->kv_cap[l] - pos % s->kv_cap[l];
+    *len = min_i(end - pos, run);
+    return cache_row(s, v ? s->value_cache : s->key_cache, c, 0, l, h, pos);
+}
+
+/* The reason the file's header (n tokens, size bytes) does not fit this
+   run, or NULL. */
+static const char *pcache_mismatch(const PromptCache *pc, const Config *c, const RunState *s, const uint8_t *h, size_t size,
+                                   char *why, size_t why_len)
+{
+    if (size < PCACHE_HEADER || memcmp(h + PC_MAGIC, PCACHE_MAGIC, 4)) return "not a prompt cache file";
+    if (rd_u32(h + PC_VERSION) != PCACHE_VERSION) return "written by another version of run";
+    if (rd_u64(h + PC_HEADER_SUM) != xxh64(h, PC_HEADER_SUM, 0)) return "damaged (its header's checksum does not match)";
+    if (memcmp(h, pc->head, PC_TOKENS)) {
+        if (memcmp(h + PC_MODEL_SIZE, pc->head + PC_MODEL_SIZE, 16)) return "made with another model file";
+        uint32_t kv = rd_u32(h + PC_KV_TYPE);
+        if (kv != (uint32_t)s->kv_type) {
+            snprintf(why, why_len, "made with --kv %s, this run uses --kv %s", kv < N_TYPES && TYPES[kv].kv_name ? TYPES[kv].kv_name : "?",
+                     TYPES[s->kv_type].kv_name);
+            return why;
+        }
+        if (rd_u32(h + PC_CTX) != rd_u32(pc->head + PC_CTX)) {
+            snprintf(why, why_len, "made with --ctx %u, this run's context is %d", rd_u32(h + PC_CTX), s->seq_len);
+            return why;
+        }
+        return "made for another model file version or shape";
+    }
+    if (memcmp(h + PC_KERNELS, pc->head + PC_KERNELS, PCACHE_KERNELS)) {
+        snprintf(why, why_len, "made with the %.*s kernel set, this run uses %s (their rounding differs)", PCACHE_KERNELS,
+                 (const char *)h + PC_KERNELS, (const char *)pc->head + PC_KERNELS);
+        return why;
+    }
+    size_t n = rd_u32(h + PC_TOKENS), want = pcache_kv_at(n) + pcache_kv_bytes(c, s, n);
+    if (n < 1 || n > (size_t)s->seq_len) return "damaged (its token count is out of range)";
+    if (size != want) {
+        snprintf(why, why_len, "truncated or damaged (%zu bytes, %zu tokens take %zu)", size, n, want);
+        return why;
+    }
+    return NULL;
+}
+
+/* A one-line reason the cache cannot be used: an error with
+   --prompt-cache-ro, else a -v line (the file is replaced after prefill). */
+static void pcache_unusable(const PromptCache *pc, const char *why)
+{
+    if (pc->read_only) die(EXIT_RUNTIME, "--prompt-cache-ro %s: %s", pc->path, why);
+    if (pc->verbose) fprintf(stderr, "prompt cache: %s ignored: %s\n", pc->path, why);
+}
+
+/* Opens --prompt-cache path for this run (s sized and typed as it will
+   run): a file that fits is mapped, its checksums verified, and its tokens
+   become loadable. Something other than a regular file at path (a
+   directory, a FIFO, a device; with write access, a symlink, which the
+   new file would replace) is an error, before any work. */
+static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, const char *path, int read_only, int verbose)
+{
+    const Config *c = &m->c;
+    *pc = (PromptCache){.path = path, .read_only = read_only, .verbose = verbose};
+    uint8_t *h = pc->head;
+    memcpy(h + PC_MAGIC, PCACHE_MAGIC, 4);
+    put_u32(h + PC_VERSION, PCACHE_VERSION), put_u32(h + PC_FILE_VERSION, FILE_VERSION), put_u32(h + PC_KV_TYPE, s->kv_type);
+    put_u64(h + PC_MODEL_SIZE, m->map_size), put_u64(h + PC_MODEL_HASH, model_identity(m));
+    put_u32(h + PC_CTX, s->seq_len), put_u32(h + PC_LAYERS, c->n_layers), put_u32(h + PC_KV_HEADS, c->n_kv_heads);
+    put_u32(h + PC_HEAD_DIM, c->head_dim), put_u32(h + PC_ROW, s->kv_row);
+    strncpy((char *)h + PC_KERNELS, K.op.name, PCACHE_KERNELS - 1);
+    struct stat st;
+    if ((read_only ? stat(path, &st) : lstat(path, &st)) == 0 && !S_ISREG(st.st_mode))
+        die(EXIT_RUNTIME, "--prompt-cache %s: not a regular file (a directory, FIFO, device%s is neither read nor replaced)", path,
+            read_only ? "" : " or symlink");
+    double t0 = now_ms();
+    int fd = open(path, O_RDONLY | O_NONBLOCK); /* O_NONBLOCK: a FIFO put there since the check must not hang the run */
+    if (fd < 0) {
+        int e = errno;
+        if (e != ENOENT || read_only) pcache_unusable(pc, strerror(e));
+        else if (verbose) fprintf(stderr, "prompt cache: %s does not exist yet: it is written after the prompt\n", path);
+        return;
+    }
+    char why[MSG_BYTES];
+    const char *problem = NULL;
+    uint8_t *map = NULL, head[PCACHE_HEADER];
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) problem = "not a regular file";
+    else if (st.st_size < PCACHE_HEADER || pread(fd, head, PCACHE_HEADER, 0) != PCACHE_HEADER)
+        problem = "not a prompt cache file (shorter than its header)";
+    else if (!(problem = pcache_mismatch(pc, c, s, head, st.st_size, why, sizeof why)) && /* the header first: ... */
+             (map = mmap(NULL, st.st_size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0)) == MAP_FAILED)
+        map = NULL, problem = strerror(errno); /* ... only a file of the right size is read whole */
+    close(fd);
+    if (!problem && memcmp(map, head, PCACHE_HEADER)) problem = "changed while it was read";
+    uint64_t sum = 0;
+    for (size_t at = PCACHE_HEADER, size = st.st_size; !problem && at < size; at += PCACHE_BLOCK)
+        sum = xxh64(map + at, size - at < PCACHE_BLOCK ? size - at : PCACHE_BLOCK, sum);
+    if (!problem && sum != rd_u64(map + PC_DATA_SUM)) problem = "damaged (its data's checksum does not match)";
+    int n = problem ? 0 : (int)rd_u32(map + PC_TOKENS);
+    const int32_t *ids = (const int32_t *)(map + PCACHE_HEADER); /* 4-byte aligned: the mapping is page-aligned */
+    for (int i = 0; i < n && !problem; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size) problem = "damaged (a token id outside the vocabulary)";
+    if (problem) {
+        if (map) munmap(map, st.st_size);
+        pcache_unusable(pc, problem);
+        return;
+    }
+    pc->map = map, pc->map_size = st.st_size, pc->ids = ids, pc->n = n;
+    double ms = now_ms() - t0;
+    if (verbose)
+        fprintf(stderr, "prompt cache: %s holds %d tokens (%.1f MB), read and checked in %.1f ms (%.2f GB/s)\n", path, n,
+                st.st_size / 1e6, ms, st.st_size / 1e6 / (ms > 0 ? ms : 1e-3));
+}
+
+static void pcache_close(PromptCache *pc)
+{
+    if (pc->map) munmap(pc->map, pc->map_size);
+    pc->map = NULL, pc->n = 0;
+}
+
+/* Positions [0, n) of ids are in the file. */
+static int pcache_holds(const PromptCache *pc, const int *ids, int n)
+{
+    return pc->map && n <= pc->n && !memcmp(pc->ids, ids, n * sizeof *ids);
+}
+
+/* Loads into the cache of the sequence with pages pt (NULL: the single
+   cache), whose positions [0, from) hold ids[0, from) already, the rows
+   of positions [from, L) from the file, L being the longest prefix of
+   ids[0, n) the file holds, but at most n - 1: the last token is always
+   prefilled, for its logits. Returns the positions now cached. */
+static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n, int from)
+{
+    if (!pc || !pc->map) return from;
+    const Config *c = &m->c;
+    int L = 0;
+    while (L < pc->n && L < n - 1 && pc->ids[L] == ids[L]) L++;
+    if (L <= from) {
+        if (pc->verbose && !from) fprintf(stderr, "prompt cache: the prompt's first token differs from %s's\n", pc->path);
+        return from;
+    }
+    double t0 = now_ms();
+    const uint8_t *kv = pc->map + pcache_kv_at(pc->n);
+    size_t seg = (size_t)pc->n * s->kv_row; /* one KV head's rows of one layer, K or V */
+    for (int l = 0; l < c->n_layers; l++)
+        for (int v = 0; v < 2; v++)
+            for (int h = 0; h < c->n_kv_heads; h++, kv += seg)
+                for (int pos = from, len; pos < L; pos += len) {
+                    uint8_t *dst = kv_rows(s, c, pt, v, l, h, pos, L, &len);
+                    memcpy(dst, kv + (size_t)pos * s->kv_row, (size_t)len * s->kv_row);
+                }
+    double ms = now_ms() - t0, mb = pcache_kv_bytes(c, s, L - from) / 1e6;
+    if (pc->verbose)
+        fprintf(stderr, "prompt cache: %d of the prompt's %d tokens loaded (%.1f MB of K and V) in %.1f ms (%.2f GB/s)\n", L - from,
+                n, mb, ms, mb / 1e3 / (ms > 0 ? ms / 1e3 : 1e-6));
+    return L;
+}
+
+/* Bytes into a file under construction, in PCACHE_BLOCK blocks, each
+   added to the data checksum as it is written. */
+typedef struct {
+    int fd, err;        /* err: the first write's errno (0: all written) */
+    uint8_t *buf;
+    size_t len;
+    uint64_t sum;
+} CacheWriter;
+
+static void cw_flush(CacheWriter *w)
+{
+    w->sum = xxh64(w->buf, w->len, w->sum);
+    for (size_t at = 0; at < w->len && !w->err;) {
+        ssize_t k = write(w->fd, w->buf + at, w->len - at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) w->err = k < 0 ? errno : EIO;
+        else at += k;
+    }
+    w->len = 0;
+}
+
+static void cw_put(CacheWriter *w, const void *p, size_t n)
+{
+    for (const uint8_t *q = p; n && !w->err;) {
+        size_t k = PCACHE_BLOCK - w->len < n ? PCACHE_BLOCK - w->len : n;
+        memcpy(w->buf + w->len, q, k);
+        w->len += k, q += k, n -= k;
+        if (w->len == PCACHE_BLOCK) cw_flush(w);
+    }
+}
+
+/* Writes the file's bytes (header placeholder, ids, rows) into fd; returns 0 or an errno. */
+static int pcache_write(CacheWriter *w, PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+{
+    const Config *c = &m->c;
+    uint8_t *h = pc->head, zero[PCACHE_HEADER] = {0};
+    if (write(w->fd, zero, PCACHE_HEADER) != PCACHE_HEADER) return errno ? errno : EIO; /* the header goes in last */
+    for (int i = 0; i < n; i++) {
+        int32_t id = ids[i];
+        cw_put(w, &id, sizeof id);
+    }
+    cw_put(w, zero, pcache_kv_at(n) - PCACHE_HEADER - n * sizeof(int32_t));
+    for (int l = 0; l < c->n_layers; l++)
+        for (int v = 0; v < 2; v++)
+            for (int hd = 0; hd < c->n_kv_heads; hd++)
+                for (int pos = 0, len; pos < n; pos += len) {
+                    const uint8_t *rows = kv_rows(s, c, pt, v, l, hd, pos, n, &len);
+                    cw_put(w, rows, (size_t)len * s->kv_row);
+                }
+    if (w->len && !w->err) cw_flush(w);
+    if (w->err) return w->err;
+    put_u32(h + PC_TOKENS, n), put_u64(h + PC_DATA_SUM, w->sum), put_u64(h + PC_HEADER_SUM, xxh64(h, PC_HEADER_SUM, 0));
+    if (pwrite(w->fd, h, PCACHE_HEADER, 0) != PCACHE_HEADER) return errno ? errno : EIO;
+    return fsync(w->fd) ? errno : 0;
+}
+
+/* The rename of a file into path reaches the disk with its directory. */
+static void sync_dir_of(const char *path)
+{
+    char dir[MSG_BYTES];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (!slash) strcpy(dir, ".");
+    else slash[slash == dir] = 0; /* "/f" keeps "/" */
+    int fd = open(dir, O_RDONLY | O_DIRECTORY);
+    if (fd >= 0) {
+        fsync(fd);
+        close(fd);
+    }
+}
+
+/* After prefill: the K and V rows of ids[0, n), cached for the sequence with
+   pages pt (NULL: the single cache), become the file, unless it holds them
+   already (or is read-only). Written under a temporary name in the same
+   directory, synced and renamed over it: the file is the old one or the
+   new one, whole, whatever happens (a full disk, a signal: temp_path is
+   removed). A failure is a warning: the answer does not need the file. */
+static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+{
+    if (!pc || pc->read_only || n < 1) return;
+    if (pcache_holds(pc, ids, n)) {
+        if (pc->verbose) fprintf(stderr, "prompt cache: %s holds this prompt already: not rewritten\n", pc->path);
+        return;
+    }
+    double t0 = now_ms();
+    int e = 0;
+    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", pc->path, (long)getpid()) >= (int)sizeof temp_path) e = ENAMETOOLONG;
+    CacheWriter w = {.fd = e ? -1 : open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666)};
+    if (!e && w.fd < 0) e = errno;
+    else if (!e) {
+        w.buf = xmalloc(PCACHE_BLOCK);
+        e = pcache_write(&w, pc, m, s, pt, ids, n);
+        free(w.buf);
+        if (close(w.fd) != 0 && !e) e = errno;
+        if (!e && rename(temp_path, pc->path) != 0) e = errno;
+        if (e) unlink(temp_path);
+    }
+    temp_path[0] = 0;
+    if (e) {
+        char msg[LINE_BYTES];
+        format_line(msg, "warning: cannot write the prompt cache %s: %s (the answer goes on without it)", pc->path, strerror(e));
+        fputs(msg, stderr);
+        return;
+    }
+    sync_dir_of(pc->path);
+    pcache_close(pc); /* the file now holds no more than this run has: nothing further to load */
+    if (pc->verbose)
+        fprintf(stderr, "prompt cache: saved %d tokens (%.1f MB) to %s in %.1f ms\n", n,
+                (pcache_kv_at(n) + pcache_kv_bytes(&m->c, s, n)) / 1e6, pc->path, now_ms() - t0);
+}
+
+/* With a prompt cache, a sliding-window layer keeps every position, as
+   batch mode's pages do, instead of a ring of its last window +
+   CHUNK_TOKENS: the file stores every position's rows, so that a later
+   prompt can share any prefix of this one. Attention reads a layer's rows
+   by position (cache_row), so nothing it computes changes; the memory is
+   committed only as positions are written. */
+static void keep_every_position(RunState *s, const Config *c)
+{
+    if (!c->window) return;
+    free(s->key_cache);
+    free(s->value_cache);
+    for (int l = 0; l < c->n_layers; l++) {
+        s->kv_cap[l] = s->seq_len;
+        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->seq_len;
+    }
+    s->key_cache = xcalloc(kv_cache_bytes(c, s->seq_len, s->kv_type, 1) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, s->seq_len, s->kv_type, 1) / 2, 1);
+}
+
 /* ----- lookup decoding --------------------------------------------------------
    Decode reads every weight once per token, but checking k guessed tokens
    costs about the same weight reads as producing one (verify_step). Text
@@ -5575,7 +6088,7 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
     if (k == 0) {
         decode_step(m, s, token, (*pos)++);
         lookup_time(&lk->cost, 1, now_ms() - t0);
-        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
+        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
     }
     batch[0] = token;
     memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch);
@@ -5583,8 +6096,8 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
     lookup_time(&lk->cost, k + 1, now_ms() - t0);
     st->drafted += k;
     int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i]; jm's state is after them too (drafts stood) */
-        next = sample(sm, s->logits + (size_t)i * vocab, vocab, cand, jm ? json_mask_allowed(jm) : NULL);
+    for (;; i++) { /* row i holds the logits after batch[0..i], which conv ends with; jm's state is after them too (drafts stood) */
+        next = sample(sm, s->logits + (size_t)i * vocab, vocab, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
         if (i == k || next != batch[i + 1]) break;
         kept++;
         if ((*why = take_token(m, o, jm, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
@@ -5604,7 +6117,10 @@ static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *
    sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
    printed). With --logprobs the request's draws report into lp while it
    runs. With o->json every token is sampled under the grammar's mask;
-   st->json_incomplete tells whether the value was left unfinished. */
+   st->json_incomplete tells whether the value was left unfinished. With
+   o->cache, the prompt's rows (conv's first *pos tokens after the
+   prefill) are saved there once the first token is out, so that neither
+   the TTFT nor a run cut short by its reader (`| head`) goes without. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
                     TextOut *out, Stats *st, int *last)
 {
@@ -5624,13 +6140,16 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
     *pos += n;
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL) : -1;
+    int n_cached = *pos, saved = !o->cache; /* the prompt's rows go to --prompt-cache once its first token is out */
+    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n)
+                              : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
     if (n > 0) lookup_time(&lk.cost, n, st->prefill_ms); /* the per-token cost of a large pass */
     *last = token;
     while (n_predict > 0) {
         if ((why = take_token(m, o, jm, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
+        if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached), saved = 1;
         int before = st->n_gen, stop = -1;
         token = decode_next(m, s, sm, o, jm, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
         *last = token;
@@ -5642,6 +6161,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         if (stop >= 0) { why = stop; break; }
     }
     text_end(out);
+    if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
     sm->report = NULL;
     if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", out->stop.hit);
     if (jm) {
@@ -5692,7 +6212,10 @@ static void on_sigint(int sig)
 {
     (void)sig;
     if (answering && !interrupted) interrupted = 1;
-    else _exit(130);
+    else {
+        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
+        _exit(130);
+    }
 }
 
 /* ----- input ------------------------------------------------------------------ */
@@ -5776,6 +6299,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
             check_stdout();
             continue;
         }
+        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
         if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         Stats st;
@@ -5853,7 +6377,7 @@ typedef struct {
     int *refs;             /* [n_slabs] */
     int committed;         /* slabs promised: see above */
     int spare;             /* what released local pages point to: never written, its (zero) keys read only masked */
-    int n_local;           /* sliding-window layers (0: none) */
+    int n_local;           /* sliding-window layers whose pages go back to the pool (0: none; see pool_local) */
     int local_pages;       /* the most pages a sequence's sliding-window layers hold at once */
     int peak;              /* most slabs in use at once */
     int live_freed;        /* local slabs given back by sequences still in flight ... */
@@ -5958,8 +6482,10 @@ static size_t page_bytes(const Config *c, const RunState *s)
    and V), in slabs of one layer, and one spare slab. A sliding-window
    layer's query at position pos sees keys from pos - window + 1 on; a pass
    of up to CHUNK_TOKENS tokens from pos holds the pages from that key's to
-   its last token's: at most local_pages. */
-static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages)
+   its last token's: at most local_pages. With keep_all (a prompt cache,
+   whose file stores every position so that a later prompt can share any
+   prefix) no layer gives pages back: all are treated as global. */
+static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages, int keep_all)
 {
     free(s->key_cache);
     free(s->value_cache);
@@ -5972,11 +6498,14 @@ static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages)
     p->free_ids = xmalloc(p->n_slabs * sizeof(int));
     p->refs = xcalloc(p->n_slabs + 1, sizeof(int));
     for (int i = 0; i < p->n_slabs; i++) p->free_ids[i] = p->n_slabs - 1 - i;
-    for (int l = 0; l < c->n_layers; l++) p->n_local += is_local(c, l);
+    for (int l = 0; l < c->n_layers && !keep_all; l++) p->n_local += is_local(c, l);
     if (p->n_local) p->local_pages = (c->window + CHUNK_TOKENS - 2) / PAGE_TOKENS + 2;
 }
 
 static void free_pool(PagePool *p) { free(p->free_ids); free(p->refs); }
+
+/* Whether layer l's pages are taken and given back with the window. */
+static int pool_local(const PagePool *p, const Config *c, int l) { return p->n_local && is_local(c, l); }
 
 /* A free slab, held once. Admission promised it (see PagePool). */
 static int slab_take(PagePool *p)
@@ -6021,13 +6550,13 @@ static void page_window(PagePool *p, const Config *c, PageTable *pt, int pos, in
     for (int first = window_page(c, pos); pt->released < first; pt->released++)
         for (int l = 0; l < c->n_layers; l++) {
             int *e = &pt->slab[(size_t)pt->released * c->n_layers + l];
-            if (!is_local(c, l) || *e == p->spare) continue;
+            if (!pool_local(p, c, l) || *e == p->spare) continue;
             if (*e >= 0 && slab_drop(p, *e)) pt->freed++, p->live_freed++;
             *e = p->spare;
         }
     for (int i = pos / PAGE_TOKENS; i <= (pos + m - 1) / PAGE_TOKENS; i++)
         for (int l = 0; l < c->n_layers; l++)
-            if (is_local(c, l) && pt->slab[(size_t)i * c->n_layers + l] < 0) pt->slab[(size_t)i * c->n_layers + l] = slab_take(p);
+            if (pool_local(p, c, l) && pt->slab[(size_t)i * c->n_layers + l] < 0) pt->slab[(size_t)i * c->n_layers + l] = slab_take(p);
 }
 
 /* A finished sequence lets go of every slab it holds, and of its promise. */
@@ -6035,7 +6564,7 @@ static void page_release(PagePool *p, const Config *c, PageTable *pt)
 {
     for (size_t i = 0; i < (size_t)pt->n * c->n_layers; i++) {
         int id = pt->slab[i];
-        if (id >= 0 && id != p->spare && slab_drop(p, id) && !is_local(c, (int)(i % c->n_layers))) p->committed--;
+        if (id >= 0 && id != p->spare && slab_drop(p, id) && !pool_local(p, c, (int)(i % c->n_layers))) p->committed--;
     }
     p->committed -= pt->budget;
     p->live_freed -= pt->freed;
@@ -6261,8 +6790,48 @@ static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_le
     return NULL;
 }
 
-/* The fields of a JSON line: prompt (required), id, n, t, chat, system,
-   stop, json, schema, logprobs. Fills q's prompt text (*text, *len:
+/* A line's sampling fields, with the command line's names and bounds:
+   "t", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+   "frequency_penalty" (an integer). */
+typedef struct {
+    const char *key;
+    size_t at;       /* offsetof the Sampler field */
+    double lo, hi;
+    int lo_open;     /* lo itself is out of range (also what rounds to it as a float) */
+    int integer;     /* an int field (else a float) */
+} SamplingField;
+
+static const SamplingField SAMPLING_FIELDS[] = {
+    {"t", offsetof(Sampler, temperature), 0, TEMP_MAX, 0, 0},
+    {"min_p", offsetof(Sampler, min_p), 0, 1, 0, 0},
+    {"repeat_penalty", offsetof(Sampler, repeat), 0, PENALTY_MAX, 1, 0},
+    {"repeat_last_n", offsetof(Sampler, repeat_last_n), 0, MAX_SEQ, 0, 1},
+    {"presence_penalty", offsetof(Sampler, presence), 0, PENALTY_MAX, 0, 0},
+    {"frequency_penalty", offsetof(Sampler, frequency), 0, PENALTY_MAX, 0, 0},
+};
+
+/* Whether key is one of SAMPLING_FIELDS; if so, x's value goes into sm,
+   or, out of its range, the reason into why (else why is ""). */
+static int sampling_field(const char *key, const Json *x, Sampler *sm, char *why, size_t why_len)
+{
+    *why = 0;
+    for (size_t i = 0; i < sizeof SAMPLING_FIELDS / sizeof *SAMPLING_FIELDS; i++) {
+        const SamplingField *f = &SAMPLING_FIELDS[i];
+        if (strcmp(key, f->key)) continue;
+        double v = x->number;
+        if (x->kind != JSON_NUMBER || !(v >= f->lo && v <= f->hi) || (f->lo_open && (float)v == f->lo) ||
+            (f->integer && v != floor(v)))
+            snprintf(why, why_len, "\"%s\" must be %s in %c%.15g, %.15g]", key, f->integer ? "an integer" : "a number",
+                     f->lo_open ? '(' : '[', f->lo, f->hi);
+        else if (f->integer) *(int *)((char *)sm + f->at) = (int)v;
+        else *(float *)((char *)sm + f->at) = (float)v;
+        return 1;
+    }
+    return 0;
+}
+
+/* The fields of a JSON line: prompt (required), id, n, the sampling
+   fields, chat, system, stop, json, schema, logprobs. Fills q's prompt text (*text, *len:
    pointers into v), id and settings, *json (1, 0; -1 when absent) and
    *schema; returns NULL or the reason the line is refused. */
 static const char *read_fields(const Json *v, Seq *q, const char **text, size_t *len, int *chat, const char **system,
@@ -6293,9 +6862,8 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
             q->n_predict = (int)n;
-        } else if (!strcmp(k, "t")) {
-            if (x->kind != JSON_NUMBER || !(x->number >= 0 && x->number <= 100)) return "\"t\" must be a number in [0, 100]";
-            q->sm.temperature = (float)x->number;
+        } else if (sampling_field(k, x, &q->sm, why, why_len)) {
+            if (*why) return why;
         } else if (!strcmp(k, "chat")) {
             if (x->kind != JSON_BOOL) return "\"chat\" must be true or false";
             *chat = x->boolean;
@@ -6315,7 +6883,8 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, chat, system, stop, json, schema, logprobs)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, min_p, repeat_penalty, repeat_last_n, "
+                     "presence_penalty, frequency_penalty, chat, system, stop, json, schema, logprobs)", k);
             return why;
         }
     }
@@ -6430,10 +6999,10 @@ static void page_admit(PagePool *p, const Config *c, PageTable *pt, int need, Pa
     for (int i = 0; i < need; i++)
         for (int l = 0; l < layers; l++) {
             int *e = &pt->slab[(size_t)i * layers + l], *from = i < shared ? &donor->slab[(size_t)i * layers + l] : NULL;
-            if (is_local(c, l) && i < first) *e = p->spare;
+            if (pool_local(p, c, l) && i < first) *e = p->spare;
             else if (from && *from >= 0) p->refs[*e = *from]++;
             else if (from) p->refs[*e = *from = slab_take(p)]++; /* local, not reached by the donor yet */
-            else if (is_local(c, l)) *e = -1;
+            else if (pool_local(p, c, l)) *e = -1;
             else *e = slab_take(p), p->committed++;
         }
 }
@@ -6468,7 +7037,7 @@ static int admit(Batch *b, Seq *slot)
     *slot = *q;
     q->line = 0;
     page_admit(p, c, &slot->pt, need, donor ? &donor->pt : NULL, shared);
-    slot->pos = shared * PAGE_TOKENS;
+    slot->pos = pcache_load(b->o->cache, b->m, b->s, &slot->pt, slot->toks.ids, slot->n_prompt, shared * PAGE_TOKENS);
     slot->state = SEQ_PREFILL;
     slot->order = b->admitted++;
     /* each line its own stream of random numbers, from -s and the line number */
@@ -6546,8 +7115,13 @@ static void prefill_some(Batch *b)
     b->prefill_tokens += k;
     q->pos += k;
     if (!last) return;
+    if (b->o->cache && !b->o->cache->saved) { /* the first prompt prefilled goes to --prompt-cache */
+        pcache_save(b->o->cache, b->m, b->s, &q->pt, q->toks.ids, q->n_prompt);
+        b->o->cache->saved = 1;
+    }
     q->state = SEQ_DECODE;
-    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL));
+    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+                          q->toks.ids, q->toks.n));
 }
 
 /* One token's latency, for the -v percentiles. */
@@ -6603,7 +7177,8 @@ static void decode_some(Batch *b)
         int taken = 0;
         q->pos++;
         for (int i = 0;; i++) { /* row r + i: the logits after the sequence's token and its first i guesses */
-            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL);
+            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+                              q->toks.ids, q->toks.n);
             int stood = i < k[t] && next == tokens[r + i + 1];
             taken++;
             b->accepted += stood;
@@ -6704,7 +7279,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     double fit = (double)kv_mb * 1e6 / (2 * page_bytes(&m->c, s));
     int pages = (int)fmin(fit, fmin(MAX_POOL_PAGES, MAX_POOL_SLABS / m->c.n_layers));
     if (pages < 1) die(EXIT_USAGE, "--kv-mem %d MB holds no KV cache page (one page is %.1f MB)", kv_mb, 2 * page_bytes(&m->c, s) / 1e6);
-    build_pool(&b.pool, s, &m->c, pages);
+    build_pool(&b.pool, s, &m->c, pages, o->cache != NULL);
     /* by default as many sequences as the pool holds at a typical size: -n answer tokens after a page of prompt */
     int typical = (o->n_predict + 2 * PAGE_TOKENS - 1) / PAGE_TOKENS;
     b.parallel = bo->parallel ? bo->parallel : max_i(1, min_i(BATCH_DEFAULT_MAX, b.pool.n_slabs / slabs_needed(&b.pool, &m->c, typical, 0)));
@@ -6861,9 +7436,11 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 /* The command line. */
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
-    int top_k, threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    const char *prompt_cache; /* --prompt-cache FILE */
+    int prompt_cache_ro;      /* --prompt-cache-ro */
+    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
-    float temperature, top_p;
+    Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
     int json;            /* --json */
@@ -6892,6 +7469,17 @@ static void usage(FILE *f)
         "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
         "  -p TOPP        top-p nucleus, in (0, 1] (default 0.95)\n"
         "  -k TOPK        top-k, >= 0; 0 = off (default 40)\n"
+        "  --min-p P      keep the tokens whose probability is at least P x the most\n"
+        "                 likely one's, P in [0, 1] (default 0: off)\n"
+        "  --repeat-penalty R  each token among the last N of the context (the\n"
+        "                 prompt's included) has its logit divided by R (multiplied\n"
+        "                 when it is not positive), R > 0 (default 1: off)\n"
+        "  --repeat-last-n N  the penalties' window, N >= 0; 0 = no penalties (default 64)\n"
+        "  --presence-penalty X  lowers the logit of each token in that window by X,\n"
+        "                 X >= 0 (default 0)\n"
+        "  --frequency-penalty X  ... and by X times its count there, X >= 0 (default 0)\n"
+        "                 The chain: penalties, then -t, then -k, -p and --min-p\n"
+        "                 (README \"Sampling\")\n"
         "  -s SEED        random seed, >= 0 (default: from the clock)\n"
         "  -c             wrap the prompt in the model's chat template (one user turn)\n"
         "  -m MODE        generate (default) or chat\n"
@@ -6906,9 +7494,10 @@ static void usage(FILE *f)
         "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
         "                 {\"id\", \"text\", \"logprob\", \"top\": [{\"id\", \"text\", \"logprob\"},\n"
         "                 ...]}, top the N (0-20) most likely tokens. Log-probabilities\n"
-        "                 (natural log) of the distribution sampled from: after -t, -k\n"
-        "                 and -p (tokens they drop have no entry); with -t 0 the full\n"
-        "                 softmax at temperature 1. The end-of-turn token that stops\n"
+        "                 (natural log) of the distribution sampled from: after the\n"
+        "                 whole chain (tokens it drops have no entry); with -t 0 the\n"
+        "                 full softmax of the penalized logits at temperature 1. The\n"
+        "                 end-of-turn token that stops\n"
         "                 generation gets a record too. Chat: an empty line after each\n"
         "                 answer's records\n"
         "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
@@ -6948,6 +7537,15 @@ static void usage(FILE *f)
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
+        "  --prompt-cache FILE  keep the prompt's K and V in FILE: a run whose prompt\n"
+        "                 begins with FILE's tokens loads them and prefills only the\n"
+        "                 rest (the output does not change), then stores its own\n"
+        "                 prompt's there (chat: the conversation at each turn; batch:\n"
+        "                 every line starts from FILE, the first line's prompt is\n"
+        "                 stored). A FILE made with another model, --kv, --ctx or\n"
+        "                 kernel set, or damaged, is ignored (-v says why) and replaced\n"
+        "  --prompt-cache-ro  with --prompt-cache: never write FILE, and a FILE that\n"
+        "                 cannot be used is an error\n"
         "  --probe        measure this machine's DRAM and last-level cache read bandwidth\n"
         "                 and f32/int8 peaks first (~0.5 s); with -v each phase is shown\n"
         "                 against its roofline (decode: the level its bytes stream from)\n"
@@ -6973,8 +7571,10 @@ static void usage(FILE *f)
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
-        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"chat\",\n"
-        "                 \"system\", \"stop\", \"json\", \"schema\", \"logprobs\"}; one JSON\n"
+        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"min_p\",\n"
+        "                 \"repeat_penalty\", \"repeat_last_n\", \"presence_penalty\",\n"
+        "                 \"frequency_penalty\", \"chat\", \"system\", \"stop\", \"json\",\n"
+        "                 \"schema\", \"logprobs\"}; one JSON\n"
         "                 record per line on stdout, in input order (README \"Batch\");\n"
         "                 exit 1 if a line failed\n"
         "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
@@ -7088,12 +7688,13 @@ static void parse_stop(Stops *st, const char *v)
 
 static void parse_args(Args *a, int argc, char **argv)
 {
-    *a = (Args){.top_k = 40, .temperature = 0.8f, .top_p = 0.95f, .mode = "generate", .kv_type = T_F16,
+    *a = (Args){.sampling = SAMPLING_DEFAULTS, .mode = "generate", .kv_type = T_F16,
                 .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT, .logprobs = -1}};
     static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
                                        "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
                                        "--batch", "--parallel", "--kv-mem",
-                                       "--logprobs", "--stop", "--json-schema", NULL};
+                                       "--logprobs", "--stop", "--json-schema", "--min-p", "--repeat-penalty",
+                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", "--prompt-cache", NULL};
     for (int i = 1; i < argc; i++) {
         const char *f = argv[i], *v = NULL;
         if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
@@ -7110,9 +7711,14 @@ static void parse_args(Args *a, int argc, char **argv)
             }
         if (!strcmp(f, "-i")) a->prompt = v;
         else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
-        else if (!strcmp(f, "-t")) a->temperature = parse_float(f, v, 0, 100, 0);
-        else if (!strcmp(f, "-p")) a->top_p = parse_float(f, v, 0, 1, 1);
-        else if (!strcmp(f, "-k")) a->top_k = parse_long(f, v, 0, MAX_VOCAB);
+        else if (!strcmp(f, "-t")) a->sampling.temperature = parse_float(f, v, 0, TEMP_MAX, 0);
+        else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
+        else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
+        else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
+        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, 0, PENALTY_MAX, 1);
+        else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
+        else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
+        else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
         else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
         else if (!strcmp(f, "-m")) a->mode = v;
         else if (!strcmp(f, "-y")) a->gen.system = v;
@@ -7141,6 +7747,8 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
         else if (!strcmp(f, "--json")) a->json = 1;
         else if (!strcmp(f, "--json-schema")) a->json_schema = v;
+        else if (!strcmp(f, "--prompt-cache")) a->prompt_cache = v;
+        else if (!strcmp(f, "--prompt-cache-ro")) a->prompt_cache_ro = 1;
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
@@ -7179,6 +7787,10 @@ static void parse_args(Args *a, int argc, char **argv)
         {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
         {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},
         {(a->json || a->json_schema) && a->tokenize, a->json ? "--json" : "--json-schema", "--tokenize"},
+        {a->prompt_cache_ro && !a->prompt_cache, "--prompt-cache-ro", "no --prompt-cache"},
+        {a->prompt_cache && a->ppl, "--prompt-cache", "--ppl"},
+        {a->prompt_cache && a->dump_logits, "--prompt-cache", "--dump-logits"},
+        {a->prompt_cache && a->tokenize, "--prompt-cache", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -7383,18 +7995,30 @@ int main(int argc, char **argv)
         die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
             TYPES[a.kv_type].block, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
+    int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode: build_pool keeps every page then */
+    if (keep_all) keep_every_position(&s, &m.c);
     if (a.gen.verbose) {
         static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
         fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
                 "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
-                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
-        if (m.c.window)
+                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, keep_all) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
+        if (m.c.window && !keep_all)
             fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
                     m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
+        else if (keep_all)
+            fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
+                    m.c.window);
+    }
+    PromptCache pc;
+    if (a.prompt_cache) {
+        pcache_open(&pc, &m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
+        a.gen.cache = &pc;
+        int sigs[] = {SIGINT, SIGTERM, SIGHUP}; /* a file being written is removed (chat and batch mode take SIGINT over) */
+        for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
     }
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
-    Sampler sm = {a.temperature, a.top_p, a.top_k, 0, NULL};
+    Sampler sm = a.sampling;
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
@@ -7407,8 +8031,11 @@ int main(int argc, char **argv)
         int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
         if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
     }
-    else if (a.gen.n_predict > 0) {
-        int n_predict = a.gen.n_predict, pos = 0, last;
+    else if (jcp && a.gen.n_predict == 0) {
+        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
+    } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
+        int n_predict = a.gen.n_predict, last;
+        int pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
         if (n_predict > seq_len - prompt.n + 1) {
             n_predict = seq_len - prompt.n + 1;
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
@@ -7422,9 +8049,8 @@ int main(int argc, char **argv)
         char cause[STOP_MAX_BYTES + 32];
         if (st.json_incomplete)
             die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
-    } else if (jcp) {
-        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }
+    if (a.prompt_cache) pcache_close(&pc);
     if (a.gen.verbose) report_process(&m, load_ms);
     if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
     close_stdout();

@@ -18,6 +18,14 @@ open-ended one, each with and without lookup decoding (greedy, so both give
 the same text), alternating the two, and prints decode tok/s and their ratio;
 with --llamacpp also llama.cpp's plain decode speed on the same prompts.
 
+--sampling-only measures what the sampling chain costs (issue 27): decode tok/s greedy, with the default
+chain and with the full chain (min-p and every penalty on), --lookup 0, alternating, for both vocabularies.
+
+--prompt-cache-only measures the prompt cache (issue 27): the TTFT (process start to the first byte of text) of
+a 2,000-token prompt plus a question without a cache and with its first 2,000 tokens cached (read-only, and
+read-write, which writes its own prompt after the first token), alternating, on Qwen2.5-Coder-1.5B (when
+models/qwen2.5-coder-1.5b.bin is there), SmolLM2 and Gemma 3; and the cache's read-and-check and copy GB/s.
+
 --json-only measures what constrained output costs: decode tok/s with and
 without --json-schema and --json (greedy, --lookup 0, a prompt that asks
 for a long JSON array; a fixed token count: --ignore-eos without, a schema
@@ -42,6 +50,8 @@ Every table names the kernel set that ran.
 
     python3 tests/bench.py [--runs 5] [--dtypes f32,f16,q8_0,q4_1] [--threads N] [--long] [--lookup] [--json-only]
     python3 tests/bench.py --sets-only --runs 5 [--scratch DIR]
+    python3 tests/bench.py --sampling-only --runs 5
+    python3 tests/bench.py --prompt-cache-only --runs 5
     python3 tests/bench.py --per-type-only --runs 5 --threads 2 [--types q4_k_m,gemma3-q4_k_m]
 """
 from __future__ import annotations
@@ -50,6 +60,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -262,6 +273,102 @@ def json_bench(runs: int, threads: int, n_gen: int = 128) -> None:
               f"{statistics.median(res['schema']) / off:.2f}× | {summary(res['json'], '{:.1f}')} | "
               f"{statistics.median(res['json']) / off:.2f}× | {walks} |", flush=True)
     schema.unlink()
+
+
+# ---- the sampling chain (issue 27): what each draw costs beside the decode step that gave its logits ----
+
+SAMPLING_MODES = {
+    "greedy": ["-t", "0"],
+    "default chain": ["-t", "0.8", "-s", "1"],
+    "full chain": ["-t", "0.8", "-s", "1", "--min-p", "0.05", "--repeat-penalty", "1.1", "--presence-penalty", "0.3",
+                   "--frequency-penalty", "0.3"],
+}
+
+
+def sampling_bench(runs: int, threads: int, n_gen: int = 128) -> None:
+    """Decode tok/s greedy, with the default chain (-t 0.8 -k 40 -p 0.95) and with the full chain (min-p and every
+    penalty on), --lookup 0, a fixed token count, alternating the three; both vocabularies."""
+    print(f"\nSampling chain ({kernel_set(threads)} kernels, {n_gen} tokens after a 64-token prompt, --lookup 0, "
+          f"--ignore-eos; median [min–max] of {runs} alternating runs):\n")
+    print("| model | vocabulary | greedy tok/s | default chain | ratio | full chain | ratio to greedy | ratio to default |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, vocab in JSON_MODELS:
+        ids = prompt_ids(model, 64)
+        res: dict[str, list[float]] = {mode: [] for mode in SAMPLING_MODES}
+        for i in range(runs):
+            for mode in (list(SAMPLING_MODES) if i % 2 == 0 else list(SAMPLING_MODES)[::-1]):
+                r = run_once(model, ids, n_gen, threads, ["--lookup", "0", *SAMPLING_MODES[mode]])  # its -t overrides
+                res[mode].append(r["decode_tps"])
+        med = {mode: statistics.median(v) for mode, v in res.items()}
+        print(f"| {model.name} | {vocab} | {summary(res['greedy'], '{:.1f}')} | {summary(res['default chain'], '{:.1f}')} | "
+              f"{med['default chain'] / med['greedy']:.3f}× | {summary(res['full chain'], '{:.1f}')} | "
+              f"{med['full chain'] / med['greedy']:.3f}× | {med['full chain'] / med['default chain']:.3f}× |", flush=True)
+
+
+# ---- the prompt cache (issue 27): TTFT with a cached prefix, and how fast a cache loads ----
+
+CACHE_MODELS = [ROOT / "models" / "qwen2.5-coder-1.5b.bin", ROOT / "models" / "smollm2-135m-instruct.bin",
+                ROOT / "models" / "gemma3-270m.bin"]
+CACHE_QUESTION = "\n\nQuestion: what does the engine do with the prompt before it generates?\nAnswer:"
+
+
+def cache_run(model: Path, ids: str, threads: int, extra: list[str]) -> dict[str, float]:
+    """One ./run -v -n 1 --ids ids: TTFT as the process sees it (start to first byte of text, else model load +
+    prefill) and the -v prompt-cache lines' read/check and copy times and sizes."""
+    cmd = [str(RUN), str(model), "--ids", ids, "-n", "1", "-t", "0", "-v", "--threads", str(threads), *extra]
+    err = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, check=True).stderr
+    num = r"([\d.]+)"
+    r = {"prefill_ms": float(re.search(rf"TTFT {num} ms", err).group(1)),
+         "load_ms": float(re.search(rf"loaded in {num} ms", err).group(1))}
+    first = re.search(rf"first byte of text {num} ms after start", err)
+    m = re.search(rf"holds \d+ tokens \({num} MB\), read and checked in {num} ms", err)
+    c = re.search(rf"tokens loaded \({num} MB of K and V\) in {num} ms", err)
+    r["check_mb"], r["check_ms"] = (float(m.group(1)), float(m.group(2))) if m else (0.0, 0.0)
+    r["copy_mb"], r["copy_ms"] = (float(c.group(1)), float(c.group(2))) if c else (0.0, 0.0)
+    r["ttft_ms"] = float(first.group(1)) if first else r["load_ms"] + r["check_ms"] + r["copy_ms"] + r["prefill_ms"]
+    return r
+
+
+def prompt_cache_bench(runs: int, threads: int, cached: int = 2000) -> None:
+    """TTFT of a prompt of `cached` tokens of text and a question: without a cache, and with a cache holding the
+    first `cached` tokens (read-only: the question's run does not write; and read-write, which writes its own
+    prompt after the first token); alternating, medians. Then the cache's read-and-check and copy speeds."""
+    print(f"\nPrompt cache ({kernel_set(threads)} kernels, {threads} threads, KV f16; a prompt of {cached} tokens of the "
+          f"README and a question; TTFT = process start to the first byte of text; median [min–max] of {runs} "
+          f"alternating runs):\n")
+    print("| model | prompt tokens | TTFT uncached ms | TTFT, first " + str(cached) + " cached (-ro) ms | ratio | TTFT, cached, "
+          "writing its own ms | cache MB | read + check GB/s | copy into the KV cache GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for model in CACHE_MODELS:
+        if not model.exists():
+            print(f"| {model.name} | (not present: export it to measure) | | | | | | | |")
+            continue
+        prefix = prompt_ids(model, cached)
+        question = subprocess.run([str(RUN), str(model), "--tokenize", "-i", CACHE_QUESTION], capture_output=True,
+                                  text=True, check=True).stdout.split()
+        question = [q for q in question if q not in prefix.split()[:1]]  # no second BOS
+        ids = prefix + " " + " ".join(question)
+        tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+        pristine, cache = tmp / f"bench-{model.stem}-{os.getpid()}.prefix", tmp / f"bench-{model.stem}-{os.getpid()}.cache"
+        subprocess.run([str(RUN), str(model), "--ids", prefix, "-n", "0", "--prompt-cache", str(pristine),
+                        "--threads", str(threads)], check=True)
+        res: dict[str, list[dict[str, float]]] = {"uncached": [], "ro": [], "rw": []}
+        for i in range(runs):
+            for mode in (("uncached", "ro", "rw") if i % 2 == 0 else ("rw", "ro", "uncached")):
+                shutil.copyfile(pristine, cache)  # the prefix only: a read-write run replaces it with its prompt
+                extra = {"uncached": [], "ro": ["--prompt-cache", str(cache), "--prompt-cache-ro"],
+                         "rw": ["--prompt-cache", str(cache)]}[mode]
+                res[mode].append(cache_run(model, ids, threads, extra))
+        pristine.unlink()
+        cache.unlink()
+        ttft = {k: [r["ttft_ms"] for r in v] for k, v in res.items()}
+        med = {k: statistics.median(v) for k, v in ttft.items()}
+        ro = res["ro"]
+        check = statistics.median(r["check_mb"] / r["check_ms"] for r in ro) if ro[0]["check_ms"] else 0  # MB/ms = GB/s
+        copy = statistics.median(r["copy_mb"] / r["copy_ms"] for r in ro) if ro[0]["copy_ms"] else 0
+        print(f"| {model.name} | {len(ids.split())} | {summary(ttft['uncached'])} | {summary(ttft['ro'])} | "
+              f"{med['ro'] / med['uncached']:.3f} | {summary(ttft['rw'])} | {ro[0]['check_mb']:.1f} | {check:.2f} | "
+              f"{copy:.2f} |", flush=True)
 
 
 def llamacpp_tasks(threads: int, runs: int) -> dict[str, float]:
@@ -572,6 +679,11 @@ def main() -> int:
     ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
     ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
+    ap.add_argument("--prompt-cache-only", action="store_true",
+                    help="only the prompt cache: TTFT with a 2,000-token cached prefix (the 1.5B model when present), "
+                         "and how fast a cache loads")
+    ap.add_argument("--sampling-only", action="store_true",
+                    help="only the sampling chain's cost: decode tok/s greedy, default chain, full chain, both vocabularies")
     ap.add_argument("--per-type", action="store_true",
                     help="also the per-type table: each GGUF type run by our engine and by llama.cpp")
     ap.add_argument("--per-type-only", action="store_true", help="only the per-type table")
@@ -586,6 +698,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.json_only:
         json_bench(args.runs, args.threads)
+        return 0
+    if args.sampling_only:
+        sampling_bench(args.runs, args.threads)
+        return 0
+    if args.prompt_cache_only:
+        prompt_cache_bench(args.runs, args.threads)
         return 0
     if not RUN.exists() or not GGUF.exists():
         print("build ./run and fetch the model first (make run model)", file=sys.stderr)

@@ -79,7 +79,8 @@ static int sample_runs(int argc, char **argv)
     for (int run = 1; run <= runs; run++) {
         /* the prompt but its last token is cached after the first run:
            that one is fed again, giving the logits generation starts from */
-        Sampler sm = {1.0f, 0.95f, 40, (unsigned long long)run * 0x9E3779B97F4A7C15ull + 1, NULL};
+        Sampler sm = SAMPLING_DEFAULTS;
+        sm.temperature = 1.0f, sm.rng = (unsigned long long)run * 0x9E3779B97F4A7C15ull + 1;
         prompt.n = n_prompt;
         if (pos) pos = n_prompt - 1;
         TextOut out;

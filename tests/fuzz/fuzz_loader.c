@@ -101,12 +101,15 @@ static void run_model(const Model *m, uint32_t variant)
     int vocab = m->c.vocab_size;
     cand = xmalloc((size_t)vocab * sizeof *cand);
     prefill(m, &s, NULL, prompt.ids, prompt.n, 0, 0);
-    Sampler greedy = {0, 1, 0, 1, NULL}, topp = {0.8f, 0.9f, 40, 88172645463325252ull, NULL};
-    int tok = sample(&greedy, s.logits, vocab, cand, NULL);
+    Sampler greedy = {.top_p = 1, .rng = 1}, topp = SAMPLING_DEFAULTS;
+    topp.rng = 88172645463325252ull, topp.top_p = 0.9f;
+    topp.min_p = 0.05f, topp.repeat = 1.1f, topp.presence = 0.5f, topp.frequency = 0.5f;
+    int tok = sample(&greedy, s.logits, vocab, cand, NULL, prompt.ids, prompt.n);
     if (tok < 0 || tok >= vocab) abort();
     if (prompt.n < seq_len) {
         decode_step(m, &s, tok, prompt.n);
-        tok = sample(&topp, s.logits, vocab, cand, NULL);
+        push(&prompt, tok);
+        tok = sample(&topp, s.logits, vocab, cand, NULL, prompt.ids, prompt.n); /* the penalties over the prompt and tok */
         if (tok < 0 || tok >= vocab) abort();
         size_t len;
         (void)tok_piece(m->tok, tok, &len);

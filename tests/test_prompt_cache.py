@@ -1,0 +1,460 @@
+"""--prompt-cache FILE (issue 27): the K and V of a prompt's tokens kept on disk, loaded by a later run whose
+prompt begins with them.
+
+The independent source of the identity tests is the same command without the cache: with it, stdout must be
+the same bytes (greedy and sampled with one seed) and the `--logprobs 20` records the same bytes (17 significant
+digits of 20 log-probabilities per token: the logits), in plain generation, `-c` with a long `-y` system prompt,
+`-m chat` and `--batch`, on SmolLM2 and on Gemma 3 (sliding window of 512, with prompts longer than it). This
+holds when prefilling from a position P gives the logits prefilling the whole prompt gives (issue 26).
+The file's layout is read here from README "Prompt cache" (`read_cache`), not from run.c: its size must be the
+header, the ids and exactly n positions' K and V in the KV type in use. A file that does not fit (another model,
+--kv, --ctx, damaged, truncated) must be ignored with a -v line, or refused with --prompt-cache-ro; a path that is
+not a regular file is an error; a write that fails (an unwritable directory, a full disk, a signal) leaves no
+partial file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import struct
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+
+from common import DEFAULT_MODEL, MODELS, RUN, SCRATCH, model, require, run
+
+WORK = SCRATCH / "prompt_cache"
+WORK.mkdir(parents=True, exist_ok=True)
+GEMMA = MODELS / "gemma3-270m.bin"
+HEADER = 256
+KV_ROW = {"f32": lambda hd: 4 * hd, "f16": lambda hd: 2 * hd, "q8": lambda hd: hd // 32 * 34, "q4": lambda hd: hd // 32 * 18}
+# a document longer than Gemma's 512-position window, and a system prompt
+DOCUMENT = " ".join(f"Note {i}: the station at kilometre {7 * i} of the old northern railway was opened in {1850 + i} and "
+                    f"closed in {1950 + i}; its platform was {20 + i % 9} metres long." for i in range(15))
+SYSTEM = " ".join(["You are a careful assistant for a railway museum: answer in one short sentence, quote the notes "
+                   "when you can, and say so when the notes do not tell."] * 14)
+QUESTIONS = ("\nQuestion: when was the station at kilometre 70 opened?\nAnswer:",
+             "\nQuestion: how long was the platform of note 5?\nAnswer:")
+
+
+def gemma() -> str:
+    require(RUN, "build the engine with `make`")
+    return str(require(GEMMA, "run `make model-gemma`"))
+
+
+def fresh(name: str) -> Path:
+    path = WORK / name
+    path.unlink(missing_ok=True)
+    return path
+
+
+def engine(args: list, stdin: bytes | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+    p = run(args, stdin=stdin, timeout=timeout)
+    assert p.returncode == 0, f"./run {' '.join(map(str, args[1:]))[:300]}: exit {p.returncode}: " \
+                              f"{p.stderr.decode(errors='replace')[-800:]}"
+    return p
+
+
+def loaded(stderr: bytes) -> list[int]:
+    """The -v lines' counts of tokens loaded from the cache, in order."""
+    return [int(x) for x in re.findall(rb"prompt cache: (\d+) of the prompt's \d+ tokens loaded", stderr)]
+
+
+def model_shape(path: str) -> tuple[int, int, int]:
+    """n_layers, n_kv_heads, head_dim from a model file's header (README "The model file")."""
+    head = Path(path).read_bytes()[:HEADER] if Path(path).stat().st_size < (1 << 20) else open(path, "rb").read(HEADER)
+    return struct.unpack_from("<I", head, 24)[0], struct.unpack_from("<I", head, 32)[0], struct.unpack_from("<I", head, 36)[0]
+
+
+def read_cache(path: Path) -> dict:
+    """The fields of a cache file as README "Prompt cache" lays them out."""
+    b = path.read_bytes()
+    assert b[:4] == b"LLMC", f"{path}: magic {b[:4]!r}"
+    version, file_version, kv_type = struct.unpack_from("<3I", b, 4)
+    model_size, model_hash = struct.unpack_from("<2Q", b, 16)
+    ctx, layers, kv_heads, head_dim, row, n = struct.unpack_from("<6I", b, 32)
+    kernels = b[56:72].rstrip(b"\0").decode()
+    kv_at = HEADER + (4 * n + 63) // 64 * 64
+    return {"version": version, "file_version": file_version, "kv_type": kv_type, "model_size": model_size,
+            "model_hash": model_hash, "ctx": ctx, "layers": layers, "kv_heads": kv_heads, "head_dim": head_dim,
+            "row": row, "n": n, "kernels": kernels, "size": len(b),
+            "ids": list(struct.unpack_from(f"<{n}i", b, HEADER)),
+            "kv": np.frombuffer(b, np.uint8, offset=kv_at).reshape(layers, 2, kv_heads, n, row) if len(b) > kv_at else None}
+
+
+def tokenize(m: str, *args: str) -> list[int]:
+    return [int(x) for x in engine([m, "--tokenize", *args]).stdout.split()]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The same output with and without the cache
+
+
+def same_with_cache(m: str, cache: Path, args: list, stdin: bytes | None = None, where: str = "") -> bytes:
+    """Runs args without and with --prompt-cache (greedy --logprobs 20 records, which hold the text's ids, and
+    sampled text with a seed) and requires the same stdout bytes; returns the cached runs' stderr (-v)."""
+    err = b""
+    for mode in (["-t", "0", "--logprobs", "20"], ["-t", "0.8", "-s", "7"]):
+        want = engine([m, *args, *mode], stdin=stdin).stdout
+        p = engine([m, *args, *mode, "--prompt-cache", cache, "-v"], stdin=stdin)
+        assert p.stdout == want, (f"{where} {' '.join(mode)}: the output with the cache differs:\n"
+                                  f"without: {want[:600]!r}\nwith:    {p.stdout[:600]!r}")
+        err += p.stderr
+    return err
+
+
+def check_plain(m: str, name: str) -> str:
+    cache = fresh(name)
+    first = ["-i", DOCUMENT + QUESTIONS[0], "-n", "16"]
+    err = same_with_cache(m, cache, first, where="first run")
+    assert b"saved" in err and cache.exists(), "the first run did not write the cache"
+    n_doc = len(tokenize(m, "-i", DOCUMENT))
+    second = ["-i", DOCUMENT + QUESTIONS[1], "-n", "16"]
+    err = same_with_cache(m, cache, second, where="another question")
+    got = loaded(err)
+    assert got and min(got) >= n_doc - 2, f"loaded {got} tokens, the document alone has {n_doc}"
+    err = same_with_cache(m, cache, second, where="the same prompt again")  # all but its last token loaded
+    return f"document {n_doc} tokens, loaded {loaded(err)}"
+
+
+def test_plain_prompt_gives_the_same_output_with_the_cache():
+    """A document (Gemma: longer than its window) then a question: the first run writes the cache, a second
+    question loads the document's tokens, the same prompt again loads all but its last token; every run's text,
+    records and sampled text are those without the cache. SmolLM2 and Gemma 3."""
+    print("    SmolLM2: " + check_plain(model(), "plain-smollm2.cache"))
+    print("    Gemma 3: " + check_plain(gemma(), "plain-gemma.cache"))
+
+
+def check_system(m: str, name: str) -> str:
+    cache = fresh(name)
+    n_sys = len(tokenize(m, "-c", "-y", SYSTEM, "-i", "x"))
+    errs = []
+    for q in ("When did the first station open?", "Which station was the longest?", "When did the first station open?"):
+        errs.append(same_with_cache(m, cache, ["-c", "-y", SYSTEM, "-i", q, "-n", "16"], where=f"-c {q!r}"))
+    got = loaded(errs[1]) + loaded(errs[2])
+    assert got and min(got) >= n_sys - 12, f"loaded {got} tokens of a {n_sys}-token system turn"
+    return f"system turn ~{n_sys} tokens, loaded {got}"
+
+
+def test_chat_wrap_with_a_long_system_prompt_gives_the_same_output():
+    """-c -y with a long system prompt (Gemma: past its window), three questions (the third repeats the first):
+    each answer is the answer without the cache, and the later ones load the system turn. SmolLM2 and Gemma 3."""
+    print("    SmolLM2: " + check_system(model(), "system-smollm2.cache"))
+    print("    Gemma 3: " + check_system(gemma(), "system-gemma.cache"))
+
+
+def check_chat(m: str, name: str) -> str:
+    base = ["-m", "chat", "-y", SYSTEM, "-n", "24"]
+    first, other = b"When did the first station open?\nAnd the last one?\n", \
+        b"When did the first station open?\nWhich one was the longest?\nThank you.\n"
+    counts = {}
+    for mode in (["-t", "0", "--logprobs", "20"], ["-t", "0.8", "-s", "7"]):
+        cache = fresh(name)
+        for label, msgs in (("writes", first), ("the same again", first), ("another second message", other)):
+            want = engine([m, *base, *mode], stdin=msgs).stdout
+            p = engine([m, *base, *mode, "--prompt-cache", cache, "-v"], stdin=msgs)
+            assert p.stdout == want, (f"chat {' '.join(mode)}, {label}: the answers differ with the cache:\n"
+                                      f"without: {want[:600]!r}\nwith:    {p.stdout[:600]!r}")
+            counts[(mode[1], label)] = loaded(p.stderr)
+        assert len(counts[(mode[1], "the same again")]) == 2, f"the same conversation did not load at both turns: {counts}"
+        assert len(counts[(mode[1], "another second message")]) == 2, f"the shared part of turn 2 was not loaded: {counts}"
+    return f"loaded {counts}"
+
+
+def test_chat_mode_conversation_gives_the_same_answers():
+    """-m chat over stdin (greedy with --logprobs 20, and sampled with a seed): the cache holds the conversation at
+    each turn; the same conversation again loads it at both turns (the first's answer, decoded, included), another
+    second message loads the shared part of turn 2. Every answer is the one without the cache. SmolLM2, Gemma 3."""
+    print("    SmolLM2: " + check_chat(model(), "chat-smollm2.cache"))
+    print("    Gemma 3: " + check_chat(gemma(), "chat-gemma.cache"))
+
+
+def check_batch(m: str, name: str) -> str:
+    cache = fresh(name)
+    engine([m, "-c", "-y", SYSTEM, "-i", "Hello.", "-n", "1", "--prompt-cache", cache])  # the system turn, cached
+    lines = [json.dumps({"prompt": q, "chat": True, "system": SYSTEM, "n": 16, "logprobs": 20})
+             for q in ("When did the first station open?", "Which station was the longest?", "Name one station.")]
+    lines.append(json.dumps({"prompt": "The weather today is", "n": 12, "logprobs": 20}))
+    text = ("\n".join(lines) + "\n").encode()
+    for mode in (["-t", "0"], ["-t", "0.8", "-s", "5"]):
+        want = engine([m, "--batch", "-", *mode], stdin=text).stdout
+        p = engine([m, "--batch", "-", *mode, "--prompt-cache", cache, "--prompt-cache-ro", "-v"], stdin=text)
+        without, with_cache = ([{k: v for k, v in json.loads(line).items() if not k.endswith("_ms")}
+                                for line in out.decode().splitlines()] for out in (want, p.stdout))
+        assert with_cache == without, f"batch {' '.join(mode)}: the records differ with the cache"
+        got = loaded(p.stderr)
+        assert len(got) >= 3, f"only {len(got)} lines loaded from the cache: {got}"
+    return f"loaded {got}"
+
+
+def test_batch_lines_that_share_the_prefix_start_from_it():
+    """--batch: three chat lines with the cached system turn start from it, a plain line does not share it; the
+    records (text and logprobs, greedy and sampled) are those without the cache. SmolLM2 and Gemma 3."""
+    print("    SmolLM2: " + check_batch(model(), "batch-smollm2.cache"))
+    print("    Gemma 3: " + check_batch(gemma(), "batch-gemma.cache"))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The file
+
+
+def test_file_holds_the_prompts_ids_and_exactly_their_kv():
+    """The file read by README's layout: the prompt's ids (--tokenize's), the run's identity (model size, --kv,
+    --ctx, the model's shape), and a size of header + ids + n x layers x 2 x kv_heads x row bytes of the KV type,
+    for every --kv. A later run that loads a prefix and writes its own prompt keeps the loaded rows bit for bit
+    (Gemma's sliding-window layers too: every position is stored)."""
+    for m, kvs in ((model(), ("f16", "f32", "q8", "q4")), (gemma(), ("f16", "q8"))):
+        layers, kv_heads, head_dim = model_shape(m)
+        for kv in kvs:
+            cache = fresh(f"layout-{kv}.cache")
+            args = ["-i", DOCUMENT + QUESTIONS[0], "--kv", kv, "--ctx", "2048"]
+            engine([m, *args, "-n", "1", "--prompt-cache", cache])
+            f = read_cache(cache)
+            ids = tokenize(m, "-i", DOCUMENT + QUESTIONS[0])
+            row = KV_ROW[kv](head_dim)
+            assert f["ids"] == ids, f"{kv}: the file's ids are not the prompt's"
+            assert (f["layers"], f["kv_heads"], f["head_dim"], f["row"], f["ctx"]) == (layers, kv_heads, head_dim, row, 2048), f
+            assert f["model_size"] == Path(m).stat().st_size and f["version"] == 1 and f["file_version"] == 2, f
+            want = HEADER + (4 * len(ids) + 63) // 64 * 64 + len(ids) * layers * 2 * kv_heads * row
+            assert f["size"] == want, f"{kv}: {f['size']} bytes, the prompt's K and V take {want} with the header and ids"
+        second = DOCUMENT + QUESTIONS[1]
+        p = engine([m, "-i", second, "--kv", kvs[-1], "--ctx", "2048", "-n", "1", "--prompt-cache", cache, "-v"])
+        assert loaded(p.stderr), "the second question loaded nothing"
+        g = read_cache(cache)
+        common = 0
+        while f["ids"][common] == g["ids"][common]:
+            common += 1
+        assert common > 300, common
+        assert np.array_equal(f["kv"][:, :, :, :common], g["kv"][:, :, :, :common]), "loaded rows changed on the way"
+        assert g["ids"] == tokenize(m, "-i", second)
+        # every position is stored: the first 100 rows of a long prompt's file are a 120-token prompt's (whose
+        # prefill leaves every row in place, even in a ring of Gemma's window + 72 positions)
+        short = fresh("layout-short.cache")
+        engine([m, "--ids", " ".join(map(str, g["ids"][:120])), "--kv", kvs[-1], "--ctx", "2048", "-n", "1",
+                "--prompt-cache", short])
+        assert np.array_equal(read_cache(short)["kv"][:, :, :, :100], g["kv"][:, :, :, :100]), \
+            "the long prompt's file does not hold its first positions' rows"
+
+
+def test_n_0_fills_the_cache():
+    """-n 0 with --prompt-cache prefills the prompt into the file and prints nothing; a run of the same prompt
+    then loads all but its last token."""
+    m = model()
+    cache = fresh("n0.cache")
+    p = engine([m, "-i", DOCUMENT, "-n", "0", "--prompt-cache", cache])
+    assert p.stdout == b"" and read_cache(cache)["ids"] == tokenize(m, "-i", DOCUMENT)
+    p = engine([m, "-i", DOCUMENT, "-n", "4", "-t", "0", "--prompt-cache", cache, "-v"])
+    assert loaded(p.stderr) == [len(tokenize(m, "-i", DOCUMENT)) - 1], p.stderr.decode()
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Caches that cannot be used, paths that are not files, writes that fail
+
+
+def one_line_error(p: subprocess.CompletedProcess, code: int, *words: str) -> str:
+    lines = p.stderr.decode(errors="replace").splitlines()
+    assert p.returncode == code and p.stdout == b"", f"exit {p.returncode} (want {code}), stdout {p.stdout[:80]!r}: {lines}"
+    assert lines and lines[0].startswith("run: ") and all(w in lines[0] for w in words), f"want {words} in {lines}"
+    assert len(lines) == 1 or (code == 2 and len(lines) == 2 and lines[1].startswith("usage: ")), lines
+    return lines[0]
+
+
+SHORT = "The station at kilometre 70 of the old northern railway was opened in"
+
+
+def made_for(m: str, args: list, name: str, prompt: str = SHORT) -> Path:
+    cache = fresh(name)
+    engine([m, "-i", prompt, "-n", "1", *args, "--prompt-cache", cache])
+    return cache
+
+
+def check_unusable(m: str, cache: Path, *words: str) -> None:
+    """cache cannot serve `./run m -i SHORT`: read-only it is refused naming why (exit 1, the file unchanged);
+    otherwise ignored with a -v line, the output the uncached one, and the file replaced by this run's."""
+    args = ["-i", SHORT, "-t", "0", "-n", "8"]
+    before = cache.read_bytes()
+    one_line_error(run([m, *args, "--prompt-cache", cache, "--prompt-cache-ro"]), 1, "--prompt-cache-ro", str(cache), *words)
+    assert cache.read_bytes() == before, "--prompt-cache-ro changed the file"
+    want = engine([m, *args]).stdout
+    p = engine([m, *args, "--prompt-cache", cache, "-v"])
+    notes = [ln for ln in p.stderr.decode().splitlines() if "ignored" in ln]
+    assert p.stdout == want and not loaded(p.stderr), "an unusable cache changed the output or was loaded"
+    assert notes and all(w in notes[0] for w in words), f"-v: {notes}"
+    assert read_cache(cache)["ids"] == tokenize(m, "-i", SHORT), "the unusable file was not replaced by this run's"
+
+
+def other_weights(m: str) -> Path:
+    """The model file with other weights in the same shapes, as a fine-tune would be: the lowest bit of one byte of
+    every 4 KiB of its tensor data flipped (header, tokenizer and tensor table unchanged)."""
+    out = WORK / "other-weights.bin"
+    data = bytearray(Path(m).read_bytes())
+    table, n_tensors = struct.unpack_from("<Q", data, 88)[0], struct.unpack_from("<I", data, 68)[0]
+    start = (table + 80 * n_tensors + 63) // 64 * 64
+    view = np.frombuffer(data, np.uint8)
+    view[start + 8::4096] ^= 1
+    out.write_bytes(data)
+    return out
+
+
+def test_a_cache_for_another_model_kv_or_context_is_ignored_or_refused():
+    """A cache made with another model file (Gemma's for SmolLM2, and SmolLM2's file with other weights in the same
+    shapes), another --kv, another --ctx, another kernel set: ignored with -v (and replaced), refused with
+    --prompt-cache-ro."""
+    m = model()
+    check_unusable(m, made_for(gemma(), [], "other-model.cache"), "another model file")
+    check_unusable(m, made_for(str(other_weights(m)), [], "other-weights.cache"), "another model file")
+    check_unusable(m, made_for(m, ["--kv", "q8"], "other-kv.cache"), "--kv q8", "--kv f16")
+    check_unusable(m, made_for(m, ["--ctx", "1024"], "other-ctx.cache"), "--ctx 1024")
+    check_unusable(m, made_for(m, ["--kernels", "scalar"], "other-kernels.cache"), "scalar kernel set")
+
+
+def test_a_damaged_or_truncated_cache_is_ignored_or_refused():
+    """Truncated (to nothing, inside the header, the ids, the K and V, one byte short), one byte too long, a
+    flipped byte in the header, the ids and the K and V rows, a token count past the context: never loaded."""
+    m = model()
+    good = made_for(m, [], "good.cache").read_bytes()
+    f = read_cache(WORK / "good.cache")
+    kv_at = f["size"] - f["kv"].nbytes
+    damaged = {"empty": b"", "inside the header": good[:100], "inside the ids": good[:HEADER + 20],
+               "inside the rows": good[:kv_at + 5000], "one byte short": good[:-1], "one byte long": good + b"\0"}
+    for at in (30, HEADER + 8, kv_at + 7, len(good) - 3):
+        damaged[f"flipped at {at}"] = good[:at] + bytes([good[at] ^ 0x10]) + good[at + 1:]
+    for what, data in damaged.items():
+        cache = WORK / "damaged.cache"
+        cache.write_bytes(data)
+        words = ("checksum",) if what.startswith("flipped") else ()
+        check_unusable(m, cache, *words)
+
+
+def test_paths_that_are_not_regular_files_are_errors():
+    """A directory, a FIFO (never opened for reading: it would hang), a device, and without -ro a symlink (the new
+    file would replace the link): exit 1, one line, nothing generated, nothing created."""
+    m = model()
+    d = WORK / "a-directory"
+    d.mkdir(exist_ok=True)
+    fifo = WORK / "a-fifo"
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    link = WORK / "a-link.cache"
+    link.unlink(missing_ok=True)
+    link.symlink_to(made_for(m, [], "link-target.cache"))
+    for path, ro in ((d, False), (d, True), (fifo, False), (fifo, True), (Path("/dev/null"), False), (link, False)):
+        extra = ["--prompt-cache-ro"] if ro else []
+        p = run([m, "-i", "hi", "-n", "4", "--prompt-cache", path, *extra], timeout=60)
+        one_line_error(p, 1, str(path), "not a regular file")
+    assert not list(WORK.glob("*.tmp-*")), "a temporary file was left"
+    p = engine([m, "-i", SHORT + " the year", "-n", "4", "-t", "0", "--prompt-cache", link, "--prompt-cache-ro", "-v"])
+    assert loaded(p.stderr), "--prompt-cache-ro did not read through the symlink"
+
+
+def test_missing_file_read_only_and_usage_errors():
+    """--prompt-cache-ro of a missing file: exit 1. --prompt-cache-ro alone, or --prompt-cache with --ppl,
+    --dump-logits or --tokenize: exit 2. Read-only never writes, even when the prompt is not in the file."""
+    m = model()
+    one_line_error(run([m, "-i", "hi", "--prompt-cache", WORK / "missing.cache", "--prompt-cache-ro"]), 1,
+                   "missing.cache", "No such file")
+    assert not (WORK / "missing.cache").exists()
+    for extra in (["-i", "hi", "--prompt-cache-ro"], ["--ppl", "README.md", "--prompt-cache", "x.cache"],
+                  ["-i", "hi", "--dump-logits", WORK / "l.f32", "--prompt-cache", "x.cache"],
+                  ["-i", "hi", "--tokenize", "--prompt-cache", "x.cache"]):
+        one_line_error(run([m, *extra]), 2, "--prompt-cache")
+    cache = made_for(m, [], "ro.cache")
+    before = cache.read_bytes()
+    engine([m, "-i", "Something else entirely", "-n", "4", "--prompt-cache", cache, "--prompt-cache-ro"])
+    assert cache.read_bytes() == before
+
+
+def as_nobody() -> None:
+    os.setgid(65534)
+    os.setuid(65534)
+
+
+def test_failed_writes_leave_no_partial_file_and_the_answer_goes_on():
+    """An unwritable directory (a directory of mode 555, entered as an unprivileged user when the tests run as
+    root), a missing directory, and a full disk (a file-size limit of 64 KiB, EFBIG as ENOSPC would be): one
+    warning line, the answer printed as without the cache, exit 0, no file and no temporary file."""
+    import resource
+    m = model()
+    want = engine([m, "-i", DOCUMENT, "-t", "0", "-n", "8"]).stdout
+    locked = WORK / "locked"
+    locked.mkdir(exist_ok=True)
+    locked.chmod(0o555)
+    os.chmod(WORK, 0o755)
+    cases = [(locked / "x.cache", as_nobody if os.geteuid() == 0 else None, "Permission denied"),
+             (WORK / "no-such-dir" / "x.cache", None, "No such file or directory"),
+             (WORK / "full.cache", lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (65536, 65536)), "File too large")]
+    (WORK / "full.cache").unlink(missing_ok=True)
+    for path, pre, why in cases:
+        p = subprocess.run([str(RUN), m, "-i", DOCUMENT, "-t", "0", "-n", "8", "--prompt-cache", str(path)],
+                           capture_output=True, timeout=300, preexec_fn=pre)
+        lines = p.stderr.decode().splitlines()
+        assert p.returncode == 0 and p.stdout == want, f"{path}: exit {p.returncode}, {lines}"
+        assert len(lines) == 1 and lines[0].startswith("run: warning: cannot write the prompt cache") and why in lines[0], lines
+        assert not path.exists(), f"{path} was written"
+        if path.parent.exists():
+            assert not list(path.parent.glob("*.tmp-*")), f"a temporary file was left in {path.parent}"
+    locked.chmod(0o755)
+
+
+def watch_write(cmd: list, cache: Path, sig: int | None) -> tuple[set[int], bool]:
+    """Runs cmd, watching cache's size every millisecond; with sig, sends it as soon as a temporary file appears
+    next to cache (the write under way). Returns the sizes seen and whether the signal was sent."""
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sizes, sent = set(), False
+    while p.poll() is None:
+        if cache.exists():
+            sizes.add(cache.stat().st_size)
+        if sig and not sent and list(cache.parent.glob(cache.name + ".tmp-*")):
+            p.send_signal(sig)
+            sent = True
+        time.sleep(0.001)
+    if cache.exists():
+        sizes.add(cache.stat().st_size)
+    return sizes, sent
+
+
+def test_signals_never_leave_a_partial_file():
+    """Over a run that replaces a small cache with a 30 MB one (SmolLM2, a 1,300-token prompt), the file is only
+    ever the old one or the new one, whole (its size watched every millisecond). SIGTERM, SIGINT and SIGHUP sent
+    while the temporary file exists (the write under way) leave the old file as it was and no temporary file."""
+    m = model()
+    prompt = " ".join([DOCUMENT] * 2)
+    cache = made_for(m, [], "signals.cache")
+    old = cache.read_bytes()
+    cmd = [str(RUN), m, "-i", prompt, "-n", "2", "--prompt-cache", str(cache)]
+    sizes, _ = watch_write(cmd, cache, None)
+    new = cache.stat().st_size
+    assert sizes <= {len(old), new} and new > 10 * len(old), f"sizes seen {sorted(sizes)}: old {len(old)}, new {new}"
+    engine([m, "-i", prompt, "-n", "1", "--prompt-cache", cache, "--prompt-cache-ro"])  # the new file loads
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        cache.write_bytes(old)
+        sizes, sent = watch_write(cmd, cache, sig)
+        assert sent, f"the write of 30 MB was never seen under way: no {sig.name} sent"
+        assert cache.read_bytes() == old, f"{sig.name} during the write changed the old file"
+        assert not list(WORK.glob("signals.cache.tmp-*")), f"{sig.name} during the write left a temporary file"
+
+
+def test_readme_prompt_cache_examples_run():
+    """The commands of README "Prompt cache" run verbatim (bash, pipefail) where ./run, models/ and README.md are: the first
+    answers and writes readme.cache, the second loads all but a few tokens of the first's prompt and prints that
+    -v line."""
+    import tempfile
+    from test_cli import readme_commands
+    model()
+    commands = readme_commands(Path(__file__).resolve().parent.parent / "README.md", ("Prompt cache",))["Prompt cache"]
+    assert len(commands) == 3, commands
+    with tempfile.TemporaryDirectory(dir=SCRATCH) as tmp:
+        (Path(tmp) / "run").symlink_to(RUN.resolve())
+        (Path(tmp) / "models").symlink_to(DEFAULT_MODEL.parent.resolve())
+        (Path(tmp) / "README.md").symlink_to(Path(__file__).resolve().parent.parent / "README.md")
+        script = "\n".join(commands)
+        p = subprocess.run(["bash", "-o", "pipefail", "-c", script], cwd=tmp, stdin=subprocess.DEVNULL,
+                           capture_output=True, timeout=600)
+        assert p.returncode == 0 and not p.stderr, f"exit {p.returncode}: {p.stderr[-500:]!r}"
+        assert (Path(tmp) / "readme.cache").exists()
+        m = re.search(rb"prompt cache: (\d+) of the prompt's (\d+) tokens loaded", p.stdout)
+        assert m and int(m.group(2)) - int(m.group(1)) < 20, f"the second command printed {p.stdout[-400:]!r}"
