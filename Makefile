@@ -156,10 +156,12 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 	  printf '%-32s %-10s ' $$(basename $$m) $$(basename $$f .txt); ./tok-driver $$m --bench $$f; done; done
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
+# The 1.5B sections (bench.py --qwen, the lookup and chat rows of the 1.5B) run when its GGUF is there
+# (make model-qwen); each section alone: bench.py --qwen-only / --lookup-only, bench_batch.py --chat-only.
 bench: run $(MODEL_BIN) $(GEMMA_GGUF)
-	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --lookup
+	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --qwen --lookup
 	$(PYTHON) tests/bench.py --json-only --runs 3
-	$(PYTHON) tests/bench_batch.py --runs 3
+	$(PYTHON) tests/bench_batch.py --runs 3 --chat
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
 SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
