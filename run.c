@@ -140,7 +140,7 @@
 
 #define VERSION "0.1.0"
 #define FILE_MAGIC "LLMF"
-#define FILE_VERSION 1
+#define FILE_VERSION 2 /* 2: matrices stored packed (version 1 stored them as rows: re-export) */
 #define HEADER_BYTES 256
 #define TENSOR_ENTRY_BYTES 80
 #define TENSOR_NAME_BYTES 48
@@ -156,21 +156,12 @@
 #define N_FLAGS 6
 #define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
 #define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
-#define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together; a multiple of
-                          both tiles' token counts, or a batch's last token would take the slow
-                          one-token path (measured: +5-7% float prefill against 64) */
+#define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together (whole kernel calls of
+                          PACK_TOKS; measured: +5-7% float prefill against 64) */
 #define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
                           chunks, so a prompt after a shared prefix is cut as when alone */
-#define ROW_TILE 16    /* weight rows reused across a batch of tokens (fits L1/L2) */
-#define TILE_ROWS 2    /* int8 register tile of the prefill matmul: weight rows ... */
-#define TILE_TOKS 4    /* ... times tokens (each row needs |w| and w in registers) */
-#define FTILE_ROWS 4   /* float tile: 12 accumulators, 3 token vectors and a weight */
-#define FTILE_TOKS 3   /* vector fill AVX2's 16 registers: 7 loads per 12 FMAs */
-#define GEMV_ROWS 4    /* decode: weight rows per pass over one token's int8 activation */
-#define MAX_TILE 24    /* outputs of the largest tile (AVX-512's float tile) */
-_Static_assert(TILE_ROWS * TILE_TOKS <= MAX_TILE && FTILE_ROWS * FTILE_TOKS <= MAX_TILE, "tile outputs");
-_Static_assert(CHUNK_TOKENS % TILE_TOKS == 0 && CHUNK_TOKENS % FTILE_TOKS == 0, "batch of whole tiles");
-#define ATT_CHUNK 256  /* decode: cached positions per attention work unit */
+#define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
+#define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
 #define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
@@ -296,6 +287,13 @@ static double now_ms(void)
     return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
 }
 
+/* When the program started (main's first line) and when it wrote its
+   first byte of text to stdout: -v's time to first byte, the TTFT a shell
+   script sees. One program, one of each. */
+static struct {
+    double start_ms, first_text_ms;
+} marks;
+
 /* ============================================================================
    1. THE MODEL FILE
    ========================================================================= */
@@ -317,7 +315,8 @@ enum {
 };
 #define HDR_SHAPE_FIELDS 8
 /* ... of a tensor table entry (TENSOR_ENTRY_BYTES long) */
-enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_RESERVED = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
+enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_LAYOUT = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
+enum { LAYOUT_ROWS, LAYOUT_PACKED, N_LAYOUTS }; /* a tensor's layout: the forward pass multiplies by packed ones */
 /* ... of the tokenizer section's header: the counts that size its arrays
    (tokenizer.c reads the rest), and its reserved bytes */
 enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44, TOKS_RESERVED = 48,
@@ -380,9 +379,9 @@ _Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(Bloc
 typedef struct {
     const char *name;
     int type;
-    int rows, cols;   /* row-major, cols contiguous */
+    int rows, cols;   /* cols elements a row */
+    int layout;       /* LAYOUT_ROWS: row-major blocks; LAYOUT_PACKED: groups of PACK_ROWS rows (section 2) */
     const void *data; /* points into the mapped file */
-    void *packed;     /* the rows packed for the kernel set in use (pack_weights), or NULL */
 } Tensor;
 
 typedef struct {
@@ -473,6 +472,7 @@ typedef struct {
     double matmul_params;  /* weights multiplied per token: layer matrices + output head */
     double weight_bytes;   /* bytes of those weights: what decode streams per token */
     const char *dtype;     /* the type of most weight bytes, for -v */
+    int tokenizer_only;    /* a file without tensors (export.py --tokenizer-only), loaded for --tokenize */
 } Model;
 
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -487,9 +487,18 @@ static const char *type_name(int type);
 static size_t row_bytes(int type, size_t cols);
 static int act_format(int type);
 
+static size_t packed_bytes(int type, size_t rows, size_t cols);
+
+/* Row r of a tensor stored as rows. */
 static const uint8_t *tensor_row(const Tensor *t, int r)
 {
     return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
+}
+
+/* The bytes a tensor's data takes in the file. */
+static size_t tensor_bytes(const Tensor *t)
+{
+    return t->layout == LAYOUT_PACKED ? packed_bytes(t->type, t->rows, t->cols) : row_bytes(t->type, t->cols) * t->rows;
 }
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
@@ -511,7 +520,8 @@ static int read_config(Model *m, char *err)
     if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
         LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
     if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
-        LOAD_FAIL("unsupported file version %u (this build reads version %d)", rd_u32(h + HDR_VERSION), FILE_VERSION);
+        LOAD_FAIL("unsupported file version %u (this build reads version %d%s)", rd_u32(h + HDR_VERSION), FILE_VERSION,
+                  rd_u32(h + HDR_VERSION) < FILE_VERSION ? ": re-export the model with this version's export.py" : "");
     if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
         LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
     if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
@@ -769,7 +779,9 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
     int want = 0;
     for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if ((int)n != want) {
+    if (n == 0 && !m->tokenizer_only)
+        LOAD_FAIL("the file holds a tokenizer but no tensors (export.py --tokenizer-only): only --tokenize runs on it");
+    if ((int)n != want && !m->tokenizer_only) {
         char missing[TENSOR_NAME_BYTES + 8] = "";
         if ((int)n < want) first_missing(m, n, off, missing);
         LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
@@ -787,16 +799,18 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
         const char *name = (const char *)e + ENT_NAME;
         if (!*name) LOAD_FAIL("tensor %u has an empty name", i);
         int type = rd_u32(e + ENT_TYPE);
-        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), reserved = rd_u32(e + ENT_RESERVED);
+        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), layout = rd_u32(e + ENT_LAYOUT);
         uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
-        if (reserved) LOAD_FAIL("tensor %s: reserved field is %u, not zero", name, reserved);
+        if (layout >= N_LAYOUTS) LOAD_FAIL("tensor %s: unknown layout %u (0 rows, 1 packed)", name, layout);
         if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %u", name, rd_u32(e + ENT_TYPE));
         size_t rb = row_bytes(type, cols);
         if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
             LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
-        if (size != (uint64_t)rb * rows)
-            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes)", name,
-                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)rb * rows);
+        uint64_t want = layout == LAYOUT_PACKED ? packed_bytes(type, rows, cols) : (uint64_t)rb * rows;
+        if (size != want)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes%s)", name,
+                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)want,
+                      layout == LAYOUT_PACKED ? " packed" : "");
         if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
             LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
                       name, (unsigned long long)size, (unsigned long long)data);
@@ -812,13 +826,13 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
         int slot = tensor_slot(c, name);
         if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
         if (slot < 0 && !stray) stray = name;
-        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, m->map + data, NULL};
+        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, (int)layout, m->map + data};
         prev = name;
         end = data + size;
     }
     if (end != m->map_size)
         LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
-    for (int s = 0; s < n_slots(c); s++) {
+    for (int s = 0; s < n_slots(c) && !m->tokenizer_only; s++) {
         if (t[s].name || !slot_present(c, s)) continue;
         char name[TENSOR_NAME_BYTES];
         slot_name(name, s);
@@ -836,6 +850,17 @@ static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *e
     if (t->rows != rows || t->cols != cols)
         LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
     *out = *t;
+    return 0;
+}
+
+/* The forward pass multiplies by the matrices, which must be packed, and
+   reads every other tensor (norms, biases, an untied embedding) by rows. */
+static int check_layout(const Tensor *t, int matmul, char *err)
+{
+    if (matmul && t->layout != LAYOUT_PACKED)
+        LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
+                  "with this version's export.py", t->name);
+    if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
     return 0;
 }
 
@@ -864,7 +889,7 @@ static void count_matmul(Model *m, const Matrix *w)
     for (int i = 0; i < w->n_parts; i++) {
         const Tensor *p = &w->part[i];
         m->matmul_params += (double)p->rows * p->cols;
-        m->weight_bytes += (double)p->rows * row_bytes(p->type, p->cols);
+        m->weight_bytes += (double)tensor_bytes(p);
     }
 }
 
@@ -878,10 +903,15 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
         return -1;
     if (c->tied) m->output.part[0] = m->tok_embeddings;
     else if (take_tensor(&m->output.part[0], &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
+    if (check_layout(&m->tok_embeddings, c->tied, err) || check_layout(&m->norm, 0, err) ||
+        check_layout(&m->output.part[0], 1, err))
+        return -1;
     join_parts(&m->output, 1, err); /* one part: nothing to refuse */
     if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
     if (c->rope_freqs) {
-        if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err)) return -1;
+        if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err) ||
+            check_layout(&m->rope_freqs, 0, err))
+            return -1;
         if (m->rope_freqs.type != T_F32) LOAD_FAIL("rope_freqs must be f32");
         for (int i = 0; i < c->rope_dim / 2; i++) {
             float f = ((const float *)m->rope_freqs.data)[i];
@@ -907,8 +937,11 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
         };
         for (int i = 0; i < LAYER_TENSORS; i++) {
             if (!slot_present(c, SLOT_LAYERS + i)) continue;
-            if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err)) return -1;
-            if (want[i].rows == 1 && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
+            int vector = i == LT_ATTN_NORM || i == LT_BQKV || i == LT_Q_NORM || i == LT_K_NORM || i == LT_POST_ATTN_NORM ||
+                         i == LT_FFN_NORM || i == LT_POST_FFN_NORM;
+            if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err) || check_layout(&lt[i], !vector, err))
+                return -1;
+            if (vector && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
         }
         if (join_parts(&L->wqkv, c->split ? 3 : 1, err) || join_parts(&L->wo, 1, err) ||
             join_parts(&L->w13, c->split ? 2 : 1, err) || join_parts(&L->w2, 1, err))
@@ -919,7 +952,7 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     for (int i = 0; i < n_slots(c); i++) {
         if (!tab[i].name) continue;
         m->n_params += (double)tab[i].rows * tab[i].cols;
-        bytes_by_type[tab[i].type] += row_bytes(tab[i].type, tab[i].cols) * tab[i].rows;
+        bytes_by_type[tab[i].type] += tensor_bytes(&tab[i]);
     }
     int best = T_F32;
     for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
@@ -933,10 +966,18 @@ static int bind_weights(Model *m, const Tensor *tab, char *err)
     return 0;
 }
 
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err);
+
 /* Maps and validates a model file. Returns 0, or -1 with a one-line reason
    in err (ERR_BYTES); the caller then frees the partial model with
    free_model. Never reads outside the mapping, whatever the file holds. */
-static int build_model(Model *m, const char *path, char *err)
+static int build_model(Model *m, const char *path, char *err) { return load_model(m, path, 0, err); }
+
+/* build_model, or with tokenizer_only (--tokenize) also a file of the
+   header and tokenizer section alone (n_tensors 0, laid out and checked
+   as any other file): m->tokenizer_only is then set and no weights are
+   bound. */
+static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
 {
     memset(m, 0, sizeof *m);
     /* O_NONBLOCK: opening a FIFO would wait for a writer; whatever is not a
@@ -952,8 +993,9 @@ static int build_model(Model *m, const char *path, char *err)
     m->map = p;
     m->map_size = st.st_size;
     Tensor *tab = NULL;
+    m->tokenizer_only = tokenizer_only && m->map_size >= HEADER_BYTES && rd_u32(m->map + HDR_N_TENSORS) == 0;
     int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
-             bind_weights(m, tab, err) ? -1 : 0;
+             (!m->tokenizer_only && bind_weights(m, tab, err)) ? -1 : 0;
     free(tab); /* the Tensor structs were copied out; names still point into the map */
     return rc;
 }
@@ -961,12 +1003,6 @@ static int build_model(Model *m, const char *path, char *err)
 static void free_model(Model *m)
 {
     if (m->tok) tok_free(m->tok);
-    for (int l = 0; m->layers && l < m->c.n_layers; l++) {
-        Matrix *mats[LAYER_MATRICES];
-        layer_matrices(&m->layers[l], mats);
-        for (int i = 0; i < LAYER_MATRICES; i++) for (int j = 0; j < mats[i]->n_parts; j++) free(mats[i]->part[j].packed);
-    }
-    free(m->output.part[0].packed);
     free(m->layers);
     if (m->map) munmap((void *)m->map, m->map_size);
     memset(m, 0, sizeof *m);
@@ -1070,6 +1106,7 @@ static uint16_t f32_to_fp16(float f)
    matmul, reused by every row. */
 typedef struct {
     float d, s;
+    int32_t sum;   /* sum(qs): a type's offset costs offset * sum per block, in integers */
     int8_t qs[QK];
 } BlockQ8A;
 
@@ -1106,6 +1143,7 @@ static void quantize_act_scalar(void *blocks, const float *x, int n)
         out[b].d = quantize_i8(out[b].qs, x, QK);
         int sum = 0;
         for (int i = 0; i < QK; i++) sum += out[b].qs[i];
+        out[b].sum = sum;
         out[b].s = out[b].d * sum;
     }
 }
@@ -1285,217 +1323,99 @@ static void to_float_q6_k_scalar(float *out, const void *row, int n)
     }
 }
 
-/* --- scalar references: w is one weight row, x one activation row -------- */
-
-static float dot_f32_scalar(const void *w, const void *x, int n)
-{
-    const float *a = w, *b = x;
-    float sum = 0;
-    for (int i = 0; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-static float dot_f16_scalar(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    float sum = 0;
-    for (int i = 0; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-static float dot_bf16_scalar(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    float sum = 0;
-    for (int i = 0; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-static float dot_q8_0_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ8_0 *a = w;
-    const BlockQ8A *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK; k++) {
-        int isum = 0;
-        for (int i = 0; i < QK; i++) isum += a[k].qs[i] * b[k].qs[i];
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
-    }
-    return sum;
-}
-
-static float dot_q4_1_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ4_1 *a = w;
-    const BlockQ8A *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK; k++) {
-        int isum = 0;
-        for (int j = 0; j < QK / 2; j++)
-            isum += (a[k].qs[j] & 0xf) * b[k].qs[j] + (a[k].qs[j] >> 4) * b[k].qs[j + QK / 2];
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
-    }
-    return sum;
-}
-
-static float dot_q4_0_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ4_0 *a = w;
-    const BlockQ8A *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK; k++) {
-        int isum = 0;
-        for (int j = 0; j < QK / 2; j++)
-            isum += ((a[k].qs[j] & 0xf) - 8) * b[k].qs[j] + ((a[k].qs[j] >> 4) - 8) * b[k].qs[j + QK / 2];
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
-    }
-    return sum;
-}
-
-static float dot_q5_0_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ5_0 *a = w;
-    const BlockQ8A *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK; k++) {
-        int isum = 0;
-        for (int j = 0; j < QK; j++) isum += (q5_int(a[k].qs, a[k].qh, j) - 16) * b[k].qs[j];
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
-    }
-    return sum;
-}
-
-/* The minimum enters through the activation block's s = d * sum(qs). */
-static float dot_q5_1_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ5_1 *a = w;
-    const BlockQ8A *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK; k++) {
-        int isum = 0;
-        for (int j = 0; j < QK; j++) isum += q5_int(a[k].qs, a[k].qh, j) * b[k].qs[j];
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum + fp16_to_f32(a[k].m) * b[k].s;
-    }
-    return sum;
-}
-
-/* The K types against int8 activations per 256: integer sums per
-   sub-block times its integer scale, one float multiply per super-block;
-   the minimums (q4_k, q5_k) and q6_k's offset come from the activation's
-   sums of 16. */
-static float dot_k4(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, int (*q)(const uint8_t *, int))
-{
-    float sum = 0;
-    for (int k = 0; k < n / QK_K; k++, w += bb, x++) {
-        const BlockQ4K *b = (const BlockQ4K *)w;
-        int isum = 0, msum = 0;
-        for (int j = 0; j < QK_K / 32; j++) {
-            int sc, m, s = 0;
-            k4_scale_min(b->scales, j, &sc, &m);
-            for (int l = 0; l < 32; l++) s += q(w, 32 * j + l) * x->qs[32 * j + l];
-            isum += sc * s;
-            msum += m * (x->bsums[2 * j] + x->bsums[2 * j + 1]);
-        }
-        sum += fp16_to_f32(b->d) * x->d * isum - fp16_to_f32(b->dmin) * x->d * msum;
-    }
-    return sum;
-}
-
-static float dot_q4_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ4K), q4_k_int); }
-static float dot_q5_k_scalar(const void *w, const void *x, int n) { return dot_k4(w, x, n, sizeof(BlockQ5K), q5_k_int); }
-
-static float dot_q6_k_scalar(const void *w, const void *x, int n)
-{
-    const BlockQ6K *a = w;
-    const BlockQ8K *b = x;
-    float sum = 0;
-    for (int k = 0; k < n / QK_K; k++) {
-        int isum = 0;
-        for (int g = 0; g < QK_K / 16; g++) {
-            int s = 0;
-            for (int l = 0; l < 16; l++) s += q6_k_int(&a[k], 16 * g + l) * b[k].qs[16 * g + l];
-            isum += a[k].scales[g] * (s - 32 * b[k].bsums[g]);
-        }
-        sum += fp16_to_f32(a[k].d) * b[k].d * isum;
-    }
-    return sum;
-}
-
-/* --- packed rows: the layout of the VNNI matrix products -------------------
-   vpdpbusd multiplies four unsigned bytes by four signed ones and adds the
-   sum into each of 16 int32 lanes. Rows as the file stores them put one
-   row's elements across the lanes, so every block ends in a horizontal sum
-   and every scale is a scalar. A kernel set that packs (TypeKernels.packed)
-   gets each matrix of such a type (the 32-element types here; the K types
-   and the float types below) repacked once at load (pack_weights) into
-   groups of PACK_ROWS rows with one row per lane: four
-   bytes of activation broadcast to every lane feed 16 rows at once, each
-   lane sums its row's block in integers, and a block's scale, convert and
-   add are one vector operation for 16 rows. No sum crosses lanes, so an
-   output is computed by the same operations whether the call holds one
-   token (decode) or PACK_TOKS (prefill, verification): the GEMV and the
-   tile are one kernel, and bit for bit equal.
-   A group of nb blocks per row is nb records, one per block, in the order
-   the kernel reads them (decode streams each group once: one stream, which
-   the prefetchers follow best):
-     d    [PACK_ROWS] fp16 scales
-     m    [PACK_ROWS] fp16 minimums (types with a minimum only)
-     ints [PACK_ROWS * QK * bits / 8] unsigned integers
-          8-bit: byte 64 g + 4 r + i = element 4 g + i of row r
-          4-bit: byte 64 j + 4 r + i = element 8 j + i of row r in its low
-                 nibble, element 8 j + 4 + i in its high nibble
-   The integer u of an element is unsigned (what vpdpbusd's unsigned side
-   takes): value = (u - offset) * d, or u * d + m for a type with a
-   minimum; q8_0's signed q is stored as q + 128, offset 128. */
-#define PACK_ROWS 16  /* rows per packed group: one per int32 lane of a 512-bit vector */
-#define PACK_TOKS 8   /* tokens per call: 8 integer and 8 float accumulators of 32 registers */
+/* --- the matrices' layout: packed groups of rows -----------------------------
+   Every matrix the forward pass multiplies by is stored packed (README.md,
+   "Packed matrices"), the way the kernels read it: decode streams each
+   weight once per token, so the bytes must arrive in the order they are
+   used, and export.py writes them so; the engine maps the file and computes
+   from it in place. Rows go in groups of PACK_ROWS (the last group padded
+   with zero rows), one row per 32-bit lane of a 512-bit vector: a broadcast
+   of four activation bytes meets four integers of each of 16 rows in one
+   vpdpbusd (two 256-bit vectors on AVX2, four 128-bit ones on NEON), each
+   lane sums its own row and no sum ever crosses lanes. A group of n
+   elements per row is n / block records (one per block; the float types
+   one per element), padded to PACK_ALIGN bytes. A record holds the block
+   of each of the 16 rows, every byte of ggml's block kept, only moved:
+     scales   ggml's non-integer fields as planes [field][row]: the fp16 d
+              (then m or dmin) of the 16 rows side by side, then (K types)
+              each scale byte of the 16 rows side by side
+     integers per 32 elements of a row (a "stretch"), unsigned:
+              8-bit (q8_0, stored as q + 128): 8 vectors of 64 bytes;
+                byte 64g + 4r + i = element 4g + i of row r
+              4-bit: the high planes (bits above the nibble; q5: 1 bit,
+                q6_k: 2, as 64 * bits bytes), then 4 vectors of 64 bytes
+                of nibbles: byte 64j + 4r + i holds element 8j + i of row
+                r in its low nibble and element 8j + 4 + i in its high one;
+                high-plane field k = 2j + h of that element (h = 0 low,
+                1 high) is at bit (k % (8 / bits)) * bits of byte
+                64 (k / (8 / bits)) + 4r + i
+   So a kernel turns 64 bytes into 16 rows x 4 elements with an and or a
+   shift, and a 5- or 6-bit integer with a shift, an and and an or more.
+   The float types' record is element e of the 16 rows (64 or 32 bytes).
+   packed_stretch and packed_half are the accessors that say where a value
+   lives; the definitions below read the matrix through them only. */
+#define PACK_ROWS 16  /* rows per group: one per int32 lane of a 512-bit vector */
+#define PACK_TOKS 8   /* tokens per kernel call: a group's bytes stay in cache for all of them */
 #define PACK_ALIGN 64 /* every group starts on a cache line */
-#define HUGE_PAGE (2u << 20) /* x86-64 and aarch64 (4 KB granule) transparent huge pages */
-#define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains: the
-                         products of a block would otherwise wait on each other (integer adds:
-                         the same result in any order) */
-_Static_assert(ROW_TILE % PACK_ROWS == 0 && CHUNK_TOKENS % PACK_TOKS == 0, "packed groups and token steps");
+#define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains (integer
+                         adds: the same result in any order) */
+#define PACK_FCHAINS 4 /* a float output sums element e into chain e % PACK_FCHAINS (one chain would
+                          wait on each FMA's latency), the chains added in order at the end */
+#define STRETCH 32    /* elements per run of packed integers */
+_Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel calls");
 
 /* The packed product: out[t * PACK_ROWS + r] = row r of the group . token t
    (toks <= PACK_TOKS activation rows xs bytes apart), for n elements. */
 typedef void (*PackedFn)(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
 
-/* How a type packs (TYPES[].pack): its kind, bits per stored integer (0:
-   the type does not pack), and a 32-element type's offset or minimum. */
-/* q4_0 .. q8_0; q4_k, q5_k; q6_k (see "packed K types"); f32, f16, bf16 (see "packed floats") */
+/* A set's packed product for a type, one instance per token count (so
+   that T is a constant): packed_NAME_SET, calling impl(group, n, x, xs, T,
+   out, a, b, c ...), a b c the type's constants and what else impl takes. */
+#define PACKED_KERNEL(name, set, impl, ...)                                                                          \
+    static void packed_##name##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
+    {                                                                                                                \
+        switch (toks) {                                                                                              \
+        case 1: impl(group, n, x, xs, 1, out, __VA_ARGS__); break;                                                   \
+        case 2: impl(group, n, x, xs, 2, out, __VA_ARGS__); break;                                                   \
+        case 3: impl(group, n, x, xs, 3, out, __VA_ARGS__); break;                                                   \
+        case 4: impl(group, n, x, xs, 4, out, __VA_ARGS__); break;                                                   \
+        case 5: impl(group, n, x, xs, 5, out, __VA_ARGS__); break;                                                   \
+        case 6: impl(group, n, x, xs, 6, out, __VA_ARGS__); break;                                                   \
+        case 7: impl(group, n, x, xs, 7, out, __VA_ARGS__); break;                                                   \
+        default: impl(group, n, x, xs, PACK_TOKS, out, __VA_ARGS__); break;                                          \
+        }                                                                                                            \
+    }
+_Static_assert(PACK_TOKS == 8, "PACKED_KERNEL has a case per token count");
+
+/* How a type's record is laid out and what its integers mean. */
 enum { PACK_BLOCK32, PACK_K4, PACK_K6, PACK_FLOAT };
 typedef struct {
-    int bits;    /* 4 or 8 (floats: 32 or 16) */
+    int kind;    /* PACK_* */
+    int bits;    /* integer width: 4, 5, 6 or 8 (floats: bits per element, 32 or 16) */
     int offset;  /* value = (u - offset) * d ... */
     int has_min; /* ... or u * d + m */
-    int kind;    /* PACK_* */
 } PackForm;
 
-/* Bytes of a 32-element record's scales (d, and m). */
-static size_t packed_head_bytes(const PackForm *f) { return PACK_ROWS * sizeof(uint16_t) * (1 + f->has_min); }
+/* Bytes of a record's scales (before its integers). */
+static size_t packed_head_bytes(const PackForm *f)
+{
+    if (f->kind == PACK_K4) return PACK_ROWS * sizeof(BlockQ4K) - PACK_ROWS * QK_K / 2; /* d, dmin, 12 scale bytes */
+    if (f->kind == PACK_K6) return PACK_ROWS * (sizeof(uint16_t) + QK_K / 16);      /* d, 16 scale bytes */
+    return PACK_ROWS * sizeof(uint16_t) * (1 + f->has_min);
+}
 
-/* Bytes of the integers of QK elements of PACK_ROWS rows. */
-static size_t packed_ints_bytes(const PackForm *f) { return (size_t)PACK_ROWS * QK * f->bits / 8; }
+/* Bytes of one stretch of PACK_ROWS rows' integers: the high planes, then the nibbles (or the bytes). */
+static size_t packed_stretch_bytes(const PackForm *f) { return (size_t)PACK_ROWS * STRETCH * (f->bits == 8 ? 8 : f->bits) / 8; }
 
-/* A packed K record's header: fp16 d (and dmin) per row, then the integer
-   sub-block scales: q4_k/q5_k's 6-bit scales as bytes [8][PACK_ROWS] and
-   minimums as int16 pairs [4][PACK_ROWS][2]; q6_k's int8 scales as bytes
-   [16][PACK_ROWS] and as int16 pairs [8][PACK_ROWS][2]. */
-#define K4_HEAD (PACK_ROWS * (2 * 2 + 8 + 8 * 2))
-#define K6_HEAD (PACK_ROWS * (2 + 16 + 16 * 2))
+/* Elements of a row per record. */
+static int packed_block(const PackForm *f) { return f->kind == PACK_FLOAT ? 1 : f->kind == PACK_BLOCK32 ? QK : QK_K; }
 
 /* Bytes of one record: one block of PACK_ROWS rows. */
 static size_t packed_record_bytes(const PackForm *f)
 {
     if (f->kind == PACK_FLOAT) return PACK_ROWS * f->bits / 8;
-    if (f->kind == PACK_BLOCK32) return packed_head_bytes(f) + packed_ints_bytes(f);
-    return (f->kind == PACK_K4 ? K4_HEAD : K6_HEAD) + QK_K / QK * packed_ints_bytes(f);
+    return packed_head_bytes(f) + packed_block(f) / STRETCH * packed_stretch_bytes(f);
 }
-
-/* Elements of a row per record. */
-static int packed_block(const PackForm *f) { return f->kind == PACK_FLOAT ? 1 : f->kind == PACK_BLOCK32 ? QK : QK_K; }
 
 /* Bytes of one group of PACK_ROWS rows of n elements. */
 static size_t packed_group_bytes(const PackForm *f, int n)
@@ -1503,243 +1423,155 @@ static size_t packed_group_bytes(const PackForm *f, int n)
     return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
 }
 
-/* The 4 bytes row r contributes to vector g of a block's integers (see
-   the layout above), from the row's block as stored. */
-static uint32_t packed_word(int type, const uint8_t *blk, int g)
+/* The accessor: the unsigned integers of a stretch of packed integers of
+   `bits` bits, u[r][e] = element e (0..STRETCH-1) of row r (the layout
+   above, read in its own order). */
+static void packed_stretch(const uint8_t *stretch, int bits, uint8_t u[PACK_ROWS][STRETCH])
 {
-    uint32_t lo, hi, word = 0;
-    switch (type) {
-    case T_Q4_0: case T_Q4_1: { /* byte j holds element j in its low nibble, j + 16 in its high one */
-        const uint8_t *qs = blk + (type == T_Q4_1 ? offsetof(BlockQ4_1, qs) : offsetof(BlockQ4_0, qs));
-        int e = 8 * g, shift = e < QK / 2 ? 0 : 4;
-        memcpy(&lo, qs + e % (QK / 2), 4);
-        memcpy(&hi, qs + e % (QK / 2) + 4, 4);
-        return (lo >> shift & 0x0f0f0f0fu) | (hi >> shift & 0x0f0f0f0fu) << 4;
+    if (bits == 8) { /* byte 64g + 4r + i = element 4g + i of row r */
+        for (int g = 0; g < STRETCH / 4; g++)
+            for (int r = 0; r < PACK_ROWS; r++) memcpy(&u[r][4 * g], stretch + 64 * g + 4 * r, 4);
+        return;
     }
-    case T_Q8_0:
-        memcpy(&word, ((const BlockQ8_0 *)blk)->qs + 4 * g, 4);
-        return word ^ 0x80808080u; /* q + 128 in each byte */
-    default: /* q5_0, q5_1: the nibble and bit 4 of each of the four */
-        for (int i = 0; i < 4; i++) {
-            const BlockQ5_1 *b1 = (const BlockQ5_1 *)blk;
-            const BlockQ5_0 *b0 = (const BlockQ5_0 *)blk;
-            int u = type == T_Q5_1 ? q5_int(b1->qs, b1->qh, 4 * g + i) : q5_int(b0->qs, b0->qh, 4 * g + i);
-            word |= (uint32_t)u << 8 * i;
-        }
-        return word;
-    }
+    int extra = bits - 4, per_byte = extra ? 8 / extra : 1;
+    const uint8_t *nib = stretch + (size_t)PACK_ROWS * STRETCH / 8 * extra; /* the high planes come first */
+    for (int j = 0; j < STRETCH / 8; j++) /* byte 64j + 4r + i: element 8j + i low, 8j + 4 + i high */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++) {
+                uint8_t b = nib[64 * j + 4 * r + i];
+                u[r][8 * j + i] = b & 0xf, u[r][8 * j + 4 + i] = b >> 4;
+            }
+    for (int k = 0; k < STRETCH / 4 && extra; k++) /* field k of element 4k + i: bits above the nibble */
+        for (int r = 0; r < PACK_ROWS; r++)
+            for (int i = 0; i < 4; i++)
+                u[r][4 * k + i] |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
 }
 
-/* Packs PACK_ROWS rows of n elements (ws bytes apart, bb bytes a block) of
-   a 32-element type into one group (packed_group_bytes, PACK_ALIGN-aligned).
-   The fp16 scale leads every such block, the minimum follows it
-   (ggml-common.h). */
-static void pack_group_k(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, int type, const PackForm *f, int n);
-
-static void pack_group(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, int type, const PackForm *f, int n)
+/* Row r's fp16 field of a plane of PACK_ROWS of them, as a float. */
+static float packed_half(const uint8_t *plane, int r)
 {
-    if (f->kind == PACK_FLOAT) { /* element e of row r at (e * PACK_ROWS + r) * bytes */
-        size_t es = f->bits / 8;
-        memset(dst, 0, packed_group_bytes(f, n));
-        for (int e = 0; e < n; e++)
-            for (int r = 0; r < PACK_ROWS; r++) memcpy(dst + (e * PACK_ROWS + r) * es, w + r * ws + e * es, es);
-        return;
-    }
-    if (f->kind != PACK_BLOCK32) {
-        pack_group_k(dst, w, ws, bb, type, f, n);
-        return;
-    }
+    uint16_t h;
+    memcpy(&h, plane + 2 * r, 2);
+    return fp16_to_f32(h);
+}
+
+/* Row r's 12 scale bytes of a packed q4_k/q5_k record, as ggml's block has them. */
+static void packed_k4_scales(const uint8_t *rec, int r, uint8_t s[12])
+{
+    for (int b = 0; b < 12; b++) s[b] = rec[PACK_ROWS * (4 + b) + r];
+}
+
+/* The definitions of the packed products, which every set's PackedFn
+   matches bit for bit (tests/test_kernels.c): out[r] = row r of a group
+   times one activation row, for the group's PACK_ROWS rows and n elements.
+   Integer sums are exact (so their order does not matter); the float
+   steps, each correctly rounded, are the ones written here. The 32-element
+   types, per block: isum = sum (u - offset) * x.q, then acc += (isum * x.d)
+   * d, and for a type with a minimum acc += m * x.s. */
+static void packed_dot_block32(const PackForm *f, const uint8_t *group, const BlockQ8A *a, int n, float out[PACK_ROWS])
+{
     size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f);
-    memset(dst + n / QK * rb, 0, packed_group_bytes(f, n) - n / QK * rb); /* the padding */
-    for (int k = 0; k < n / QK; k++) {
-        uint8_t *rec = dst + k * rb, *ints = rec + hb;
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[PACK_ROWS][STRETCH];
+    for (int k = 0; k < n / QK; k++, a++) {
+        const uint8_t *rec = group + k * rb;
+        packed_stretch(rec + hb, f->bits, u);
         for (int r = 0; r < PACK_ROWS; r++) {
-            const uint8_t *blk = w + r * ws + k * bb;
-            memcpy(rec + r * sizeof(uint16_t), blk, sizeof(uint16_t));
-            if (f->has_min) memcpy(rec + (PACK_ROWS + r) * sizeof(uint16_t), blk + sizeof(uint16_t), sizeof(uint16_t));
-        }
-        for (int g = 0; g < QK / 4 * f->bits / 8; g++) /* one 64-byte vector: 4 bytes of each row */
-            for (int r = 0; r < PACK_ROWS; r++, ints += 4) {
-                uint32_t word = packed_word(type, w + r * ws + k * bb, g);
-                memcpy(ints, &word, 4);
-            }
-    }
-}
-
-/* Where integer e (0..31) of row r sits in a 32-element stretch of packed
-   ints: its byte, and the shift of its nibble (4-bit) within it. */
-static size_t packed_int_at(int bits, int r, int e, int *shift)
-{
-    *shift = bits == 8 ? 0 : e % 8 / 4 * 4;
-    return bits == 8 ? 64 * (e / 4) + 4 * r + e % 4 : 64 * (e / 8) + 4 * r + e % 4;
-}
-
-/* Stored integer e (0..31) of row r in a 32-element stretch of packed ints. */
-static int packed_int(const uint8_t *ints, int bits, int r, int e)
-{
-    int shift;
-    size_t at = packed_int_at(bits, r, e, &shift);
-    return bits == 8 ? ints[at] : ints[at] >> shift & 0xf;
-}
-
-/* The packed product's definition, which every set's PackedFn matches bit
-   for bit (tests/test_kernels.c): per output, block by block, the exact
-   integer sum, then f = isum * x.d; f += -offset * x.s; acc += f * d (or
-   acc += f * d; acc += m * x.s), each a correctly rounded step. The
-   scalar set itself reads rows as stored; this is the reference the
-   tests hold the packed kernels to. */
-__attribute__((unused)) static void packed_scalar(const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
-{
-    size_t rb = packed_record_bytes(f);
-    for (int t = 0; t < toks; t++)
-        for (int r = 0; r < PACK_ROWS; r++) {
-            float acc = 0;
-            for (int k = 0; k < n / QK; k++) {
-                const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
-                const uint16_t *d = (const uint16_t *)(group + k * rb), *m = d + PACK_ROWS;
-                const uint8_t *ints = group + k * rb + packed_head_bytes(f);
-                int isum = 0;
-                for (int e = 0; e < QK; e++) {
-                    isum += packed_int(ints, f->bits, r, e) * a->qs[e];
-                }
-                float v = (float)isum * a->d;
-                if (!f->has_min) v = fmaf(a->s, (float)-f->offset, v);
-                acc = fmaf(v, fp16_to_f32(d[r]), acc);
-                if (f->has_min) acc = fmaf(fp16_to_f32(m[r]), a->s, acc);
-            }
-            out[t * PACK_ROWS + r] = acc;
-        }
-}
-
-/* --- packed K types ---------------------------------------------------------
-   A q4_k, q5_k or q6_k super-block of PACK_ROWS rows is one record: the
-   header (K4_HEAD, K6_HEAD), then the integers of each sub-block laid out
-   as a 32-element block's (q6_k's 16-element sub-blocks two to a 32), u =
-   the type's unsigned integer (q6_k's without its offset of 32). The
-   products follow dot_k4 and dot_q6_k: exact integer sums per sub-block
-   times the integer scales, then one float step per super-block:
-     q4_k, q5_k: acc += (isum * x.d) * d; acc += (msum * x.d) * -dmin,
-                 isum = sum_j sc_j * s_j, msum = sum_j m_j * (x's sum of j)
-     q6_k:       acc += (isum * x.d) * d,
-                 isum = sum_g sc_g * s_g - 32 * sum_g sc_g * (x's sum of g)
-   The sums of sub-blocks against x's sums run as int16 pairs (minimums
-   and scales fit int16, and so do x's sums of 16 or 32 int8). */
-
-/* Element i (0..255) of a K block's row, unsigned. */
-static int k_uint(int type, const uint8_t *blk, int i)
-{
-    return type == T_Q4_K ? q4_k_int(blk, i) : type == T_Q5_K ? q5_k_int(blk, i) : q6_k_int((const BlockQ6K *)blk, i);
-}
-
-static void pack_group_k(uint8_t *dst, const uint8_t *w, size_t ws, size_t bb, int type, const PackForm *f, int n)
-{
-    size_t rb = packed_record_bytes(f), ib = packed_ints_bytes(f), hb = f->kind == PACK_K4 ? K4_HEAD : K6_HEAD;
-    memset(dst, 0, packed_group_bytes(f, n));
-    for (int k = 0; k < n / QK_K; k++) {
-        uint8_t *rec = dst + k * rb;
-        int16_t *pairs = (int16_t *)(rec + PACK_ROWS * (f->kind == PACK_K4 ? 2 * 2 + 8 : 2 + 16));
-        for (int r = 0; r < PACK_ROWS; r++) {
-            const uint8_t *blk = w + r * ws + k * bb;
-            if (f->kind == PACK_K4) {
-                const BlockQ4K *b = (const BlockQ4K *)blk; /* q5_k shares the header */
-                memcpy(rec + 2 * r, &b->d, 2);
-                memcpy(rec + 2 * (PACK_ROWS + r), &b->dmin, 2);
-                for (int j = 0; j < QK_K / QK; j++) {
-                    int sc, m;
-                    k4_scale_min(b->scales, j, &sc, &m);
-                    rec[PACK_ROWS * (4 + j) + r] = (uint8_t)sc;
-                    pairs[(j / 2 * PACK_ROWS + r) * 2 + j % 2] = (int16_t)m;
-                }
-            } else {
-                const BlockQ6K *b = (const BlockQ6K *)blk;
-                memcpy(rec + 2 * r, &b->d, 2);
-                for (int g = 0; g < QK_K / 16; g++) {
-                    rec[PACK_ROWS * (2 + g) + r] = (uint8_t)b->scales[g];
-                    pairs[(g / 2 * PACK_ROWS + r) * 2 + g % 2] = b->scales[g];
-                }
-            }
-            for (int j = 0; j < QK_K / QK; j++) {
-                uint8_t *ints = rec + hb + j * ib;
-                for (int e = 0; e < QK; e++) { /* the group was zeroed: or-ing in places every nibble */
-                    int shift;
-                    size_t at = packed_int_at(f->bits, r, e, &shift);
-                    ints[at] |= (uint8_t)(k_uint(type, blk, QK * j + e) << shift);
-                }
-            }
+            int isum = 0;
+            for (int e = 0; e < QK; e++) isum += (u[r][e] - f->offset) * a->qs[e];
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->has_min) acc[r] = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc[r]);
         }
     }
+    memcpy(out, acc, sizeof acc);
 }
 
-/* The packed K product's definition (as packed_scalar for the 32-element
-   types): activations are Q8_K blocks. */
-__attribute__((unused)) static void packed_k_scalar(const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs,
-                                                    int toks, float *out)
+/* The K types against Q8_K activations, per super-block: the sub-blocks'
+   exact integer sums times their integer scales, one float step each for
+   the sum and for the minimums (q4_k, q5_k: acc += (isum * x.d) * d, then
+   acc += (msum * x.d) * -dmin, msum = sum_j m_j * x's sum of sub-block j)
+   or q6_k's offset of 32 (isum = sum_g sc_g * (s_g - 32 * x's sum of g)). */
+static void packed_dot_k(const PackForm *f, const uint8_t *group, const BlockQ8K *a, int n, float out[PACK_ROWS])
 {
-    size_t rb = packed_record_bytes(f), ib = packed_ints_bytes(f), hb = f->kind == PACK_K4 ? K4_HEAD : K6_HEAD;
-    for (int t = 0; t < toks; t++)
+    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    int sub = f->kind == PACK_K4 ? STRETCH : 16; /* elements per sub-block */
+    float acc[PACK_ROWS] = {0};
+    uint8_t u[QK_K / STRETCH][PACK_ROWS][STRETCH];
+    for (int k = 0; k < n / QK_K; k++, a++) {
+        const uint8_t *rec = group + k * rb;
+        for (int j = 0; j < QK_K / STRETCH; j++) packed_stretch(rec + hb + j * sb, f->bits, u[j]);
         for (int r = 0; r < PACK_ROWS; r++) {
-            float acc = 0;
-            for (int k = 0; k < n / QK_K; k++) {
-                const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
-                const uint8_t *rec = group + k * rb;
-                const uint16_t *d = (const uint16_t *)rec;
-                int isum = 0, msum = 0;
-                for (int e = 0; e < QK_K; e++) { /* products sub-block by sub-block, times the sub-block's scale */
-                    int sub = f->kind == PACK_K4 ? e / QK : e / 16, s = 0;
-                    if (e % (f->kind == PACK_K4 ? QK : 16)) continue;
-                    for (int i = e; i < e + (f->kind == PACK_K4 ? QK : 16); i++)
-                        s += packed_int(rec + hb + i / QK * ib, f->bits, r, i % QK) * a->qs[i];
-                    if (f->kind == PACK_K4) {
-                        const int16_t *pairs = (const int16_t *)(rec + PACK_ROWS * (2 * 2 + 8));
-                        isum += rec[PACK_ROWS * (4 + sub) + r] * s;
-                        msum += pairs[(sub / 2 * PACK_ROWS + r) * 2 + sub % 2] * (a->bsums[2 * sub] + a->bsums[2 * sub + 1]);
-                    } else {
-                        int sc = (int8_t)rec[PACK_ROWS * (2 + sub) + r];
-                        isum += sc * s;
-                        msum += sc * a->bsums[sub];
-                    }
+            uint8_t scales[12];
+            if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
+            int isum = 0, msum = 0;
+            for (int j = 0; j < QK_K / sub; j++) {
+                int s = 0, sc, m;
+                for (int e = j * sub; e < (j + 1) * sub; e++) s += u[e / STRETCH][r][e % STRETCH] * a->qs[e];
+                if (f->kind == PACK_K4) {
+                    k4_scale_min(scales, j, &sc, &m);
+                    isum += sc * s;
+                    msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+                } else {
+                    sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
+                    isum += sc * (s - 32 * a->bsums[j]);
                 }
-                if (f->kind == PACK_K6) isum -= 32 * msum;
-                acc = fmaf((float)isum * a->d, fp16_to_f32(d[r]), acc);
-                if (f->kind == PACK_K4) acc = fmaf((float)msum * a->d, -fp16_to_f32(d[PACK_ROWS + r]), acc);
             }
-            out[t * PACK_ROWS + r] = acc;
+            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
+            if (f->kind == PACK_K4) acc[r] = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc[r]);
         }
+    }
+    memcpy(out, acc, sizeof acc);
 }
 
-/* --- packed floats ------------------------------------------------------------
-   f32, f16 and bf16 rows pack as one record per element: the element of
-   each of the group's 16 rows (64 or 32 bytes), so a broadcast of one
-   activation times one vector is 16 rows' products and decode streams one
-   group after another. Each output sums in PACK_FCHAINS chains, element e
-   into chain e % PACK_FCHAINS (one chain would wait on each FMA's
-   latency), added in chain order at the end. */
-#define PACK_FCHAINS 4
-
-/* Element e of row r of a packed float group, as a float. */
-static float packed_float(int type, const uint8_t *group, int e, int r)
+/* Element e of row r of a packed float group. */
+static float packed_float(int bits, int type, const uint8_t *group, int e, int r)
 {
-    const uint8_t *p = group + (size_t)(e * PACK_ROWS + r) * (type == T_F32 ? 4 : 2);
+    const uint8_t *p = group + (size_t)(e * PACK_ROWS + r) * (bits / 8);
     uint16_t h;
     float f;
-    if (type == T_F32) return memcpy(&f, p, 4), f;
+    if (bits == 32) return memcpy(&f, p, 4), f;
     memcpy(&h, p, 2);
     return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
 }
 
-/* The packed float product's definition (activations: float rows). */
-__attribute__((unused)) static void packed_float_scalar(int type, const uint8_t *group, int n, const uint8_t *x, size_t xs,
-                                                        int toks, float *out)
+/* The float types against float activations: element e into chain
+   e % PACK_FCHAINS of each row, the chains added in order at the end. */
+static void packed_dot_float(int type, int bits, const uint8_t *group, const float *a, int n, float out[PACK_ROWS])
 {
-    for (int t = 0; t < toks; t++)
-        for (int r = 0; r < PACK_ROWS; r++) {
-            const float *a = (const float *)(x + t * xs);
-            float acc[PACK_FCHAINS] = {0};
-            for (int e = 0; e < n; e++) acc[e % PACK_FCHAINS] = fmaf(packed_float(type, group, e, r), a[e], acc[e % PACK_FCHAINS]);
-            float sum = acc[0];
-            for (int c = 1; c < PACK_FCHAINS; c++) sum += acc[c];
-            out[t * PACK_ROWS + r] = sum;
+    float acc[PACK_ROWS][PACK_FCHAINS] = {{0}};
+    for (int e = 0; e < n; e++)
+        for (int r = 0; r < PACK_ROWS; r++)
+            acc[r][e % PACK_FCHAINS] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r][e % PACK_FCHAINS]);
+    for (int r = 0; r < PACK_ROWS; r++) {
+        out[r] = acc[r][0];
+        for (int c = 1; c < PACK_FCHAINS; c++) out[r] += acc[r][c];
+    }
+}
+
+/* Row r of a packed group as floats, as the row's own dequantization
+   (to_float) rounds it: a tied embedding's lookup reads the output head. */
+static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
+{
+    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    uint8_t u[PACK_ROWS][STRETCH];
+    for (int e = 0; e < n; e++) {
+        if (f->kind == PACK_FLOAT) { out[e] = packed_float(f->bits, type, group, e, r); continue; }
+        const uint8_t *rec = group + e / packed_block(f) * rb;
+        int i = e % packed_block(f), sc, m;
+        if (i % STRETCH == 0) packed_stretch(rec + hb + i / STRETCH * sb, f->bits, u);
+        int q = u[r][i % STRETCH];
+        float d = packed_half(rec, r);
+        if (f->kind == PACK_BLOCK32)
+            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
+        else if (f->kind == PACK_K6)
+            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
+        else {
+            uint8_t scales[12];
+            packed_k4_scales(rec, r, scales);
+            k4_scale_min(scales, i / STRETCH, &sc, &m);
+            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
         }
+    }
 }
 
 /* Decode reads each weight once, in order. One core's hardware prefetcher
@@ -1781,31 +1613,8 @@ static void geglu_scalar(float *g, const float *u, int n)
    up to summation order; the softmax step between them uses a polynomial
    exp in its SIMD version. */
 
-/* out[j] = q . k_j for j < n (out has room for ATT_KTILE scores). */
-static void att_scores_scalar(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j++) out[j] = 0;
-    for (int i = 0; i < hd; i++)
-        for (int j = 0; j < n; j++) out[j] += q[i] * kt[i * ATT_KTILE + j];
-}
 
-/* out[j] = q . k_j for keys stored as rows (k is [n, hd]): decode, whose
-   few queries do not pay for a transpose. */
-static void att_scores_rows_scalar(float *out, const float *q, const float *k, int hd, int n)
-{
-    for (int j = 0; j < n; j++) {
-        float sum = 0;
-        for (int i = 0; i < hd; i++) sum += q[i] * k[(size_t)j * hd + i];
-        out[j] = sum;
-    }
-}
 
-/* o += sum over j < n of p[j] * v_j (v is [n, hd]). */
-static void att_accum_scalar(float *o, const float *p, const float *v, int hd, int n)
-{
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < hd; i++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -1860,42 +1669,27 @@ static void att_pv_scalar(float *o, int os, const float *p, int nq, const void *
 /* ============================================================================
    THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
    Everything the engine knows about a tensor type is one row of TYPES:
-   its block shape, the activations its matrix products consume, and its
-   kernels in every kernel set. A kernel set is one instruction-set level
-   (the scalar reference; AVX2 and AVX-512 VNNI on x86-64; NEON and NEON
-   with sdot on aarch64), all compiled into every build for the machine's
-   architecture; select_kernels picks one at start-up (the best the CPU
-   runs, or --kernels) and resolves every row against it, filling what a
-   set leaves out from the set it inherits from, down to the scalar
-   reference. The forward pass only ever calls the resolved kernels.
-   Adding a type is: its kernel functions and one row here.
+   its block shape, the activations its matrix products consume, how its
+   matrices are packed, and its kernels in every kernel set. A kernel set
+   is one instruction-set level (the scalar reference; AVX2, AVX-VNNI and
+   AVX-512 VNNI on x86-64; NEON and NEON with sdot on aarch64), all
+   compiled into every build for the machine's architecture; select_kernels
+   picks one at start-up (the best the CPU runs, or --kernels) and resolves
+   every row against it, filling what a set leaves out from the set it
+   inherits from, down to the scalar reference. Every set reads the one
+   packed layout of the file. The forward pass only ever calls the
+   resolved kernels. Adding a type is: its kernel functions and one row here.
    ========================================================================= */
 
 typedef void (*ToFloatFn)(float *out, const void *row, int n);
 typedef void (*FromFloatFn)(void *row, const float *x, int n);
-typedef float (*DotFn)(const void *w, const void *x, int n);
-/* A register tile: out[r * toks + t] = row r of w (rows ws bytes apart) .
-   activation row t of x (xs bytes apart), for n elements. */
-typedef void (*TileFn)(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
 typedef void (*QuantizeFn)(void *out, const float *x, int n);
 
-/* A register tile and the block of out it computes: rows x toks, for rows
-   whose length is a multiple of cols. */
+/* One type's kernels in one kernel set; NULL = take the inherited set's. */
 typedef struct {
-    TileFn fn;
-    int rows, toks, cols;
-} Tile;
-
-/* One type's kernels in one kernel set; NULL = take the scalar set's (for
-   the tiles: none, one dot product per row and token). */
-typedef struct {
-    ToFloatFn to_float;     /* a row as floats */
+    ToFloatFn to_float;     /* a row as stored (a KV cache row, an embedding row) as floats */
     FromFloatFn from_float; /* floats into a row (KV cache types only) */
-    DotFn dot;              /* one row . one activation row */
-    Tile gemv;              /* decode: several rows x one token */
-    Tile tile;              /* prefill: rows x tokens */
-    Tile exact_tile;        /* (resolved by select_kernels) a tile that sums like gemv, or none */
-    PackedFn packed;        /* the product over packed rows (pack_weights): the set's GEMV and tile both */
+    PackedFn packed;        /* the matrix product over packed groups: decode's GEMV and prefill's tile at once */
 } TypeKernels;
 
 /* Activation formats: what a matrix product reads as its input rows. */
@@ -1905,7 +1699,7 @@ static const struct {
     size_t block_bytes; /* bytes per block */
 } ACT_FORMATS[N_ACTS] = {
     [ACT_F32] = {1, sizeof(float)},
-    [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d and d*sum */
+    [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d, sum and d*sum */
     [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
 };
 
@@ -1920,7 +1714,7 @@ typedef struct {
     size_t block_bytes;
     int act;             /* ACT_*: the activations its matrix products read */
     TypeKernels k[N_KSETS];
-    PackForm pack;       /* how a set that packs stores its rows (bits 0: it does not pack) */
+    PackForm pack;       /* how its matrices are packed */
 } WeightType;
 
 #ifdef HAVE_X86_SETS
@@ -1937,38 +1731,50 @@ typedef struct {
 #else
 #define NEON(...) {0}
 #endif
-#define FLOAT_TILE_SHAPE FTILE_ROWS, FTILE_TOKS, 8
-#define FLOAT_GEMV_SHAPE GEMV_ROWS, 1, 8
-#define INT8_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK
-#define GEMV_SHAPE GEMV_ROWS, 1, QK
-#define K_TILE_SHAPE TILE_ROWS, TILE_TOKS, QK_K
-#define K_GEMV_SHAPE GEMV_ROWS, 1, QK_K
 
-/* The x86 kernel sets, defined in the appendices at the end of the file:
-   the same kernels as the scalar definitions above, 8 (AVX2) or 16
-   (AVX-512) floats, 32 or 64 int8 products per instruction, in register
-   tiles for the matrix products. */
-/* The prototypes of a 32-element type's int8 matrix products in a set, and
-   the set's table entry for them. */
-#define BLOCK_KERNEL_PROTOS(t, set)                                                                             \
-    static float dot_##t##_##set(const void *w, const void *x, int n);                                         \
-    static void gemv_##t##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out); \
-    static void tile_##t##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
-#define INT8_KERNELS(t, set) {.dot = dot_##t##_##set, .gemv = {gemv_##t##_##set, GEMV_SHAPE}, .tile = {tile_##t##_##set, INT8_TILE_SHAPE}}
+/* The scalar set's packed products: the definitions, output by output. */
+static void packed_scalar(int type, const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks,
+                          float *out)
+{
+    for (int t = 0; t < toks; t++) {
+        const void *a = x + t * xs;
+        if (f->kind == PACK_BLOCK32) packed_dot_block32(f, group, a, n, out + t * PACK_ROWS);
+        else if (f->kind == PACK_FLOAT) packed_dot_float(type, f->bits, group, a, n, out + t * PACK_ROWS);
+        else packed_dot_k(f, group, a, n, out + t * PACK_ROWS);
+    }
+}
+
+/* Each type's packed form: kind, integer bits, offset, has a minimum. */
+#define FORM_F32 {PACK_FLOAT, 32, 0, 0}
+#define FORM_F16 {PACK_FLOAT, 16, 0, 0}
+#define FORM_BF16 {PACK_FLOAT, 16, 0, 0}
+#define FORM_Q4_0 {PACK_BLOCK32, 4, 8, 0}
+#define FORM_Q4_1 {PACK_BLOCK32, 4, 0, 1}
+#define FORM_Q5_0 {PACK_BLOCK32, 5, 16, 0}
+#define FORM_Q5_1 {PACK_BLOCK32, 5, 0, 1}
+#define FORM_Q8_0 {PACK_BLOCK32, 8, 128, 0}
+#define FORM_Q4_K {PACK_K4, 4, 0, 1}
+#define FORM_Q5_K {PACK_K4, 5, 0, 1}
+#define FORM_Q6_K {PACK_K6, 6, 32, 0}
+#define PACKED_SCALAR(name, T, FORM)                                                                             \
+    static void packed_##name##_scalar(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
+    {                                                                                                            \
+        packed_scalar(T, &(const PackForm)FORM, group, n, x, xs, toks, out);                                     \
+    }
+PACKED_SCALAR(f32, T_F32, FORM_F32) PACKED_SCALAR(f16, T_F16, FORM_F16) PACKED_SCALAR(bf16, T_BF16, FORM_BF16)
+PACKED_SCALAR(q4_0, T_Q4_0, FORM_Q4_0) PACKED_SCALAR(q4_1, T_Q4_1, FORM_Q4_1) PACKED_SCALAR(q5_0, T_Q5_0, FORM_Q5_0)
+PACKED_SCALAR(q5_1, T_Q5_1, FORM_Q5_1) PACKED_SCALAR(q8_0, T_Q8_0, FORM_Q8_0) PACKED_SCALAR(q4_k, T_Q4_K, FORM_Q4_K)
+PACKED_SCALAR(q5_k, T_Q5_K, FORM_Q5_K) PACKED_SCALAR(q6_k, T_Q6_K, FORM_Q6_K)
+
+/* The kernels of the other sets, defined in the appendices at the end of
+   the file: the scalar definitions above on 8 (AVX2) or 16 (AVX-512)
+   lanes, 32 or 64 int8 products per instruction. */
+#define PACKED_PROTO(t, set) static void packed_##t##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
 #ifdef HAVE_X86_SETS
-#define I8_TILE_ROWS_512 4  /* AVX-512 int8 tile: 16 accumulators, 4 weight vectors and */
-#define I8_TILE_TOKS_512 4  /* their scales of its 32 registers (measured: 4x3 -8%, 3x4 -5%) */
-#define INT8_TILE_SHAPE_512 I8_TILE_ROWS_512, I8_TILE_TOKS_512, QK
-#define FTILE_ROWS_512 6 /* AVX-512 float tile: 24 accumulators, 4 token */
-#define FTILE_TOKS_512 4 /* vectors and a weight vector of its 32 registers */
-#define FLOAT_TILE_SHAPE_512 FTILE_ROWS_512, FTILE_TOKS_512, 16
-_Static_assert(I8_TILE_ROWS_512 * I8_TILE_TOKS_512 <= MAX_TILE && CHUNK_TOKENS % I8_TILE_TOKS_512 == 0 &&
-               FTILE_ROWS_512 * FTILE_TOKS_512 <= MAX_TILE && CHUNK_TOKENS % FTILE_TOKS_512 == 0, "avx512 tiles");
 TARGET_BEGIN(ISA_AVX2)
-BLOCK_KERNEL_PROTOS(f32, avx2) BLOCK_KERNEL_PROTOS(f16, avx2) BLOCK_KERNEL_PROTOS(bf16, avx2)
-BLOCK_KERNEL_PROTOS(q4_0, avx2) BLOCK_KERNEL_PROTOS(q4_1, avx2) BLOCK_KERNEL_PROTOS(q5_0, avx2)
-BLOCK_KERNEL_PROTOS(q5_1, avx2) BLOCK_KERNEL_PROTOS(q8_0, avx2)
-BLOCK_KERNEL_PROTOS(q4_k, avx2) BLOCK_KERNEL_PROTOS(q5_k, avx2) BLOCK_KERNEL_PROTOS(q6_k, avx2)
+PACKED_PROTO(f32, avx2) PACKED_PROTO(f16, avx2) PACKED_PROTO(bf16, avx2)
+PACKED_PROTO(q4_0, avx2) PACKED_PROTO(q4_1, avx2) PACKED_PROTO(q5_0, avx2) PACKED_PROTO(q5_1, avx2)
+PACKED_PROTO(q8_0, avx2) PACKED_PROTO(q4_k, avx2) PACKED_PROTO(q5_k, avx2) PACKED_PROTO(q6_k, avx2)
 static void to_float_f16_avx2(float *out, const void *row, int n);
 static void from_float_f16_avx2(void *row, const float *x, int n);
 static void to_float_q4_0_avx2(float *out, const void *row, int n);
@@ -1978,10 +1784,7 @@ static void to_float_q5_1_avx2(float *out, const void *row, int n);
 static void to_float_q8_0_avx2(float *out, const void *row, int n);
 static void quantize_act_avx2(void *blocks, const float *x, int n);
 static void quantize_act_k_avx2(void *blocks, const float *x, int n);
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n);
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n);
 static float att_softmax_avx2(float *sc, int n, float scale, float *m);
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n);
 static void att_qk_avx2(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
 static void att_pv_avx2(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 static void swiglu_avx2(float *g, const float *u, int n);
@@ -1989,8 +1792,6 @@ static void geglu_avx2(float *g, const float *u, int n);
 static int cpu_has_avx2(void);
 static double peak_f32_avx2(float *sink);
 static double peak_i8_avx2(unsigned *sink);
-#define PACKED_PROTO(t, set) static void packed_##t##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
-PACKED_PROTO(q4_0, avx2) PACKED_PROTO(q4_1, avx2) PACKED_PROTO(q5_0, avx2) PACKED_PROTO(q5_1, avx2)
 TARGET_END
 TARGET_BEGIN(ISA_AVXVNNI)
 PACKED_PROTO(q4_0, avxvnni) PACKED_PROTO(q4_1, avxvnni) PACKED_PROTO(q5_0, avxvnni) PACKED_PROTO(q5_1, avxvnni)
@@ -1999,10 +1800,6 @@ static int cpu_has_avxvnni(void);
 static double peak_i8_avxvnni(unsigned *sink);
 TARGET_END
 TARGET_BEGIN(ISA_AVX512)
-#define AVX512_TILE(t) static void tile_##t##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out);
-AVX512_TILE(f32) AVX512_TILE(f16) AVX512_TILE(bf16)
-AVX512_TILE(q4_0) AVX512_TILE(q4_1) AVX512_TILE(q5_0) AVX512_TILE(q5_1) AVX512_TILE(q8_0)
-#undef AVX512_TILE
 PACKED_PROTO(q4_0, avx512) PACKED_PROTO(q4_1, avx512) PACKED_PROTO(q5_0, avx512) PACKED_PROTO(q5_1, avx512)
 PACKED_PROTO(q8_0, avx512) PACKED_PROTO(q4_k, avx512) PACKED_PROTO(q5_k, avx512) PACKED_PROTO(q6_k, avx512)
 PACKED_PROTO(f32, avx512) PACKED_PROTO(f16, avx512) PACKED_PROTO(bf16, avx512)
@@ -2016,100 +1813,50 @@ TARGET_END
 static double peak_f32_scalar(float *sink);
 static double peak_i8_scalar(unsigned *sink);
 #ifdef HAVE_NEON_SET
-/* The NEON set, defined in the last appendix: the int8 matrix products, prefill's attention. */
-BLOCK_KERNEL_PROTOS(q4_0, neon) BLOCK_KERNEL_PROTOS(q4_1, neon) BLOCK_KERNEL_PROTOS(q5_0, neon)
-BLOCK_KERNEL_PROTOS(q5_1, neon) BLOCK_KERNEL_PROTOS(q8_0, neon)
+/* The NEON set, defined in the last appendix: the 32-element types' packed products, prefill's attention. */
+PACKED_PROTO(q4_0, neon) PACKED_PROTO(q4_1, neon) PACKED_PROTO(q5_0, neon) PACKED_PROTO(q5_1, neon) PACKED_PROTO(q8_0, neon)
 static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
 static void att_pv_neon(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
 TARGET_BEGIN(ISA_DOTPROD)
-BLOCK_KERNEL_PROTOS(q4_0, sdot) BLOCK_KERNEL_PROTOS(q4_1, sdot) BLOCK_KERNEL_PROTOS(q5_0, sdot)
-BLOCK_KERNEL_PROTOS(q5_1, sdot) BLOCK_KERNEL_PROTOS(q8_0, sdot)
+PACKED_PROTO(q4_0, sdot) PACKED_PROTO(q4_1, sdot) PACKED_PROTO(q5_0, sdot) PACKED_PROTO(q5_1, sdot) PACKED_PROTO(q8_0, sdot)
 static int cpu_has_sdot(void);
 TARGET_END
 #endif
 
 /* Type ids and block layouts are ggml's (ggml-common.h), so quantized
-   blocks are copied from GGUF files bit for bit. */
+   blocks are copied from GGUF files bit for bit (and packed). */
+#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .packed = packed_##t##_scalar}
+#define PACKED(t, set) {.packed = packed_##t##_##set}
+#define INT32_ROWS(t) {SCALAR(t, NULL), AVX2({.to_float = to_float_##t##_avx2, .packed = packed_##t##_avx2}), \
+                       AVX512(PACKED(t, avx512)), NEON(PACKED(t, neon)), NEON(PACKED(t, sdot)),              \
+                       [KSET_AVXVNNI] = AVXVNNI(PACKED(t, avxvnni))}
+#define K_ROWS(t) {SCALAR(t, NULL), AVX2(PACKED(t, avx2)), AVX512(PACKED(t, avx512))}
 static const WeightType TYPES[N_TYPES] = {
-#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .dot = dot_##t##_scalar}
     [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
-               {SCALAR(f32, from_float_f32_scalar),
-                AVX2({.dot = dot_f32_avx2, .gemv = {gemv_f32_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f32_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_f32_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_f32_avx512})},
-               .pack = {32, 0, 0, PACK_FLOAT}},
+               {SCALAR(f32, from_float_f32_scalar), AVX2(PACKED(f32, avx2)), AVX512(PACKED(f32, avx512))}, FORM_F32},
     [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
                {SCALAR(f16, from_float_f16_scalar),
-                AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .dot = dot_f16_avx2,
-                      .gemv = {gemv_f16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_f16_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_f16_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_f16_avx512})},
-               .pack = {16, 0, 0, PACK_FLOAT}},
+                AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .packed = packed_f16_avx2}),
+                AVX512(PACKED(f16, avx512))}, FORM_F16},
+    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32, {SCALAR(bf16, NULL), AVX2(PACKED(bf16, avx2)), AVX512(PACKED(bf16, avx512))},
+                FORM_BF16},
     [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
-                {SCALAR(q4_0, from_float_q4_0_scalar),
-                 AVX2({.to_float = to_float_q4_0_avx2, .dot = dot_q4_0_avx2, .gemv = {gemv_q4_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q4_0_avx2, INT8_TILE_SHAPE}, .packed = packed_q4_0_avx2}),
-                 AVX512({.tile = {tile_q4_0_avx512, INT8_TILE_SHAPE_512}, .packed = packed_q4_0_avx512}),
-                 NEON(INT8_KERNELS(q4_0, neon)),
-                 NEON(INT8_KERNELS(q4_0, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q4_0_avxvnni})},
-                .pack = {4, 8, 0, PACK_BLOCK32}},
-    [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8,
-                {SCALAR(q4_1, NULL),
-                 AVX2({.to_float = to_float_q4_1_avx2, .dot = dot_q4_1_avx2, .gemv = {gemv_q4_1_avx2, GEMV_SHAPE},
-                       .tile = {tile_q4_1_avx2, INT8_TILE_SHAPE}, .packed = packed_q4_1_avx2}),
-                 AVX512({.tile = {tile_q4_1_avx512, INT8_TILE_SHAPE_512}, .packed = packed_q4_1_avx512}),
-                 NEON(INT8_KERNELS(q4_1, neon)),
-                 NEON(INT8_KERNELS(q4_1, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q4_1_avxvnni})},
-                .pack = {4, 0, 1, PACK_BLOCK32}},
-    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8,
-                {SCALAR(q5_0, NULL),
-                 AVX2({.to_float = to_float_q5_0_avx2, .dot = dot_q5_0_avx2, .gemv = {gemv_q5_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q5_0_avx2, INT8_TILE_SHAPE}, .packed = packed_q5_0_avx2}),
-                 AVX512({.tile = {tile_q5_0_avx512, INT8_TILE_SHAPE_512}, .packed = packed_q5_0_avx512}),
-                 NEON(INT8_KERNELS(q5_0, neon)),
-                 NEON(INT8_KERNELS(q5_0, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q5_0_avxvnni})},
-                .pack = {8, 16, 0, PACK_BLOCK32}},
-    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8,
-                {SCALAR(q5_1, NULL),
-                 AVX2({.to_float = to_float_q5_1_avx2, .dot = dot_q5_1_avx2, .gemv = {gemv_q5_1_avx2, GEMV_SHAPE},
-                       .tile = {tile_q5_1_avx2, INT8_TILE_SHAPE}, .packed = packed_q5_1_avx2}),
-                 AVX512({.tile = {tile_q5_1_avx512, INT8_TILE_SHAPE_512}, .packed = packed_q5_1_avx512}),
-                 NEON(INT8_KERNELS(q5_1, neon)),
-                 NEON(INT8_KERNELS(q5_1, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q5_1_avxvnni})},
-                .pack = {8, 0, 1, PACK_BLOCK32}},
+                {SCALAR(q4_0, from_float_q4_0_scalar), AVX2({.to_float = to_float_q4_0_avx2, .packed = packed_q4_0_avx2}),
+                 AVX512(PACKED(q4_0, avx512)), NEON(PACKED(q4_0, neon)), NEON(PACKED(q4_0, sdot)),
+                 [KSET_AVXVNNI] = AVXVNNI(PACKED(q4_0, avxvnni))}, FORM_Q4_0},
+    [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8, INT32_ROWS(q4_1), FORM_Q4_1},
+    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8, INT32_ROWS(q5_0), FORM_Q5_0},
+    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8, INT32_ROWS(q5_1), FORM_Q5_1},
     [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
-                {SCALAR(q8_0, from_float_q8_0_scalar),
-                 AVX2({.to_float = to_float_q8_0_avx2, .dot = dot_q8_0_avx2, .gemv = {gemv_q8_0_avx2, GEMV_SHAPE},
-                       .tile = {tile_q8_0_avx2, INT8_TILE_SHAPE}}),
-                 AVX512({.tile = {tile_q8_0_avx512, INT8_TILE_SHAPE_512}, .packed = packed_q8_0_avx512}),
-                 NEON(INT8_KERNELS(q8_0, neon)),
-                 NEON(INT8_KERNELS(q8_0, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI({.packed = packed_q8_0_avxvnni})},
-                .pack = {8, 128, 0, PACK_BLOCK32}},
-    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K,
-                {SCALAR(q4_k, NULL),
-                 AVX2({.dot = dot_q4_k_avx2, .gemv = {gemv_q4_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q4_k_avx2, K_TILE_SHAPE}}),
-                 AVX512({.packed = packed_q4_k_avx512})},
-                .pack = {4, 0, 0, PACK_K4}},
-    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K,
-                {SCALAR(q5_k, NULL),
-                 AVX2({.dot = dot_q5_k_avx2, .gemv = {gemv_q5_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q5_k_avx2, K_TILE_SHAPE}}),
-                 AVX512({.packed = packed_q5_k_avx512})},
-                .pack = {8, 0, 0, PACK_K4}},
-    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K,
-                {SCALAR(q6_k, NULL),
-                 AVX2({.dot = dot_q6_k_avx2, .gemv = {gemv_q6_k_avx2, K_GEMV_SHAPE}, .tile = {tile_q6_k_avx2, K_TILE_SHAPE}}),
-                 AVX512({.packed = packed_q6_k_avx512})},
-                .pack = {8, 0, 0, PACK_K6}},
-    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32,
-                {SCALAR(bf16, NULL),
-                 AVX2({.dot = dot_bf16_avx2, .gemv = {gemv_bf16_avx2, FLOAT_GEMV_SHAPE}, .tile = {tile_bf16_avx2, FLOAT_TILE_SHAPE}}),
-                AVX512({.tile = {tile_bf16_avx512, FLOAT_TILE_SHAPE_512}, .packed = packed_bf16_avx512})},
-               .pack = {16, 0, 0, PACK_FLOAT}},
-#undef SCALAR
+                {SCALAR(q8_0, from_float_q8_0_scalar), AVX2({.to_float = to_float_q8_0_avx2, .packed = packed_q8_0_avx2}),
+                 AVX512(PACKED(q8_0, avx512)), NEON(PACKED(q8_0, neon)), NEON(PACKED(q8_0, sdot)),
+                 [KSET_AVXVNNI] = AVXVNNI(PACKED(q8_0, avxvnni))}, FORM_Q8_0},
+    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K, K_ROWS(q4_k), FORM_Q4_K},
+    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K, K_ROWS(q5_k), FORM_Q5_K},
+    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K, K_ROWS(q6_k), FORM_Q6_K},
 };
+#undef SCALAR
+#undef PACKED
 
 /* The kernels that do not depend on a weight type, per kernel set. */
 typedef struct {
@@ -2117,40 +1864,35 @@ typedef struct {
     int (*available)(void); /* can this CPU run the set? */
     int inherits;           /* KSET_*: the set whose kernels fill what this one leaves NULL */
     QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
-    void (*att_scores)(float *out, const float *q, const float *kt, int hd, int n);
-    void (*att_scores_rows)(float *out, const float *q, const float *k, int hd, int n);
     float (*att_softmax)(float *sc, int n, float scale, float *m);
-    void (*att_accum)(float *o, const float *p, const float *v, int hd, int n);
     void (*att_qk)(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk); /* prefill */
     void (*att_pv)(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
     void (*swiglu)(float *g, const float *u, int n);
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
     double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
-    int exact_tiles; /* every type's prefill tile adds each output's products in its GEMV's order, so a
-                        verification pass may use the tiles and stay bit for bit a decode step (verify_step) */
+    int plain_attention; /* attention by its definition (attend_plain), not in chunks (not inherited) */
 } OpKernels;
 
 static int always(void) { return 1; }
 
 static const OpKernels OPS[N_KSETS] = {
     [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
-                     att_scores_scalar, att_scores_rows_scalar, att_softmax_scalar, att_accum_scalar, att_qk_scalar,
-                     att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar, .exact_tiles = 0},
+                     att_softmax_scalar, att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar,
+                     peak_i8_scalar, .plain_attention = 1},
 #ifdef HAVE_X86_SETS
     [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
-                   att_scores_avx2, att_scores_rows_avx2, att_softmax_avx2, att_accum_avx2, att_qk_avx2, att_pv_avx2,
-                   swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, .exact_tiles = 1},
-    /* AVX-512 with VNNI: the int8 and float matrix products and prefill attention; the rest is AVX2's */
+                   att_softmax_avx2, att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2},
+    /* AVX-512 with VNNI: the packed products and prefill attention; the rest is AVX2's */
     [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
                      .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
-    /* AVX-VNNI (the VEX, 256-bit vpdpbusd): the packed int8 products; the rest is AVX2's */
+    /* AVX-VNNI (the VEX, 256-bit vpdpbusd): the 32-element types' packed products; the rest is AVX2's */
     [KSET_AVXVNNI] = {"avxvnni", cpu_has_avxvnni, KSET_AVX2, .peak_i8 = peak_i8_avxvnni},
 #endif
 #ifdef HAVE_NEON_SET
-    /* NEON: the int8 matrix products and prefill's attention; the rest is the scalar set's */
+    /* NEON: the 32-element types' packed products and prefill's attention; the rest is the scalar set's */
     [KSET_NEON] = {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon},
-    /* with sdot: the int8 matrix products; the rest is NEON's (and so the scalar set's) */
+    /* with sdot: the 32-element types' packed products; the rest is NEON's (and so the scalar set's) */
     [KSET_NEON_DOT] = {.name = "neon-dot", .available = cpu_has_sdot, .inherits = KSET_NEON},
 #endif
 };
@@ -2166,8 +1908,7 @@ static struct {
 static int kernel_set_available(int set) { return set >= 0 && set < N_KSETS && OPS[set].name && OPS[set].available(); }
 
 /* Makes `set` the kernel set of every call below; fields it leaves NULL
-   come from the set it inherits from, and so on down to the scalar set
-   (which has no tiles: no tile means one dot product per row). */
+   come from the set it inherits from, and so on down to the scalar set. */
 static void select_kernels(int set)
 {
     K.set = set;
@@ -2178,7 +1919,7 @@ static void select_kernels(int set)
         const OpKernels *ref = &OPS[s];
 #define FILL(field) if (!K.op.field) K.op.field = ref->field
         for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-        FILL(att_scores); FILL(att_scores_rows); FILL(att_softmax); FILL(att_accum); FILL(att_qk); FILL(att_pv);
+        FILL(att_softmax); FILL(att_qk); FILL(att_pv);
         FILL(swiglu); FILL(geglu);
         FILL(peak_f32); FILL(peak_i8);
 #undef FILL
@@ -2187,22 +1928,9 @@ static void select_kernels(int set)
             TypeKernels *k = &K.type[t];
             if (!k->to_float) k->to_float = r->to_float;
             if (!k->from_float) k->from_float = r->from_float;
-            if (!k->dot) k->dot = r->dot;
-            if (!k->gemv.fn) k->gemv = r->gemv;
-            if (!k->tile.fn) k->tile = r->tile;
             if (!k->packed) k->packed = r->packed;
         }
     }
-    /* A verification pass may use the tile of the set whose GEMV decode
-       uses, when that set promises its tiles sum like its GEMVs. */
-    for (int t = 0; t < N_TYPES; t++)
-        for (int s = set;; s = OPS[s].inherits) {
-            if (TYPES[t].k[s].gemv.fn) {
-                if (OPS[s].exact_tiles) K.type[t].exact_tile = TYPES[t].k[s].tile;
-                break;
-            }
-            if (s == KSET_SCALAR) break;
-        }
 }
 
 /* The best set this CPU runs: the last available one in KSET_RANK. */
@@ -2223,88 +1951,36 @@ static size_t row_bytes(int type, size_t cols)
     return cols / TYPES[type].block * TYPES[type].block_bytes;
 }
 
+/* Bytes of a packed matrix of rows x cols (whole groups), or 0 as row_bytes. */
+static size_t packed_bytes(int type, size_t rows, size_t cols)
+{
+    if (!row_bytes(type, cols)) return 0;
+    return (rows + PACK_ROWS - 1) / PACK_ROWS * packed_group_bytes(&TYPES[type].pack, (int)cols);
+}
+
 /* Bytes of n activations in format act (n a multiple of its block). */
 static size_t act_bytes(int act, size_t n) { return n / ACT_FORMATS[act].block * ACT_FORMATS[act].block_bytes; }
 
 static int act_format(int type) { return TYPES[type].act; }
 
-/* Whether the kernel set in use reads tensor t packed (see "packed
-   rows"): its type packs and its shape is whole groups of whole blocks. */
-static int packs(const Tensor *t)
-{
-    const PackForm *f = &TYPES[t->type].pack;
-    return K.type[t->type].packed && f->bits && t->rows % PACK_ROWS == 0 && t->cols % TYPES[t->type].block == 0;
-}
-
-/* Releases rows [r0, r1) of tensor t from memory (madvise), the pages
-   they fill whole: the kernels read only the packed copy, and what else
-   reads them (a tied embedding's lookups) faults its few pages back in
-   from the file. */
-static void release_rows(const Tensor *t, size_t r0, size_t r1)
-{
-    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), ws = row_bytes(t->type, t->cols);
-    uintptr_t lo = align_up((uintptr_t)t->data + r0 * ws, page), hi = ((uintptr_t)t->data + r1 * ws) / page * page;
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-}
-
-/* Packs every matrix of the model that the kernel set in use reads packed,
-   into aligned buffers the model owns (free_model frees them); once, after
-   build_model. One parallel loop over runs of PACK_CHUNK groups of every
-   tensor (the work is one pass over the weights, not worth a team per
-   tensor); each run's stored rows are released as soon as it is packed,
-   and a tensor's last run releases the pages its runs shared, so memory
-   holds little more than one copy of the weights at any time. */
-#define PACK_CHUNK 64 /* groups per run: ~1 MB of q8_0 rows of 2048 columns */
-static void pack_weights(Model *m)
-{
-    int n = 0, cap = m->c.n_layers * LAYER_MATRICES * MAX_PARTS + 1;
-    Tensor **todo = xmalloc(cap * sizeof *todo);
-    size_t *first = xmalloc((cap + 1) * sizeof *first); /* first[i]: index of tensor i's first run */
-    atomic_size_t *done = xcalloc(cap, sizeof *done);     /* runs of tensor i packed so far */
-    for (int l = 0; l < m->c.n_layers; l++) {
-        Matrix *mats[LAYER_MATRICES];
-        layer_matrices(&m->layers[l], mats);
-        for (int i = 0; i < LAYER_MATRICES; i++)
-            for (int j = 0; j < mats[i]->n_parts; j++) if (packs(&mats[i]->part[j])) todo[n++] = &mats[i]->part[j];
-    }
-    if (packs(&m->output.part[0])) todo[n++] = &m->output.part[0];
-    first[0] = 0;
-    for (int i = 0; i < n; i++) {
-        Tensor *t = todo[i];
-        size_t groups = t->rows / PACK_ROWS, bytes = packed_group_bytes(&TYPES[t->type].pack, t->cols) * groups;
-        /* whole huge pages where the kernel offers them: a fault (and a TLB entry) per 2 MB, not per 4 KB */
-        size_t align = bytes >= HUGE_PAGE ? HUGE_PAGE : PACK_ALIGN;
-        if (!(t->packed = aligned_alloc(align, align_up(bytes, align))))
-            die(EXIT_RUNTIME, "out of memory packing tensor %s (%zu bytes)", t->name, bytes);
-        if (align == HUGE_PAGE) madvise(t->packed, align_up(bytes, align), MADV_HUGEPAGE);
-        first[i + 1] = first[i] + (groups + PACK_CHUNK - 1) / PACK_CHUNK;
-    }
-    #pragma omp parallel for schedule(dynamic, 1)
-    for (size_t run = 0; run < first[n]; run++) {
-        int i = 0;
-        while (first[i + 1] <= run) i++;
-        const Tensor *t = todo[i];
-        const PackForm *f = &TYPES[t->type].pack;
-        size_t g0 = (run - first[i]) * PACK_CHUNK, g1 = g0 + PACK_CHUNK < (size_t)t->rows / PACK_ROWS ? g0 + PACK_CHUNK : (size_t)t->rows / PACK_ROWS;
-        for (size_t g = g0; g < g1; g++)
-            pack_group((uint8_t *)t->packed + g * packed_group_bytes(f, t->cols), tensor_row(t, g * PACK_ROWS),
-                       row_bytes(t->type, t->cols), TYPES[t->type].block_bytes, t->type, f, t->cols);
-        release_rows(t, g0 * PACK_ROWS, g1 * PACK_ROWS);
-        if (atomic_fetch_add(&done[i], 1) + 1 == first[i + 1] - first[i]) release_rows(t, 0, t->rows);
-    }
-    free(todo);
-    free(first);
-    free(done);
-}
-
 /* One row of n elements of any type as floats (embedding rows, KV rows). */
 static void to_float(float *out, const void *row, int type, int n) { K.type[type].to_float(out, row, n); }
 
+/* Row r of tensor t as floats, whatever its layout (the embedding is the
+   packed output head when the two are tied). */
+static void tensor_row_to_float(float *out, const Tensor *t, int r)
+{
+    if (t->layout == LAYOUT_ROWS) {
+        to_float(out, tensor_row(t, r), t->type, t->cols);
+        return;
+    }
+    const PackForm *f = &TYPES[t->type].pack;
+    const uint8_t *group = (const uint8_t *)t->data + (size_t)(r / PACK_ROWS) * packed_group_bytes(f, t->cols);
+    packed_row_to_float(out, t->type, f, group, r % PACK_ROWS, t->cols);
+}
+
 static void quantize_act(int act, void *out, const float *x, int n) { K.op.quantize[act](out, x, n); }
-static void att_scores(float *out, const float *q, const float *kt, int hd, int n) { K.op.att_scores(out, q, kt, hd, n); }
-static void att_scores_rows(float *out, const float *q, const float *k, int hd, int n) { K.op.att_scores_rows(out, q, k, hd, n); }
 static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
-static void att_accum(float *o, const float *p, const float *v, int hd, int n) { K.op.att_accum(o, p, v, hd, n); }
 static void att_qk(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
 {
     K.op.att_qk(s, q, nq, k, type, hd, nk);
@@ -2443,7 +2119,7 @@ typedef struct {
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
-    int exact;      /* this pass computes each token exactly as decode_step would (verify_step) */
+    int scattered;  /* the pass's tokens are not consecutive positions of one sequence (decode_batch) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -2458,14 +2134,16 @@ typedef struct {
     int *kv_cap;    /* [n_layers] positions a layer's cache holds: seq_len, or for a local layer
                        a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
     size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
-    float *scores;  /* [n_threads, ATT_KTILE] one query's scores for a block of positions */
-    float *partial; /* decode: [n_kv_heads, seq_len/ATT_CHUNK + 1, group, head_dim + 2] per chunk;
-                       prefill: [n_threads, ATT_QTILE * group, head_dim + 2] per query (max, sum, sum of v) */
-    float *vrow;    /* [n_threads, head_dim] a K row as floats */
-    float *kblock;  /* [n_threads, head_dim, ATT_KTILE] a block of K as floats, transposed (or [ATT_KTILE, head_dim]) */
+    float *plain_scores; /* [n_threads, seq_len] attend_plain's scores, then weights */
+    float *partial; /* partial softmaxes (attention_part): one token at a time, [tokens, n_kv_heads,
+                       seq_len/ATT_CHUNK + 1, group, PARTIAL_HEAD + head_dim] per chunk, then
+                       [n_threads, group, ...] running ones; a tile of tokens, [n_threads, 2, ATT_QTILE * group, ...]:
+                       a running one and the chunk's per query */
+    float *vrow;    /* [n_threads, head_dim] a K or V row as floats (attend_plain) */
+    float *kblock;  /* [n_threads, ATT_KTILE, head_dim] a block of K as floats (caches of other types than f32, f16) */
     float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] prefill: a tile's queries, gathered */
-    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] prefill: their scores, then weights */
+    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] the queries of attend_chunk, gathered */
+    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] their scores, then weights */
     uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes]; paged: [page, layer, kv_head, PAGE_TOKENS, kv_row] */
     uint8_t *value_cache; /* the same for V */
     int *tok_pos;   /* [chunk] the position of each token of the pass */
@@ -2530,9 +2208,9 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
             s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
         }
     }
-    s->scores = xcalloc((size_t)n_threads * ATT_KTILE, sizeof(float));
-    s->partial = xcalloc((size_t)max_i(max_i(VERIFY_MAX_TOKENS, BATCH_MAX) * c->n_kv_heads * (seq_len / ATT_CHUNK + 1), n_threads * ATT_QTILE) *
-                             group * (c->head_dim + 2), sizeof(float));
+    s->plain_scores = xcalloc((size_t)n_threads * seq_len, sizeof(float));
+    size_t one_at_a_time = (size_t)BATCH_MAX * c->n_kv_heads * (seq_len / ATT_CHUNK + 1) + n_threads;
+    s->partial = xcalloc(max_i(one_at_a_time, 2 * n_threads * ATT_QTILE) * group * (PARTIAL_HEAD + c->head_dim), sizeof(float));
     s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
     s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
     s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
@@ -2557,7 +2235,7 @@ static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
     for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
-    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->scores); free(s->partial); free(s->vrow);
+    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->plain_scores); free(s->partial); free(s->vrow);
     free(s->kblock); free(s->vblock); free(s->qblock); free(s->pblock);
     free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
 }
@@ -2607,64 +2285,13 @@ static Act act_for(const Matrix *w, const float *f, int f_cols, const uint8_t *q
 /* The usual input: s->xb and s->xq, rows packed W.cols apart. */
 static Act act_xb(const RunState *s, const Matrix *w) { return act_for(w, s->xb, w->cols, s->xq); }
 
-/* out[t + j][r + i] = v[i * toks + j] for a rows x toks block (+= with
-   accumulate, which fuses the residual add). */
-static void put_block(float *out, int out_stride, int r, int t, const float *v, int rows, int toks, int accumulate)
-{
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < toks; j++) {
-            float *o = out + (size_t)(t + j) * out_stride + r + i;
-            *o = accumulate ? *o + v[i * toks + j] : v[i * toks + j];
-        }
-}
-
-/* W's register tiles in the kernel set in use: prefill's (rows x tokens)
-   and decode's (rows x one token); fn NULL when there is none for W, and
-   then every row and token is one dot product. */
-static Tile usable(Tile t, int cols) { return t.fn && cols % t.cols == 0 ? t : (Tile){NULL, 1, 1, 1}; }
-static Tile prefill_tile(const Tensor *w) { return usable(K.type[w->type].tile, w->cols); }
-static Tile decode_tile(const Tensor *w) { return usable(K.type[w->type].gemv, w->cols); }
-
-/* Tokens per prefill tile of every part of W (their least common
-   multiple): a batch split at multiples of it gives each token the same
-   kernels, whatever the split. */
-static int tile_tokens(const Matrix *w)
-{
-    int unit = 1;
-    for (int i = 0; i < w->n_parts; i++) {
-        int toks = w->part[i].packed ? PACK_TOKS : prefill_tile(&w->part[i]).toks, step = unit;
-        while (unit % toks) unit += step;
-    }
-    return unit;
-}
-
-/* Rows [a, b) of W times the tile.toks input rows from token t: tile.rows
-   at a time, then one dot product per row left over. With one token
-   (decode) each weight byte is used once, so rows read by the dot product
-   are prefetched here (the GEMV kernels prefetch their own). */
-static void matmul_tile(float *out, int out_stride, const Tensor *w, Act in, Tile tile, int t, int a, int b, int accumulate)
-{
-    DotFn dot = K.type[w->type].dot;
-    size_t ws = row_bytes(w->type, w->cols);
-    const uint8_t *x = in.rows + t * in.stride;
-    float v[MAX_TILE];
-    int r = a;
-    for (; tile.fn && r + tile.rows <= b; r += tile.rows) {
-        tile.fn(tensor_row(w, r), ws, x, in.stride, w->cols, v);
-        put_block(out, out_stride, r, t, v, tile.rows, tile.toks, accumulate);
-    }
-    for (; r < b; r++) {
-        if (tile.toks == 1) prefetch_ahead(tensor_row(w, r), ws);
-        for (int j = 0; j < tile.toks; j++) v[j] = dot(tensor_row(w, r), x + j * in.stride, w->cols);
-        put_block(out, out_stride, r, t, v, 1, tile.toks, accumulate);
-    }
-}
-
-/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) from
-   W's packed groups, PACK_TOKS tokens a call: the group's bytes stay in
-   cache across a batch's tokens. Every token takes the same operations
-   whatever the batch, so prefill, decode and verification agree. */
-static void packed_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
+/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
+   n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
+   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
+   byte from memory once per batch and decode once per token. Every token
+   takes the same operations whatever the batch, so prefill, decode and
+   verification agree bit for bit. */
+static void tensor_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
 {
     PackedFn fn = K.type[w->type].packed;
     size_t gb = packed_group_bytes(&TYPES[w->type].pack, w->cols);
@@ -2673,7 +2300,7 @@ static void packed_rows(float *out, int out_stride, const Tensor *w, Act in, int
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
         for (int t = 0; t < n_tok; t += PACK_TOKS) {
             int toks = min_i(PACK_TOKS, n_tok - t);
-            fn((const uint8_t *)w->packed + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
+            fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out + (size_t)(t + j) * out_stride + a;
                 const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
@@ -2684,52 +2311,23 @@ static void packed_rows(float *out, int out_stride, const Tensor *w, Act in, int
     }
 }
 
-/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
-   n_tok input rows in = x, W one tensor. Weight rows are taken ROW_TILE at
-   a time and applied to every token while they sit in cache: prefill reads
-   each weight byte from memory once per batch, decode once per token. With
-   exact, every token takes decode's kernels (see verify_step). */
-static void tensor_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate,
-                        int exact)
-{
-    if (w->packed) {
-        packed_rows(out, out_stride, w, in, n_tok, r0, r1, accumulate);
-        return;
-    }
-    Tile gemv = decode_tile(w), tile = exact ? usable(K.type[w->type].exact_tile, w->cols) : prefill_tile(w);
-    /* A verification pass (exact) computes each token as decode does: on the
-       rows decode's GEMV covers, a tile that adds each output's products in
-       that GEMV's order (exact_tile) may stand in for it; the rows decode
-       leaves to dot products take them here too. */
-    if (exact && !(tile.fn && gemv.fn && gemv.rows % tile.rows == 0)) tile.fn = NULL;
-    for (int a = r0; a < r1; a += ROW_TILE) {
-        int b = min_i(a + ROW_TILE, r1), t = 0, tb = exact && tile.fn ? a + (b - a) / gemv.rows * gemv.rows : b;
-        for (; tile.fn && t + tile.toks <= n_tok; t += tile.toks) {
-            matmul_tile(out, out_stride, w, in, tile, t, a, tb, accumulate);
-            if (tb < b) matmul_tile(out, out_stride, w, in, (Tile){NULL, 1, tile.toks, 1}, t, tb, b, accumulate);
-        }
-        for (; t < n_tok; t++) matmul_tile(out, out_stride, w, in, gemv, t, a, b, accumulate); /* decode, tokens left over */
-    }
-}
-
 /* The same for matrix W: each part computes the rows of [r0, r1) that fall
    in it, with its own type's kernels, into the output columns of those
    rows (a part's row i is the matrix's row base + i). */
-static void matmul_rows(float *out, int out_stride, const Matrix *w, Act in, int n_tok, int r0, int r1, int accumulate,
-                        int exact)
+static void matmul_rows(float *out, int out_stride, const Matrix *w, Act in, int n_tok, int r0, int r1, int accumulate)
 {
     for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
         int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
-        if (a < b) tensor_rows(out + base, out_stride, &w->part[i], in, n_tok, a - base, b - base, accumulate, exact);
+        if (a < b) tensor_rows(out + base, out_stride, &w->part[i], in, n_tok, a - base, b - base, accumulate);
     }
 }
 
 /* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const Matrix *w, Act in, int n_tok, int accumulate, int exact, int me, int nth)
+static void matmul_part(float *out, const Matrix *w, Act in, int n_tok, int accumulate, int me, int nth)
 {
     int r0, r1;
-    split(w->rows, ROW_TILE, me, nth, &r0, &r1);
-    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate, exact);
+    split(w->rows, PACK_ROWS, me, nth, &r0, &r1);
+    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate);
 }
 
 /* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
@@ -2780,14 +2378,14 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
     const Matrix *w = &m->layers[l].wqkv;
     int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
     Act in = act_xb(s, w);
-    int unit = tile_tokens(w);
-    if (!s->exact && n >= nth * unit) {
+    int unit = PACK_TOKS;
+    if (!s->scattered && n >= nth * unit) {
         split(n, unit, me, nth, &t0, &t1);
         in.rows += t0 * in.stride;
     } else {
         split(heads, 1, me, nth, &h0, &h1);
     }
-    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0, s->exact);
+    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
     const Layer *L = &m->layers[l];
     int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
     for (int t = t0; t < t1; t++)
@@ -2804,108 +2402,91 @@ static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
         }
 }
 
-/* Softmax-weighted output of each of the group's heads from its n_chunks
-   partials ([n_chunks][group][hd + 2]), combined in chunk order. */
-static void merge_chunks(const float *parts, int n_chunks, int group, int hd, float *out)
+/* Attention as its definition states it: for one query head of token t,
+   the three plain loops over the cached positions it sees (its own and
+   the ones before it; on a local layer the last `window` only): scores
+   q . k_j * scale, their softmax, and the weighted sum of the values.
+   The scalar set computes attention this way in every path; the other
+   sets compute the same sum in chunks (attend_chunk below), which the
+   kernel tests hold to this. out gets head_dim values. */
+static void attend_plain(const RunState *s, const Config *c, int l, int t, int h, float *out, int me)
 {
-    for (int h = 0; h < group; h++) {
-        float m = -INFINITY, sum = 0, *o = out + h * hd;
-        for (int k = 0; k < n_chunks; k++) m = fmaxf(m, parts[(k * group + h) * (hd + 2)]);
-        memset(o, 0, hd * sizeof(float));
-        for (int k = 0; k < n_chunks; k++) {
-            const float *p = parts + (k * group + h) * (hd + 2);
-            float w = expf(p[0] - m);
-            sum += w * p[1];
-            for (int i = 0; i < hd; i++) o[i] += w * p[2 + i];
-        }
-        for (int i = 0; i < hd; i++) o[i] /= sum;
+    int hd = c->head_dim, g = h / (c->n_heads / c->n_kv_heads), pos = s->tok_pos[t];
+    int lo = is_local(c, l) ? max_i(0, pos - c->window + 1) : 0, n = pos + 1 - lo;
+    const float *q = s->qkv + (size_t)t * (c->n_heads + 2 * c->n_kv_heads) * hd + (size_t)h * hd;
+    float *sc = s->plain_scores + (size_t)me * s->seq_len, *row = s->vrow + (size_t)me * hd;
+    for (int j = 0; j < n; j++) { /* 1: scores */
+        to_float(row, cache_row(s, s->key_cache, c, t, l, g, lo + j), s->kv_type, hd);
+        float dot = 0;
+        for (int i = 0; i < hd; i++) dot += q[i] * row[i];
+        sc[j] = dot * c->att_scale;
+    }
+    softmax(sc, n); /* 2: weights */
+    memset(out, 0, hd * sizeof(float));
+    for (int j = 0; j < n; j++) { /* 3: the weighted sum of the values */
+        to_float(row, cache_row(s, s->value_cache, c, t, l, g, lo + j), s->kv_type, hd);
+        for (int i = 0; i < hd; i++) out[i] += sc[j] * row[i];
     }
 }
 
-/* Decode's attention (and a verification pass's, token by token, so that
-   it stays bit for bit a decode step): of the query tokens [t0, t1) of the batch (consecutive
-   positions of one sequence, from s->tok_pos[t0]) and their `group` query heads that share KV head g, to the cached
-   positions [j_lo, j_hi) that each token may see (those <= its own), in the
-   style of flash attention. Positions are taken ATT_KTILE at a time and
-   converted to floats once, then used by every query of the tile and of the
-   group: a (query x position) block is a small GEMM, not one dot product per
-   cached row. Each query keeps a running max m, the sum of exp(score - m)
-   and the unnormalized output sum of exp(score - m) * v, written to part
-   ([t1 - t0, group, head_dim + 2]) as a partial softmax: partials over
-   separate position ranges combine exactly (merge_chunks). */
-static void attend_tile(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+/* A partial softmax over some keys, for one query: the running maximum m
+   of its scaled scores, l = sum exp(score - m), and o = sum exp(score - m) v
+   (head_dim values): [m, l, o...], PARTIAL_HEAD + head_dim floats. */
+
+static void partial_init(float *p, int hd)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
-    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
-    float *kt = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
-    float *row = s->vrow + (size_t)me * hd, *sc = s->scores + (size_t)me * ATT_KTILE;
-    int window = is_local(c, l) ? c->window : 0;
-    for (int k = 0; k < nq; k++) {
-        float *p = part + (size_t)k * (hd + 2);
-        p[0] = -INFINITY, p[1] = 0;
-        memset(p + 2, 0, hd * sizeof(float));
-    }
-    /* Transposing K costs a scattered store per element; it pays when many
-       queries share the block (a large group), not for a few, which take
-       one dot product per key row instead. */
-    int transpose = nq >= ATT_TRANSPOSE_MIN;
-    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
-        int nj = min_i(ATT_KTILE, last + 1 - j0);
-        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
-            const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
-            float *kr = transpose ? row : kt + (size_t)j * hd;
-            prefetch_ahead(kc, s->kv_row);
-            prefetch_ahead(vc, s->kv_row);
-            to_float(kr, kc, s->kv_type, hd);
-            if (transpose) for (int i = 0; i < hd; i++) kt[i * ATT_KTILE + j] = row[i];
-            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
-        }
-        for (int k = 0; k < nq; k++) {
-            int t = t0 + k / group, h = g * group + k % group, n = min_i(nj, pos0 + t + 1 - j0);
-            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
-            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
-            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
-            float *p = part + (size_t)k * (hd + 2), m = p[0], *q = s->qkv + (size_t)t * qkv_dim + h * hd;
-            if (transpose) att_scores(sc, q, kt, hd, n);
-            else att_scores_rows(sc, q, kt, hd, n);
-            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
-            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
-            if (rescale != 1.0f)
-                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
-            p[1] = p[1] * rescale + sum;
-            p[0] = m;
-            att_accum(p + 2, sc, vb, hd, n);
-        }
-    }
+    p[0] = -INFINITY, p[1] = 0;
+    memset(p + PARTIAL_HEAD, 0, hd * sizeof(float));
 }
 
-/* Prefill's attend_tile: the same partials for the same (tokens, KV head,
-   positions), computed a block of ATT_KTILE positions at a time by the
-   multi-query kernels, which read the block's K and V rows where they lie
-   in the cache (f32 and f16 caches; the other types are converted into
-   f32 rows first). All the tile's (t1 - t0) * group queries meet each
-   block: scores for all of them, then each query's online-softmax step,
-   then one weighted V sum for all of them. A query's weights past its own
-   position (and, on a local layer, before its window) are 0, so the block
-   is one GEMM for every query of the tile. */
-static void attend_queries(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+/* Folds partial p (over later keys) into the running partial acc: the one
+   way chunks of keys combine. Decode folds its chunks' partials in chunk
+   order, prefill each chunk as it finishes it: the same steps, so the same
+   numbers. A partial over no keys (a chunk all in the query's future, or
+   out of its window) changes nothing. */
+static void partial_fold(float *acc, const float *p, int hd)
+{
+    if (p[1] == 0) return;
+    if (acc[1] == 0) {
+        memcpy(acc, p, (PARTIAL_HEAD + hd) * sizeof(float));
+        return;
+    }
+    float m = fmaxf(acc[0], p[0]), a = expf(acc[0] - m), b = expf(p[0] - m);
+    acc[1] = acc[1] * a + p[1] * b;
+    for (int i = 0; i < hd; i++) acc[PARTIAL_HEAD + i] = acc[PARTIAL_HEAD + i] * a + p[PARTIAL_HEAD + i] * b;
+    acc[0] = m;
+}
+
+/* The partials of the queries of tokens [t0, t1) of the pass (consecutive
+   positions of one sequence, from s->tok_pos[t0]) and the `group` query
+   heads of KV head g, over the keys of [j_lo, j_hi) that each sees: part
+   is [t1 - t0][group][PARTIAL_HEAD + head_dim]. Keys are taken ATT_KTILE
+   at a time from j_lo (a multiple of ATT_CHUNK, so blocks start at the same
+   positions for every query, whoever computes them), in the style of
+   flash attention: scores for every query and key of the block (att_qk),
+   each query's online-softmax step (att_softmax), then the weighted sum of
+   V (att_pv). Every score, every weight and every output element goes
+   through the same operations however many queries share the call: a
+   query's partial is the same computed alone (decode) or in a tile
+   (prefill). Where some query sees only part of a block (its own position
+   falls in it, or it is out of its window) each token's queries take the
+   V sum on their own, over the keys they see. */
+static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
-    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1;
+    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1, ps = PARTIAL_HEAD + hd;
     int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
     float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
     float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
     const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
     int window = is_local(c, l) ? c->window : 0;
     for (int k = 0; k < nq; k++) {
-        float *p = part + (size_t)k * (hd + 2);
-        p[0] = -INFINITY, p[1] = 0;
-        memset(p + 2, 0, hd * sizeof(float));
+        partial_init(part + (size_t)k * ps, hd);
         memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
     }
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
-        int nj = min_i(ATT_KTILE, last + 1 - j0);
-        for (int j = 0; j < nj; j++) {
+        int nj = min_i(ATT_KTILE, last + 1 - j0), shared = 1;
+        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
             const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
             prefetch_ahead(kc, s->kv_row);
             prefetch_ahead(vc, s->kv_row);
@@ -2918,78 +2499,115 @@ static void attend_queries(RunState *s, const Config *c, int l, int g, int t0, i
         att_qk(pb, q, nq, krow, type, hd, nj);
         for (int k = 0; k < nq; k++) {
             int t = t0 + k / group, n = min_i(nj, pos0 + t + 1 - j0);
+            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
             int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
-            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * (hd + 2), m = p[0];
-            if (n <= hidden) { /* the whole block lies in this token's future (or out of its window) */
-                memset(sc, 0, nj * sizeof(float));
-                continue;
-            }
+            shared &= n == nj && n > hidden;
+            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
+            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * ps, m = p[0];
             for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
             float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
-            for (int j = n; j < nj; j++) sc[j] = 0; /* the future: weight 0 in the shared V sum */
             if (rescale != 1.0f)
-                for (int i = 0; i < hd; i++) p[2 + i] *= rescale;
+                for (int i = 0; i < hd; i++) p[PARTIAL_HEAD + i] *= rescale;
             p[1] = p[1] * rescale + sum;
             p[0] = m;
         }
-        att_pv(part + 2, hd + 2, pb, nq, vrow, type, hd, nj);
+        if (shared) {
+            att_pv(part + PARTIAL_HEAD, ps, pb, nq, vrow, type, hd, nj);
+            continue;
+        }
+        for (int t = t0; t < t1; t++) {
+            int n = min_i(nj, pos0 + t + 1 - j0), hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0, k = (t - t0) * group;
+            if (n > hidden) att_pv(part + (size_t)k * ps + PARTIAL_HEAD, ps, pb + (size_t)k * ATT_KTILE, group, vrow, type, hd, n);
+        }
     }
 }
 
-/* The outputs of KV head g's query heads for token t, merged from their
-   n_chunks partials into s->xb ([n, q_dim]), and converted into s->xq in
-   activation format fmt unless that is ACT_F32 (the caller checked that
-   the slice is made of whole blocks; converting here spares Wo a pass and
-   a barrier). */
-static void attention_out(RunState *s, const Config *c, const float *parts, int n_chunks, int g, int t, int fmt)
+/* The outputs of KV head g's query heads for token t, from their folded
+   partial acc ([group][PARTIAL_HEAD + head_dim]), into s->xb ([n, q_dim]),
+   and converted into s->xq in activation format fmt unless that is ACT_F32
+   (the caller checked that the slice is made of whole blocks; converting
+   here spares Wo a pass and a barrier). */
+static void attention_out(RunState *s, const Config *c, const float *acc, int g, int t, int fmt)
 {
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
     float *o = s->xb + (size_t)t * q_dim + g * group * hd;
-    merge_chunks(parts, n_chunks, group, hd, o);
+    for (int h = 0; h < group; h++)
+        for (int i = 0; i < hd; i++) o[h * hd + i] = acc[h * (PARTIAL_HEAD + hd) + PARTIAL_HEAD + i] / acc[h * (PARTIAL_HEAD + hd) + 1];
     if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
 }
 
-/* The attention step of a layer for the pass's n tokens, thread
-   me's share (attention_out writes the results). Prefill deals (query tile,
-   KV head) jobs round-robin, each over all the positions its tokens see
-   (attend_queries: ATT_QTILE tokens times `group` heads share each K and V
-   load). A job's result does not depend on which thread runs it.
-   Decode has one token: it deals (KV head, chunk of ATT_CHUNK positions)
-   jobs, so that even one KV head's long context is spread over every
-   thread, then merges the chunks; a verification batch (s->exact) does
-   the same for each of its tokens. Either way the jobs do not depend on the
-   thread count, so neither do the results. */
+/* The first and one past the last chunk of ATT_CHUNK positions that token
+   t's queries see on layer l. */
+static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k0, int *k1)
+{
+    int pos = s->tok_pos[t];
+    *k0 = is_local(c, l) ? max_i(0, pos - c->window + 1) / ATT_CHUNK : 0;
+    *k1 = pos / ATT_CHUNK + 1;
+}
+
+/* The attention step of a layer for the pass's n tokens, thread me's
+   share. With the scalar set, attend_plain per (token, query head). Else
+   in chunks of ATT_CHUNK positions: a pass of consecutive tokens of one
+   sequence (prefill, lookup verification) deals (query tile, KV head) jobs
+   round-robin, each folding the chunks its tokens see in order (the
+   tile's ATT_QTILE tokens times `group` heads share each K and V load). A
+   pass of one token, or of tokens of different sequences (batch mode's
+   step), deals (token, KV head, chunk) jobs, so that even one KV head's
+   long context is spread over every thread, then folds each token's
+   chunks in order. Both compute a query's output by the same steps, and no
+   job depends on the thread count. */
 static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, int me, int nth)
 {
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads;
-    int part = group * (hd + 2), max_chunks = s->seq_len / ATT_CHUNK + 1, window = is_local(c, l) ? c->window : 0;
-    if (n > 1 && !s->exact) {
-        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
-        float *parts = s->partial + (size_t)me * ATT_QTILE * part;
-        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
-            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n);
-            int first = window ? max_i(0, s->tok_pos[t0] - window + 1) : 0; /* the tile's oldest visible key */
-            attend_queries(s, c, l, g, t0, t1, first, s->tok_pos[t1 - 1] + 1, parts, me);
-            for (int t = t0; t < t1; t++) attention_out(s, c, parts + (size_t)(t - t0) * part, 1, g, t, fmt);
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd, ps = PARTIAL_HEAD + hd;
+    int part = group * ps, max_chunks = s->seq_len / ATT_CHUNK + 1;
+    if (K.op.plain_attention) {
+        for (int job = me; job < n * c->n_heads; job += nth) {
+            int t = job / c->n_heads, h = job % c->n_heads;
+            attend_plain(s, c, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, me);
+        }
+        barrier(&s->bar, nth);
+        for (int job = me; job < n * c->n_kv_heads && fmt != ACT_F32; job += nth) {
+            int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+            quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), s->xb + (size_t)t * q_dim + g * group * hd, group * hd);
         }
         return;
     }
-    /* decode: each token (one, or a verification batch's few) on its own */
+    if (n > 1 && !s->scattered) {
+        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
+        float *acc = s->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
+        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
+            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n), k0, k1, unused;
+            chunk_range(s, c, l, t0, &k0, &unused);
+            chunk_range(s, c, l, t1 - 1, &unused, &k1);
+            for (int k = 0; k < (t1 - t0) * group; k++) partial_init(acc + (size_t)k * ps, hd);
+            for (int ch = k0; ch < k1; ch++) {
+                attend_chunk(s, c, l, g, t0, t1, ch * ATT_CHUNK, (ch + 1) * ATT_CHUNK, cur, me);
+                for (int k = 0; k < (t1 - t0) * group; k++) partial_fold(acc + (size_t)k * ps, cur + (size_t)k * ps, hd);
+            }
+            for (int t = t0; t < t1; t++) attention_out(s, c, acc + (size_t)(t - t0) * part, g, t, fmt);
+        }
+        return;
+    }
     for (int t = 0, job = 0; t < n; t++) {
-        int pos = s->tok_pos[t], k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
+        int k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
         for (int g = 0; g < c->n_kv_heads; g++)
-            for (int k = 0; k < n_chunks; k++, job++) {
+            for (int k = k0; k < k1; k++, job++) {
                 if (job % nth != me) continue;
-                int j0 = (k0 + k) * ATT_CHUNK;
-                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + k) * part;
-                attend_tile(s, c, l, g, t, t + 1, j0, j0 + ATT_CHUNK, dst, me);
+                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
+                attend_chunk(s, c, l, g, t, t + 1, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, dst, me);
             }
     }
     barrier(&s->bar, nth);
+    float *acc = s->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
     for (int job = me; job < n * c->n_kv_heads; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, pos = s->tok_pos[t];
-        int k0 = window ? max_i(0, pos - window + 1) / ATT_CHUNK : 0, n_chunks = pos / ATT_CHUNK + 1 - k0;
-        attention_out(s, c, s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part, n_chunks, g, t, fmt);
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
+        const float *chunks = s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
+        for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
+        for (int ch = 0; ch < k1 - k0; ch++)
+            for (int k = 0; k < group; k++) partial_fold(acc + (size_t)k * ps, chunks + (size_t)ch * part + (size_t)k * ps, hd);
+        attention_out(s, c, acc, g, t, fmt);
     }
 }
 
@@ -3003,8 +2621,8 @@ static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int
 {
     int fmt = matrix_act(&L->w2), hid = c->hidden_dim;
     Act in = act_xb(s, &L->w13);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0, s->exact);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0, s->exact);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
+    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
     for (int t = 0; t < n && i0 < i1; t++) {
         float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
         if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
@@ -3022,7 +2640,7 @@ static void add_output(const Model *m, RunState *s, const Matrix *w, Act in, con
                        int me, int nth)
 {
     const Config *c = &m->c;
-    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, s->exact, me, nth);
+    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, me, nth);
     barrier(&s->bar, nth);
     if (!c->post_norms) return;
     for (int t = t0; t < t1; t++) {
@@ -3078,7 +2696,7 @@ static void embed(const Model *m, RunState *s, const int *tokens, int t0, int t1
     int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
     for (int t = t0; t < t1; t++) {
         float *x = s->x + (size_t)t * dim;
-        to_float(x, tensor_row(&m->tok_embeddings, tokens[t]), m->tok_embeddings.type, dim);
+        tensor_row_to_float(x, &m->tok_embeddings, tokens[t]);
         if (c->embed_scale != 1)
             for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
         for (int k = 0; k < kinds; k++)
@@ -3113,7 +2731,7 @@ static void forward_pass(const Model *m, RunState *s, const int *tokens, int n, 
                 rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
             prepare_act(s, &m->output, t0, t1);
             barrier(&s->bar, nth);
-            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, s->exact, me, nth);
+            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
         }
     }
     adapt_team(s, now_ms() - t0);
@@ -3156,16 +2774,13 @@ static void decode_step(const Model *m, RunState *s, int token, int pos)
 
 /* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
    positions pos0.. in one pass, with the logits of every one in
-   s->logits. Each token is computed exactly as decode_step would compute
-   it at its position (decode's GEMV kernels and attention, the same work
-   splits), so its logits are bit for bit those of a decode step, however
-   many tokens share the pass; the weights are still read once for all of
-   them, which is what makes checking k drafts cost about one decode step. */
+   s->logits. Every token goes through the same operations in any pass
+   (the packed kernels, attend_chunk), so its logits are bit for bit those
+   of a decode step; the weights are still read once for all of them,
+   which is what makes checking k drafts cost about one decode step. */
 static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
 {
-    s->exact = 1;
     forward_chunk(m, s, NULL, tokens, n, pos0, 0);
-    s->exact = 0;
 }
 
 /* Batch mode's decode step: one token of each of n sequences (token t at
@@ -3177,9 +2792,9 @@ static void decode_batch(const Model *m, RunState *s, const int *tokens, const i
 {
     s->paged = 1;
     for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
-    s->exact = 1;
+    s->scattered = 1;
     forward_pass(m, s, tokens, n, 0);
-    s->exact = 0;
+    s->scattered = 0;
 }
 
 /* ============================================================================
@@ -3663,6 +3278,36 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
             bytes / (bw * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? level : "compute");
 }
 
+/* A field of /proc/self/status in kB ("RssAnon:"), or -1. */
+static long status_kb(const char *field)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kb = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, field, strlen(field))) kb = atol(line + strlen(field));
+    if (f) fclose(f);
+    return kb;
+}
+
+/* -v's last lines: how long loading took and when the first byte of text
+   left (from the start of main, so what a script waiting on the output
+   sees, but exec and the dynamic loader); and memory, split into what is
+   private to this process (its heap and anonymous mappings: activations,
+   the KV cache positions written) and what it maps from the model file
+   (page cache that every process running the same file shares). */
+static void report_process(const Model *m, double load_ms)
+{
+    fprintf(stderr, "time: loaded in %.1f ms", load_ms);
+    if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
+    long anon = status_kb("RssAnon:"), file = status_kb("RssFile:"), peak = status_kb("VmHWM:");
+    if (anon >= 0 && file >= 0)
+        fprintf(stderr, "\nmemory: %.1f MB private (activations, KV cache), %.1f MB of the %.1f MB model file resident "
+                "(mapped, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1024.0, m->map_size / 1048576.0,
+                peak / 1024.0);
+    fputc('\n', stderr);
+}
+
 /* ============================================================================
    6. GENERATION
    ========================================================================= */
@@ -3787,13 +3432,14 @@ static const char *chat_problem(Chat *ch, const Model *m)
     return NULL;
 }
 
-static void build_chat(Chat *ch, const Model *m, const char *system)
+/* system[0..system_len) (any bytes, NUL too), or NULL for the template's default. */
+static void build_chat(Chat *ch, const Model *m, const char *system, size_t system_len)
 {
     const tok_info *ti = tok_get_info(m->tok);
     const char *problem = chat_problem(ch, m);
     if (problem) die(EXIT_RUNTIME, "%s", problem);
     ch->system = system ? system : ti->default_system;
-    ch->system_len = system ? strlen(system) : ti->default_system_len;
+    ch->system_len = system ? system_len : ti->default_system_len;
     ch->system_pending = TEMPLATES[ch->kind].system_in_user && ch->system_len;
     /* An explicit -y "" is an empty system message: the turn is still
        rendered (templates add their default only without one). */
@@ -3864,11 +3510,11 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    with BOS where the model wants one and control-token texts parsed only
    with `special`. */
 static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
-                            Tokens *t)
+                            size_t system_len, Tokens *t)
 {
     if (chat_wrap) {
         Chat ch;
-        build_chat(&ch, m, system);
+        build_chat(&ch, m, system, system_len);
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, len);
     } else {
@@ -3885,6 +3531,12 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, int ch
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
 #define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
 #define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
+#define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
+#ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
+#define JSON_MEM_BASE 65536  /* ... plus this much: any small document fits, a long one of tiny values does not */
+#endif
+#define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
+#define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
 #define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
@@ -4001,22 +3653,36 @@ static void json_put_number(Buf *b, double x)
 
 typedef enum { JSON_NULL, JSON_BOOL, JSON_NUMBER, JSON_STRING, JSON_ARRAY, JSON_OBJECT } JsonKind;
 
+/* One value: 32 bytes, the fields of each kind sharing their place, so
+   that a long array of small values costs as little as it can (read only
+   the fields of v->kind). */
 typedef struct Json {
     JsonKind kind;
-    int boolean;            /* JSON_BOOL */
-    double number;          /* JSON_NUMBER (its text also in str/len, as written) */
-    char *str; size_t len;  /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes); JSON_NUMBER: its text */
-    int n;                  /* ARRAY / OBJECT: element count */
-    struct Json *items;     /* ARRAY: the elements; OBJECT: the values */
-    char **keys; size_t *key_lens; /* OBJECT: the keys, decoded, in document order */
+    int n;                  /* ARRAY / OBJECT: element count (0 for the other kinds) */
+    union {
+        int boolean;        /* JSON_BOOL */
+        double number;      /* JSON_NUMBER (its text in str/len, as written) */
+        char **keys;        /* OBJECT: the keys, decoded, in document order */
+    };
+    union {
+        char *str;          /* JSON_STRING: the decoded UTF-8 (may hold NUL bytes), NUL-terminated; JSON_NUMBER:
+                               its text inside the parsed text (not a copy, not NUL-terminated) */
+        struct Json *items; /* ARRAY: the elements; OBJECT: the values */
+    };
+    union {
+        size_t len;         /* JSON_STRING, JSON_NUMBER: str's length */
+        size_t *key_lens;   /* OBJECT: the keys' lengths */
+    };
 } Json;
 
-/* The reader's position in text[0..len); err receives the first error. */
+/* The reader's position in text[0..len); err receives the first error;
+   spent counts the bytes allocated, at most `budget`. */
 typedef struct {
     const unsigned char *s;
     size_t len, at;
     char *err;
     size_t err_len;
+    size_t spent, budget;
 } JsonReader;
 
 /* Records "at byte N: REASON" (N counts from 0) and returns -1. */
@@ -4041,6 +3707,17 @@ static int json_unexpected(JsonReader *r, const char *what)
     unsigned c = r->s[r->at];
     if (c > 0x20 && c < 0x7f) return json_fail(r, "expected %s, found '%c'", what, c);
     return json_fail(r, "expected %s, found byte 0x%02x%s", what, c, c ? "" : " (NUL)");
+}
+
+/* Counts n more bytes allocated for the tree: a text of many tiny values
+   (`[0,0,...]`, 2 bytes each for a 32-byte node) is refused once it needs
+   more than JSON_MEM_PER_BYTE bytes per byte, so that no line or file
+   takes more memory than a small multiple of its size. */
+static int json_charge(JsonReader *r, size_t n)
+{
+    if (n <= r->budget - r->spent) { r->spent += n; return 0; }
+    return json_fail(r, "too many values for the length of the text: holding them takes more than %d bytes of memory "
+                     "per byte of it", JSON_MEM_PER_BYTE);
 }
 
 static void json_space(JsonReader *r)
@@ -4125,11 +3802,16 @@ static int json_string_body(JsonReader *r, Buf *b)
 }
 
 /* The string at r->at (its opening quote), decoded into a malloc'd
-   NUL-terminated *out of *n bytes. */
+   NUL-terminated *out of *n bytes. Decoding never lengthens it (an escape
+   is longer than what it stands for), so one block of its written length
+   holds it. */
 static int json_string(JsonReader *r, char **out, size_t *n)
 {
-    Buf b = {0};
-    buf_reserve(&b, 0);
+    size_t end = r->at + 1;
+    while (end < r->len && r->s[end] != '"') end += r->s[end] == '\\' ? 2 : 1;
+    size_t room = (end < r->len ? end : r->len) - r->at; /* the written bytes after the quote, and the NUL */
+    if (json_charge(r, room + JSON_ALLOC_COST) != 0) return -1;
+    Buf b = {xmalloc(room), 0, room};
     b.p[0] = 0;
     r->at++;
     if (json_string_body(r, &b) != 0) { free(b.p); return -1; }
@@ -4162,22 +3844,36 @@ static int json_number(JsonReader *r, Json *v)
         if (!json_digits(r)) return json_unexpected(r, "a digit in the exponent");
     }
     v->len = r->at - start;
-    v->str = xmalloc(v->len + 1);
-    memcpy(v->str, r->s + start, v->len);
-    v->str[v->len] = 0;
-    v->number = strtod(v->str, NULL);
-    if (isinf(v->number)) { r->at = start; return json_fail(r, "number %.*s is out of the range of a double", JSON_QUOTE_MAX, v->str); }
+    v->str = (char *)r->s + start;
+    /* strtod wants a NUL after the digits, which the text need not have */
+    char stack[JSON_NUMBER_BYTES], *copy = v->len < sizeof stack ? stack : xmalloc(v->len + 1);
+    memcpy(copy, v->str, v->len);
+    copy[v->len] = 0;
+    v->number = strtod(copy, NULL);
+    if (copy != stack) free(copy);
+    if (isinf(v->number)) {
+        r->at = start;
+        return json_fail(r, "number %.*s is out of the range of a double", (int)(v->len < JSON_QUOTE_MAX ? v->len : JSON_QUOTE_MAX), v->str);
+    }
     return 0;
 }
 
 static int json_value(JsonReader *r, Json *v, int depth);
 
-/* Makes room in an array or object for element v->n; *cap is its size. */
-static void json_grow(Json *v, int *cap)
+typedef struct { const char *key; size_t len, at; } JsonKey; /* an object's key, for the duplicate check */
+
+/* Makes room in an array or object for element v->n; *cap is its size.
+   Doubling from 1 leaves a small container without slack. An object's
+   member also needs the place of its key (json_object's ats, and the
+   duplicate check's JsonKey), counted here too. */
+static int json_grow(JsonReader *r, Json *v, int *cap)
 {
-    if (v->n < *cap) return;
+    if (v->n < *cap) return 0;
     if (*cap > INT_MAX / 2) die(EXIT_RUNTIME, "out of memory");
-    *cap = *cap ? 2 * *cap : 4;
+    int more = *cap ? *cap : 1;
+    size_t member = sizeof *v->items + (v->kind == JSON_OBJECT ? sizeof *v->keys + sizeof *v->key_lens + sizeof(size_t) + sizeof(JsonKey) : 0);
+    if (json_charge(r, (size_t)more * member) != 0) return -1;
+    *cap += more;
     v->items = realloc(v->items, *cap * sizeof *v->items);
     if (v->kind == JSON_OBJECT) {
         v->keys = realloc(v->keys, *cap * sizeof *v->keys);
@@ -4185,6 +3881,7 @@ static void json_grow(Json *v, int *cap)
         if (!v->keys || !v->key_lens) die(EXIT_RUNTIME, "out of memory");
     }
     if (!v->items) die(EXIT_RUNTIME, "out of memory");
+    return 0;
 }
 
 /* '[' was read: the elements and the closing ']'. */
@@ -4193,7 +3890,7 @@ static int json_array(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (json_eat(r, ']')) return 0;
     for (int cap = 0;;) {
-        json_grow(v, &cap);
+        if (json_grow(r, v, &cap) != 0) return -1;
         v->items[v->n++] = (Json){0};
         if (json_value(r, &v->items[v->n - 1], depth) != 0) return -1;
         json_space(r);
@@ -4215,8 +3912,6 @@ static int json_member(JsonReader *r, Json *v, int depth, size_t *key_at)
     if (!json_eat(r, ':')) return json_unexpected(r, "':' after an object's key");
     return json_value(r, &v->items[v->n - 1], depth);
 }
-
-typedef struct { const char *key; size_t len, at; } JsonKey;
 
 static int by_key_then_place(const void *a, const void *b)
 {
@@ -4256,7 +3951,7 @@ static int json_object(JsonReader *r, Json *v, int depth)
     json_space(r);
     if (!json_eat(r, '}'))
         for (;;) {
-            json_grow(v, &cap);
+            if ((rc = json_grow(r, v, &cap)) != 0) break;
             if (!(ats = realloc(ats, cap * sizeof *ats))) die(EXIT_RUNTIME, "out of memory");
             if ((rc = json_member(r, v, depth, &ats[v->n])) != 0) break;
             json_space(r);
@@ -4298,14 +3993,15 @@ static int json_value(JsonReader *r, Json *v, int depth)
 
 static void json_free(Json *v)
 {
-    for (int i = 0; i < v->n; i++) {
-        json_free(&v->items[i]);
-        if (v->keys) free(v->keys[i]);
+    if (v->kind == JSON_STRING) free(v->str);
+    if (v->kind == JSON_ARRAY || v->kind == JSON_OBJECT) {
+        for (int i = 0; i < v->n; i++) {
+            json_free(&v->items[i]);
+            if (v->kind == JSON_OBJECT) free(v->keys[i]);
+        }
+        free(v->items);
     }
-    free(v->items);
-    free(v->keys);
-    free(v->key_lens);
-    free(v->str);
+    if (v->kind == JSON_OBJECT) free(v->keys), free(v->key_lens);
     *v = (Json){0};
 }
 
@@ -4315,10 +4011,14 @@ static void json_free(Json *v)
    trailing commas, single quotes, leading zeros, '+', NaN or Infinity;
    strings of well-formed UTF-8 without raw control characters, only the
    RFC's escapes, surrogates only in pairs; numbers within the double
-   range; no key twice in an object; at most JSON_MAX_DEPTH levels. */
+   range; no key twice in an object; at most JSON_MAX_DEPTH levels. The
+   tree takes at most JSON_MEM_PER_BYTE bytes of memory per byte of text
+   (and JSON_MEM_BASE): more values than that for the text's length are
+   refused. A number's str points into text: keep text while *out is used. */
 static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
 {
-    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len};
+    size_t budget = len > (SIZE_MAX - JSON_MEM_BASE) / JSON_MEM_PER_BYTE ? SIZE_MAX : len * JSON_MEM_PER_BYTE + JSON_MEM_BASE;
+    JsonReader r = {(const unsigned char *)text, len, 0, err, err_len, 0, budget};
     *out = (Json){0};
     int rc = json_value(&r, out, 0);
     if (rc == 0) {
@@ -5491,7 +5191,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     JsonGrammar *g = cx->g;
     char at[SCHEMA_PATH_BYTES];
     if (v->kind != JSON_OBJECT) schema_error(cx, path, "a schema must be a JSON object (true and false are not supported)");
-    if (level >= JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
+    /* the value at `level` sits inside that many arrays and objects; it may be one itself only below JSON_GEN_DEPTH */
+    if (level > JSON_GEN_DEPTH) schema_error(cx, path, "nested deeper than %d levels", JSON_GEN_DEPTH);
     if (g->n_nodes >= UINT16_MAX) schema_error(cx, path, "the schema is too large (at most %d schemas)", UINT16_MAX - 1);
     const Json *en = json_get(v, "enum"), *cn = json_get(v, "const");
     for (int i = 0; i < v->n; i++) {
@@ -5506,6 +5207,8 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
     const Json *t = json_get(v, "type");
     unsigned types = JT_ANY;
     if (t) schema_path(at, path, "type", 4, 0), types = schema_types(cx, at, t);
+    if (level == JSON_GEN_DEPTH && !(types & ~(JT_ARRAY | JT_OBJECT)))
+        schema_error(cx, path, "an array or object here would be nested deeper than %d levels", JSON_GEN_DEPTH);
     int node = json_add_node(g, types);
     if (en || cn) {
         schema_path(at, path, en ? "enum" : "const", en ? 4 : 5, 0);
@@ -5558,11 +5261,11 @@ static int compile_schema_file(JsonGrammar *g, const char *path)
     Json v;
     char err[MSG_BYTES];
     if (json_parse(text, len, &v, err, sizeof err) != 0) die(EXIT_USAGE, "--json-schema %s: not valid JSON: %s", path, err);
-    free(text);
     if (v.kind != JSON_OBJECT) die(EXIT_USAGE, "--json-schema %s: the schema must be a JSON object", path);
     SchemaCtx cx = {g, path, NULL, NULL, 0};
     int root = compile_schema(&cx, &v, "$", 0);
     json_free(&v);
+    free(text); /* after v: its numbers' texts point into it */
     return root;
 }
 
@@ -5633,6 +5336,7 @@ static void text_open(TextOut *o, FILE *f, Buf *buf, const Stops *stops)
 
 static void sink_put(TextOut *o, const char *p, size_t n)
 {
+    if (o->f == stdout && n && !marks.first_text_ms) marks.first_text_ms = now_ms();
     if (o->f) fwrite(p, 1, n, o->f);
     else if (o->buf) buf_put(o->buf, p, n);
 }
@@ -5855,6 +5559,19 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
 /* When the conversation plus room for an answer no longer fits, drops the
    oldest exchanges (keeping the opening: BOS and system turn) until it fits
    in half the context, or at least fits, so that the next turns can reuse
@@ -5931,7 +5648,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 {
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
-    build_chat(&ch, m, o->system);
+    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -5978,7 +5695,13 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (st.json_incomplete) fprintf(stderr, "run: this answer is not a complete JSON value\n"), incomplete++;
+        if (st.json_incomplete) {
+            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
+                        json_stop_cause(why, &out, cause, sizeof cause));
+            fputs(msg, stderr);
+            incomplete++;
+        }
         if (o->verbose) report_stats(m, s, mc, &st);
         free(st.itl);
         chat_close_answer(&ch, m, &conv, why, last);
@@ -6015,6 +5738,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 #define BATCH_KV_MB 1024     /* --kv-mem default: the page pool, MB */
 #define BATCH_DEFAULT_MAX 32 /* --parallel default at most */
 #define BATCH_JSON_SLACK 6   /* a JSON line may spell each byte of its prompt as \u00XX */
+#define UTF8_BOM "\xef\xbb\xbf"  /* a byte order mark, which some editors put first in a file */
 #define PROGRESS_MS 250      /* the progress line on a terminal is redrawn at most this often */
 #define PROGRESS_LOG_MS 2000 /* -v without a terminal: a progress line this often */
 #define MAX_POOL_PAGES (1 << 22)
@@ -6071,13 +5795,18 @@ typedef struct {
    --batch -`) must not stall them. */
 typedef struct {
     int fd;
+    const char *name;   /* the input, for messages: its path, or "the --batch input on stdin" */
     char *buf;          /* bytes read and not yet taken: [start, end) */
     size_t start, end, cap, scanned; /* scanned: bytes after start known to hold no newline */
     int eof;
     int dropping;       /* the line being read is too long: its bytes are dropped up to its newline */
+    size_t dropped;     /* ... this many so far */
+    int endless;        /* a too long line ran on past BATCH_SKIP_MAX bytes: the input was given up */
 } LineReader;
 
 #define READ_CHUNK 65536
+#define BATCH_SKIP_MAX (64u << 20) /* bytes of a too long line skipped to find the next line; past them the
+                                      input is given up (/dev/zero has no next line) */
 
 typedef struct {
     const Model *m;
@@ -6102,6 +5831,7 @@ typedef struct {
     PagePool pool;
     Records out;
     Candidate *cand;
+    int progress_shown; /* the progress line is on the terminal, unfinished: erase it before writing there */
     /* statistics */
     double t0, last_progress, prefill_ms;
     long done, gen_tokens, prefill_tokens;
@@ -6222,35 +5952,44 @@ static int read_more(LineReader *r, int wait)
         die(EXIT_RUNTIME, "out of memory reading the --batch input");
     ssize_t got = read(r->fd, r->buf + r->end, r->cap - r->end);
     if (got < 0 && errno == EINTR) return 0;
-    if (got < 0) die(EXIT_RUNTIME, "cannot read the --batch input: %s", strerror(errno));
+    if (got < 0) die(EXIT_RUNTIME, "cannot read %s: %s", r->name, strerror(errno));
     if (got == 0) r->eof = 1;
     r->end += got;
     return 1;
 }
 
 /* The next line of input (without its newline and trailing CRs), in a
-   malloc'd buffer; a line longer than max is dropped as it arrives and
-   comes back empty with *too_long set. NULL when no whole line is there
-   yet (!wait, or Ctrl-C) or at the end of the input (then r->eof). */
+   malloc'd buffer. A line longer than max comes back empty with *too_long
+   set as soon as that is known, without waiting for its end; the rest of
+   it is then skipped up to its newline, and if none comes within
+   BATCH_SKIP_MAX bytes the input is given up (r->endless, r->eof). NULL
+   when no whole line is there yet (!wait, or Ctrl-C) or at the end of
+   the input (then r->eof). */
 static char *next_line(LineReader *r, size_t max, int wait, size_t *len, int *too_long)
 {
     while (1) {
         char *nl = r->buf ? memchr(r->buf + r->start + r->scanned, '\n', r->end - r->start - r->scanned) : NULL;
-        if (nl || (r->eof && (r->end > r->start || r->dropping))) {
-            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
-            char *line = xmalloc(n + 1);
-            *too_long = r->dropping || n > max;
-            if (*too_long) n = 0;
-            if (n) memcpy(line, r->buf + r->start, n);
-            r->start += nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
-            r->scanned = 0, r->dropping = 0;
+        if (r->dropping) { /* the rest of a too long line */
+            size_t n = nl ? (size_t)(nl - (r->buf + r->start)) + 1 : r->end - r->start;
+            r->start += n, r->scanned = 0, r->dropped += n;
+            if (nl) r->dropping = 0;
+            else if (r->dropped > BATCH_SKIP_MAX) { r->endless = r->eof = 1; return NULL; }
+            else if (r->eof || !read_more(r, wait)) return NULL;
+            continue;
+        }
+        size_t n = nl ? (size_t)(nl - (r->buf + r->start)) : r->end - r->start;
+        *too_long = n > max;
+        if (nl || *too_long || (r->eof && r->end > r->start)) {
+            char *line = xmalloc(*too_long ? 1 : n + 1);
+            if (*too_long) r->dropping = 1, r->dropped = 0, n = 0; /* its bytes are skipped above, from the next call */
+            else memcpy(line, r->buf + r->start, n), r->start += nl ? n + 1 : n;
+            r->scanned = 0;
             while (n && line[n - 1] == '\r') n--;
             line[n] = 0;
             *len = n;
             return line;
         }
-        r->scanned = r->end - r->start;
-        if (r->scanned > max) r->start = r->end, r->scanned = 0, r->dropping = 1; /* no need to keep it */
+        r->scanned = n;
         if (r->eof || !read_more(r, wait)) return NULL;
     }
 }
@@ -6316,6 +6055,15 @@ static int json_int(const Json *v, long lo, long hi, long *out)
     return 0;
 }
 
+/* Whether number v's text has a nonzero digit before its exponent (0.1e-999
+   has, though it reads as 0). */
+static int written_nonzero(const Json *v)
+{
+    for (size_t i = 0; i < v->len && (v->str[i] | 0x20) != 'e'; i++)
+        if (v->str[i] >= '1' && v->str[i] <= '9') return 1;
+    return 0;
+}
+
 /* A line's "stop": a string or an array of up to STOP_MAX strings, each
    of 1 to STOP_MAX_BYTES bytes (JSON's own escapes, no others). */
 static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_len)
@@ -6361,7 +6109,12 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind == JSON_STRING) json_put_string(&q->id, x->str, x->len);
             else if (x->kind == JSON_NULL) buf_put(&q->id, "null", 4);
             else if (x->kind == JSON_BOOL) buf_printf(&q->id, "%s", x->boolean ? "true" : "false");
-            else buf_put(&q->id, x->str, x->len); /* a number as written */
+            else if (x->number == 0 && written_nonzero(x)) {
+                /* the reader refuses one beyond the double range; one that reads as 0 but is not 0 is refused too */
+                snprintf(why, why_len, "\"id\" %.*s is too small for a double: a reader would take it as 0 (an id number must "
+                         "lie within the double range)", (int)(x->len < JSON_QUOTE_MAX ? x->len : JSON_QUOTE_MAX), x->str);
+                return why;
+            } else buf_put(&q->id, x->str, x->len); /* a number exactly as written */
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
             q->n_predict = (int)n;
@@ -6394,6 +6147,16 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
     return *text ? NULL : "the line has no \"prompt\"";
 }
 
+/* Takes the progress line off the terminal (show_progress draws it again
+   at once), so that what is written next starts a line of its own. */
+static void progress_erase(Batch *b)
+{
+    if (!b->progress_shown) return;
+    fputs("\r\033[K", stderr);
+    b->progress_shown = 0;
+    b->last_progress = 0;
+}
+
 /* Reads input lines until one makes a request (into b->pending) or the
    input ends, or, unless wait, until no whole line is there yet; lines
    that cannot run get their error record on the way, and a request for no
@@ -6415,12 +6178,16 @@ static void read_request(Batch *b, int wait)
                    .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
+        if (no == 1 && len >= sizeof UTF8_BOM - 1 && !memcmp(line, UTF8_BOM, sizeof UTF8_BOM - 1)) /* an editor's mark, not text */
+            text += sizeof UTF8_BOM - 1, text_len -= sizeof UTF8_BOM - 1;
+        size_t lead = 0;
+        while (lead < text_len && (text[lead] == ' ' || text[lead] == '\t' || text[lead] == '\r')) lead++;
         int chat = b->chat, json = -1;
         const Json *schema = NULL;
         Json v = {0};
         if (too_long) problem = "the line is longer than the context can hold";
-        else if (len && line[0] == '{') {
-            if (json_parse(line, len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
+        else if (lead < text_len && text[lead] == '{') {
+            if (json_parse(text, text_len, &v, err, sizeof err)) snprintf(why, sizeof why, "not valid JSON: %s", err), problem = why;
             else problem = read_fields(&v, q, &text, &text_len, &chat, &system, &system_len, &json, &schema, why, sizeof why);
         }
         if (!problem && json == 1 && schema) problem = "\"json\" and \"schema\" cannot be used together";
@@ -6428,17 +6195,25 @@ static void read_request(Batch *b, int wait)
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
         if (!problem) {
-            char *sys = system ? strndup(system, system_len) : NULL;
-            tokenize_prompt(b->m, text, text_len, chat, b->special, sys, &q->toks);
-            free(sys);
+            tokenize_prompt(b->m, text, text_len, chat, b->special, system, system_len, &q->toks);
             q->n_prompt = q->toks.n;
             if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
             else if (q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
+        if (!problem && b->o->print_ids) {
+            progress_erase(b);
+            fprintf(stderr, "ids (line %ld):", no);
+            for (int i = 0; i < q->n_prompt; i++) fprintf(stderr, " %d", q->toks.ids[i]);
+            fputc('\n', stderr);
+        }
         if (problem) record_error(b, no, &q->id, "%s", problem);
-        else if (q->n_predict == 0) q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        else if (q->n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
+            q->json_incomplete = q->jc != NULL;
+            b->failed |= q->json_incomplete;
+            q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+        }
         json_free(&v);
         free(line);
         if (problem || q->n_predict == 0) drop_request(q);
@@ -6615,6 +6390,7 @@ static void show_progress(Batch *b, int final)
     if (b->total >= 0) snprintf(total, sizeof total, "/%ld", b->total);
     fprintf(stderr, "%sbatch: %ld%s done, %d in flight, %.1f tok/s%s", tty ? "\r" : "", b->done, total, b->in_flight,
             b->gen_tokens / ((now - b->t0) / 1e3), tty && !final ? "\033[K" : "\n");
+    b->progress_shown = tty && !final;
 }
 
 /* Lines in a regular file (for the progress line), -1 for anything else. */
@@ -6662,10 +6438,13 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
                .out = {.first = 1}};
-    b.in.fd = strcmp(bo->path, "-") ? open(bo->path, O_RDONLY) : STDIN_FILENO;
+    int on_stdin = !strcmp(bo->path, "-");
+    b.in.fd = on_stdin ? STDIN_FILENO : open(bo->path, O_RDONLY);
+    b.in.name = on_stdin ? "the --batch input on stdin" : bo->path;
     if (b.in.fd < 0) die(EXIT_RUNTIME, "cannot open %s: %s", bo->path, strerror(errno));
     struct stat st;
-    if (fstat(b.in.fd, &st) == 0 && S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: Is a directory", bo->path);
+    if (fstat(b.in.fd, &st) != 0) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(errno)); /* a closed stdin */
+    if (S_ISDIR(st.st_mode)) die(EXIT_RUNTIME, "cannot read %s: %s", b.in.name, strerror(EISDIR));
     char why[ERR_BYTES];
     b.max_line = text_limit(m, s->seq_len, why, sizeof why) * BATCH_JSON_SLACK;
     Chat ch;
@@ -6694,6 +6473,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
             for (int i = 0; i < b.parallel; i++)
                 if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
             if (b.pending.line) {
+                b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
                 b.pending.t_admit = now_ms();
                 record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
                 drop_request(&b.pending);
@@ -6707,11 +6487,19 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
         if (!b.in_flight && (b.eof || interrupted)) break;
         prefill_some(&b);
         decode_some(&b);
+        if (b.out.cap && b.out.ready[0]) progress_erase(&b); /* a record is due: not after the progress text */
         flush_records(&b.out);
         show_progress(&b, 0);
     }
+    progress_erase(&b);
     flush_records(&b.out);
     show_progress(&b, 1);
+    if (b.in.endless) {
+        char msg[LINE_BYTES];
+        format_line(msg, "line %ld of %s runs on past %u bytes without a newline: the input after it was not read", b.lines,
+                    b.in.name, BATCH_SKIP_MAX);
+        fputs(msg, stderr);
+    }
     if (o->verbose) report_batch(&b);
     if (b.in.fd != STDIN_FILENO) close(b.in.fd);
     free(b.in.buf);
@@ -6719,7 +6507,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     free_pool(&b.pool);
     if (b.have_trie) free_trie(&b.trie);
     if (b.have_plain) json_grammar_free(&b.plain.g);
-    return interrupted ? 130 : b.failed ? EXIT_RUNTIME : EXIT_SUCCESS;
+    return interrupted ? 130 : b.failed || b.in.endless ? EXIT_RUNTIME : EXIT_SUCCESS;
 }
 
 /* ----- all logits --------------------------------------------------------------- */
@@ -7177,7 +6965,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, t);
+    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0, t);
     free(text);
     return len;
 }
@@ -7278,6 +7066,7 @@ static int usable_cpus(void)
 
 int main(int argc, char **argv)
 {
+    marks.start_ms = now_ms();
     reserve_std_fds();
     Args a;
     parse_args(&a, argc, argv);
@@ -7293,9 +7082,9 @@ int main(int argc, char **argv)
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
-    if (build_model(&m, a.model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
+        die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
-    pack_weights(&m);
     if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
@@ -7376,11 +7165,13 @@ int main(int argc, char **argv)
         int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
         free(st.itl);
+        char cause[STOP_MAX_BYTES + 32];
         if (st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", why == STOP_CONTEXT ? "the end of the context" : "-n");
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
     } else if (jcp) {
         die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     }
+    if (a.gen.verbose) report_process(&m, load_ms);
     if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
     close_stdout();
     free(prompt.ids);
@@ -7452,7 +7243,8 @@ static void quantize_act_avx2(void *blocks, const float *x, int n)
     for (int b = 0; b < n / QK; b++, x += QK) {
         float d = amax_avx2(x, QK) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
-        out[b].s = d * round_i8x32_avx2(out[b].qs, x, id);
+        out[b].sum = round_i8x32_avx2(out[b].qs, x, id);
+        out[b].s = d * out[b].sum;
     }
 }
 
@@ -7475,151 +7267,20 @@ static float hsum256(__m256 v)
     return _mm_cvtss_f32(s);
 }
 
-static float dot_f32_avx2(const void *w, const void *x, int n)
-{
-    const float *a = w, *b = x;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    float sum = hsum256(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) sum += a[i] * b[i];
-    return sum;
-}
-
-static float dot_f16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 wa = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
-        acc = _mm256_fmadd_ps(wa, _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += fp16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-static float dot_bf16_avx2(const void *w, const void *x, int n)
-{
-    const uint16_t *a = w;
-    const float *b = x;
-    __m256 acc = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256i wi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(a + i))), 16);
-        acc = _mm256_fmadd_ps(_mm256_castsi256_ps(wi), _mm256_loadu_ps(b + i), acc);
-    }
-    float sum = hsum256(acc);
-    for (; i < n; i++) sum += bf16_to_f32(a[i]) * b[i];
-    return sum;
-}
-
-/* --- the 32-element integer types ------------------------------------------
+/* --- the 32-element integer types' rows ------------------------------------
    Per block, every 32-element type is 32 small integers q, a scale d and,
-   for the types with a minimum (q4_1), m: value = q * d + m. Their AVX2
-   kernels are written once, over a type's unpacker, which returns q as 32
-   bytes in element order with d and m; a type adds its unpacker and one
-   INT32_KERNELS line. The integers of a type with a minimum are unsigned
-   and feed maddubs's unsigned operand directly, signed ones take the sign
-   trick of isum32; the minimum's term m * sum(x) is one multiply per block
-   through the activation block's s. */
+   for the types with a minimum, m: value = q * d + m. A type's unpacker
+   returns q as 32 bytes in element order with d and m; to_float32 turns
+   a row into floats (the KV cache's reads, an embedding row). */
 #define INLINE static inline __attribute__((always_inline))
+#if defined(__clang__)
+#define UNROLL(n) _Pragma(PRAGMA_STR(clang loop unroll_count(n)))
+#elif defined(__GNUC__)
+#define UNROLL(n) _Pragma(PRAGMA_STR(GCC unroll n))
+#else
+#define UNROLL(n)
+#endif
 typedef __m256i (*Unpack32Fn)(const uint8_t *block, float *d, float *m);
-
-/* Sum of the 32 int8 products of q and x, as 8 int32 lanes. maddubs needs
-   an unsigned left operand: a signed q gives |q| and moves its sign onto x. */
-INLINE __m256i isum32(__m256i q, __m256i x, int has_min)
-{
-    __m256i p16 = has_min ? _mm256_maddubs_epi16(q, x) : _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
-}
-
-/* One weight block times one activation block, added to acc (and the
-   minimum's term to *mins). */
-INLINE __m256 block32(const uint8_t *w, const BlockQ8A *b, Unpack32Fn unpack, int has_min, __m256 acc, float *mins)
-{
-    float d, m;
-    __m256i p = isum32(unpack(w, &d, &m), _mm256_loadu_si256((const __m256i *)b->qs), has_min);
-    if (has_min) *mins += m * b->s;
-    return _mm256_fmadd_ps(_mm256_set1_ps(d * b->d), _mm256_cvtepi32_ps(p), acc);
-}
-
-/* Blocks of bb bytes. Two accumulators, so that consecutive blocks do not
-   wait on each other's FMA latency. */
-INLINE float dot32(const uint8_t *w, const BlockQ8A *b, int n, size_t bb, Unpack32Fn unpack, int has_min)
-{
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    float mins0 = 0, mins1 = 0;
-    int k = 0, nb = n / QK;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
-        acc1 = block32(w + (k + 1) * bb, b + k + 1, unpack, has_min, acc1, &mins1);
-    }
-    if (k < nb) acc0 = block32(w + k * bb, b + k, unpack, has_min, acc0, &mins0);
-    return hsum256(_mm256_add_ps(acc0, acc1)) + mins0 + mins1;
-}
-
-/* --- AVX2 register tiles for prefill --------------------------------------
-   A tile computes a small block of out[t][r] at once: each weight block it
-   loads serves several tokens and each activation block several rows, and
-   the accumulators are independent, so the batch costs far fewer loads and
-   no FMA waits on another. out is [rows][tokens] row-major; the results
-   equal the dot products above up to summation order. */
-
-INLINE void tile32(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                   Unpack32Fn unpack, int has_min)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    float mins[TILE_ROWS][TILE_TOKS] = {{0}};
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int k = 0; k < n / QK; k++) {
-        __m256i q[TILE_ROWS], mag[TILE_ROWS]; /* each row's integers, and maddubs's unsigned operand of them */
-        float d[TILE_ROWS], m[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) {
-            q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
-            mag[r] = has_min ? q[r] : _mm256_sign_epi8(q[r], q[r]);
-        }
-        for (int t = 0; t < TILE_TOKS; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i xb = _mm256_loadu_si256((const __m256i *)b->qs);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag[r], has_min ? xb : _mm256_sign_epi8(xb, q[r])), ones);
-                acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d[r] * b->d), acc[r][t]);
-                if (has_min) mins[r][t] += m[r] * b->s;
-            }
-        }
-    }
-    for (int r = 0; r < TILE_ROWS; r++)
-        for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]) + mins[r][t];
-}
-
-/* Decode's tile: GEMV_ROWS rows times one token. Each activation block is
-   loaded once for all the rows, and the rows' independent accumulators
-   keep the FMA unit busy where one row would wait on its own sums: in
-   cache this is 2.7x the dot product's speed. From DRAM both run at the
-   memory's pace, as long as the stream is prefetched well: the rows are
-   one contiguous stretch of memory read four places at once, which the
-   hardware prefetcher follows poorly, so each block prefetches its share
-   of the stretch in address order (one burst per call instead would fill
-   the miss buffers and stall the loads: 40 % slower). */
-INLINE void gemv32(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, Unpack32Fn unpack, int has_min)
-{
-    __m256 acc[GEMV_ROWS];
-    float mins[GEMV_ROWS] = {0};
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
-        for (int r = 0; r < GEMV_ROWS; r++)
-            acc[r] = block32(w + r * ws + k * bb, (const BlockQ8A *)x + k, unpack, has_min, acc[r], &mins[r]);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]) + mins[r];
-}
 
 /* A row as floats, 32 at a time: q * d (+ m) as the scalar version rounds
    it. For the KV cache's types, attention's inner loop at long context. */
@@ -7636,25 +7297,11 @@ INLINE void to_float32(float *out, const uint8_t *row, int n, size_t bb, Unpack3
     }
 }
 
-/* A 32-element type's AVX2 row conversion, dot product, decode GEMV and
-   prefill tile, from its unpacker unpack_<name>. */
-#define INT32_KERNELS(name, Block, has_min)                                                                     \
-    static void to_float_##name##_avx2(float *out, const void *row, int n)                                      \
-    {                                                                                                           \
-        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);                                         \
-    }                                                                                                           \
-    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
-    {                                                                                                           \
-        return dot32(w, x, n, sizeof(Block), unpack_##name, has_min);                                           \
-    }                                                                                                           \
-    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        (void)xs;                                                                                               \
-        gemv32(w, ws, x, n, out, sizeof(Block), unpack_##name, has_min);                                        \
-    }                                                                                                           \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile32(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min);                                    \
+/* A 32-element type's AVX2 row conversion, from its unpacker unpack_<name>. */
+#define INT32_KERNELS(name, Block, has_min)                                \
+    static void to_float_##name##_avx2(float *out, const void *row, int n) \
+    {                                                                      \
+        to_float32(out, row, n, sizeof(Block), unpack_##name, has_min);    \
     }
 
 /* The 32 nibbles of a 4-bit block's 16 bytes as bytes, in element order
@@ -7719,186 +7366,6 @@ static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
 }
 INT32_KERNELS(q5_1, BlockQ5_1, 1)
 
-/* --- the K types ------------------------------------------------------------
-   A super-block of 256 against an activation block of 256 (BlockQ8K). A
-   type gives two functions: prep, the block's scales, and chunk, its
-   integers 32 at a time (unsigned, so maddubs takes them as they are).
-   Every block is then, in int32 lanes until one float multiply each,
-     d * xd * sum_g scale_g * sum_{i in g} q_i x_i  -  c * xd * sum_g corr_g * bsum_g
-   over the 16 groups g of 16 elements, bsum_g the activation's sums of 16:
-   the minimums of q4_k/q5_k (c = dmin, corr = the group's minimum) and
-   q6_k's offset of 32 (c = d, corr = 32 * scale) cost one madd a block.
-   The kernels are written once over prep and chunk. */
-typedef struct {
-    int16_t sc[QK_K / 16];   /* scale of each 16 elements */
-    int16_t corr[QK_K / 16]; /* multiplier of each 16's activation sum */
-    float d, c;
-} KPrep;
-typedef void (*KPrepFn)(const uint8_t *block, KPrep *p);
-typedef __m256i (*KChunkFn)(const uint8_t *block, int j); /* elements 32j..32j+31 */
-
-/* 8 bytes of 6-bit values as 16 int16, each twice: one per 16 elements. */
-static __m256i each_twice(uint64_t bytes)
-{
-    __m128i v = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)bytes));
-    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
-}
-
-/* k4_scale_min for all 8 sub-blocks at once, on 32-bit words of the 12
-   bytes (word w holds bytes 4w..4w+3). Filled with vector stores: int16
-   stores read back as a vector would stall store forwarding. */
-static void prep_k4(const uint8_t *block, KPrep *p) /* q4_k and q5_k share the header */
-{
-    const BlockQ4K *b = (const BlockQ4K *)block;
-    uint32_t s[3];
-    memcpy(s, b->scales, sizeof s);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    uint64_t sc = (s[0] & low6) | (uint64_t)((s[2] & low4) | ((s[0] >> 6) & top2) << 4) << 32;
-    uint64_t m = (s[1] & low6) | (uint64_t)(((s[2] >> 4) & low4) | ((s[1] >> 6) & top2) << 4) << 32;
-    _mm256_storeu_si256((__m256i *)p->sc, each_twice(sc));
-    _mm256_storeu_si256((__m256i *)p->corr, each_twice(m));
-    p->d = _cvtsh_ss(b->d), p->c = _cvtsh_ss(b->dmin);
-}
-
-/* 32 nibbles of a q4_k/q5_k qs: chunk j is the low (j even) or high
-   nibbles of bytes 32 (j / 2).. */
-static __m256i k4_nibbles(const uint8_t *qs, int j)
-{
-    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + j / 2 * 32));
-    return _mm256_and_si256(_mm256_srli_epi16(v, j % 2 * 4), _mm256_set1_epi8(0xf));
-}
-
-static __m256i chunk_q4_k(const uint8_t *block, int j) { return k4_nibbles(((const BlockQ4K *)block)->qs, j); }
-
-/* bit 4 of chunk j's elements: bit j of the qh bytes (a 16-bit shift
-   keeps each byte's bit j at bit 0 for j < 8) */
-static __m256i chunk_q5_k(const uint8_t *block, int j)
-{
-    const BlockQ5K *b = (const BlockQ5K *)block;
-    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)b->qh), j), _mm256_set1_epi8(1));
-    return _mm256_or_si256(k4_nibbles(b->qs, j), _mm256_slli_epi16(hi, 4));
-}
-
-static void prep_q6_k(const uint8_t *block, KPrep *p)
-{
-    const BlockQ6K *b = (const BlockQ6K *)block;
-    __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
-    _mm256_storeu_si256((__m256i *)p->sc, sc);
-    _mm256_storeu_si256((__m256i *)p->corr, _mm256_slli_epi16(sc, 5)); /* 32 * scale */
-    p->d = p->c = _cvtsh_ss(b->d);
-}
-
-/* chunk j = 32g' of half h: low 4 bits from ql as BlockQ6K describes,
-   high 2 bits at 2g' of the half's qh bytes */
-static __m256i chunk_q6_k(const uint8_t *block, int j)
-{
-    const BlockQ6K *b = (const BlockQ6K *)block;
-    int h = j / 4, g = j % 4;
-    __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (g & 1)));
-    __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-    __m256i q = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (g >> 1)), _mm256_set1_epi8(0xf));
-    return _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * g), _mm256_set1_epi8(3)), 4));
-}
-
-/* The two scales of chunk j as madd's multiplier: maddubs leaves 16 int16
-   lanes, the low 128 bits elements 0-15, the high 16-31. */
-static __m256i chunk_scales(const KPrep *p, int j)
-{
-    return _mm256_set_m128i(_mm_set1_epi16(p->sc[2 * j + 1]), _mm_set1_epi16(p->sc[2 * j]));
-}
-
-/* acc + one block's d * xd * isum - c * xd * (corr . bsums) */
-static __m256 k_finish(const KPrep *p, const BlockQ8K *x, __m256i isum, __m256 acc)
-{
-    __m256i corr = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)x->bsums), _mm256_loadu_si256((const __m256i *)p->corr));
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(p->d * x->d), _mm256_cvtepi32_ps(isum), acc);
-    return _mm256_fnmadd_ps(_mm256_set1_ps(p->c * x->d), _mm256_cvtepi32_ps(corr), acc);
-}
-
-INLINE __m256 k_block(const uint8_t *w, const BlockQ8K *x, __m256 acc, KPrepFn prep, KChunkFn chunk)
-{
-    KPrep p;
-    prep(w, &p);
-    __m256i isum = _mm256_setzero_si256();
-    for (int j = 0; j < QK_K / 32; j++) {
-        __m256i prod = _mm256_maddubs_epi16(chunk(w, j), _mm256_loadu_si256((const __m256i *)(x->qs + 32 * j)));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(prod, chunk_scales(&p, j)));
-    }
-    return k_finish(&p, x, isum, acc);
-}
-
-/* Two accumulators, as dot32. */
-INLINE float dot_k(const uint8_t *w, const BlockQ8K *x, int n, size_t bb, KPrepFn prep, KChunkFn chunk)
-{
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int k = 0, nb = n / QK_K;
-    for (; k + 1 < nb; k += 2) {
-        acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
-        acc1 = k_block(w + (k + 1) * bb, x + k + 1, acc1, prep, chunk);
-    }
-    if (k < nb) acc0 = k_block(w + k * bb, x + k, acc0, prep, chunk);
-    return hsum256(_mm256_add_ps(acc0, acc1));
-}
-
-/* Decode: GEMV_ROWS rows, prefetched as gemv32 does. */
-INLINE void gemv_k(const uint8_t *w, size_t ws, const uint8_t *x, int n, float *out, size_t bb, KPrepFn prep, KChunkFn chunk)
-{
-    __m256 acc[GEMV_ROWS];
-    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        prefetch_ahead(w + (size_t)k * GEMV_ROWS * bb, GEMV_ROWS * bb);
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = k_block(w + r * ws + k * bb, (const BlockQ8K *)x + k, acc[r], prep, chunk);
-    }
-    for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);
-}
-
-/* Prefill: each row's block is prepared once and each 32 of its integers
-   unpacked once for the tile's tokens; integer sums per (row, token). */
-INLINE void tile_k(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb, KPrepFn prep,
-                   KChunkFn chunk)
-{
-    __m256 acc[TILE_ROWS][TILE_TOKS];
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        KPrep p[TILE_ROWS];
-        __m256i isum[TILE_ROWS][TILE_TOKS];
-        for (int r = 0; r < TILE_ROWS; r++) prep(w + r * ws + k * bb, &p[r]);
-        for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) isum[r][t] = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 32; j++) {
-            __m256i q[TILE_ROWS], sc[TILE_ROWS];
-            for (int r = 0; r < TILE_ROWS; r++) q[r] = chunk(w + r * ws + k * bb, j), sc[r] = chunk_scales(&p[r], j);
-            for (int t = 0; t < TILE_TOKS; t++) {
-                __m256i xv = _mm256_loadu_si256((const __m256i *)(((const BlockQ8K *)(x + t * xs) + k)->qs + 32 * j));
-                for (int r = 0; r < TILE_ROWS; r++)
-                    isum[r][t] = _mm256_add_epi32(isum[r][t], _mm256_madd_epi16(_mm256_maddubs_epi16(q[r], xv), sc[r]));
-            }
-        }
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int t = 0; t < TILE_TOKS; t++) acc[r][t] = k_finish(&p[r], (const BlockQ8K *)(x + t * xs) + k, isum[r][t], acc[r][t]);
-    }
-    for (int r = 0; r < TILE_ROWS; r++) for (int t = 0; t < TILE_TOKS; t++) out[r * TILE_TOKS + t] = hsum256(acc[r][t]);
-}
-
-/* A K type's AVX2 dot product, decode GEMV and prefill tile, from its
-   prep and chunk functions. */
-#define K_KERNELS(name, Block, prep)                                                                            \
-    static float dot_##name##_avx2(const void *w, const void *x, int n)                                         \
-    {                                                                                                           \
-        return dot_k(w, x, n, sizeof(Block), prep, chunk_##name);                                               \
-    }                                                                                                           \
-    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        (void)xs;                                                                                               \
-        gemv_k(w, ws, x, n, out, sizeof(Block), prep, chunk_##name);                                            \
-    }                                                                                                           \
-    static void tile_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                           \
-        tile_k(w, ws, x, xs, n, out, sizeof(Block), prep, chunk_##name);                                        \
-    }
-K_KERNELS(q4_k, BlockQ4K, prep_k4)
-K_KERNELS(q5_k, BlockQ5K, prep_k4)
-K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
-
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
    operand, which costs one load per FMA and makes the tile load-bound; an
    empty asm that "changes" the value pins it in a register. */
@@ -7908,64 +7375,9 @@ K_KERNELS(q6_k, BlockQ6K, prep_q6_k)
 #define KEEP_IN_REGISTER(v) (void)0
 #endif
 
-/* Float weights: a vector of `width` weights per FMA (V, with its zero,
-   FMA and horizontal sum); a weight vector is loaded once and used for
-   every token of the tile. loadu loads `width` activations, load turns
-   `width` stored weights into floats.
-   Shared by the AVX2 and AVX-512 sets. */
-#define FLOAT_TILE(name, set, V, width, rows, toks, zero, loadu, load, fmadd, hsum)                               \
-    static void tile_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                             \
-        V acc[rows][toks];                                                                                        \
-        for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) acc[r][t] = zero();                         \
-        for (int i = 0; i < n; i += width) {                                                                      \
-            V xv[toks];                                                                                           \
-            for (int t = 0; t < toks; t++) xv[t] = loadu((const float *)(x + t * xs) + i);                      \
-            for (int t = 0; t < toks; t++) KEEP_IN_REGISTER(xv[t]);                                               \
-            for (int r = 0; r < rows; r++) {                                                                      \
-                V wv = load(w + r * ws, i);                                                                       \
-                for (int t = 0; t < toks; t++) acc[r][t] = fmadd(wv, xv[t], acc[r][t]);                           \
-            }                                                                                                     \
-        }                                                                                                         \
-        for (int r = 0; r < rows; r++)                                                                            \
-            for (int t = 0; t < toks; t++) out[r * toks + t] = hsum(acc[r][t]);                                   \
-    }
-
+/* 8 floats from element i of a row of f32 or f16 values. */
 static __m256 load8_f32(const uint8_t *row, int i) { return _mm256_loadu_ps((const float *)row + i); }
 static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i))); }
-static __m256 load8_bf16(const uint8_t *row, int i)
-{
-    __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)row + i)));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-/* The three float types' tiles of a set, from its loaders <load>_f32, _f16, _bf16. */
-#define FLOAT_TILES(set, V, width, rows, toks, zero, loadu, load, fmadd, hsum)             \
-    FLOAT_TILE(f32, set, V, width, rows, toks, zero, loadu, load##_f32, fmadd, hsum)        \
-    FLOAT_TILE(f16, set, V, width, rows, toks, zero, loadu, load##_f16, fmadd, hsum)        \
-    FLOAT_TILE(bf16, set, V, width, rows, toks, zero, loadu, load##_bf16, fmadd, hsum)
-FLOAT_TILES(avx2, __m256, 8, FTILE_ROWS, FTILE_TOKS, _mm256_setzero_ps, _mm256_loadu_ps, load8, _mm256_fmadd_ps, hsum256)
-
-/* Decode's float tile: GEMV_ROWS rows times one token, each output summed
-   as FLOAT_TILE sums it (one accumulator, 8 elements per step), so that a
-   verification pass may take the tile instead; the rows' stretch is
-   prefetched in address order as gemv32 does. eb: bytes per weight. */
-#define FLOAT_GEMV(name, load8, eb)                                                                          \
-    static void gemv_##name##_avx2(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                        \
-        (void)xs;                                                                                            \
-        __m256 acc[GEMV_ROWS];                                                                               \
-        for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_setzero_ps();                                    \
-        for (int i = 0; i < n; i += 8) {                                                                     \
-            prefetch_ahead(w + (size_t)i * GEMV_ROWS * (eb), GEMV_ROWS * 8 * (eb));                          \
-            __m256 xv = _mm256_loadu_ps((const float *)x + i);                                               \
-            for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm256_fmadd_ps(load8(w + r * ws, i), xv, acc[r]);   \
-        }                                                                                                    \
-        for (int r = 0; r < GEMV_ROWS; r++) out[r] = hsum256(acc[r]);                                        \
-    }
-
-FLOAT_GEMV(f32, load8_f32, 4)
-FLOAT_GEMV(f16, load8_f16, 2)
-FLOAT_GEMV(bf16, load8_bf16, 2)
 
 /* exp(x), 8 at a time, within 2 ulp of expf on [-87.3, 88.3]: x = n ln2 + r
    with |r| <= ln2/2 (ln2 split in two so that n ln2 is exact), exp(r) from
@@ -8051,29 +7463,6 @@ static float att_softmax_avx2(float *sc, int n, float scale, float *m)
     return hsum256(vsum) + sum;
 }
 
-/* Keys in groups of 32 (four vectors of 8); the columns past n are
-   computed from whatever the block holds and never read. */
-static void att_scores_avx2(float *out, const float *q, const float *kt, int hd, int n)
-{
-    for (int j = 0; j < n; j += 32) {
-        /* two elements of q per step into separate sums: one chain of FMAs
-           per accumulator would wait on its own latency */
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = b[c] = _mm256_setzero_ps();
-        int i = 0;
-        for (; i + 2 <= hd; i += 2) {
-            __m256 q0 = _mm256_broadcast_ss(q + i), q1 = _mm256_broadcast_ss(q + i + 1);
-            const float *k = kt + i * ATT_KTILE + j;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k + ATT_KTILE + 8 * c), b[c]);
-            }
-        }
-        for (; i < hd; i++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(q + i), _mm256_loadu_ps(kt + i * ATT_KTILE + j + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + j + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-}
 
 /* The horizontal sums of eight vectors, as lanes 0..7 of one: a tree of
    horizontal adds instead of eight separate reductions. */
@@ -8084,54 +7473,7 @@ INLINE __m256 sum8_avx2(const __m256 a[8])
     return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
 }
 
-/* Eight keys at a time: eight independent sums, reduced together by
-   sum8_avx2 instead of one reduction per key. */
-static void att_scores_rows_avx2(float *out, const float *q, const float *k, int hd, int n)
-{
-    int j = 0, vec = hd / 8 * 8;
-    for (; j + 8 <= n; j += 8) {
-        __m256 a[8];
-        for (int r = 0; r < 8; r++) a[r] = _mm256_setzero_ps();
-        for (int i = 0; i < vec; i += 8) {
-            __m256 qv = _mm256_loadu_ps(q + i);
-            for (int r = 0; r < 8; r++) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (size_t)(j + r) * hd + i), a[r]);
-        }
-        _mm256_storeu_ps(out + j, sum8_avx2(a));
-        for (int r = 0; r < 8; r++)
-            for (int i = vec; i < hd; i++) out[j + r] += q[i] * k[(size_t)(j + r) * hd + i];
-    }
-    att_scores_rows_scalar(out + j, q, k + (size_t)j * hd, hd, n - j);
-}
 
-/* 32 output elements at a time in registers, two positions per step into
-   separate sums; then 8 at a time, then a scalar tail. */
-static void att_accum_avx2(float *o, const float *p, const float *v, int hd, int n)
-{
-    int i = 0;
-    for (; i + 32 <= hd; i += 32) {
-        __m256 a[4], b[4];
-        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + i + 8 * c), b[c] = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 2 <= n; j += 2) {
-            __m256 p0 = _mm256_broadcast_ss(p + j), p1 = _mm256_broadcast_ss(p + j + 1);
-            const float *r = v + (size_t)j * hd + i;
-            for (int c = 0; c < 4; c++) {
-                a[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(r + 8 * c), a[c]);
-                b[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(r + hd + 8 * c), b[c]);
-            }
-        }
-        for (; j < n; j++)
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i + 8 * c), a[c]);
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + i + 8 * c, _mm256_add_ps(a[c], b[c]));
-    }
-    for (; i + 8 <= hd; i += 8) {
-        __m256 a = _mm256_loadu_ps(o + i);
-        for (int j = 0; j < n; j++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j), _mm256_loadu_ps(v + (size_t)j * hd + i), a);
-        _mm256_storeu_ps(o + i, a);
-    }
-    for (; i < hd; i++)
-        for (int j = 0; j < n; j++) o[i] += p[j] * v[(size_t)j * hd + i];
-}
 
 /* Prefill's multi-query kernels (contracts at att_qk_scalar). A row of
    the cache comes in as floats through load8_f32 or load8_f16, so an f16
@@ -8260,101 +7602,270 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
     from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
 }
 
-/* --- packed products on 256-bit vectors (see "packed rows") ---------------
-   A group's 16 rows are two halves of 8 lanes, each taken for up to
-   PACK_TOKS_256 tokens at a time (16 registers). dot4 adds the products of
-   four unsigned by four signed bytes into each int32 lane: vpdpbusd with
-   AVX-VNNI; on plain AVX2, maddubs then madd, exact while a pair of
-   products fits int16: 2 * 31 * 127 < 32767 for integers of up to 5 bits
-   (q8_0's 8-bit ones would saturate, so the AVX2 set leaves q8_0 as
-   stored). The float steps are packed_scalar's, so every set that packs
-   gives the same results, bit for bit. */
-#define PACK_TOKS_256 4
-typedef __m256i (*Dot4Fn)(__m256i acc, __m256i u, __m256i s);
+/* --- packed products on 256-bit vectors (section 2, "the matrices' layout") --
+   A group's 16 rows are two halves of 8 lanes: of every 64 bytes of
+   integers, 32 belong to each half. Each half is taken for a few tokens at
+   a time (16 registers). A kernel computes exactly its scalar definition:
+   exact integer sums, then the same float steps on 8 lanes at once, so
+   the results are bit for bit the scalar set's. dot4 adds the products of
+   four unsigned bytes by four signed ones into each int32 lane: vpdpbusd
+   with AVX-VNNI; on plain AVX2 maddubs then madd, exact while a pair of
+   products fits int16 (integers of up to 6 bits); q8_0's bytes go back to
+   signed and take the sign trick. The K kernels keep maddubs's int16 sums
+   as long as they cannot overflow and apply the sub-block scale in the
+   madd that widens them. */
+#define PACK_TOKS_256 2   /* tokens per pass over a group (32-element types: 2 int32 and 2 float sums per token) */
+#define PACK_TOKS_K256 2  /* ... (K types: 2 int16, 2 int32 and 2 float sums per token) */
+#define PACK_TOKS_F256 3  /* ... (float types: PACK_FCHAINS sums per token) */
+typedef __m256i (*Dot4Fn)(__m256i acc, __m256i u, __m256i a);
 
-INLINE __m256i dot4_avx2(__m256i acc, __m256i u, __m256i s)
+INLINE __m256i dot4_avx2(__m256i acc, __m256i u, __m256i a)
 {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
 }
 
-/* Elements 4g .. 4g + 3 of 8 rows in a 32-element stretch of packed
-   integers (ints: the half's first byte). */
-INLINE __m256i packed_ints_256(const uint8_t *ints, int g, int bits)
+/* q8_0 on AVX2: the stored q + 128 back to q, then |q| times a with q's
+   sign (maddubs's unsigned side): the sum of q * a, offset included. */
+INLINE __m256i dot4_q8_avx2(__m256i acc, __m256i u, __m256i a)
 {
-    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(ints + 64 * g));
-    __m256i v = _mm256_loadu_si256((const __m256i *)(ints + 64 * (g / 2)));
-    return _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0xf));
+    __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+    __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-/* Rows 8 half .. 8 half + 7 of the group for T <= PACK_TOKS_256 tokens. */
-INLINE void packed_256_half(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int half, int bits,
-                            int offset, int has_min, Dot4Fn dot4)
+/* Integers 4g .. 4g + 3 (g = 0..7) of the 8 rows of half `half` in a
+   stretch of `bits`-bit integers: a load and an and or a shift, and for 5
+   or 6 bits the high plane's bits moved to bit 4 (packed_stretch). */
+INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 {
-    const size_t hb = PACK_ROWS * sizeof(uint16_t) * (1 + has_min), rb = hb + (size_t)PACK_ROWS * QK * bits / 8;
-    const int chains = T == 1 ? PACK_CHAINS : T == 2 ? 2 : 1;
-    __m256 acc[PACK_TOKS_256];
-    for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    const uint8_t *p = stretch + 32 * half;
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)(p + 64 * g));
+    int extra = bits - 4, j = g / 2;
+    __m256i v = _mm256_loadu_si256((const __m256i *)(p + PACK_ROWS * STRETCH / 8 * extra + 64 * j));
+    __m256i u = _mm256_and_si256(g & 1 ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0f));
+    if (!extra) return u;
+    int per_byte = 8 / extra, at = g % per_byte * extra; /* field k = g of the plane bytes */
+    __m256i pl = _mm256_loadu_si256((const __m256i *)(p + 64 * (g / per_byte)));
+    __m256i hi = at <= 4 ? _mm256_slli_epi16(pl, 4 - at) : _mm256_srli_epi16(pl, at - 4);
+    return _mm256_or_si256(u, _mm256_and_si256(hi, _mm256_set1_epi8((char)(((1 << extra) - 1) << 4))));
+}
+
+/* Four activation bytes of token row x, broadcast. */
+INLINE __m256i act4_256(const int8_t *qs) { int32_t a4; memcpy(&a4, qs, 4); return _mm256_set1_epi32(a4); }
+
+/* The 32-element types for T <= PACK_TOKS_256 tokens, both halves of the
+   group at each step (one activation broadcast serves 16 rows). */
+INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
+                         int has_min, Dot4Fn dot4)
+{
+    const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f);
+    __m256 acc[PACK_TOKS_256][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
-        const uint8_t *rec = group + k * rb, *ints = rec + hb + 32 * half;
-        __m256i isum[PACK_TOKS_256][PACK_CHAINS];
-        for (int t = 0; t < T; t++) for (int c = 0; c < chains; c++) isum[t][c] = _mm256_setzero_si256();
-        for (size_t b = 0; T == 1 && half == 0 && b < rb; b += CACHE_LINE) /* decode: see decode_prefetch */
-            decode_prefetch(rec + b);
+        const uint8_t *rec = group + k * rb;
+        __m256i isum[PACK_TOKS_256][2];
+        for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        UNROLL(8)
         for (int g = 0; g < QK / 4; g++) {
-            __m256i w = packed_ints_256(ints, g, bits);
+            __m256i u0 = stretch_u256(rec + hb, g, bits, 0), u1 = stretch_u256(rec + hb, g, bits, 1);
             for (int t = 0; t < T; t++) {
-                int32_t a4;
-                memcpy(&a4, ((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g, sizeof a4);
-                isum[t][g % chains] = dot4(isum[t][g % chains], w, _mm256_set1_epi32(a4));
+                __m256i a = act4_256(((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g);
+                isum[t][0] = dot4(isum[t][0], u0, a);
+                isum[t][1] = dot4(isum[t][1], u1, a);
             }
         }
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + half));
-        __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + half)) : _mm256_setzero_ps();
-        for (int t = 0; t < T; t++) {
-            const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
-            __m256i s = isum[t][0];
-            for (int c = 1; c < chains; c++) s = _mm256_add_epi32(s, isum[t][c]);
-            __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d));
-            if (!has_min) v = _mm256_fmadd_ps(_mm256_set1_ps(a->s), _mm256_set1_ps((float)-offset), v);
-            acc[t] = _mm256_fmadd_ps(v, d, acc[t]);
-            if (has_min) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t]);
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
+            __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)) : _mm256_setzero_ps();
+            for (int t = 0; t < T; t++) {
+                const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
+                __m256i s = offset ? _mm256_sub_epi32(isum[t][h], _mm256_set1_epi32(offset * a->sum)) : isum[t][h];
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d)), d, acc[t][h]);
+                if (has_min) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);
+            }
         }
     }
-    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * half, acc[t]);
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
 }
 
-INLINE void packed_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
-                       int has_min, Dot4Fn dot4)
+/* T tokens in passes of PACK_TOKS_256, then one of the rest: every pass's
+   token count a constant, so the sums stay in registers. */
+INLINE void packed32_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
+                          int has_min, Dot4Fn dot4)
 {
-    for (int half = 0; half < 2; half++)
-        for (int t0 = 0; t0 < T; t0 += PACK_TOKS_256)
-            packed_256_half(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_256 ? T - t0 : PACK_TOKS_256, out + t0 * PACK_ROWS,
-                            half, bits, offset, has_min, dot4);
+    _Static_assert(PACK_TOKS_256 == 2, "one token is left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_256 <= T; t0 += PACK_TOKS_256)
+        packed32_256(group, n, x + t0 * xs, xs, PACK_TOKS_256, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
+    if (t0 < T) packed32_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
 }
 
-/* A set's packed product for a type, one instance per token count (so
-   that T is a constant): packed_NAME_SET, calling impl(group, n, x, xs, T,
-   out, bits, offset, has_min) and, after an empty argument, anything more
-   impl takes (", , dot4_avx2" passes the 256-bit kernels their dot4). */
-#define PACKED_KERNEL(name, set, impl, bits, offset, has_min, ...)                                                   \
-    static void packed_##name##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
-    {                                                                                                                \
-        switch (toks) {                                                                                              \
-        case 1: impl(group, n, x, xs, 1, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 2: impl(group, n, x, xs, 2, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 3: impl(group, n, x, xs, 3, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 4: impl(group, n, x, xs, 4, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 5: impl(group, n, x, xs, 5, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 6: impl(group, n, x, xs, 6, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        case 7: impl(group, n, x, xs, 7, out, bits, offset, has_min __VA_ARGS__); break;                             \
-        default: impl(group, n, x, xs, PACK_TOKS, out, bits, offset, has_min __VA_ARGS__); break;                    \
-        }                                                                                                            \
+/* 8 bytes of half h's rows from a [byte][row] plane, as int32 lanes. */
+INLINE __m256i plane8_u(const uint8_t *p, int h) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
+INLINE __m256i plane8_s(const uint8_t *p, int h) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
+/* An int32 lane's low 16 bits in both halves: madd's scale operand. */
+INLINE __m256i twice16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
+/* Two int16 values in one lane: madd's pair operand. */
+INLINE __m256i pair16(__m256i lo, __m256i hi) { return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16)); }
+INLINE __m256i bcast_pair16(int lo, int hi) { return _mm256_set1_epi32((int)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16)); }
+
+/* A K record's sub-block scales for half h (madd form: twice16), and
+   q4_k/q5_k's minimums paired for madd (pair16 of sub-blocks 2p, 2p + 1;
+   q6_k: its scales paired, for the offset's term); q4_k/q5_k's unpacked
+   from ggml's 12 bytes as k4_scale_min does, 8 rows at once. */
+INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16], __m256i pairs[QK_K / 32])
+{
+    if (k6) {
+        __m256i s[QK_K / 16];
+        for (int g = 0; g < QK_K / 16; g++) s[g] = plane8_s(rec + PACK_ROWS * (2 + g), h), sc[g] = twice16(s[g]);
+        for (int p = 0; p < QK_K / 32; p++) pairs[p] = pair16(s[2 * p], s[2 * p + 1]);
+        return;
     }
-_Static_assert(PACK_TOKS == 8, "PACKED_KERNEL has a case per token count");
-PACKED_KERNEL(q4_0, avx2, packed_256, 4, 8, 0, , dot4_avx2)
-PACKED_KERNEL(q4_1, avx2, packed_256, 4, 0, 1, , dot4_avx2)
-PACKED_KERNEL(q5_0, avx2, packed_256, 8, 16, 0, , dot4_avx2)
-PACKED_KERNEL(q5_1, avx2, packed_256, 8, 0, 1, , dot4_avx2)
+    __m256i B[12], mn[QK_K / 32];
+    for (int b = 0; b < 12; b++) B[b] = plane8_u(rec + PACK_ROWS * (4 + b), h);
+    const __m256i low6 = _mm256_set1_epi32(63), low4 = _mm256_set1_epi32(15);
+    for (int j = 0; j < 4; j++) {
+        sc[j] = twice16(_mm256_and_si256(B[j], low6));
+        mn[j] = _mm256_and_si256(B[j + 4], low6);
+        sc[j + 4] = twice16(_mm256_or_si256(_mm256_and_si256(B[j + 8], low4), _mm256_slli_epi32(_mm256_srli_epi32(B[j], 6), 4)));
+        mn[j + 4] = _mm256_or_si256(_mm256_srli_epi32(B[j + 8], 4), _mm256_slli_epi32(_mm256_srli_epi32(B[j + 4], 6), 4));
+    }
+    for (int p = 0; p < 4; p++) pairs[p] = pair16(mn[2 * p], mn[2 * p + 1]);
+}
+
+/* The K types for T <= PACK_TOKS_K256 tokens, both halves at each step:
+   the maddubs products summed in int16 while bounded (8 for 4-bit
+   integers, 4 for 5-bit, 2 for 6-bit), then one madd with the sub-block's
+   scale; the minimums' (q6_k: the offset's) sums against x's sums of
+   sub-blocks as int16 pairs. */
+INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind)
+{
+    const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
+    const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : 2, g_sub = kind == PACK_K4 ? 8 : 4, k6 = kind == PACK_K6;
+    __m256 acc[PACK_TOKS_K256][2];
+    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        __m256i sc[2][QK_K / 16], pairs[2][QK_K / 32];
+        k_scales_256(rec, 0, k6, sc[0], pairs[0]);
+        k_scales_256(rec, 1, k6, sc[1], pairs[1]);
+        __m256i isum[PACK_TOKS_K256][2];
+        for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (int j = 0; j < QK_K / STRETCH; j++) {
+            const uint8_t *st = rec + hb + j * sb;
+            __m256i s16[PACK_TOKS_K256][2];
+            for (int t = 0; t < T; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
+            UNROLL(8) /* g a constant: every shift an immediate, every load address fixed */
+            for (int g = 0; g < STRETCH / 4; g++) {
+                __m256i u0 = stretch_u256(st, g, bits, 0), u1 = stretch_u256(st, g, bits, 1);
+                for (int t = 0; t < T; t++) {
+                    __m256i a = act4_256(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g);
+                    s16[t][0] = _mm256_add_epi16(s16[t][0], _mm256_maddubs_epi16(u0, a));
+                    s16[t][1] = _mm256_add_epi16(s16[t][1], _mm256_maddubs_epi16(u1, a));
+                }
+                if ((g + 1) % per16) continue;
+                int sub = (STRETCH * j + 4 * g) / (4 * g_sub);
+                for (int t = 0; t < T; t++)
+                    for (int h = 0; h < 2; h++) {
+                        isum[t][h] = _mm256_add_epi32(isum[t][h], _mm256_madd_epi16(s16[t][h], sc[h][sub]));
+                        s16[t][h] = _mm256_setzero_si256();
+                    }
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
+            __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
+            for (int t = 0; t < T; t++) {
+                const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+                __m256i msum = _mm256_setzero_si256();
+                for (int p = 0; p < (k6 ? 8 : 4); p++) {
+                    __m256i w = pairs[h][p];
+                    __m256i b = k6 ? bcast_pair16(a->bsums[2 * p], a->bsums[2 * p + 1])
+                                   : bcast_pair16(a->bsums[4 * p] + a->bsums[4 * p + 1], a->bsums[4 * p + 2] + a->bsums[4 * p + 3]);
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(w, b));
+                }
+                __m256 xd = _mm256_set1_ps(a->d);
+                __m256i is = k6 ? _mm256_sub_epi32(isum[t][h], _mm256_slli_epi32(msum, 5)) : isum[t][h]; /* - 32 * sum sc_g * x's sum of g */
+                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][h]);
+                if (!k6) acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][h]);
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
+}
+
+INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
+                         int unused, Dot4Fn unused_dot4)
+{
+    (void)unused, (void)unused_dot4;
+    _Static_assert(PACK_TOKS_K256 == 2, "one token is left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_K256 <= T; t0 += PACK_TOKS_K256)
+        packedk_256(group, n, x + t0 * xs, xs, PACK_TOKS_K256, out + t0 * PACK_ROWS, bits, kind);
+    if (t0 < T) packedk_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind);
+}
+
+/* Element e's 8 rows of half `half` of a packed float group. */
+INLINE __m256 packed_floats_256(const uint8_t *group, int e, int type, int half)
+{
+    if (type == T_F32) return _mm256_loadu_ps((const float *)group + (size_t)e * PACK_ROWS + 8 * half);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)group + (size_t)e * PACK_ROWS + 8 * half));
+    if (type == T_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bf16: the high half of an f32 */
+}
+
+/* The float types: rows 8 half .. 8 half + 7, T <= PACK_TOKS_F256 tokens,
+   element e into chain e % PACK_FCHAINS (packed_dot_float). */
+INLINE void packedf_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int half, int type)
+{
+    const size_t eb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
+    __m256 acc[PACK_TOKS_F256][PACK_FCHAINS];
+    for (int t = 0; t < T; t++) for (int c = 0; c < PACK_FCHAINS; c++) acc[t][c] = _mm256_setzero_ps();
+    for (int e = 0; e < n; e++) {
+        int c = e % PACK_FCHAINS;
+        if (T == 1 && half == 0 && c == 0)
+            for (size_t b = 0; b < PACK_FCHAINS * eb; b += CACHE_LINE) decode_prefetch(group + e * eb + b);
+        __m256 w = packed_floats_256(group, e, type, half);
+        for (int t = 0; t < T; t++) acc[t][c] = _mm256_fmadd_ps(w, _mm256_set1_ps(((const float *)(x + t * xs))[e]), acc[t][c]);
+    }
+    for (int t = 0; t < T; t++) {
+        __m256 sum = acc[t][0];
+        for (int c = 1; c < PACK_FCHAINS; c++) sum = _mm256_add_ps(sum, acc[t][c]);
+        _mm256_storeu_ps(out + t * PACK_ROWS + 8 * half, sum);
+    }
+}
+
+INLINE void packedf_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type, int unused1,
+                         int unused2, Dot4Fn unused_dot4)
+{
+    (void)unused1, (void)unused2, (void)unused_dot4;
+    _Static_assert(PACK_TOKS_F256 == 3, "one or two tokens are left at most");
+    for (int half = 0; half < 2; half++) {
+        int t0 = 0;
+        for (; t0 + PACK_TOKS_F256 <= T; t0 += PACK_TOKS_F256)
+            packedf_256(group, n, x + t0 * xs, xs, PACK_TOKS_F256, out + t0 * PACK_ROWS, half, type);
+        if (T - t0 == 2) packedf_256(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, half, type);
+        if (T - t0 == 1) packedf_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, half, type);
+    }
+}
+
+PACKED_KERNEL(q4_0, avx2, packed32_avx2, 4, 8, 0, dot4_avx2)
+PACKED_KERNEL(q4_1, avx2, packed32_avx2, 4, 0, 1, dot4_avx2)
+PACKED_KERNEL(q5_0, avx2, packed32_avx2, 5, 16, 0, dot4_avx2)
+PACKED_KERNEL(q5_1, avx2, packed32_avx2, 5, 0, 1, dot4_avx2)
+PACKED_KERNEL(q8_0, avx2, packed32_avx2, 8, 0, 0, dot4_q8_avx2) /* offset: taken in dot4 */
+PACKED_KERNEL(q4_k, avx2, packedk_avx2, 4, PACK_K4, 0, NULL)
+PACKED_KERNEL(q5_k, avx2, packedk_avx2, 5, PACK_K4, 0, NULL)
+PACKED_KERNEL(q6_k, avx2, packedk_avx2, 6, PACK_K6, 0, NULL)
+PACKED_KERNEL(f32, avx2, packedf_avx2, T_F32, 0, 0, NULL)
+PACKED_KERNEL(f16, avx2, packedf_avx2, T_F16, 0, 0, NULL)
+PACKED_KERNEL(bf16, avx2, packedf_avx2, T_BF16, 0, 0, NULL)
 
 /* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
    1 and 7, xgetbv): what the AVX2 set's instructions need. */
@@ -8416,11 +7927,11 @@ TARGET_END
 TARGET_BEGIN(ISA_AVXVNNI)
 INLINE __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) { return DPBUSD_256(acc, u, s); }
 
-PACKED_KERNEL(q4_0, avxvnni, packed_256, 4, 8, 0, , dot4_vnni)
-PACKED_KERNEL(q4_1, avxvnni, packed_256, 4, 0, 1, , dot4_vnni)
-PACKED_KERNEL(q5_0, avxvnni, packed_256, 8, 16, 0, , dot4_vnni)
-PACKED_KERNEL(q5_1, avxvnni, packed_256, 8, 0, 1, , dot4_vnni)
-PACKED_KERNEL(q8_0, avxvnni, packed_256, 8, 128, 0, , dot4_vnni)
+PACKED_KERNEL(q4_0, avxvnni, packed32_avx2, 4, 8, 0, dot4_vnni)
+PACKED_KERNEL(q4_1, avxvnni, packed32_avx2, 4, 0, 1, dot4_vnni)
+PACKED_KERNEL(q5_0, avxvnni, packed32_avx2, 5, 16, 0, dot4_vnni)
+PACKED_KERNEL(q5_1, avxvnni, packed32_avx2, 5, 0, 1, dot4_vnni)
+PACKED_KERNEL(q8_0, avxvnni, packed32_avx2, 8, 128, 0, dot4_vnni) /* q + 128 as stored: its offset through x's sum */
 
 static int cpu_has_avxvnni(void)
 {
@@ -8459,187 +7970,6 @@ TARGET_END
    ========================================================================= */
 #ifdef HAVE_X86_SETS
 TARGET_BEGIN(ISA_AVX512)
-
-/* Two 256-bit halves as one vector: block k low, block k + 1 high. */
-INLINE __m512i pair_i(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
-
-/* Lanes [v[0] x 8 | v[2] x 8]: a pair's first fields, one per half. */
-INLINE __m512 per_half(__m128 v) { return _mm512_permutexvar_ps(_mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(v)); }
-
-/* One weight row's blocks k and k + 1 (k alone when two is 0: the high half
-   is zero). vpdpbusd multiplies unsigned bytes (here always the weights)
-   by signed ones (the activations): the integers of a type with a minimum
-   are unsigned already; signed ones are offset by 128 (q ^ 0x80), and the
-   activations' side cancels what that adds (ActPair.start). d is the scale
-   per half (every 32-element type starts with its fp16 scale,
-   ggml-common.h). A type with a minimum writes each block's m to mins[]. */
-typedef struct {
-    __m512i q;
-    __m512 d;
-} RowPair;
-_Static_assert(offsetof(BlockQ8_0, d) == 0 && offsetof(BlockQ4_0, d) == 0 && offsetof(BlockQ5_0, d) == 0 &&
-               offsetof(BlockQ4_1, d) == 0 && offsetof(BlockQ5_1, d) == 0, "scale first");
-
-INLINE RowPair row_pair(const uint8_t *w, size_t bb, int two, Unpack32Fn unpack, int has_min, int nibbles, float *mins)
-{
-    uint16_t d0, d1 = 0;
-    memcpy(&d0, w, 2);
-    if (two) memcpy(&d1, w + bb, 2);
-    __m128 dv = _mm_cvtph_ps(_mm_setr_epi16((short)d0, 0, (short)d1, 0, 0, 0, 0, 0));
-    RowPair p = {_mm512_setzero_si512(), per_half(dv)};
-    float d, m0, m1 = 0;
-    if (nibbles) { /* q4_0, q4_1: both blocks' nibbles at once, offset 8 (q4_0) taken with the 128 */
-        const uint8_t *qs = w + (has_min ? offsetof(BlockQ4_1, qs) : offsetof(BlockQ4_0, qs));
-        __m128i a = _mm_loadu_si128((const __m128i *)qs), b = two ? _mm_loadu_si128((const __m128i *)(qs + bb)) : _mm_setzero_si128();
-        __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1);
-        __m512i z = _mm512_permutex2var_epi64(_mm512_castsi256_si512(v), _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11),
-                                              _mm512_castsi256_si512(_mm256_srli_epi16(v, 4)));
-        p.q = _mm512_and_si512(z, _mm512_set1_epi8(0xf));
-        if (has_min) m0 = _cvtsh_ss(((const BlockQ4_1 *)w)->m), m1 = two ? _cvtsh_ss(((const BlockQ4_1 *)(w + bb))->m) : 0;
-        else p.q = _mm512_add_epi8(p.q, _mm512_set1_epi8(128 - 8));
-    } else {
-        __m256i lo = unpack(w, &d, &m0), hi = two ? unpack(w + bb, &d, &m1) : _mm256_setzero_si256();
-        p.q = pair_i(lo, hi);
-        if (!has_min) p.q = _mm512_xor_si512(p.q, _mm512_set1_epi8((char)0x80));
-    }
-    if (has_min) mins[0] = m0, mins[1] = m1;
-    return p;
-}
-
-/* One token's activation blocks k and k + 1: the integers, the scale d per
-   half, and where the integer sums start: 0 for weights with a minimum
-   (which write each block's scaled sum s to sums[]), else -128 * (the sum
-   of each lane's four x), which cancels the weights' offset of 128. */
-typedef struct {
-    __m512i q, start;
-    __m512 d;
-} ActPair;
-
-INLINE ActPair act_pair(const BlockQ8A *b, int two, int has_min, float *sums)
-{
-    __m256i lo = _mm256_loadu_si256((const __m256i *)b[0].qs);
-    __m256i hi = two ? _mm256_loadu_si256((const __m256i *)b[1].qs) : _mm256_setzero_si256();
-    ActPair a = {pair_i(lo, hi), _mm512_setzero_si512(), per_half(_mm_setr_ps(b[0].d, 0, two ? b[1].d : 0, 0))};
-    if (has_min) sums[0] = b[0].s, sums[1] = two ? b[1].s : 0;
-    else a.start = _mm512_sub_epi32(a.start, _mm512_dpbusd_epi32(a.start, _mm512_set1_epi8((char)0x80), a.q));
-    return a;
-}
-
-/* acc += the products of one row pair and one activation pair, scaled. */
-INLINE __m512 pair_dot(const RowPair *w, const ActPair *x, __m512 acc)
-{
-    __m512i p = _mm512_dpbusd_epi32(x->start, w->q, x->q);
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(w->d, x->d), acc);
-}
-
-/* The minimums' term m * s of a chunk of MIN_CHUNK blocks, gathered by
-   row_pair and act_pair, 16 blocks per FMA instead of one FMA per pair of
-   blocks, row and token: acc's lanes sum it with the rest. */
-#define MIN_CHUNK 16
-typedef struct {
-    _Alignas(64) float m[4][MIN_CHUNK]; /* per row */
-    _Alignas(64) float s[4][MIN_CHUNK]; /* per token */
-} MinChunk;
-
-/* Blocks k and k + 1 (k alone when two is 0) of tile32_512; j = k's place
-   in the chunk. */
-INLINE void tile32_512_step(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int k, int two, size_t bb,
-                            Unpack32Fn unpack, int has_min, int nibbles, int rows, int toks, __m512 acc[4][4], MinChunk *mc,
-                            int j)
-{
-    RowPair p[4];
-    for (int r = 0; r < rows; r++) p[r] = row_pair(w + r * ws + k * bb, bb, two, unpack, has_min, nibbles, mc->m[r] + j);
-    for (int t = 0; t < toks; t++) {
-        ActPair a = act_pair((const BlockQ8A *)(x + t * xs) + k, two, has_min, mc->s[t] + j);
-        for (int r = 0; r < rows; r++) acc[r][t] = pair_dot(&p[r], &a, acc[r][t]);
-    }
-}
-
-/* out[r * toks + t] = row r . token t for rows x toks (each at most 4),
-   two blocks per step. */
-INLINE void tile32_512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                       Unpack32Fn unpack, int has_min, int nibbles, int rows, int toks)
-{
-    __m512 acc[4][4];
-    MinChunk mc;
-    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) acc[r][t] = _mm512_setzero_ps();
-    int nb = n / QK;
-    for (int k0 = 0; k0 < nb; k0 += MIN_CHUNK) {
-        int end = min_i(nb, k0 + MIN_CHUNK), k = k0;
-        for (; k + 1 < end; k += 2) tile32_512_step(w, ws, x, xs, k, 1, bb, unpack, has_min, nibbles, rows, toks, acc, &mc, k - k0);
-        if (k < end) tile32_512_step(w, ws, x, xs, k, 0, bb, unpack, has_min, nibbles, rows, toks, acc, &mc, k - k0);
-        __mmask16 live = (__mmask16)((1u << (end - k0)) - 1);
-        for (int r = 0; r < rows && has_min; r++)
-            for (int t = 0; t < toks; t++)
-                acc[r][t] = _mm512_fmadd_ps(_mm512_maskz_load_ps(live, mc.m[r]), _mm512_maskz_load_ps(live, mc.s[t]), acc[r][t]);
-    }
-    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) out[r * toks + t] = _mm512_reduce_add_ps(acc[r][t]);
-}
-
-/* A 32-element type's AVX-512 prefill tile, from its AVX2 unpacker (the
-   4-bit types, nibbles 1: both blocks' nibbles unpacked at once). Its
-   dot product and decode GEMV stay AVX2's: on Zen 4, which executes a
-   512-bit instruction as two 256-bit halves, tile32_512 as a GEMV (4 rows,
-   one token) ran 10-25 % slower than gemv32 in cache. */
-#define INT32_KERNELS_512(name, Block, has_min, nibbles)                                                          \
-    static void tile_##name##_avx512(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                             \
-        tile32_512(w, ws, x, xs, n, out, sizeof(Block), unpack_##name, has_min, nibbles, I8_TILE_ROWS_512,        \
-                   I8_TILE_TOKS_512);                                                                             \
-    }
-INT32_KERNELS_512(q4_0, BlockQ4_0, 0, 1)
-INT32_KERNELS_512(q4_1, BlockQ4_1, 1, 1)
-INT32_KERNELS_512(q5_0, BlockQ5_0, 0, 0)
-INT32_KERNELS_512(q5_1, BlockQ5_1, 1, 0)
-INT32_KERNELS_512(q8_0, BlockQ8_0, 0, 0)
-
-/* Elements 4g .. 4g + 3 of each of the 16 rows in a 32-element stretch of
-   packed integers (see "packed rows"): one load, or a load and a nibble. */
-INLINE __m512i packed_ints_512(const uint8_t *ints, int g, int bits)
-{
-    if (bits == 8) return _mm512_loadu_si512(ints + 64 * g);
-    __m512i v = _mm512_loadu_si512(ints + 64 * (g / 2));
-    return _mm512_and_si512(g & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0xf));
-}
-
-/* The packed product (see "packed rows") for toks = T tokens: per block,
-   each token's integer sums of 16 rows in one vector (a vpdpbusd per four
-   elements, the activation's four bytes broadcast to every lane), then
-   the float steps of packed_scalar on 16 lanes at once. */
-INLINE void packed_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
-                       int has_min)
-{
-    const size_t hb = PACK_ROWS * sizeof(uint16_t) * (1 + has_min), rb = hb + (size_t)PACK_ROWS * QK * bits / 8;
-    const int chains = T == 1 ? PACK_CHAINS : T == 2 ? 2 : 1;
-    __m512 acc[PACK_TOKS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int k = 0; k < n / QK; k++) {
-        const uint8_t *rec = group + k * rb, *ints = rec + hb;
-        __m512i isum[PACK_TOKS][PACK_CHAINS];
-        for (int t = 0; t < T; t++) for (int c = 0; c < chains; c++) isum[t][c] = _mm512_setzero_si512();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
-        for (int g = 0; g < QK / 4; g++) {
-            __m512i w = packed_ints_512(ints, g, bits);
-            for (int t = 0; t < T; t++) {
-                int32_t a4;
-                memcpy(&a4, ((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g, sizeof a4);
-                isum[t][g % chains] = _mm512_dpbusd_epi32(isum[t][g % chains], w, _mm512_set1_epi32(a4));
-            }
-        }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-        __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)) : _mm512_setzero_ps();
-        for (int t = 0; t < T; t++) {
-            const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
-            __m512i s = isum[t][0];
-            for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, isum[t][c]);
-            __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d));
-            if (!has_min) v = _mm512_fmadd_ps(_mm512_set1_ps(a->s), _mm512_set1_ps((float)-offset), v);
-            acc[t] = _mm512_fmadd_ps(v, d, acc[t]);
-            if (has_min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s), acc[t]);
-        }
-    }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
-}
 
 /* Element e's 16 rows of a packed float group (see "packed floats"). */
 INLINE __m512 packed_floats_512(const uint8_t *group, int e, int type)
@@ -8684,105 +8014,171 @@ INLINE void packed_f_512(const uint8_t *group, int n, const uint8_t *x, size_t x
                          int unused2)
 {
     (void)unused1, (void)unused2;
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_F)
-        packed_f_512_part(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_F ? T - t0 : PACK_TOKS_F, out + t0 * PACK_ROWS, type);
+    _Static_assert(PACK_TOKS_F == 4, "1 to 3 tokens are left at most");
+    int t0 = 0;
+    for (; t0 + PACK_TOKS_F <= T; t0 += PACK_TOKS_F) packed_f_512_part(group, n, x + t0 * xs, xs, PACK_TOKS_F, out + t0 * PACK_ROWS, type);
+    switch (T - t0) {
+    case 3: packed_f_512_part(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, type); break;
+    case 2: packed_f_512_part(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, type); break;
+    case 1: packed_f_512_part(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, type); break;
+    }
 }
 
 PACKED_KERNEL(f32, avx512, packed_f_512, T_F32, 0, 0)
 PACKED_KERNEL(f16, avx512, packed_f_512, T_F16, 0, 0)
 PACKED_KERNEL(bf16, avx512, packed_f_512, T_BF16, 0, 0)
 
-/* The packed K products (see "packed K types") for T <= PACK_TOKS_K
-   tokens: per 32-element stretch each token's integer sums of 16 rows in
-   one vector (q6_k: two, one per 16-element sub-block), times the
-   sub-blocks' integer scales (vpmulld); the minimums' (q6_k: the offset's)
-   sums with x's sums of sub-blocks as int16 pairs (vpdpwssd); then
-   packed_k_scalar's float steps on 16 lanes. */
-#define PACK_TOKS_K 4
-INLINE void packed_k_512_part(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind)
+/* --- packed products on 512-bit vectors (section 2, "the matrices' layout") --
+   A group's 16 rows are one vector's 16 lanes: four activation bytes
+   broadcast meet four integers of each row in one vpdpbusd. Integers are
+   unsigned as stored (q8_0's q + 128, whose offset leaves through the
+   activation's sum like q4_0's 8), so no conversion precedes the product.
+   The float steps are the scalar definitions', on 16 lanes. */
+
+/* Integers 4g .. 4g + 3 (g = 0..7) of the 16 rows in a stretch (stretch_u256 on one vector). */
+INLINE __m512i stretch_u512(const uint8_t *stretch, int g, int bits)
 {
-    const size_t hb = kind == PACK_K4 ? K4_HEAD : K6_HEAD, ib = (size_t)PACK_ROWS * QK * bits / 8, rb = hb + QK_K / QK * ib;
-    const int k6 = kind == PACK_K6;
-    __m512 acc[PACK_TOKS_K];
+    if (bits == 8) return _mm512_loadu_si512(stretch + 64 * g);
+    int extra = bits - 4, j = g / 2;
+    __m512i v = _mm512_loadu_si512(stretch + PACK_ROWS * STRETCH / 8 * extra + 64 * j);
+    __m512i u = _mm512_and_si512(g & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0f));
+    if (!extra) return u;
+    int per_byte = 8 / extra, at = g % per_byte * extra;
+    __m512i pl = _mm512_loadu_si512(stretch + 64 * (g / per_byte));
+    __m512i hi = at <= 4 ? _mm512_slli_epi16(pl, 4 - at) : _mm512_srli_epi16(pl, at - 4);
+    return _mm512_or_si512(u, _mm512_and_si512(hi, _mm512_set1_epi8((char)(((1 << extra) - 1) << 4))));
+}
+
+INLINE __m512i act4_512(const int8_t *qs) { int32_t a4; memcpy(&a4, qs, 4); return _mm512_set1_epi32(a4); }
+
+/* The 32-element types for T <= PACK_TOKS tokens (packed_dot_block32). */
+INLINE void packed32_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
+                         int has_min)
+{
+    const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f);
+    const int chains = T == 1 ? PACK_CHAINS : T == 2 ? 2 : 1;
+    __m512 acc[PACK_TOKS];
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
+    for (int k = 0; k < n / QK; k++) {
         const uint8_t *rec = group + k * rb;
-        __m512i isum[PACK_TOKS_K], msum[PACK_TOKS_K];
-        for (int t = 0; t < T; t++) isum[t] = msum[t] = _mm512_setzero_si512();
+        __m512i isum[PACK_TOKS][PACK_CHAINS];
+        for (int t = 0; t < T; t++) for (int c = 0; c < chains; c++) isum[t][c] = _mm512_setzero_si512();
         for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
-        for (int j = 0; j < QK_K / QK; j++) {
-            const uint8_t *ints = rec + hb + j * ib;
-            __m512i s[PACK_TOKS_K][2];
-            for (int t = 0; t < T; t++) s[t][0] = s[t][1] = _mm512_setzero_si512();
-            for (int g = 0; g < QK / 4; g++) {
-                __m512i w = packed_ints_512(ints, g, bits);
-                for (int t = 0; t < T; t++) {
-                    int32_t a4;
-                    memcpy(&a4, ((const BlockQ8K *)(x + t * xs) + k)->qs + QK * j + 4 * g, sizeof a4);
-                    int half = k6 && g >= QK / 8; /* q6_k: the stretch's second sub-block of 16 */
-                    s[t][half] = _mm512_dpbusd_epi32(s[t][half], w, _mm512_set1_epi32(a4));
-                }
-            }
-            __m128i sc8 = _mm_loadu_si128((const __m128i *)(rec + PACK_ROWS * ((k6 ? 2 : 4) + (k6 ? 2 * j : j))));
-            __m512i sc0 = k6 ? _mm512_cvtepi8_epi32(sc8) : _mm512_cvtepu8_epi32(sc8);
-            __m512i sc1 = k6 ? _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rec + PACK_ROWS * (2 + 2 * j + 1)))) : sc0;
-            for (int t = 0; t < T; t++) {
-                isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t][0], sc0));
-                if (k6) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t][1], sc1));
-            }
-        }
-        const uint8_t *pairs = rec + PACK_ROWS * (k6 ? 2 + 16 : 2 * 2 + 8);
-        for (int p = 0; p < (k6 ? 8 : 4); p++) {
-            __m512i pv = _mm512_loadu_si512(pairs + 64 * p);
-            for (int t = 0; t < T; t++) {
-                const int16_t *bs = ((const BlockQ8K *)(x + t * xs) + k)->bsums;
-                uint32_t word; /* x's sums of the pair's two sub-blocks, as int16 */
-                if (k6) memcpy(&word, bs + 2 * p, sizeof word);
-                else word = (uint16_t)(bs[4 * p] + bs[4 * p + 1]) | (uint32_t)(uint16_t)(bs[4 * p + 2] + bs[4 * p + 3]) << 16;
-                msum[t] = _mm512_dpwssd_epi32(msum[t], pv, _mm512_set1_epi32((int)word));
-            }
+        for (int g = 0; g < QK / 4; g++) {
+            __m512i u = stretch_u512(rec + hb, g, bits);
+            for (int t = 0; t < T; t++)
+                isum[t][g % chains] = _mm512_dpbusd_epi32(isum[t][g % chains], u, act4_512(((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g));
         }
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-        __m512 negdmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1))),
-                                                              _mm512_set1_epi32((int)0x80000000u)));
+        __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)) : _mm512_setzero_ps();
         for (int t = 0; t < T; t++) {
-            float xd = ((const BlockQ8K *)(x + t * xs) + k)->d;
-            if (k6) isum[t] = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum[t], 5)); /* - 32 * sum sc_g * x's sum of g */
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(xd)), d, acc[t]);
-            if (!k6) acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum[t]), _mm512_set1_ps(xd)), negdmin, acc[t]);
+            const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
+            __m512i s = isum[t][0];
+            for (int c = 1; c < chains; c++) s = _mm512_add_epi32(s, isum[t][c]);
+            if (offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(offset * a->sum));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d)), d, acc[t]);
+            if (has_min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s), acc[t]);
         }
     }
     for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
 }
 
-INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
-                         int unused)
+/* 16 bytes of a [byte][row] plane as int32 lanes. */
+INLINE __m512i plane16_u(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE __m512i plane16_s(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+INLINE __m512i pair16_512(__m512i lo, __m512i hi) { return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16)); }
+
+/* The K types for T <= PACK_TOKS_K512 tokens (packed_dot_k): per
+   sub-block one int32 sum per row (vpdpbusd), times the sub-block's scale
+   (vpmulld); the minimums' (q6_k: the offset's) sums as int16 pairs
+   (vpdpwssd). */
+#define PACK_TOKS_K512 4
+INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind)
+{
+    const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
+    const int g_sub = kind == PACK_K4 ? 8 : 4, k6 = kind == PACK_K6;
+    __m512 acc[PACK_TOKS_K512];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        __m512i sc[QK_K / 16], mn[QK_K / 32];
+        if (k6) {
+            for (int g = 0; g < QK_K / 16; g++) sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
+        } else { /* k4_scale_min on 16 rows at once */
+            __m512i B[12];
+            for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
+            const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+            for (int j = 0; j < 4; j++) {
+                sc[j] = _mm512_and_si512(B[j], low6);
+                mn[j] = _mm512_and_si512(B[j + 4], low6);
+                sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
+                mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
+            }
+        }
+        __m512i isum[PACK_TOKS_K512], msum[PACK_TOKS_K512];
+        for (int t = 0; t < T; t++) isum[t] = msum[t] = _mm512_setzero_si512();
+        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (int j = 0; j < QK_K / STRETCH; j++) {
+            const uint8_t *st = rec + hb + j * sb;
+            __m512i s[PACK_TOKS_K512];
+            for (int t = 0; t < T; t++) s[t] = _mm512_setzero_si512();
+            for (int g = 0; g < STRETCH / 4; g++) {
+                __m512i u = stretch_u512(st, g, bits);
+                for (int t = 0; t < T; t++)
+                    s[t] = _mm512_dpbusd_epi32(s[t], u, act4_512(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g));
+                if ((g + 1) % g_sub) continue;
+                __m512i scale = sc[(STRETCH * j + 4 * g) / (4 * g_sub)];
+                for (int t = 0; t < T; t++) {
+                    isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], scale));
+                    s[t] = _mm512_setzero_si512();
+                }
+            }
+        }
+        for (int t = 0; t < T; t++) {
+            const int16_t *bs = ((const BlockQ8K *)(x + t * xs) + k)->bsums;
+            for (int p = 0; p < (k6 ? 8 : 4); p++) {
+                __m512i w = k6 ? pair16_512(sc[2 * p], sc[2 * p + 1]) : pair16_512(mn[2 * p], mn[2 * p + 1]);
+                int lo = k6 ? bs[2 * p] : bs[4 * p] + bs[4 * p + 1], hi = k6 ? bs[2 * p + 1] : bs[4 * p + 2] + bs[4 * p + 3];
+                msum[t] = _mm512_dpwssd_epi32(msum[t], w, _mm512_set1_epi32((int)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16)));
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+        __m512 negdmin = k6 ? d : _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
+        for (int t = 0; t < T; t++) {
+            __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
+            if (k6) isum[t] = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum[t], 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), d, acc[t]);
+            if (!k6) acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum[t]), xd), negdmin, acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
+}
+
+INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind, int unused)
 {
     (void)unused;
-    for (int t0 = 0; t0 < T; t0 += PACK_TOKS_K)
-        packed_k_512_part(group, n, x + t0 * xs, xs, T - t0 < PACK_TOKS_K ? T - t0 : PACK_TOKS_K, out + t0 * PACK_ROWS, bits, kind);
+    _Static_assert(PACK_TOKS_K512 == 4, "1 to 3 tokens are left at most");
+    int t0 = 0; /* every pass's token count a constant, so the sums stay in registers */
+    for (; t0 + PACK_TOKS_K512 <= T; t0 += PACK_TOKS_K512)
+        packedk_512_part(group, n, x + t0 * xs, xs, PACK_TOKS_K512, out + t0 * PACK_ROWS, bits, kind);
+    switch (T - t0) {
+    case 3: packedk_512_part(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, bits, kind); break;
+    case 2: packedk_512_part(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, bits, kind); break;
+    case 1: packedk_512_part(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind); break;
+    }
 }
 
-PACKED_KERNEL(q4_k, avx512, packed_k_512, 4, PACK_K4, 0)
-PACKED_KERNEL(q5_k, avx512, packed_k_512, 8, PACK_K4, 0)
-PACKED_KERNEL(q6_k, avx512, packed_k_512, 8, PACK_K6, 0)
-PACKED_KERNEL(q4_0, avx512, packed_512, 4, 8, 0)
-PACKED_KERNEL(q4_1, avx512, packed_512, 4, 0, 1)
-PACKED_KERNEL(q5_0, avx512, packed_512, 8, 16, 0)
-PACKED_KERNEL(q5_1, avx512, packed_512, 8, 0, 1)
-PACKED_KERNEL(q8_0, avx512, packed_512, 8, 128, 0)
+PACKED_KERNEL(q4_k, avx512, packedk_512, 4, PACK_K4, 0)
+PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
+PACKED_KERNEL(q6_k, avx512, packedk_512, 6, PACK_K6, 0)
+PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
+PACKED_KERNEL(q4_1, avx512, packed32_512, 4, 0, 1)
+PACKED_KERNEL(q5_0, avx512, packed32_512, 5, 16, 0)
+PACKED_KERNEL(q5_1, avx512, packed32_512, 5, 0, 1)
+PACKED_KERNEL(q8_0, avx512, packed32_512, 8, 128, 0)
 
-static __m512 load16_f32(const uint8_t *row, int i) { return _mm512_loadu_ps((const float *)row + i); }
-static __m512 load16_f16(const uint8_t *row, int i)
-{
-    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-}
-static __m512 load16_bf16(const uint8_t *row, int i)
-{
-    __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + i)));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-}
-FLOAT_TILES(avx512, __m512, 16, FTILE_ROWS_512, FTILE_TOKS_512, _mm512_setzero_ps, _mm512_loadu_ps, load16, _mm512_fmadd_ps, _mm512_reduce_add_ps)
 
 /* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
    with 16 floats per vector and 32 registers: a 4 x 4 tile of scores and
@@ -8929,123 +8325,95 @@ TARGET_END
    qemu-aarch64 (tests/test_kernels.py).
    ========================================================================= */
 #ifdef HAVE_NEON_SET
-/* A block's 32 integers in element order, lo = elements 0-15, hi = 16-31. */
-typedef struct {
-    int8x16_t lo, hi;
-} Int32x;
-typedef Int32x (*UnpackNeonFn)(const uint8_t *block, float *d, float *m);
-
-typedef int32_t (*Isum32NeonFn)(Int32x q, const int8_t *x);
 #define NEON_INLINE static inline __attribute__((always_inline))
 
-/* Sum of the 32 products of q and x. |q x| <= 128 * 127, so two of them
-   fit an int16 lane before the pairwise widening add. */
-NEON_INLINE int32_t isum32_neon(Int32x q, const int8_t *x)
+/* --- packed products on 128-bit vectors (section 2, "the matrices' layout") --
+   A group's 16 rows are four quarters of 4 lanes: of every 64 bytes of
+   integers, 16 belong to each quarter. The integers go in as signed bytes
+   (nibbles and 5-bit ones as they are, q8_0's q + 128 back to q), so a
+   lane's four products are one sdot, or without it two widening
+   multiplies and two pairwise adds (|q a| <= 128 * 127: a pair fits
+   int16). Then the scalar definitions' float steps on 4 lanes. */
+#define PACK_TOKS_128 4 /* tokens per pass over a quarter group */
+typedef int32x4_t (*Dot4NeonFn)(int32x4_t acc, int8x16_t w, int8x16_t a);
+
+NEON_INLINE int32x4_t dot4_neon(int32x4_t acc, int8x16_t w, int8x16_t a)
 {
-    int8x16_t x0 = vld1q_s8(x), x1 = vld1q_s8(x + 16);
-    int16x8_t a = vmlal_s8(vmull_s8(vget_low_s8(q.lo), vget_low_s8(x0)), vget_high_s8(q.lo), vget_high_s8(x0));
-    int16x8_t b = vmlal_s8(vmull_s8(vget_low_s8(q.hi), vget_low_s8(x1)), vget_high_s8(q.hi), vget_high_s8(x1));
-    return vaddvq_s32(vpadalq_s16(vpaddlq_s16(a), b));
+    int16x8_t p = vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(a)), vmull_high_s8(w, a));
+    return vpadalq_s16(acc, p);
 }
 
-/* out[r * toks + t] = row r . token t for rows x toks (each at most 4): the
-   dot product, the GEMV and the tile are this with different shapes. */
-NEON_INLINE void tile32_neon(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out, size_t bb,
-                             UnpackNeonFn unpack, Isum32NeonFn isum, int has_min, int rows, int toks)
+/* Integers 4g .. 4g + 3 (g = 0..7) of the quarter's 4 rows in a stretch, as signed bytes. */
+NEON_INLINE int8x16_t stretch_s128(const uint8_t *stretch, int g, int bits, int quarter)
 {
-    float acc[4][4] = {{0}};
+    const uint8_t *p = stretch + 16 * quarter;
+    if (bits == 8) return vreinterpretq_s8_u8(veorq_u8(vld1q_u8(p + 64 * g), vdupq_n_u8(0x80)));
+    int extra = bits - 4;
+    uint8x16_t v = vld1q_u8(p + PACK_ROWS * STRETCH / 8 * extra + 64 * (g / 2));
+    uint8x16_t u = g & 1 ? vshrq_n_u8(v, 4) : vandq_u8(v, vdupq_n_u8(0x0f));
+    if (extra) {
+        int per_byte = 8 / extra, at = g % per_byte * extra;
+        uint8x16_t hi = vshlq_u8(vld1q_u8(p + 64 * (g / per_byte)), vdupq_n_s8((int8_t)(4 - at)));
+        u = vorrq_u8(u, vandq_u8(hi, vdupq_n_u8((uint8_t)(((1 << extra) - 1) << 4))));
+    }
+    return vreinterpretq_s8_u8(u);
+}
+
+NEON_INLINE float32x4_t halves4_neon(const uint8_t *p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)p))); }
+
+/* Rows 4 quarter .. 4 quarter + 3 for T <= PACK_TOKS_128 tokens (packed_dot_block32). */
+NEON_INLINE void packed32_128(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int quarter,
+                              int bits, int offset, int has_min, Dot4NeonFn dot4)
+{
+    const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f);
+    float32x4_t acc[PACK_TOKS_128];
+    for (int t = 0; t < T; t++) acc[t] = vdupq_n_f32(0);
     for (int k = 0; k < n / QK; k++) {
-        Int32x q[4];
-        float d[4], m[4];
-        for (int r = 0; r < rows; r++) q[r] = unpack(w + r * ws + k * bb, &d[r], &m[r]);
-        for (int t = 0; t < toks; t++) {
-            const BlockQ8A *b = (const BlockQ8A *)(x + t * xs) + k;
-            for (int r = 0; r < rows; r++) {
-                acc[r][t] += d[r] * b->d * isum(q[r], b->qs);
-                if (has_min) acc[r][t] += m[r] * b->s;
+        const uint8_t *rec = group + k * rb;
+        int32x4_t isum[PACK_TOKS_128];
+        for (int t = 0; t < T; t++) isum[t] = vdupq_n_s32(0);
+        for (int g = 0; g < QK / 4; g++) {
+            int8x16_t w = stretch_s128(rec + hb, g, bits, quarter);
+            for (int t = 0; t < T; t++) {
+                int32_t a4;
+                memcpy(&a4, ((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g, 4);
+                isum[t] = dot4(isum[t], w, vreinterpretq_s8_s32(vdupq_n_s32(a4)));
             }
         }
+        float32x4_t d = halves4_neon(rec + 8 * quarter), m = has_min ? halves4_neon(rec + 2 * PACK_ROWS + 8 * quarter) : d;
+        for (int t = 0; t < T; t++) {
+            const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
+            int32x4_t s = offset ? vsubq_s32(isum[t], vdupq_n_s32(offset * a->sum)) : isum[t];
+            acc[t] = vfmaq_f32(acc[t], vmulq_n_f32(vcvtq_f32_s32(s), a->d), d);
+            if (has_min) acc[t] = vfmaq_n_f32(acc[t], m, a->s);
+        }
     }
-    for (int r = 0; r < rows; r++) for (int t = 0; t < toks; t++) out[r * toks + t] = acc[r][t];
+    for (int t = 0; t < T; t++) vst1q_f32(out + t * PACK_ROWS + 4 * quarter, acc[t]);
 }
 
-/* The 4-bit types' 16 bytes as 32 nibbles (byte j: element j low, j + 16 high). */
-static inline Int32x nibbles_neon(const uint8_t *qs)
+NEON_INLINE void packed32_neon(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
+                               int has_min, Dot4NeonFn dot4)
 {
-    uint8x16_t v = vld1q_u8(qs);
-    return (Int32x){vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(0xf))), vreinterpretq_s8_u8(vshrq_n_u8(v, 4))};
-}
-
-/* The 5-bit types' bit 4 (bit j of qh, little-endian) or-ed into the nibbles. */
-static inline Int32x add_high_bits_neon(Int32x q, const uint8_t *qh)
-{
-    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
-    uint8x16_t sel = vld1q_u8(bit), sixteen = vdupq_n_u8(0x10);
-    uint8x16_t lo = vcombine_u8(vdup_n_u8(qh[0]), vdup_n_u8(qh[1])), hi = vcombine_u8(vdup_n_u8(qh[2]), vdup_n_u8(qh[3]));
-    q.lo = vorrq_s8(q.lo, vreinterpretq_s8_u8(vandq_u8(vtstq_u8(lo, sel), sixteen)));
-    q.hi = vorrq_s8(q.hi, vreinterpretq_s8_u8(vandq_u8(vtstq_u8(hi, sel), sixteen)));
-    return q;
-}
-
-static inline Int32x offset_neon(Int32x q, int8_t by) { return (Int32x){vsubq_s8(q.lo, vdupq_n_s8(by)), vsubq_s8(q.hi, vdupq_n_s8(by))}; }
-
-static Int32x unpack_q8_0_neon(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ8_0 *b = (const BlockQ8_0 *)block;
-    *d = fp16_to_f32(b->d), *m = 0;
-    return (Int32x){vld1q_s8(b->qs), vld1q_s8(b->qs + 16)};
-}
-
-static Int32x unpack_q4_0_neon(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ4_0 *b = (const BlockQ4_0 *)block;
-    *d = fp16_to_f32(b->d), *m = 0;
-    return offset_neon(nibbles_neon(b->qs), 8);
-}
-
-static Int32x unpack_q4_1_neon(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ4_1 *b = (const BlockQ4_1 *)block;
-    *d = fp16_to_f32(b->d), *m = fp16_to_f32(b->m);
-    return nibbles_neon(b->qs);
-}
-
-static Int32x unpack_q5_0_neon(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ5_0 *b = (const BlockQ5_0 *)block;
-    *d = fp16_to_f32(b->d), *m = 0;
-    return offset_neon(add_high_bits_neon(nibbles_neon(b->qs), b->qh), 16);
-}
-
-static Int32x unpack_q5_1_neon(const uint8_t *block, float *d, float *m)
-{
-    const BlockQ5_1 *b = (const BlockQ5_1 *)block;
-    *d = fp16_to_f32(b->d), *m = fp16_to_f32(b->m);
-    return add_high_bits_neon(nibbles_neon(b->qs), b->qh);
-}
-
-/* A 32-element type's dot product, decode GEMV and prefill tile in a NEON
-   set, from its unpacker and the set's 32-product sum isum. */
-#define INT32_KERNELS_NEON(name, Block, has_min, set, isum)                                                      \
-    static float dot_##name##_##set(const void *w, const void *x, int n)                                         \
-    {                                                                                                            \
-        float out;                                                                                               \
-        tile32_neon(w, 0, x, 0, n, &out, sizeof(Block), unpack_##name##_neon, isum, has_min, 1, 1);              \
-        return out;                                                                                              \
-    }                                                                                                            \
-    static void gemv_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                            \
-        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, isum, has_min, GEMV_ROWS, 1);     \
-    }                                                                                                            \
-    static void tile_##name##_##set(const uint8_t *w, size_t ws, const uint8_t *x, size_t xs, int n, float *out) \
-    {                                                                                                            \
-        tile32_neon(w, ws, x, xs, n, out, sizeof(Block), unpack_##name##_neon, isum, has_min, TILE_ROWS, TILE_TOKS); \
+    _Static_assert(PACK_TOKS_128 == 4, "1 to 3 tokens are left at most");
+    for (int quarter = 0; quarter < 4; quarter++) {
+        int t0 = 0; /* every pass's token count a constant, so the sums stay in registers */
+        for (; t0 + PACK_TOKS_128 <= T; t0 += PACK_TOKS_128)
+            packed32_128(group, n, x + t0 * xs, xs, PACK_TOKS_128, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4);
+        switch (T - t0) {
+        case 3: packed32_128(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        case 2: packed32_128(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        case 1: packed32_128(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, quarter, bits, offset, has_min, dot4); break;
+        }
     }
-INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0, neon, isum32_neon)
-INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1, neon, isum32_neon)
-INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0, neon, isum32_neon)
-INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, neon, isum32_neon)
-INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, neon, isum32_neon)
+}
+
+/* q8_0's offset is taken where its bytes become signed: 0 here. */
+PACKED_KERNEL(q4_0, neon, packed32_neon, 4, 8, 0, dot4_neon)
+PACKED_KERNEL(q4_1, neon, packed32_neon, 4, 0, 1, dot4_neon)
+PACKED_KERNEL(q5_0, neon, packed32_neon, 5, 16, 0, dot4_neon)
+PACKED_KERNEL(q5_1, neon, packed32_neon, 5, 0, 1, dot4_neon)
+PACKED_KERNEL(q8_0, neon, packed32_neon, 8, 0, 0, dot4_neon)
 
 /* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
    with 4 floats per vector and 32 registers: 4 x 4 scores, each summed
@@ -9151,17 +8519,13 @@ NEON_INLINE int32x4_t sdot_asm(int32x4_t acc, int8x16_t a, int8x16_t b)
 }
 #define vdotq_s32 sdot_asm
 #endif
-NEON_INLINE int32_t isum32_sdot(Int32x q, const int8_t *x)
-{
-    int32x4_t s = vdotq_s32(vdupq_n_s32(0), q.lo, vld1q_s8(x));
-    return vaddvq_s32(vdotq_s32(s, q.hi, vld1q_s8(x + 16)));
-}
+NEON_INLINE int32x4_t dot4_sdot(int32x4_t acc, int8x16_t w, int8x16_t a) { return vdotq_s32(acc, w, a); }
 
-INT32_KERNELS_NEON(q4_0, BlockQ4_0, 0, sdot, isum32_sdot)
-INT32_KERNELS_NEON(q4_1, BlockQ4_1, 1, sdot, isum32_sdot)
-INT32_KERNELS_NEON(q5_0, BlockQ5_0, 0, sdot, isum32_sdot)
-INT32_KERNELS_NEON(q5_1, BlockQ5_1, 1, sdot, isum32_sdot)
-INT32_KERNELS_NEON(q8_0, BlockQ8_0, 0, sdot, isum32_sdot)
+PACKED_KERNEL(q4_0, sdot, packed32_neon, 4, 8, 0, dot4_sdot)
+PACKED_KERNEL(q4_1, sdot, packed32_neon, 4, 0, 1, dot4_sdot)
+PACKED_KERNEL(q5_0, sdot, packed32_neon, 5, 16, 0, dot4_sdot)
+PACKED_KERNEL(q5_1, sdot, packed32_neon, 5, 0, 1, dot4_sdot)
+PACKED_KERNEL(q8_0, sdot, packed32_neon, 8, 0, 0, dot4_sdot)
 
 /* The dot-product instructions, as the kernel reports them (HWCAP_ASIMDDP). */
 static int cpu_has_sdot(void)

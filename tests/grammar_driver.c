@@ -69,7 +69,7 @@ static int sample_runs(int argc, char **argv)
     build_trie(&jc.trie, m.tok, m.c.vocab_size);
     int runs = atoi(argv[2]), n_predict = atoi(argv[3]);
     Tokens prompt = {0};
-    tokenize_prompt(&m, argv[4], strlen(argv[4]), 1, 0, NULL, &prompt);
+    tokenize_prompt(&m, argv[4], strlen(argv[4]), 1, 0, NULL, 0, &prompt);
     RunState s;
     int seq_len = prompt.n + n_predict + VERIFY_MAX_TOKENS;
     build_state(&s, &m, seq_len, usable_cpus(), T_F16);

@@ -170,7 +170,9 @@ def test_model_truncated():
 
 
 def test_model_bad_version():
-    expect_file_error(lambda b: mf.put(b, "version", 2), "version 2", name="version2")
+    expect_file_error(lambda b: mf.put(b, "version", 3), "version 3", name="version3")
+    # a version-1 file (matrices stored as rows): the message says what to do
+    expect_file_error(lambda b: mf.put(b, "version", 1), "version 1", "re-export", name="version1")
 
 
 def test_model_unsupported_architecture():
@@ -297,11 +299,62 @@ def test_tensor_missing():
 
 
 def test_tensor_wrong_shape():
-    def patch(b):   # 32x64 Q8_0 and 64x32 Q8_0 take the same bytes: only the shape is wrong
-        mf.entry_put(b, "layers.0.w2", "rows", 64)
-        mf.entry_put(b, "layers.0.w2", "cols", 32)
+    def patch(b):   # w2 written as a 64x32 packed matrix (its own size): only the shape is wrong
+        out = []
+        for t in mf.tensors(b):
+            data = b[t.offset:t.offset + t.size]
+            if t.name == "layers.0.w2":
+                assert (t.rows, t.cols) == (32, 64), (t.rows, t.cols)
+                data = mf.pack(t.type, 64, 32, mf.rows_of(b, t))
+                out.append((t.name, t.type, 64, 32, data, t.layout))
+            else:
+                out.append((t.name, t.type, t.rows, t.cols, data, t.layout))
+        return mf.relayout(b, out)
     msg = expect_file_error(patch, "layers.0.w2", "64x32", name="tensor-shape")
     assert "32x64" in msg, msg
+
+
+def test_packed_matrix_size_disagrees_with_its_shape():
+    """A packed matrix one group short (truncated), one record short per group, or with a group too many:
+    its size disagrees with its shape; refused naming the tensor, before any token."""
+    def resize(delta):
+        def patch(b):
+            out = [(t.name, t.type, t.rows, t.cols, b[t.offset:t.offset + t.size] if t.name != "layers.0.wo"
+                    else b[t.offset:t.offset + t.size + min(0, delta)] + bytes(max(0, delta)), t.layout)
+                   for t in mf.tensors(b)]
+            return mf.relayout(b, out)
+        return patch
+    t = mf.tensor(tiny_model().read_bytes(), "layers.0.wo")
+    assert t.layout == mf.LAYOUT_PACKED, "the tiny model's wo should be packed"
+    group = mf.group_bytes(t.type, t.cols)
+    for delta, name in ((-group, "group-short"), (group, "group-more"), (-(group // 2), "record-short")):
+        msg = expect_file_error(resize(delta), "layers.0.wo", "size", "packed", name=f"packed-{name}")
+        assert str(t.size + delta) in msg, msg
+
+
+def test_matrix_stored_as_rows_or_vector_packed():
+    """A matrix whose entry says rows (layout 0) is refused with the advice to re-export; a norm marked
+    packed is refused too; an unknown layout value is refused."""
+    def as_rows(b):
+        out = []
+        for t in mf.tensors(b):
+            if t.name == "layers.0.w2":
+                out.append((t.name, t.type, t.rows, t.cols, mf.rows_of(b, t), mf.LAYOUT_ROWS))
+            else:
+                out.append((t.name, t.type, t.rows, t.cols, b[t.offset:t.offset + t.size], t.layout))
+        return mf.relayout(b, out)
+    expect_file_error(as_rows, "layers.0.w2", "re-export", name="matrix-as-rows")
+    def norm_packed(b):
+        out = []
+        for t in mf.tensors(b):
+            data = b[t.offset:t.offset + t.size]
+            if t.name == "norm":
+                out.append((t.name, t.type, t.rows, t.cols, mf.pack(t.type, t.rows, t.cols, data), mf.LAYOUT_PACKED))
+            else:
+                out.append((t.name, t.type, t.rows, t.cols, data, t.layout))
+        return mf.relayout(b, out)
+    expect_file_error(norm_packed, "norm", "packed", name="norm-packed")
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "layout", 5), "norm", "layout 5", name="entry-layout")
 
 
 def test_norm_not_f32():
@@ -408,13 +461,15 @@ def test_reserved_and_padding_bytes_are_zero():
     def tok_reserved(b):
         b[mf.get(b, "tok_offset") + 50] = 7
     expect_file_error(tok_reserved, "tokenizer section", "reserved byte 50", name="tok-reserved")
-    expect_file_error(lambda b: mf.entry_put(b, "norm", "reserved", 5), "norm", "reserved", name="entry-reserved")
-    emb = mf.tensor(tiny_model().read_bytes(), "tok_embeddings")
-    assert emb.size % 64, "the test needs padding after tok_embeddings"
+    # The tiny model's tensors all fill whole cache lines (no padding between them); the padding after the
+    # tokenizer section goes through the same check (check_padding) as the padding before a tensor.
+    base = tiny_model().read_bytes()
+    tok_end, table = mf.get(base, "tok_offset") + mf.get(base, "tok_size"), mf.get(base, "table_offset")
+    assert tok_end < table, "the test needs padding after the tokenizer section"
 
     def padding(b):
-        b[emb.offset + emb.size] = 1
-    expect_file_error(padding, f"padding byte {emb.offset + emb.size}", name="padding")
+        b[tok_end] = 1
+    expect_file_error(padding, f"padding byte {tok_end}", "tensor table", name="padding")
 
 
 def test_nan_weights_give_an_error_not_garbage():

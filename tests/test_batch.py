@@ -368,3 +368,203 @@ def test_json_and_schema_fields_match_the_single_request_mode():
     complete = recs[0]["finish"] == "stop"  # exit 1 when a value is left incomplete
     assert code == (0 if complete else 1) and recs[0]["text"] == single and recs[1]["text"] == alone(model(), "Hello", 6), \
         (code, recs, err)
+
+
+# --- hardening, round three (issue 23): each test below failed on the code before it -----------------
+
+def test_json_line_with_n_0_counts_as_failed():
+    """A "json" or "schema" line with "n": 0 generates no value: "json_complete": false and exit 1, as
+    single mode's `-n 0 --json` exits 1; a plain "n": 0 line stays a success."""
+    reqs = [{"prompt": "hi", "n": 0, "json": True}, {"prompt": "hi", "n": 0, "schema": {"type": "object"}}]
+    for req in reqs:
+        code, recs, err = batch(write_lines("n0-json.jsonl", [req]), "-t", "0")
+        assert code == 1 and recs[0]["json_complete"] is False and recs[0]["tokens"] == 0, (req, code, recs, err)
+    code, recs, err = batch(write_lines("n0-flag.jsonl", [{"prompt": "hi", "n": 0}]), "-t", "0", "--json")
+    assert code == 1 and recs[0]["json_complete"] is False, (code, recs, err)
+    code, recs, err = batch(write_lines("n0-plain.jsonl", [{"prompt": "hi", "n": 0}]), "-t", "0")
+    assert code == 0 and "json_complete" not in recs[0], (code, recs, err)
+    single = run([model(), "-t", "0", "-n", "0", "--json", "-i", "hi"])
+    assert single.returncode == 1, single.stderr  # the mode batch must agree with
+
+
+def chatml(system: bytes, user: bytes) -> bytes:
+    """SmolLM2's chat template (ChatML) around one user turn, written out by hand."""
+    return (b"<|im_start|>system\n" + system + b"<|im_end|>\n<|im_start|>user\n" + user +
+            b"<|im_end|>\n<|im_start|>assistant\n")
+
+
+def tokenized(text: bytes) -> list[int]:
+    """The ids of text, control-token texts parsed (a prompt on stdin loses one final newline: add one)."""
+    r = run([model(), "--tokenize", "--special"], stdin=text + b"\n")
+    assert r.returncode == 0, r.stderr
+    return [int(x) for x in r.stdout.split()]
+
+
+def ids_lines(err: str) -> dict[int, list[int]]:
+    got = {}
+    for line in err.splitlines():
+        m = re.fullmatch(r"ids \(line (\d+)\): ([\d ]+)", line)
+        if m:
+            got[int(m.group(1))] = [int(x) for x in m.group(2).split()]
+    return got
+
+
+def test_print_prompt_ids_shows_each_line():
+    """--print-prompt-ids with --batch prints each line's prompt ids (it was silently ignored): what the
+    hand-written template, or the plain text, tokenizes to."""
+    reqs = [{"prompt": "What is 2+2?", "chat": True, "system": "Be brief.", "n": 2}, "The capital of France is",
+            {"prompt": "", "n": 2}, {"prompt": "Hi", "n": 0}]
+    code, recs, err = batch(write_lines("ids.jsonl", reqs), "-t", "0", "-n", "2", "--print-prompt-ids")
+    assert code == 1, (code, err)  # line 3: the prompt is empty
+    got = ids_lines(err)
+    want = {1: tokenized(chatml(b"Be brief.", b"What is 2+2?")), 2: tokenized(b"The capital of France is"),
+            4: tokenized(b"Hi")}
+    assert got == want, (got, want, err)
+    assert [r["prompt_tokens"] for r in recs if "error" not in r] == [len(want[k]) for k in (1, 2, 4)], recs
+
+
+def test_system_keeps_every_byte():
+    """A "system" string with \\u0000 keeps the NUL and what follows (it was cut there), as "prompt" does."""
+    line = {"prompt": "hi", "chat": True, "system": "You are\u0000 a pirate.", "n": 1}
+    code, recs, err = batch(write_lines("system-nul.jsonl", [line]), "-t", "0", "--print-prompt-ids")
+    want = tokenized(chatml(b"You are\x00 a pirate.", b"hi"))
+    cut = tokenized(chatml(b"You are", b"hi"))
+    assert len(want) > len(cut), (want, cut)  # the check can tell the two apart
+    assert code == 0 and recs[0]["prompt_tokens"] == len(want), (code, recs, len(want), len(cut), err)
+    assert ids_lines(err) == {1: want}, err
+
+
+def test_endless_input_ends_the_batch():
+    """`--batch - < /dev/zero` ran forever; now line 1's record comes out and the batch stops, naming why."""
+    with open("/dev/zero", "rb") as zero:
+        r = subprocess.run([str(RUN), model(), "--batch", "-", "-t", "0", "-n", "2"], stdin=zero, capture_output=True,
+                           timeout=120)
+    recs = [json.loads(x) for x in r.stdout.decode().splitlines()]
+    err = r.stderr.decode().splitlines()
+    assert r.returncode == 1 and len(recs) == 1 and "longer than the context can hold" in recs[0]["error"], (r.returncode, recs)
+    assert len(err) == 1 and re.fullmatch(r"run: line 1 of the --batch input on stdin runs on past \d+ bytes without a "
+                                          r"newline: the input after it was not read", err[0]), err
+    # a too long line that does end is skipped, and the lines after it run
+    data = b"Hello\n" + b"x" * 5_000_000 + b"\nThe capital of France is\n"
+    code, recs, err = batch("-", "-t", "0", "-n", "3", stdin=data)
+    assert code == 1 and [("error" in r) for r in recs] == [False, True, False], (code, recs, err)
+    assert recs[2]["text"] == alone(model(), "The capital of France is", 3) and err == "", (recs, err)
+
+
+def test_bom_and_blanks_before_the_brace_still_mean_json():
+    """A UTF-8 BOM opening the input, and blanks before "{", made the JSON line a plain prompt (its id, n
+    ignored); now the line is read as JSON. A BOM before plain text is not part of the prompt."""
+    bom = b"\xef\xbb\xbf"
+    data = (bom + b'{"prompt": "The capital of France is", "n": 3, "id": "a"}\n'
+            b' \t {"prompt": "Hi", "n": 2, "id": "b"}\n'
+            b'\t{"prompt": "x", "n": 2, "id": "c",}\n')
+    code, recs, err = batch("-", "-t", "0", stdin=data)
+    assert [r["id"] for r in recs] == ["a", "b", 3], recs
+    assert recs[0]["text"] == alone(model(), "The capital of France is", 3) and recs[1]["tokens"] == 2, recs
+    assert "not valid JSON" in recs[2]["error"] and code == 1, recs
+    code, recs, err = batch("-", "-t", "0", "-n", "3", stdin=bom + b"The capital of France is\n")
+    assert code == 0 and recs[0]["text"] == alone(model(), "The capital of France is", 3), recs
+    assert recs[0]["prompt_tokens"] == len(tokenized(b"The capital of France is")), recs
+
+
+def test_id_numbers_echo_exactly_or_are_refused():
+    """An id number is echoed exactly as written; one a reader would take as infinity (1e400) or as 0
+    though it is not 0 (0.1e-999, which was echoed) is refused."""
+    ids = ["1e400", "0.1e-999", "1e-400", "-0.0e-999", "1e-310", "12345678901234567890.50", "-7"]
+    lines = [f'{{"prompt": "hi", "n": 1, "id": {x}}}' for x in ids]
+    code, recs, err = batch(write_lines("ids-num.jsonl", lines), "-t", "0")
+    out = [r.split('"id": ', 1)[1].split(",", 1)[0] for r in
+           run([model(), "--batch", WORK / "ids-num.jsonl", "-t", "0"]).stdout.decode().splitlines()]
+    assert code == 1, code
+    assert "error" in recs[0] and "out of the range of a double" in recs[0]["error"], recs[0]
+    for i in (1, 2):
+        assert recs[i]["id"] == i + 1 and "is too small for a double" in recs[i]["error"], recs[i]
+    assert out[3:] == ids[3:] and all("text" in r for r in recs[3:]), (out, recs)
+
+
+def test_stdin_directory_and_closed_stdin_read_alike():
+    """A directory as stdin and a closed stdin got differently worded messages."""
+    d = os.open("/", os.O_RDONLY)
+    try:
+        a = subprocess.run([str(RUN), model(), "--batch", "-"], stdin=d, capture_output=True, timeout=60)
+    finally:
+        os.close(d)
+    b = subprocess.run([str(RUN), model(), "--batch", "-"], stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                       preexec_fn=lambda: os.close(0))
+    assert a.stderr.decode() == "run: cannot read the --batch input on stdin: Is a directory\n" and a.returncode == 1, a
+    assert b.stderr.decode() == "run: cannot read the --batch input on stdin: Bad file descriptor\n" and b.returncode == 1, b
+
+
+def screen_lines(raw: bytes) -> list[str]:
+    """What a terminal shows for raw output: \\r returns to the line's start, ESC [K clears to its end."""
+    lines, cur, col = [], [], 0
+    text = raw.decode(errors="replace").replace("\r\n", "\n")
+    i = 0
+    while i < len(text):
+        if text.startswith("\033[K", i):
+            del cur[col:]
+            i += 3
+            continue
+        c = text[i]
+        i += 1
+        if c == "\n":
+            lines.append("".join(cur))
+            cur, col = [], 0
+        elif c == "\r":
+            col = 0
+        else:
+            cur[col:col + 1] = [c]
+            col += 1
+    return lines + (["".join(cur)] if cur else [])
+
+
+def test_records_never_share_a_terminal_line_with_the_progress_text():
+    """With stdout and stderr on one terminal, a record was printed after the progress text on its line."""
+    import pty
+    path = write_lines("tty.txt", ["The capital of France is", "Hello", "The capital of Japan is"])
+    master, slave = pty.openpty()
+    p = subprocess.Popen([str(RUN), model(), "--batch", path, "-t", "0", "-n", "24", "--parallel", "1"],
+                         stdout=slave, stderr=slave, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    raw = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the other end closed
+            break
+        if not chunk:
+            break
+        raw += chunk
+    p.wait(timeout=120)
+    os.close(master)
+    assert p.returncode == 0, raw
+    shown = screen_lines(raw)
+    recs = [line for line in shown if '{"id"' in line]
+    assert len(recs) == 3 and all(json.loads(line)["id"] == i for i, line in enumerate(recs, 1)), shown
+    assert any(line.startswith("batch: 3/3 done") for line in shown), shown
+
+
+def test_one_json_line_takes_a_bounded_multiple_of_its_bytes():
+    """A 3 MB line of [0,0,...] under an unknown field raised peak RSS by ~49 bytes per byte of the line;
+    the JSON reader now takes at most 16 per byte (and 64 KiB), refuses the line for it, and the rise stays
+    under 20x the line, room for the line's own buffers. A sanitizer build's RSS (redzones, quarantined
+    blocks) says nothing about the reader's allocations: there only the refusal is checked."""
+    small = write_lines("mem-small.jsonl", ['{"prompt": "hi", "foo": [0]}'])
+    big = WORK / "mem-big.jsonl"
+    big.write_text('{"prompt": "hi", "foo": [' + ",".join(["0"] * 1_500_000) + "]}\n")
+    peaks = []
+    for path in (small, big):
+        p = subprocess.Popen([str(RUN), model(), "--batch", path, "-t", "0", "-n", "1"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        out, err = p.stdout.read(), p.stderr.read()
+        _, status, usage = os.wait4(p.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 1 and b'"error"' in out, (out, err)
+        peaks.append(usage.ru_maxrss * 1024)  # ru_maxrss is in KiB on Linux
+    assert b"too many values for the length of the text" in out, out[:300]
+    if b"__asan_init" in RUN.read_bytes():
+        print("sanitizer build: the refusal checked, not the RSS")
+        return
+    rise = peaks[1] - peaks[0]
+    assert rise < 20 * big.stat().st_size, f"peak RSS rose by {rise / big.stat().st_size:.1f} bytes per byte of the line"
+    print(f"a {big.stat().st_size / 1e6:.1f} MB line raised peak RSS by {rise / 1e6:.1f} MB "
+          f"({rise / big.stat().st_size:.1f} bytes per byte)")

@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import math
 import os
 import shutil
 import signal
@@ -25,6 +26,9 @@ from pathlib import Path
 import numpy as np
 
 from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import modelfile  # noqa: E402
 
 EXPORT = ROOT / "export.py"
 WORK = SCRATCH / "export_errors"
@@ -103,15 +107,18 @@ def gguf_value(vtype: int, value) -> bytes:
 
 
 def gguf_bytes(kvs: list, tensors: list, *, n_kv: int | None = None, n_tensors: int | None = None,
-               magic: bytes = b"GGUF", version: int = 3, align: int = 32) -> bytes:
-    """kvs: [(key, vtype, value)]; tensors: [(name, ne, ggml_type, data bytes)] (offsets computed)."""
+               magic: bytes = b"GGUF", version: int = 3, align: int = 32, offsets: dict | None = None) -> bytes:
+    """kvs: [(key, vtype, value)]; tensors: [(name, ne, ggml_type, data bytes)] (offsets computed as
+    docs/gguf.md lays them out: in table order, each padded to `align`). `offsets` {table index: offset}
+    overrides the offset written in those entries (the data stays where the layout puts it)."""
     out = bytearray(magic + struct.pack("<IQQ", version, len(tensors) if n_tensors is None else n_tensors,
                                         len(kvs) if n_kv is None else n_kv))
     for key, vtype, value in kvs:
         out += gguf_str(key) + struct.pack("<I", vtype) + gguf_value(vtype, value)
     offset = 0
-    for name, ne, ttype, data in tensors:
-        out += gguf_str(name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, ttype, offset)
+    for i, (name, ne, ttype, data) in enumerate(tensors):
+        written = (offsets or {}).get(i, offset)
+        out += gguf_str(name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, ttype, written)
         offset += len(data) + (-len(data)) % align
     out += bytes((-len(out)) % align)
     for *_, data in tensors:
@@ -337,9 +344,9 @@ def test_untied_output_head() -> None:
     assert struct.unpack_from("<I", a, 56)[0] & 1 == 0, "tied flag set on an untied model"
     assert struct.unpack_from("<I", a, 68)[0] == 1 + 6 * LAYERS + 2
     table = struct.unpack_from("<Q", a, 88)[0] + 80 * (1 + 6 * LAYERS + 1)
-    name, ttype, rows, cols, _, off, size = struct.unpack_from("<48sIIIIQQ", a, table)
-    assert (name.rstrip(b"\0"), ttype, rows, cols) == (b"output", 0, VOCAB, DIM)
-    assert a[off:off + size] == head.tobytes()
+    name, ttype, rows, cols, layout, off, size = struct.unpack_from("<48sIIIIQQ", a, table)
+    assert (name.rstrip(b"\0"), ttype, rows, cols, layout) == (b"output", 0, VOCAB, DIM, modelfile.LAYOUT_PACKED)
+    assert modelfile.unpack(ttype, rows, cols, a[off:off + size]) == head.tobytes()
 
 
 def test_real_gguf_header_is_parsed() -> None:
@@ -715,13 +722,26 @@ def test_unknown_tensor_type() -> None:
     expect_failure(write_gguf("type99.gguf", gguf_bytes(gguf_kvs(), tensors)), name, "99")
 
 
+# valid ggml types that export.py cannot decode: name -> (ggml id, elements per block, bytes per block),
+# from ggml's ggml.h / ggml-common.h (block_iq4_nl, block_mxfp4; F64, I8, I32 are plain arrays)
+UNDECODABLE = {"IQ4_NL": (20, 32, 18), "MXFP4": (39, 32, 17), "F64": (28, 1, 8), "I8": (24, 1, 1), "I32": (26, 1, 4)}
+
+
 def test_undecodable_tensor_type() -> None:
-    """IQ4_NL is a valid ggml type (32-element, 18-byte blocks) that export.py cannot decode."""
-    tensors = gguf_tensors(hf_weights())
-    i = next(k for k, t in enumerate(tensors) if t[0] == "blk.1.attn_q.weight")
-    name, ne, _, _ = tensors[i]
-    tensors[i] = (name, ne, 20, bytes(ne[0] // 32 * 18 * ne[1]))
-    expect_failure(write_gguf("iq4nl.gguf", gguf_bytes(gguf_kvs(), tensors)), "blk.1.attn_q.weight", "IQ4_NL")
+    """A matrix (blk.1.attn_q.weight) or a norm in a valid ggml type that export.py cannot decode, under
+    --dtype keep and q8_0: refused naming the tensor and the type, as unsupported, with no --dtype advice
+    (export.py once told IQ4_NL files that `--dtype q8_0` converts them, which then failed: every --dtype
+    needs the values). The advice it does give (Q3_K, test_export_types) is followed there."""
+    for tname, (tid, block, size) in UNDECODABLE.items():
+        for target in ("blk.1.attn_q.weight", "blk.0.ffn_norm.weight"):
+            tensors = gguf_tensors(hf_weights())
+            i = next(k for k, t in enumerate(tensors) if t[0] == target)
+            name, ne, _, _ = tensors[i]
+            tensors[i] = (name, ne, tid, bytes(math.prod(ne) // block * size))
+            src = write_gguf(f"undecodable_{tname}.gguf", gguf_bytes(gguf_kvs(), tensors))
+            for dtype in ("keep", "q8_0"):
+                line = expect_failure(src, f"'{target}'", tname, "not support", extra=("--dtype", dtype))
+                assert "--dtype" not in line, f"{tname} ({dtype}): the message suggests a --dtype: {line}"
 
 
 def test_missing_tensor() -> None:
@@ -759,6 +779,41 @@ def test_tensor_offset_past_eof() -> None:
     expect_failure(write_gguf("offset.gguf", bytes(data)), "output_norm.weight", "past the end")
 
 
+def test_tensor_offsets_must_follow_the_layout() -> None:
+    """GGUF tensor data follows the table order, each tensor at the previous one's end padded to
+    general.alignment (ggml's gguf.cpp refuses anything else: "tensor 'X' has offset N, expected M").
+    Every damaged offset below stays inside the file, so only that rule can catch it: one offset of 4
+    (misaligned), every offset 0 (all tensors read the first one's bytes), two same-size tensors with
+    their offsets swapped (aligned, in bounds, out of order), a gap of one alignment unit, an offset
+    inside the previous tensor's data."""
+    tensors = gguf_tensors(hf_weights())
+    layout, at = [], 0
+    for _, _, _, data in tensors:
+        layout.append(at)
+        at += len(data) + (-len(data)) % 32
+    norms = [i for i, t in enumerate(tensors) if t[0].endswith("attn_norm.weight")]
+    mid = len(tensors) // 2
+    cases = {
+        "four": ({3: 4}, tensors[3][0], "offset 4, expected", "alignment 32"),
+        "zeros": ({i: 0 for i in range(len(tensors))}, tensors[1][0], "offset 0, expected", "overlapping"),
+        "swapped": ({norms[0]: layout[norms[1]], norms[1]: layout[norms[0]]}, tensors[norms[0]][0], "expected", "gap"),
+        "gap": ({mid: layout[mid] + 32}, tensors[mid][0], f"offset {layout[mid] + 32}, expected {layout[mid]}", "gap"),
+        "inside": ({mid: layout[mid] - 32}, tensors[mid][0], f"expected {layout[mid]}", "overlapping"),
+    }
+    for label, (offsets, name, *words) in cases.items():
+        expect_failure(write_gguf(f"offsets_{label}.gguf", gguf_bytes(gguf_kvs(), tensors, offsets=offsets)),
+                       f"'{name}'", *words)
+    same = write_gguf("offsets_same.gguf", gguf_bytes(gguf_kvs(), tensors, offsets={3: layout[3]}))
+    expect_success(same, WORK / "offsets_same.bin")   # the control: the same offsets written explicitly
+
+
+def test_alignment_must_be_uint32() -> None:
+    """general.alignment is a uint32 (docs/gguf.md; gguf.cpp refuses another type): a uint64 32 is refused."""
+    kvs = gguf_kvs(extra=[("general.alignment", 10, 32)])
+    expect_failure(write_gguf("align_u64.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "general.alignment",
+                   "uint64", "uint32")
+
+
 def test_wrong_metadata_type() -> None:
     kvs = [kv if kv[0] != "llama.block_count" else (kv[0], STR, "two") for kv in gguf_kvs()]
     expect_failure(write_gguf("kvtype.gguf", gguf_bytes(kvs, gguf_tensors(hf_weights()))), "llama.block_count")
@@ -772,6 +827,21 @@ def test_rope_scaling_refused() -> None:
 def test_unknown_pre_tokenizer() -> None:
     expect_failure(write_gguf("pre.gguf", gguf_bytes(gguf_kvs(pre="no-such-pre"), gguf_tensors(hf_weights()))),
                    "pre-tokenizer", "no-such-pre")
+
+
+def test_add_sep_refused() -> None:
+    """add_sep (a SEP token after the text), which llama.cpp sets for roberta-bpe and reads from
+    tokenizer.ggml.add_sep_token for any name, is not implemented: refused; roberta-bpe whose file turns it
+    off is gpt-2's splitter and exports like gpt-2."""
+    weights = gguf_tensors(hf_weights())
+    sep_on = gguf_kvs(pre="gpt-2", extra=[("tokenizer.ggml.add_sep_token", BOOL, True)])
+    expect_failure(write_gguf("sep_on.gguf", gguf_bytes(sep_on, weights)), "'gpt-2'", "add_sep")
+    expect_failure(write_gguf("sep_roberta.gguf", gguf_bytes(gguf_kvs(pre="roberta-bpe"), weights)), "'roberta-bpe'",
+                   "add_sep")
+    sep_off = gguf_kvs(pre="roberta-bpe", extra=[("tokenizer.ggml.add_sep_token", BOOL, False)])
+    a = expect_success(write_gguf("sep_off.gguf", gguf_bytes(sep_off, weights)), WORK / "sep_off.bin")
+    b = expect_success(write_gguf("sep_gpt2.gguf", gguf_bytes(gguf_kvs(pre="gpt-2"), weights)), WORK / "sep_gpt2.bin")
+    assert a == b, "roberta-bpe without add_sep exports differently from gpt-2"
 
 
 def test_merge_not_in_vocab() -> None:

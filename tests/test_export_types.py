@@ -113,8 +113,11 @@ def unpermute(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def our_tensors(path: Path) -> dict[str, tuple[int, bytes]]:
+    """Our file's tensors as rows of ggml blocks: a packed matrix turned back into rows by tests/fuzz/modelfile.py
+    (written from README.md's "Packed matrices", independently of export.py), so that comparing them with the
+    GGUF's bytes also checks that packing loses nothing."""
     buf = path.read_bytes()
-    return {t.name: (t.type, buf[t.offset:t.offset + t.size]) for t in modelfile.tensors(buf)}
+    return {t.name: (t.type, modelfile.rows_of(buf, t)) for t in modelfile.tensors(buf)}
 
 
 FLAG_SPLIT = 32   # README "The model file": Q, K, V and gate, up stored as tensors of their own
@@ -396,13 +399,17 @@ def _types(model: Path) -> dict[str, str]:
 
 
 def _mix_expectation(cfg: ms.SynthConfig, more_bits: set[int], base: str, big: str, head: str) -> dict[str, str]:
+    """llama.cpp's _M mix as llama_tensor_get_type states it: `head` for the output head (or the tied
+    embedding), `big` for attn_v and ffn_down on the use_more_bits layers, `base` elsewhere. attn_v then
+    differs from attn_q and attn_k on those layers, so the file is split (wq, wk, wv; w1, w3)."""
     want = {"tok_embeddings": head if cfg.tied else base, "norm": "F32"}
     if not cfg.tied:
         want["output"] = head
     for n in range(cfg.n_layers):
         p = f"layers.{n}."
-        want.update({p + "attn_norm": "F32", p + "ffn_norm": "F32", p + "wo": base, p + "w13": base,
-                     p + "wqkv": big if n in more_bits else base, p + "w2": big if n in more_bits else base})
+        want.update({p + "attn_norm": "F32", p + "ffn_norm": "F32", p + "wo": base, p + "wq": base, p + "wk": base,
+                     p + "wv": big if n in more_bits else base, p + "w1": base, p + "w3": base,
+                     p + "w2": big if n in more_bits else base})
     return want
 
 
@@ -412,7 +419,7 @@ def test_mix_rules_k_types():
         got = _types(export_ok(gguf, WORK / f"mix_{dtype}.bin", "--dtype", dtype))
         want = _mix_expectation(K_CONFIG, MORE_BITS_8, base, "Q6_K", "Q6_K")
         bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
-        assert not bad, f"{dtype}: (got, expected) {bad}"
+        assert not bad and set(got) == set(want), f"{dtype}: (got, expected) {bad}, names {set(got) ^ set(want)}"
     tied = replace(K_CONFIG, tied=True, seed=78)
     got = _types(export_ok(synthetic_gguf("mix_tied", tied), WORK / "mix_tied.bin", "--dtype", "q4_k_m"))
     assert got["tok_embeddings"] == "Q6_K", got["tok_embeddings"]
@@ -425,14 +432,15 @@ def test_mix_rules_fall_back_when_rows_are_not_multiples_of_256():
         got = _types(export_ok(gguf, WORK / f"small_{dtype}.bin", "--dtype", dtype))
         want = _mix_expectation(cfg, MORE_BITS_3, base, big, "Q8_0")
         bad = {k: (got.get(k), v) for k, v in want.items() if got.get(k) != v}
-        assert not bad, f"{dtype}: (got, expected) {bad}"
+        assert not bad and set(got) == set(want), f"{dtype}: (got, expected) {bad}, names {set(got) ^ set(want)}"
     got = _types(export_ok(gguf, WORK / "small_q6_k.bin", "--dtype", "q6_k"))
     assert set(got.values()) == {"F32", "Q8_0"}, set(got.values())
 
 
 def test_plain_32_element_types_are_byte_identical_to_gguf_quantizers():
-    """Whole files: every matrix equals the `gguf` package's quantization of the weights (HF row order);
-    q4_0 / q4_1 keep the (tied) embedding at Q8_0."""
+    """Whole files: every matrix equals the `gguf` package's quantization of the weights (HF row order). The
+    tied embedding is the output head: llama.cpp makes it Q6_K, which on these 96-element rows falls back
+    to Q8_0."""
     cfg = ms.SynthConfig()
     weights = ms.make_weights(cfg)
     gguf = synthetic_gguf("plain_f32", cfg)
@@ -447,7 +455,7 @@ def test_plain_32_element_types_are_byte_identical_to_gguf_quantizers():
     for dtype in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"):
         ours = our_tensors(export_ok(gguf, WORK / f"plain_{dtype}.bin", "--dtype", dtype))
         for name, hf in by_ours.items():
-            t = "Q8_0" if name == "tok_embeddings" and dtype in ("q4_0", "q4_1") else dtype.upper()
+            t = "Q8_0" if name == "tok_embeddings" else dtype.upper()
             w = np.concatenate([weights[h] for h in hf]) if isinstance(hf, list) else weights[hf]
             want = gguf_quantize(w, QT[t]).tobytes()
             got_type, got = ours[name]
@@ -474,28 +482,27 @@ def test_plain_k_types_match_the_transcription():
 
 
 def test_mix_rules_reproduce_llama_cpp_gemma3_q4_k_m():
-    """models/gemma3-270m-q4_k_m.gguf was written by llama.cpp's quantizer: its per-tensor types are the
-    oracle for q4_k_m's rules (18 layers, row lengths 640 and 1024 and 2048, so both the Q6_K layers and the
-    fallbacks show). attn_v and ffn_down map to our wqkv and w2, attn_output to wo, gate/up to w13; attn_q and
-    attn_k are left out: in our fused wqkv they follow attn_v's rule (the stated difference)."""
+    """models/gemma3-270m-q4_k_m.gguf was written by llama.cpp's quantizer: its per-tensor types are an oracle
+    for q4_k_m's rules (18 layers, row lengths 640 and 1024 and 2048, so both the Q6_K layers and the
+    fallbacks show), for every matrix: the tied token embedding, attn_q, attn_k, attn_v, attn_output,
+    ffn_gate, ffn_up, ffn_down (our roles tok_embeddings, wq, wk, wv, wo, w1, w3, w2)."""
     gguf = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make models)")
     src = {t.name: (QT(t.tensor_type).name, int(t.shape[0])) for t in GGUFReader(str(gguf)).tensors}  # shape[0]: row length
     n_layers = 1 + max(int(name.split(".")[1]) for name in src if name.startswith("blk."))
-    ours = {"attn_v": "wqkv", "ffn_down": "w2", "attn_output": "wo", "ffn_gate": "w13", "ffn_up": "w13"}
+    roles = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w1", "ffn_up": "w3",
+             "ffn_down": "w2"}
     checked, bad = 0, []
     for name, (gtype, cols) in src.items():
         parts = name.split(".")
         if name == "token_embd.weight":
-            our_name = "tok_embeddings"
-        elif len(parts) == 4 and parts[2] in ours:
-            our_name = f"layers.{parts[1]}.{ours[parts[2]]}"
+            role, layer = "tok_embeddings", 0
+        elif len(parts) == 4 and parts[2] in roles:
+            role, layer = roles[parts[2]], int(parts[1])
         else:
             continue
-        want = export.mix_type(our_name, n_layers, True, int(QT.Q4_K))
-        if cols % 256:
-            want = export.K_FALLBACK[want]
+        want = export.row_fallback(export.llama_cpp_rule(role, layer, cols, "q4_k_m", True, n_layers), cols)
         checked += 1
         if QT(want).name != gtype:
             bad.append(f"{name}: ours {QT(want).name}, llama.cpp {gtype}")
-    assert checked == 1 + 5 * n_layers, checked
+    assert checked == 1 + 7 * n_layers, checked
     assert not bad, f"{len(bad)} tensors differ: {bad[:4]}"

@@ -123,7 +123,7 @@ def transformers_llama3_factors(c: ms.SynthConfig) -> np.ndarray:
 def f32_tensor(buf: bytes, name: str) -> np.ndarray:
     t = mf.tensor(buf, name)
     assert t.type == mf.TYPE_F32, f"{name} has type {t.type}, expected F32"
-    return np.frombuffer(buf, "<f4", t.rows * t.cols, t.offset).reshape(t.rows, t.cols)
+    return np.frombuffer(mf.rows_of(buf, t), "<f4").reshape(t.rows, t.cols)   # packed matrices unpacked
 
 
 def check_header(buf: bytes, family: str, what: str) -> None:

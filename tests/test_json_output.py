@@ -458,3 +458,56 @@ def test_readme_jq_pipeline() -> None:
     out = r.stdout.decode()
     assert re.fullmatch(r"\S.* is -?\d+ years old\n", out), out
     print(f"README pipeline prints: {out.strip()}")
+
+
+def test_incomplete_value_names_what_ended_it() -> None:
+    """Issue 23: a stop string that ends the text before the value is complete is named (the message said
+    "-n"); -n running out with a stop string that never matched still says -n. The stop is the one -v reports."""
+    person = "Give a JSON object describing a person."
+    ask = ["-c", "-t", "0", "-n", "48", "--json", "-i", person]
+    r = run([model(), *ask, "--stop", ",", "-v"])
+    err = r.stderr.decode()
+    assert r.returncode == 1 and "stopped at stop string 1\n" in err, err
+    assert "run: the JSON value is incomplete: generation stopped at stop string 1 (',')\n" in err, err
+    assert b"," not in r.stdout and classify(r.stdout) == "prefix", r.stdout
+    r = run([model(), "-c", "-t", "0", "-n", "5", "--json", "-i", person, "--stop", "zzz"])
+    assert r.returncode == 1 and r.stderr.decode() == "run: the JSON value is incomplete: generation stopped at -n\n", r.stderr
+    r = run([model(), "-m", "chat", "-t", "0", "-n", "48", "--json", "--stop", ","], stdin=person.encode() + b"\n")
+    assert r.returncode == 1 and r.stderr.decode().splitlines() == [
+        "run: this answer is not a complete JSON value: generation stopped at stop string 1 (',')",
+        "run: 1 answer was not a complete JSON value"], r.stderr
+
+
+def nested_arrays(levels: int) -> dict:
+    """`levels` arrays, each of exactly one item, around an integer."""
+    schema: dict = {"type": "integer"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema, "minItems": 1, "maxItems": 1}
+    return schema
+
+
+def test_schema_depth_matches_what_generation_allows() -> None:
+    """Issue 23: output may nest 32 arrays, but a schema of 32 nested arrays was refused ("nested deeper than
+    32 levels"). 32 now generates a value 32 deep that jsonschema validates; 33 is refused."""
+    import jsonschema
+    assert MAX_DEPTH == 32, MAX_DEPTH  # the reference recognizer's (independent) bound
+    for levels in (32, 33):
+        path = SCRATCH / f"deep{levels}.schema.json"
+        path.write_text(json.dumps(nested_arrays(levels)))
+        r = run([model(), "-t", "0", "-n", "400", "--json-schema", path, "-i", "Numbers:"])
+        if levels == 33:
+            err = r.stderr.decode()
+            assert r.returncode == 2 and err.startswith("run: --json-schema ") and "nested deeper than 32 levels" in err, err
+            continue
+        assert r.returncode == 0, r.stderr
+        value = json.loads(r.stdout)
+        jsonschema.validate(value, nested_arrays(levels))
+        depth = 0
+        while isinstance(value, list):
+            value, depth = value[0], depth + 1
+        assert depth == 32 and classify(r.stdout) == "complete", r.stdout
+    line = json.dumps({"prompt": "Numbers:", "n": 400, "schema": nested_arrays(32)})
+    r = run([model(), "--batch", "-", "-t", "0"], stdin=line.encode() + b"\n")
+    rec = json.loads(r.stdout)
+    assert r.returncode == 0 and "json_complete" not in rec, rec
+    jsonschema.validate(json.loads(rec["text"]), nested_arrays(32))

@@ -3,9 +3,10 @@
 The independent source is the engine's own logits of the same tokens, fed teacher-forced through
 `./run --dump-logits` (common.dumped_logits) and turned into log-probabilities in float64 numpy here:
 - with -t 0 the records' log-probabilities are the temperature-1 log-softmax of those logits, so their sum is the
-  sequence log-likelihood of the generated ids. On SmolLM2 exported as f32 with an f32 KV cache, where batched
-  prefill and decode steps agree to ~1e-5 (measured), within 1e-4 per token; with a one-token prompt (prefill of
-  one token *is* a decode step) on the default q4_1 model, within 1e-9 (the logits are the same floats).
+  sequence log-likelihood of the generated ids. Batched prefill, decode steps and lookup's verification passes
+  give bit-identical logits (issue 26), so on the default q4_1 model the records equal the scoring within 1e-9
+  (float64 rounding of the same floats); on SmolLM2 exported as f32 with an f32 KV cache as well (within 1e-4, the
+  bound from before the paths were made identical, kept as a second model's check).
 - sampled (-t 0.7 -k 5, default -p 0.95) the records must give the distribution drawn from: softmax(logits / T)
   cut to the 5 most likely, then to the smallest prefix reaching 0.95, renormalized, recomputed here.
 Lookup decoding (on by default) must not change the records: greedy records with --lookup 8 equal --lookup 0's
@@ -95,6 +96,22 @@ def test_greedy_logprobs_sum_to_the_sequence_log_likelihood():
         assert len(recs) == 40, f"-n 40 --ignore-eos gave {len(recs)} records"
         ids = pids + [r["id"] for r in recs]
         print(f"    --lookup {lookup}: " + check_greedy(recs, teacher_forced(m, ids, len(pids), ["--kv", "f32"]), F32_TOL, 5))
+
+
+def test_logprobs_equal_teacher_forced_scoring_exactly():
+    """Issue 26: generation (batched prefill, then decode steps, with and without lookup's verification passes)
+    and teacher-forced scoring of the same ids (one batched pass) see the very same logits, so on the default
+    q4_1 model the records equal the scoring's log-softmax up to float64's rounding of those floats (1e-9),
+    and the scoring's logits equal decode steps' (--no-batch) bit for bit."""
+    m = model()
+    args = ["-i", PROMPT]
+    pids = prompt_ids(m, *args)
+    for lookup in ("0", "8"):
+        recs, _ = generate(m, *args, "-t", "0", "-n", "48", "--ignore-eos", "--logprobs", "5", "--lookup", lookup)
+        ids = pids + [r["id"] for r in recs]
+        scored = teacher_forced(m, ids, len(pids), [])
+        assert np.array_equal(scored, teacher_forced(m, ids, len(pids), ["--no-batch"])), "prefill and decode logits differ"
+        print(f"    --lookup {lookup}: " + check_greedy(recs, scored, 1e-9, 5))
 
 
 def test_greedy_one_token_prompt_is_exact_and_lookup_keeps_the_records():

@@ -27,6 +27,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import modelfile  # noqa: E402
 from common import ROOT, SCRATCH, python, run  # noqa: E402
 import make_synthetic as ms  # noqa: E402
 import ref_forward as rf  # noqa: E402
@@ -152,19 +154,25 @@ def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str
     h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
     tensors = []
     for i in range(h["n_tensors"]):
-        raw_name, ttype, rows, cols, pad, off, size = ENTRY.unpack_from(data, h["table_offset"] + i * ENTRY.size)
-        name, values = raw_name.rstrip(b"\0").decode(), np.frombuffer(data[off:off + size], dtype="<f4").reshape(rows, cols)
-        tensors += split_rows(name, values) if split else [(name, values)]
+        raw_name, ttype, rows, cols, layout, off, size = ENTRY.unpack_from(data, h["table_offset"] + i * ENTRY.size)
+        raw = data[off:off + size]
+        if layout == modelfile.LAYOUT_PACKED:   # a matrix: back to rows (tests/fuzz/modelfile.py)
+            raw = modelfile.unpack(ttype, rows, cols, raw)
+        name, values = raw_name.rstrip(b"\0").decode(), np.frombuffer(raw, dtype="<f4").reshape(rows, cols)
+        tensors.append((name, values, layout)) if not split else tensors.extend((n, v, layout) for n, v in split_rows(name, values))
     table_end = h["table_offset"] + len(tensors) * ENTRY.size
     out = bytearray(data[:h["table_offset"]]) + bytes(table_end - h["table_offset"])
     table, stored = bytearray(), {}
-    for name, values in tensors:
+    for name, values, layout in tensors:
         rows, cols = values.shape
         qt = types.get(name.split(".")[-1], QT.F32)
         blob = encode(values, qt)
         stored[name] = values if qt == QT.F32 else dequantize(np.frombuffer(blob, np.uint8).reshape(rows, -1), qt)
+        if layout == modelfile.LAYOUT_PACKED:   # matrices stay packed (at the declared shape, when a test overrides it)
+            c = (cols_override or {}).get(name, cols)
+            blob = modelfile.pack(int(qt), rows, c, blob) if c == cols else blob
         out += bytes(-len(out) % ALIGN)
-        table += ENTRY.pack(name.encode(), int(qt), rows, (cols_override or {}).get(name, cols), 0, len(out), len(blob))
+        table += ENTRY.pack(name.encode(), int(qt), rows, (cols_override or {}).get(name, cols), layout, len(out), len(blob))
         out += blob
     out[h["table_offset"]:table_end] = table
     h["file_size"], h["n_tensors"] = len(out), len(tensors)
@@ -297,15 +305,16 @@ def test_truncated_k_block_is_refused() -> None:
             refused(path, "layers.1.w2", "size", qt.name.lower())
 
 
-# byte offset of the f16 scale d in each block (ggml-common.h: block_q6_K ends with d, the others begin with it)
-SCALE_AT = {QT.Q4_0: 0, QT.Q4_1: 0, QT.Q5_0: 0, QT.Q5_1: 0, QT.Q8_0: 0, QT.Q4_K: 0, QT.Q5_K: 0, QT.Q6_K: 208}
+# the block types with an f16 scale d; in the packed layout every record starts with its rows' d side by side, so row
+# 0's first scale is a matrix's first two bytes (README "Packed matrices")
+SCALED_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 F16_NAN, F16_INF, F16_NEG_INF = 0x7E00, 0x7C00, 0xFC00
 
 
 def test_nan_or_inf_block_scale_gives_an_error_not_garbage() -> None:
     """A block scale that is NaN or +-Inf (one block of layers.0.w2) makes the logits non-finite: the engine says so
     in one line and exits 1, never prints tokens chosen from NaN. The intact file generates normally."""
-    for qt, at in SCALE_AT.items():
+    for qt in SCALED_TYPES:
         good = WORK / f"scale-{qt.name}.llm"
         rewrite(f32_file(), good, {"w2": qt})
         p = run([good, "--ids", "1 2 3 4", "-n", "2", "-t", "0"])
@@ -314,7 +323,7 @@ def test_nan_or_inf_block_scale_gives_an_error_not_garbage() -> None:
         off = struct.unpack_from("<Q", data, entry_offset(data, "layers.0.w2") + ENTRY.size - 16)[0]
         for bits in (F16_NAN, F16_INF, F16_NEG_INF):
             bad = bytearray(data)
-            struct.pack_into("<H", bad, off + at, bits)
+            struct.pack_into("<H", bad, off, bits)   # row 0's first block scale (SCALED_TYPES)
             path = WORK / f"scale-{qt.name}-{bits:04x}.llm"
             path.write_bytes(bytes(bad))
             refused(path, "non-finite")
@@ -371,13 +380,13 @@ def test_kv_q4_matches_reference_with_q4_rounded_cache() -> None:
 
 def test_nan_block_scale_in_perplexity_and_logit_dumps() -> None:
     """The same damage through --ppl and --dump-logits: one line, exit 1, no perplexity of nan and no dump file."""
-    qt = next(iter(SCALE_AT))
+    qt = SCALED_TYPES[0]
     good = WORK / f"scale-{qt.name}.llm"
     rewrite(f32_file(), good, {"w2": qt})
     data = good.read_bytes()
     off = struct.unpack_from("<Q", data, entry_offset(data, "layers.0.w2") + ENTRY.size - 16)[0]
     bad = bytearray(data)
-    struct.pack_into("<H", bad, off + SCALE_AT[qt], F16_NAN)
+    struct.pack_into("<H", bad, off, F16_NAN)
     path = WORK / "scale-nan-tools.llm"
     path.write_bytes(bytes(bad))
     text = WORK / "ppl-text.txt"

@@ -64,7 +64,9 @@ except ImportError as e:  # a missing prerequisite is a failure, never a skip
     raise AssertionError(f"the gguf package is needed for these tests: pip install gguf ({e})")
 
 sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(TESTS / "fuzz"))
 import make_synthetic as ms  # noqa: E402
+import modelfile  # noqa: E402
 
 GOLDEN = TESTS / "golden" / "quant"
 EXPORT = ROOT / "export.py"
@@ -101,6 +103,11 @@ MARGIN_FACTOR = 1.5          # top-1: compared where llama.cpp's gap exceeds thi
 GREEDY_MARGIN_FACTOR = TOL_FACTOR
 MIN_CHECKED = 50             # a top-1 test must compare at least this many positions
 GOLDEN_BYTES_LIMIT = 3_500_000
+# Per-tensor types and byte digests of llama_model_quantize's output for every --dtype named after a llama.cpp
+# file type (make_quant_goldens.py --mixes)
+MIX_GOLDEN = GOLDEN / "llama_quantize_types.json"
+DIGEST_HEX = 16
+DIGEST_NOTE = f"first {DIGEST_HEX} hex digits of the sha256 of the tensor's data bytes, in GGUF row order"
 
 
 def _load_export():
@@ -131,6 +138,10 @@ def tensors_digest(path: Path) -> str:
         h.update(f"{t.name}|{int(t.tensor_type)}|{list(map(int, t.shape))}|".encode())
         h.update(np.ascontiguousarray(t.data).tobytes())
     return h.hexdigest()
+
+
+def bytes_digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:DIGEST_HEX]
 
 
 def tensor_types(path: Path) -> dict[str, int]:
@@ -351,6 +362,90 @@ def check_greedy(model: str, qtype: str) -> None:
                             f"  llama.cpp {b''.join(pieces[i:i + 8])!r}")
     print(f"    {model} {qtype}: greedy tokens reproduced before divergence: " + ", ".join(report))
     assert not failures, "greedy text differs from llama.cpp:\n" + "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------------------------
+# export.py --dtype against llama-quantize (issue 23 item 13)
+
+# our tensor (README "Tensor table") -> its GGUF tensors, in row order; "" for the global ones
+GGUF_PARTS = {"tok_embeddings": ["token_embd"], "output": ["output"], "norm": ["output_norm"],
+              "attn_norm": ["attn_norm"], "ffn_norm": ["ffn_norm"], "wo": ["attn_output"], "w2": ["ffn_down"],
+              "wq": ["attn_q"], "wk": ["attn_k"], "wv": ["attn_v"], "w1": ["ffn_gate"], "w3": ["ffn_up"],
+              "wqkv": ["attn_q", "attn_k", "attn_v"], "w13": ["ffn_gate", "ffn_up"]}
+
+
+def llama_cpp_permute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for llama files (LlamaModel.permute in convert_hf_to_gguf.py),
+    applied to whole rows (of quantized blocks): our file keeps Hugging Face's order."""
+    return rows.reshape(n_head, 2, rows.shape[0] // n_head // 2, -1).swapaxes(1, 2).reshape(rows.shape)
+
+
+def as_gguf_tensors(model: Path, shapes: dict[str, list[int]]) -> dict[str, tuple[str, str]]:
+    """Our model file's tensors as llama.cpp names and lays them out: GGUF name -> (type name, digest of
+    the bytes in GGUF row order). Fused (wqkv, w13) and split tensors are cut into their GGUF parts by the
+    parts' row counts; llama's Q and K rows are permuted back."""
+    buf = model.read_bytes()
+    heads = {"attn_q": modelfile.get(buf, "n_heads"), "attn_k": modelfile.get(buf, "n_kv_heads")}
+    out = {}
+    for t in modelfile.tensors(buf):
+        layer, _, base = t.name.rpartition(".")
+        prefix = f"blk.{layer.split('.')[1]}." if layer else ""
+        rows = np.frombuffer(modelfile.rows_of(buf, t), np.uint8).reshape(t.rows, -1)   # packed matrices as rows
+        at = 0
+        for part in GGUF_PARTS[base]:
+            name = f"{prefix}{part}.weight"
+            n = shapes[name][0] if len(shapes[name]) > 1 else 1
+            block = rows[at:at + n]
+            at += n
+            if part in heads:
+                block = llama_cpp_permute(block, heads[part])
+            out[name] = (GGMLQuantizationType(t.type).name, bytes_digest(block.tobytes()))
+        assert at == t.rows, f"{t.name}: {t.rows} rows, its GGUF parts have {at}"
+    return out
+
+
+def f32_source(model: str) -> Path:
+    """The F32 GGUF llama.cpp quantized: SmolLM2's shipped Q4_1 values as F32 (llama.cpp's ALL_F32 copy of
+    the shipped GGUF holds exactly the values the gguf package decodes), or the synthetic model's."""
+    if model == "synth":
+        return synthetic_f32_gguf()
+    src = source_gguf(model)
+    out = WORK / "smollm2-f32.gguf"
+    if not out.exists() or out.stat().st_mtime < max(src.stat().st_mtime, EXPORT.stat().st_mtime):
+        tmp = out.with_suffix(f".tmp{os.getpid()}")
+        write_replica(src, {t.name: int(GGMLQuantizationType.F32) for t in GGUFReader(str(src)).tensors}, tmp)
+        tmp.replace(out)
+    return out
+
+
+def test_dtypes_give_llama_quantize_types_and_bytes():
+    """Every --dtype named after a llama.cpp file type (f32, f16, q4_0, q4_1, q5_0, q5_1, q8_0, q6_k, q4_k_m,
+    q5_k_m; q4_k and q5_k as llama-quantize --pure Q4_K_M / Q5_K_M) exports, from the F32 source llama.cpp
+    quantized, tensor for tensor the type and the bytes that llama_model_quantize wrote (goldens from
+    make_quant_goldens.py --mixes). SmolLM2: tied, rows of 576 (the K fallbacks, the tied embedding as the
+    output head); the synthetic model: untied, rows multiples of 256 (the output head's Q6_K, the _M mixes'
+    Q6_K attn_v / ffn_down beside Q4_K / Q5_K attn_q and attn_k, so split files)."""
+    golden = json.loads(require(MIX_GOLDEN, "checked-in golden; make_quant_goldens.py --mixes").read_text())
+    failures, checked = [], 0
+    for model, g in golden["models"].items():
+        src = f32_source(model)
+        assert tensors_digest(src) == g["source_tensors_sha256"], f"{src} holds other values than llama.cpp's source"
+        for dtype, want in g["dtypes"].items():
+            out = WORK / f"mix-{model}-{dtype}.bin"
+            p = python([EXPORT, src, out, "--dtype", dtype], timeout=600)
+            assert p.returncode == 0, f"export.py --dtype {dtype} failed: {p.stderr.decode(errors='replace')[-600:]}"
+            got = as_gguf_tensors(out, g["shapes"])
+            out.unlink()
+            assert set(got) == set(want["tensors"]), f"{model} {dtype}: tensor sets differ: {set(got) ^ set(want['tensors'])}"
+            for name, (wtype, wdigest) in want["tensors"].items():
+                checked += 1
+                gtype, gdigest = got[name]
+                if gtype != wtype:
+                    failures.append(f"{model} {dtype} {name}: ours {gtype}, llama.cpp {wtype}")
+                elif gdigest != wdigest:
+                    failures.append(f"{model} {dtype} {name}: {gtype} bytes differ from llama.cpp's")
+    print(f"    {checked} tensors compared, {len(failures)} differ")
+    assert not failures, f"{len(failures)} tensors differ from llama-quantize's:\n" + "\n".join(failures[:20])
 
 
 def test_quant_goldens_consistent():

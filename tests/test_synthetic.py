@@ -45,6 +45,8 @@ from typing import NamedTuple
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
+import modelfile  # noqa: E402
 from common import RUN, ROOT, SCRATCH, python, require, run  # noqa: E402
 import make_synthetic as ms  # noqa: E402
 import ref_forward as rf  # noqa: E402
@@ -200,9 +202,12 @@ def read_model(path: Path) -> ModelFile:
     assert header["file_size"] == len(data), f"{path}: header says {header['file_size']} bytes, file has {len(data)}"
     tensors = {}
     for i in range(header["n_tensors"]):
-        name, ttype, rows, cols, _, off, size = ENTRY.unpack_from(data, header["table_offset"] + i * ENTRY.size)
+        name, ttype, rows, cols, layout, off, size = ENTRY.unpack_from(data, header["table_offset"] + i * ENTRY.size)
         assert off % 64 == 0, f"tensor {name!r} at unaligned offset {off}"
-        tensors[name.rstrip(b"\0").decode()] = StoredTensor(ttype, rows, cols, data[off:off + size])
+        raw = data[off:off + size]
+        if layout == modelfile.LAYOUT_PACKED:   # a matrix in the packed layout: back to rows (tests/fuzz/modelfile.py)
+            raw = modelfile.unpack(ttype, rows, cols, raw)
+        tensors[name.rstrip(b"\0").decode()] = StoredTensor(ttype, rows, cols, raw)
     return ModelFile(header, tensors)
 
 
@@ -287,7 +292,7 @@ def check_file(model: Path, kind: str, src: dict[str, np.ndarray]) -> tuple[dict
     """
     cfg = config(kind)
     h = read_model(model).header
-    expect = {"version": 1, "header_size": 256, "arch": 1, "dim": cfg.dim, "hidden_dim": cfg.hidden_dim,
+    expect = {"version": 2, "header_size": 256, "arch": 1, "dim": cfg.dim, "hidden_dim": cfg.hidden_dim,
               "n_layers": cfg.n_layers, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
               "vocab_size": cfg.vocab_size, "max_seq_len": cfg.max_seq_len, "flags": int(cfg.tied), "activation": 0,
               "rope_dim": cfg.head_dim}

@@ -12,6 +12,7 @@ AddressSanitizer + UndefinedBehaviorSanitizer.
 """
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from common import MODELS, ROOT, SCRATCH, TESTS, python, require
 sys.path.insert(0, str(TESTS / "tokenizer"))
 from make_corpus import entry_bytes, load_corpus  # noqa: E402
 from variants import add_extra_tokens, read_section, write_model  # noqa: E402
+import make_goldens  # noqa: E402  (its llama_cpp import is inside the functions that ask llama.cpp)
 
 TOKDIR = TESTS / "tokenizer"
 GOLDENS = TOKDIR / "goldens"
@@ -135,6 +137,94 @@ def test_goldens_smollm2_pre_llama3() -> None:
 
 def test_goldens_smollm2_pre_qwen2() -> None:
     print(compare("smollm2-qwen2"))
+
+
+# --- tokenizer.ggml.pre aliases (issue 23 item 11) -------------------------------------------
+
+ALIAS_PLACEHOLDER = "alias-placeholder"
+# llama.cpp names with other regexes or flags (src/llama-vocab.cpp at ggml-org/llama.cpp@0c1e57098): llama3's regex
+# without ignore_merges, gpt-2's with add_sep, and a sample of the splitters of their own
+REFUSED_PRE = ("dbrx", "smaug-bpe", "chatglm-bpe", "jina-v1-en", "jina-v2-code", "roberta-bpe", "default", "tekken",
+               "chameleon", "falcon", "deepseek-llm", "deepseek-v3", "gpt-4o", "qwen35", "seed-coder", "bailingmoe",
+               "laguna", "ufakzeka", "jais-2", "minicpm5", "whitespace", "gemma4", "no-such-name")
+
+
+@lru_cache(maxsize=None)
+def alias_source() -> bytes:
+    """make_goldens.py's alias vocabulary (SmolLM2's plus the extra tokens, without add_bos_token and
+    bos_token_id) as a tensor-less GGUF whose pre name is ALIAS_PLACEHOLDER, to splice names into."""
+    require(SMOLLM2_GGUF, FETCH)
+    path = SCRATCH / "tok-alias-source.gguf"
+    make_goldens.write_variant(SMOLLM2_GGUF, path, {"tokenizer.ggml.pre": ALIAS_PLACEHOLDER, make_goldens.EXTRA: True,
+                                                    **dict.fromkeys(make_goldens.ALIAS_DROPPED_KEYS, make_goldens.DROP)})
+    return path.read_bytes()
+
+
+def export_alias(name: str) -> subprocess.CompletedProcess:
+    """export.py --tokenizer-only of the alias vocabulary named `name` (a GGUF without tensors: the string
+    can change length)."""
+    old, new = ALIAS_PLACEHOLDER.encode(), name.encode()
+    data = alias_source()
+    at = data.index(len(old).to_bytes(8, "little") + old)
+    gguf = SCRATCH / "tok-alias.gguf"
+    gguf.write_bytes(data[:at] + len(new).to_bytes(8, "little") + new + data[at + 8 + len(old):])
+    out = SCRATCH / "tok-alias.bin"
+    out.unlink(missing_ok=True)
+    return python([ROOT / "export.py", gguf, out, "--tokenizer-only"])
+
+
+def ids_sha256(model_file: Path, mode: str) -> str:
+    """make_goldens.lines_sha256 of our ids for the corpus, with its "skip" lines."""
+    corpus = load_corpus()
+    lines = ["skip" if (mode == "special" and e["cat"] not in make_goldens.SPECIAL_CATS)
+             or not make_goldens.oracle_can_take(entry_bytes(e), True) else None for e in corpus]
+    picked = [i for i, line in enumerate(lines) if line is None]
+    hexfile = write_hex(SCRATCH / f"tok-alias-{mode}.hex", [entry_bytes(corpus[i]) for i in picked])
+    r = run_driver([model_file, "--encode", hexfile, *(["--special", "--add-special"] if mode == "special" else [])])
+    assert r.returncode == 0, f"driver failed ({r.returncode}):\n{r.stderr[-3000:]}"
+    for i, got in zip(picked, r.stdout.split("\n")):
+        lines[i] = " ".join(got.split())
+    return make_goldens.lines_sha256(lines)
+
+
+def test_pre_tokenizer_aliases_match_llama_cpp() -> None:
+    """Every tokenizer.ggml.pre name llama.cpp maps to a splitter and flags we implement (make_goldens.ALIASES):
+    the vocabulary named that way exports, and our ids for the whole corpus, plain and with BOS and special
+    tokens, are llama.cpp's (goldens/pre_aliases.json: digests of llama.cpp's ids for that very name, made
+    by make_goldens.py --aliases). Without add_bos_token and bos_token_id in the file, the names' own defaults
+    count (llama3's add BOS, glm4's has no BOS). Exports with the same tokenizer section give the same ids,
+    so the corpus runs once per distinct section."""
+    golden = json.loads(require(GOLDENS / "pre_aliases.json", "checked-in golden; make_goldens.py --aliases").read_text())
+    assert golden["gguf_sha256"] == make_goldens.sha256(SMOLLM2_GGUF), "the goldens were made from another SmolLM2 GGUF"
+    names = [n for group in make_goldens.ALIASES.values() for n in group]
+    assert sorted(golden["aliases"]) == sorted(names), "goldens/pre_aliases.json does not cover make_goldens.ALIASES"
+    by_section: dict[bytes, dict[str, str]] = {}
+    failures = []
+    for name in names:
+        r = export_alias(name)
+        if r.returncode != 0:
+            failures.append(f"{name}: export refused it: {r.stderr.decode(errors='replace').strip()[-300:]}")
+            continue
+        model_file = SCRATCH / "tok-alias.bin"
+        section = model_file.read_bytes()   # a tokenizer-only file: the header and the tokenizer section
+        if section not in by_section:
+            by_section[section] = {mode: ids_sha256(model_file, mode) for mode in ("plain", "special")}
+        for mode, digest in by_section[section].items():
+            if digest != golden["aliases"][name][mode]:
+                failures.append(f"{name} ({golden['aliases'][name]['kind']}): {mode} ids differ from llama.cpp's")
+    print(f"{len(names)} names, {len(by_section)} distinct tokenizers, {len(failures)} failures")
+    assert not failures, "\n".join(failures)
+
+
+def test_other_pre_tokenizers_refused() -> None:
+    """llama.cpp names whose regexes or flags we do not implement (REFUSED_PRE) are refused in one line naming
+    the pre-tokenizer, exit 1, nothing written."""
+    for name in REFUSED_PRE:
+        r = export_alias(name)
+        lines = r.stderr.decode(errors="replace").strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1, f"{name}: exit {r.returncode}, stderr {lines[-3:]}"
+        assert f"'{name}'" in lines[0] and "pre-tokenizer" in lines[0], f"{name}: {lines[0]}"
+        assert not (SCRATCH / "tok-alias.bin").exists(), f"{name}: a model file was written"
 
 
 def test_goldens_gemma3() -> None:
@@ -299,3 +389,24 @@ def test_benchmark_report() -> None:
             mbs = float(r.stdout.split("encode")[1].split()[0])
             print(f"{name} {text}: {r.stdout.strip()}")
             assert mbs > 2.0, f"{name} {text}: encoding at {mbs} MB/s"
+
+
+def test_tokenize_runs_on_a_tokenizer_only_file() -> None:
+    """Issue 23: `./run FILE --tokenize` refused a --tokenizer-only export (no tensors), which export.py calls
+    valid. --tokenize now runs on it and prints llama.cpp's ids; every other mode refuses it by name."""
+    from common import run
+    corpus = load_corpus()
+    golden = load_golden("smollm2", "plain")
+    tok = exported("smollm2")
+    picked = [i for i, e in enumerate(corpus) if e["cat"] == "english" and golden[i] != "skip"][:6]
+    assert picked, "no English entries in the corpus"
+    for i in picked:
+        r = run([tok, "--tokenize"], stdin=entry_bytes(corpus[i]) + b"\n")  # stdin loses one final newline
+        assert r.returncode == 0 and r.stdout.decode().split() == golden[i].split(), (i, r.stdout, golden[i], r.stderr)
+    r = run([tok, "-c", "--tokenize", "-i", "Hi"])
+    assert r.returncode == 0 and r.stdout.split()[:3] == [b"1", b"9690", b"198"], r  # <|im_start|> system \n
+    for args in (["-i", "Hi"], ["-m", "chat"], ["--batch", "-"], ["--ppl", tok]):
+        r = run([tok, *args], stdin=b"Hi\n")
+        err = r.stderr.decode()
+        assert r.returncode == 1 and r.stdout == b"" and err.count("\n") == 1 and \
+            "no tensors (export.py --tokenizer-only): only --tokenize runs on it" in err, (args, r.returncode, err)

@@ -18,6 +18,9 @@ length, so that a saved input replays the same way. What counts as a failure:
   - a failed export that leaves the output file, or a *.tmp-* file, behind
   - an export that changed its input file
   - a successful export whose output breaks README.md ("The model file")'s layout rules (modelfile.problems)
+  - a successful GGUF export of an input whose tensor data breaks GGUF's layout (gguf_layout_problem:
+    every tensor where the one before it in the table ends, padded to general.alignment), which
+    llama.cpp refuses: export.py would have read some tensor from another one's bytes
   - more than --timeout seconds for one input (a hang), more than 2 GB of memory
 
 The engine is atheris when it can be imported (coverage-guided; `pip install atheris`), else
@@ -31,6 +34,7 @@ import contextlib
 import hashlib
 import importlib.util
 import io
+import math
 import random
 import shutil
 import struct
@@ -116,6 +120,62 @@ class Harness:
         bad = modelfile.problems(out.read_bytes())
         if bad:
             raise AssertionError(f"export wrote an invalid model file: {bad[:3]}")
+        layout = gguf_layout_problem(data) if self.target == "gguf" else None
+        if layout:
+            raise AssertionError(f"export accepted a GGUF that breaks the tensor data layout: {layout}")
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF tensor layout, read independently of export.py (ggml's docs/gguf.md; block sizes from the gguf package)
+
+GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+GGUF_STRING_TYPE, GGUF_ARRAY_TYPE, GGUF_UINT32_TYPE = 8, 9, 4
+
+
+def _skip_value(data: bytes, pos: int, vtype: int) -> int:
+    if vtype in GGUF_SCALAR_BYTES:
+        return pos + GGUF_SCALAR_BYTES[vtype]
+    if vtype == GGUF_STRING_TYPE:
+        return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+    etype, count = struct.unpack_from("<IQ", data, pos)
+    pos += 12
+    if etype in GGUF_SCALAR_BYTES:
+        return pos + count * GGUF_SCALAR_BYTES[etype]
+    for _ in range(count):
+        pos = _skip_value(data, pos, etype)
+    return pos
+
+
+def gguf_layout_problem(data: bytes) -> str | None:
+    """For a GGUF that export.py accepted: the first tensor whose data offset is not where the layout puts
+    it (0, then each previous tensor's end padded to general.alignment), or None."""
+    from gguf.constants import GGML_QUANT_SIZES
+
+    _, _, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+    pos, alignment = 24, 32
+    for _ in range(n_kv):
+        klen = struct.unpack_from("<Q", data, pos)[0]
+        key = data[pos + 8:pos + 8 + klen]
+        vtype = struct.unpack_from("<I", data, pos + 8 + klen)[0]
+        pos += 12 + klen
+        if key == b"general.alignment" and vtype == GGUF_UINT32_TYPE:
+            alignment = struct.unpack_from("<I", data, pos)[0]
+        pos = _skip_value(data, pos, vtype)
+    expected = 0
+    for _ in range(n_tensors):
+        nlen = struct.unpack_from("<Q", data, pos)[0]
+        name = data[pos + 8:pos + 8 + nlen].decode("utf-8", "replace")
+        n_dims = struct.unpack_from("<I", data, pos + 8 + nlen)[0]
+        pos += 12 + nlen
+        ne = struct.unpack_from(f"<{n_dims}Q", data, pos)
+        ttype, offset = struct.unpack_from("<IQ", data, pos + 8 * n_dims)
+        pos += 8 * n_dims + 12
+        if offset != expected:
+            return f"tensor '{name}' at offset {offset}, expected {expected}"
+        block, size = GGML_QUANT_SIZES[ttype]
+        nbytes = math.prod(ne) // block * size
+        expected = offset + nbytes + (-nbytes) % alignment
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@
    build_model() by path, exactly as ./run does. A file that is refused must be refused with
    a one-line reason; a file that is accepted then goes through the engine: the chat
    template (when the file has one), a prompt tokenized and prefilled, one decode step and
-   both samplers on the logits, whatever numbers the weights hold. Sanitizers catch any read
+   both samplers on the logits, whatever numbers the weights hold. A refused file is loaded
+   again as --tokenize loads it (load_model with tokenizer_only): only a file without tensors
+   may load so, and then its tokenizer runs on the prompt. Sanitizers catch any read
    outside the mapping or any undefined arithmetic; the checks here catch a refusal without
    a reason and a sampled token outside the vocabulary.
 
@@ -66,7 +68,7 @@ static void fuzz_prompt(const Model *m, Tokens *t, int seq_len)
     int end = chatml ? special_id(m, "<|im_end|>") : gemma ? special_id(m, "<end_of_turn>") : -1;
     if (start >= 0 && end >= 0) {
         Chat ch;
-        build_chat(&ch, m, NULL);
+        build_chat(&ch, m, NULL, 0);
         chat_open(&ch, m, t);
         chat_user_turn(&ch, m, t, text, sizeof text - 1);
     } else {
@@ -120,6 +122,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     if (build_model(&m, memfd_path, err) != 0) {
         /* refused: there must be a one-line reason */
         if (!err[0] || strchr(err, '\n')) abort();
+        /* --tokenize loads a file without tensors too: only such a file may load so, and its tokenizer runs */
+        free_model(&m);
+        err[0] = 0;
+        if (load_model(&m, memfd_path, 1, err) != 0) {
+            if (!err[0] || strchr(err, '\n')) abort();
+        } else {
+            if (!m.tokenizer_only || m.layers) abort();
+            if (setjmp(fuzz_exit_jmp) == 0) fuzz_prompt(&m, &prompt, min_i(m.c.max_seq_len, MAX_FUZZ_SEQ));
+            free(prompt.ids);
+            prompt = (Tokens){0};
+        }
     } else {
         uint32_t variant = 0;
         for (size_t i = 0; i < size; i += 4099) variant = variant * 31 + data[i];

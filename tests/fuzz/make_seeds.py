@@ -82,6 +82,16 @@ JSON_SEEDS = [
     b'"\ud800"',
     b'{"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}',
     b"[" + b",".join(b'{"n":%d,"s":"%s"}' % (i, b"x" * i) for i in range(40)) + b"]",
+    # the memory bound (fuzz_json.c lowers its base): tiny values past it, the same padded with blanks
+    # (accepted, while its shorter canonical text is not), short strings, an object of small members
+    b"[" + b",".join([b"0"] * 400) + b"]",
+    b"[" + b" , ".join([b"0"] * 200) + b"]",
+    b"[" + b",".join([b'""'] * 200) + b"]",
+    b"{" + b",".join(b'"k%d":{}' % i for i in range(120)) + b"}",
+    # strings whose escapes shrink when decoded (one block of the written length); a number that ends the input
+    b'"\\u0000\\ud83d\\ude00\\n\\"\\/ \\u00e9"',
+    b"-12345678901234567890.5e-3",
+    b'{"prompt": "hi", "id": 0.1e-999, "system": "a\\u0000b"}',
 ]
 
 
@@ -205,6 +215,7 @@ def main() -> None:
     split.write_bytes(bytes(modelfile.split_form((models / "untied.q8_0.bin").read_bytes())))
     loader.append(split)
     spm_tok = export(src["spm"], models / "spm.tok.bin", "--tokenizer-only")
+    loader.append(export(src["tied"] / "model.f32.gguf", models / "tied.tok.bin", "--tokenizer-only"))  # BPE, no tensors
     smol_tok = export(SMOL_GGUF, models / "smollm2.tok.bin", "--tokenizer-only")
     gemma_tok = export(GEMMA_GGUF, models / "gemma3.tok.bin", "--tokenizer-only")
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
+
 HEADER_BYTES = 256
 TABLE_ENTRY = 80
 NAME_BYTES = 48
@@ -32,9 +34,11 @@ TOKENIZER = {
     "system_len": (40, "<I"), "blob_len": (44, "<I"),
 }
 # tensor table entry field -> (offset within the entry, format)
-ENTRY = {"name": (0, "48s"), "type": (48, "<I"), "rows": (52, "<I"), "cols": (56, "<I"), "reserved": (60, "<I"),
+ENTRY = {"name": (0, "48s"), "type": (48, "<I"), "rows": (52, "<I"), "cols": (56, "<I"), "layout": (60, "<I"),
          "offset": (64, "<Q"), "size": (72, "<Q")}
 TYPE_F32 = 0
+VERSION = 2
+LAYOUT_ROWS, LAYOUT_PACKED = 0, 1   # an entry's layout: ggml blocks row after row, or packed groups of 16 rows
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Tensor:
     cols: int
     offset: int
     size: int
+    layout: int = LAYOUT_ROWS
 
 
 def get(buf: bytes, field: str):
@@ -74,8 +79,8 @@ def tensors(buf: bytes) -> list[Tensor]:
     out, base = [], get(buf, "table_offset")
     for i in range(get(buf, "n_tensors")):
         e = base + i * TABLE_ENTRY
-        name, ttype, rows, cols, _, off, size = struct.unpack_from("<48sIIIIQQ", buf, e)
-        out.append(Tensor(i, name.rstrip(b"\0").decode(), ttype, rows, cols, off, size))
+        name, ttype, rows, cols, layout, off, size = struct.unpack_from("<48sIIIIQQ", buf, e)
+        out.append(Tensor(i, name.rstrip(b"\0").decode(), ttype, rows, cols, off, size, layout))
     return out
 
 
@@ -101,16 +106,17 @@ def fill_f32(buf: bytearray, name: str, value: float) -> bytearray:
     return buf
 
 
-def relayout(buf: bytes, tensors: list[tuple[str, int, int, int, bytes]]) -> bytearray:
-    """buf's header and tokenizer section with these tensors (name, type, rows, cols, data) in this order: the
-    table right after the tokenizer section, each tensor at the next 64-byte boundary after it, n_tensors and
-    file_size updated (the layout rules of README.md, "The model file")."""
+def relayout(buf: bytes, tensors: list[tuple]) -> bytearray:
+    """buf's header and tokenizer section with these tensors (name, type, rows, cols, data[, layout]) in this
+    order: the table right after the tokenizer section, each tensor at the next 64-byte boundary after it,
+    n_tensors and file_size updated (the layout rules of README.md, "The model file"). data is as stored
+    (packed for a LAYOUT_PACKED tensor)."""
     table = get(buf, "table_offset")
     out = bytearray(buf[:table]) + bytes(len(tensors) * TABLE_ENTRY)
-    for i, (name, ttype, rows, cols, data) in enumerate(tensors):
+    for i, (name, ttype, rows, cols, data, *layout) in enumerate(tensors):
         out += bytes(-len(out) % 64)
-        struct.pack_into("<48sIIIIQQ", out, table + i * TABLE_ENTRY, name.encode(), ttype, rows, cols, 0, len(out),
-                         len(data))
+        struct.pack_into("<48sIIIIQQ", out, table + i * TABLE_ENTRY, name.encode(), ttype, rows, cols,
+                         layout[0] if layout else LAYOUT_ROWS, len(out), len(data))
         out += data
     put(out, "n_tensors", len(tensors))
     return put(out, "file_size", len(out))
@@ -130,16 +136,17 @@ def split_form(buf: bytes, retype: dict[str, int] | None = None) -> bytearray:
     out = []
     for t in tensors(buf):
         prefix, _, base = t.name.rpartition(".")
-        data, row_bytes, at = buf[t.offset:t.offset + t.size], t.size // t.rows, 0
         if base not in SPLIT_PARTS:
-            out.append((t.name, t.type, t.rows, t.cols, data))
-        for part in SPLIT_PARTS.get(base, ()):
+            out.append((t.name, t.type, t.rows, t.cols, buf[t.offset:t.offset + t.size], t.layout))
+            continue
+        data, at = rows_of(buf, t), 0
+        row_bytes = len(data) // t.rows
+        for part in SPLIT_PARTS[base]:
             name, rows = f"{prefix}.{part}", part_rows[part]
-            if name in (retype or {}):
-                elems, nbytes = BLOCK[retype[name]]
-                out.append((name, retype[name], rows, t.cols, bytes(rows * t.cols // elems * nbytes)))
-            else:
-                out.append((name, t.type, rows, t.cols, data[at * row_bytes:(at + rows) * row_bytes]))
+            ttype = retype.get(name, t.type) if retype else t.type
+            elems, nbytes = BLOCK[ttype]
+            part_data = bytes(rows * t.cols // elems * nbytes) if ttype != t.type else data[at * row_bytes:(at + rows) * row_bytes]
+            out.append((name, ttype, rows, t.cols, pack(ttype, rows, t.cols, part_data), LAYOUT_PACKED))
             at += rows
     new = relayout(buf, out)
     return put(new, "flags", get(new, "flags") | FLAG_SPLIT)
@@ -162,7 +169,7 @@ def problems(buf: bytes) -> list[str]:
     out: list[str] = []
     if len(buf) < HEADER_BYTES or buf[:4] != b"LLMF":
         return ["no LLMF header"]
-    if get(buf, "version") != 1 or get(buf, "header_size") != HEADER_BYTES:
+    if get(buf, "version") != VERSION or get(buf, "header_size") != HEADER_BYTES:
         out.append("bad version or header size")
     if get(buf, "file_size") != len(buf):
         out.append(f"header file_size {get(buf, 'file_size')} != actual {len(buf)}")
@@ -182,7 +189,10 @@ def problems(buf: bytes) -> list[str]:
             out.append(f"{t.name}: unknown type {t.type}")
             continue
         elems, nbytes = BLOCK[t.type]
-        if t.cols % elems or t.size != t.rows * t.cols // elems * nbytes:
+        want = packed_size(t.type, t.rows, t.cols) if t.layout == LAYOUT_PACKED else t.rows * t.cols // elems * nbytes
+        if t.layout not in (LAYOUT_ROWS, LAYOUT_PACKED):
+            out.append(f"{t.name}: unknown layout {t.layout}")
+        elif t.cols % elems or t.size != want:
             out.append(f"{t.name}: size {t.size} does not match {t.rows}x{t.cols} of type {t.type}")
         if t.offset != align64(end) or t.offset + t.size > len(buf):
             out.append(f"{t.name}: data misplaced (at {t.offset}, expected {align64(end)})")
@@ -192,3 +202,210 @@ def problems(buf: bytes) -> list[str]:
     if n and end != len(buf):
         out.append(f"{len(buf) - end} bytes after the last tensor")
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Packed matrices (README.md, "Packed matrices"), written from the README's description element by element:
+# unpack() turns a packed tensor back into ggml's blocks, row after row; pack() is its inverse.
+
+PACK_ROWS = 16
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+FLOAT_TYPES = (0, 1, 30)
+
+
+def group_bytes(ttype: int, cols: int) -> int:
+    elems, nbytes = BLOCK[ttype]
+    return align64(cols // elems * nbytes * PACK_ROWS)
+
+
+def packed_size(ttype: int, rows: int, cols: int) -> int:
+    return (rows + PACK_ROWS - 1) // PACK_ROWS * group_bytes(ttype, cols)
+
+
+def _stretch_places(r, e):
+    """Where integer e (0..31) of row r of a 32-element stretch lies in the 4-bit form: (byte, nibble shift),
+    and its bit field k in the high planes: element 8j + 4h + i is in byte 64j + 4r + i, nibble h, field 2j + h."""
+    j, h, i = e // 8, e % 8 // 4, e % 4
+    return 64 * j + 4 * r + i, 4 * h, 2 * j + h, 4 * r + i
+
+
+def _int_layout(ttype: int):
+    """For one record of a packed integer type: (head bytes, [(plane bytes, extra bits, nibble bytes)] per
+    stretch, stretches): the byte layout of the integers after the head."""
+    if ttype == Q8_0:
+        return 32, None, 1
+    return {Q4_0: (32, 0, 1), Q4_1: (64, 0, 1), Q5_0: (32, 1, 1), Q5_1: (64, 1, 1),
+            Q4_K: (256, 0, 8), Q5_K: (256, 1, 8), Q6_K: (288, 2, 8)}[ttype]
+
+
+def _ints_of_record(rec: np.ndarray, ttype: int) -> np.ndarray:
+    """A packed record (groups, record bytes) -> the unsigned integers [groups, 16 rows, elements]."""
+    head, extra, stretches = _int_layout(ttype)
+    G = rec.shape[0]
+    out = np.zeros((G, PACK_ROWS, 32 * stretches), dtype=np.uint8)
+    if ttype == Q8_0:
+        for r in range(PACK_ROWS):
+            for e in range(32):
+                out[:, r, e] = rec[:, head + 64 * (e // 4) + 4 * r + e % 4]   # q + 128, as stored
+        return out
+    plane_bytes = 64 * extra
+    for s in range(stretches):
+        base = head + s * (plane_bytes + 256)
+        for r in range(PACK_ROWS):
+            for e in range(32):
+                at, shift, k, pb = _stretch_places(r, e)
+                u = (rec[:, base + plane_bytes + at] >> shift) & 0x0F
+                if extra:
+                    per_byte = 8 // extra
+                    hi = (rec[:, base + 64 * (k // per_byte) + pb] >> (k % per_byte * extra)) & ((1 << extra) - 1)
+                    u = u | (hi << 4)
+                out[:, r, 32 * s + e] = u
+    return out
+
+
+def _put_ints(rec: np.ndarray, ttype: int, ints: np.ndarray) -> None:
+    """The inverse of _ints_of_record: writes ints [groups, 16, elements] into zeroed records."""
+    head, extra, stretches = _int_layout(ttype)
+    if ttype == Q8_0:
+        for r in range(PACK_ROWS):
+            for e in range(32):
+                rec[:, head + 64 * (e // 4) + 4 * r + e % 4] = ints[:, r, e]
+        return
+    plane_bytes = 64 * extra
+    for s in range(stretches):
+        base = head + s * (plane_bytes + 256)
+        for r in range(PACK_ROWS):
+            for e in range(32):
+                at, shift, k, pb = _stretch_places(r, e)
+                u = ints[:, r, 32 * s + e]
+                rec[:, base + plane_bytes + at] |= (u & 0x0F) << shift
+                if extra:
+                    per_byte = 8 // extra
+                    rec[:, base + 64 * (k // per_byte) + pb] |= (u >> 4) << (k % per_byte * extra)
+
+
+def _block_ints(blocks: np.ndarray, ttype: int) -> np.ndarray:
+    """ggml blocks [n, bytes] -> their unsigned integers [n, elements] (ggml-common.h's layouts)."""
+    if ttype == Q8_0:
+        return blocks[:, 2:34] ^ 0x80
+    if ttype in (Q4_0, Q4_1, Q5_0, Q5_1):
+        qs = blocks[:, -16:]
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
+        if ttype in (Q5_0, Q5_1):
+            at = 2 if ttype == Q5_0 else 4
+            qh = blocks[:, at:at + 4].copy().view("<u4")[:, 0]
+            u |= (((qh[:, None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+        return u
+    if ttype in (Q4_K, Q5_K):
+        qs = blocks[:, -128:].reshape(-1, 4, 32)
+        u = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(-1, 256)
+        if ttype == Q5_K:
+            qh = blocks[:, 16:48]
+            for j in range(8):
+                u[:, 32 * j:32 * j + 32] |= ((qh >> j) & 1) << 4
+        return u
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    u = np.zeros((blocks.shape[0], 256), dtype=np.uint8)
+    for half in range(2):
+        for l in range(32):
+            a, b, h = ql[:, 64 * half + l], ql[:, 64 * half + 32 + l], qh[:, 32 * half + l]
+            for n, v in enumerate([a & 15, b & 15, a >> 4, b >> 4]):
+                u[:, 128 * half + 32 * n + l] = v | (((h >> (2 * n)) & 3) << 4)
+    return u
+
+
+def _blocks_of_ints(u: np.ndarray, other: np.ndarray, ttype: int) -> np.ndarray:
+    """ggml blocks [n, bytes] from their integers u [n, elements] and the rest of their bytes `other` (the
+    blocks with the integer bytes zero)."""
+    b = other.copy()
+    if ttype == Q8_0:
+        b[:, 2:34] = u ^ 0x80
+        return b
+    if ttype in (Q4_0, Q4_1, Q5_0, Q5_1):
+        b[:, -16:] = (u[:, :16] & 15) | ((u[:, 16:] & 15) << 4)
+        if ttype in (Q5_0, Q5_1):
+            at = 2 if ttype == Q5_0 else 4
+            qh = (((u >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=1, dtype=np.uint32)
+            b[:, at:at + 4] = qh.astype("<u4").view(np.uint8).reshape(-1, 4)
+        return b
+    if ttype in (Q4_K, Q5_K):
+        q = u.reshape(-1, 4, 2, 32)
+        b[:, -128:] = ((q[:, :, 0] & 15) | ((q[:, :, 1] & 15) << 4)).reshape(-1, 128)
+        if ttype == Q5_K:
+            qh = np.zeros((u.shape[0], 32), dtype=np.uint8)
+            for j in range(8):
+                qh |= ((u[:, 32 * j:32 * j + 32] >> 4) & 1) << j
+            b[:, 16:48] = qh
+        return b
+    for half in range(2):
+        for l in range(32):
+            v = [u[:, 128 * half + 32 * n + l] for n in range(4)]
+            b[:, 64 * half + l] = (v[0] & 15) | ((v[2] & 15) << 4)
+            b[:, 64 * half + 32 + l] = (v[1] & 15) | ((v[3] & 15) << 4)
+            b[:, 128 + 32 * half + l] = sum(((v[n] >> 4) & 3) << (2 * n) for n in range(4)).astype(np.uint8)
+    return b
+
+
+def _head_fields(ttype: int) -> list[tuple[int, int]]:
+    """The non-integer bytes of a block as (offset in the block, width of a field): fp16 scales 2 bytes
+    wide, the K types' scale bytes 1 byte wide; each goes into the record as a [field][row] plane."""
+    return {Q4_0: [(0, 2)], Q4_1: [(0, 2), (2, 2)], Q5_0: [(0, 2)], Q5_1: [(0, 2), (2, 2)], Q8_0: [(0, 2)],
+            Q4_K: [(0, 2), (2, 2)] + [(4 + i, 1) for i in range(12)],
+            Q5_K: [(0, 2), (2, 2)] + [(4 + i, 1) for i in range(12)],
+            Q6_K: [(208, 2)] + [(192 + i, 1) for i in range(16)]}[ttype]
+
+
+def unpack(ttype: int, rows: int, cols: int, data: bytes) -> bytes:
+    """A packed matrix -> its rows of ggml blocks (rows * row bytes)."""
+    elems, nbytes = BLOCK[ttype]
+    nb, gb = cols // elems, group_bytes(ttype, cols)
+    groups = (rows + PACK_ROWS - 1) // PACK_ROWS
+    g = np.frombuffer(data, dtype=np.uint8).reshape(groups, gb)[:, :nb * nbytes * PACK_ROWS]
+    rec = g.reshape(groups, nb, nbytes * PACK_ROWS)
+    out = np.zeros((groups, PACK_ROWS, nb, nbytes), dtype=np.uint8)
+    if ttype in FLOAT_TYPES:
+        out[:] = rec.reshape(groups, nb, PACK_ROWS, nbytes).transpose(0, 2, 1, 3)
+    else:
+        for k in range(nb):
+            r_ = rec[:, k, :]
+            at = 0
+            for off, width in _head_fields(ttype):
+                for r in range(PACK_ROWS):
+                    out[:, r, k, off:off + width] = r_[:, at + width * r:at + width * (r + 1)]
+                at += width * PACK_ROWS
+            u = _ints_of_record(r_, ttype)
+            blocks = _blocks_of_ints(u.reshape(-1, u.shape[2]), out[:, :, k, :].reshape(-1, nbytes), ttype)
+            out[:, :, k, :] = blocks.reshape(groups, PACK_ROWS, nbytes)
+    return out.reshape(groups * PACK_ROWS, nb * nbytes)[:rows].tobytes()
+
+
+def pack(ttype: int, rows: int, cols: int, data: bytes) -> bytes:
+    """Rows of ggml blocks -> the packed matrix (the last group's missing rows zero, groups padded to 64 bytes)."""
+    elems, nbytes = BLOCK[ttype]
+    nb, gb = cols // elems, group_bytes(ttype, cols)
+    groups = (rows + PACK_ROWS - 1) // PACK_ROWS
+    src = np.zeros((groups * PACK_ROWS, nb * nbytes), dtype=np.uint8)
+    src[:rows] = np.frombuffer(data, dtype=np.uint8).reshape(rows, nb * nbytes)
+    blk = src.reshape(groups, PACK_ROWS, nb, nbytes)
+    out = np.zeros((groups, gb), dtype=np.uint8)
+    rec = out[:, :nb * nbytes * PACK_ROWS].reshape(groups, nb, nbytes * PACK_ROWS)
+    if ttype in FLOAT_TYPES:
+        rec[:] = blk.transpose(0, 2, 1, 3).reshape(groups, nb, -1)
+        return out.tobytes()
+    for k in range(nb):
+        r_ = np.zeros((groups, nbytes * PACK_ROWS), dtype=np.uint8)
+        at = 0
+        for off, width in _head_fields(ttype):
+            for r in range(PACK_ROWS):
+                r_[:, at + width * r:at + width * (r + 1)] = blk[:, r, k, off:off + width]
+            at += width * PACK_ROWS
+        u = _block_ints(blk[:, :, k, :].reshape(-1, nbytes), ttype).reshape(groups, PACK_ROWS, -1)
+        _put_ints(r_, ttype, u)
+        rec[:, k, :] = r_
+    return out.tobytes()
+
+
+def rows_of(buf: bytes, t: Tensor) -> bytes:
+    """Tensor t's data as rows of ggml blocks, whatever its layout."""
+    data = bytes(buf[t.offset:t.offset + t.size])
+    return unpack(t.type, t.rows, t.cols, data) if t.layout == LAYOUT_PACKED else data

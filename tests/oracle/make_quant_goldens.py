@@ -17,11 +17,17 @@ Q4_0, Q5_0, Q5_1, Q8_0, Q4_K_M, Q5_K_M, Q6_K is written by llama.cpp's own quant
 
     python3 tests/oracle/make_quant_goldens.py                      # everything
     python3 tests/oracle/make_quant_goldens.py --only synth --types q4_0 q6_k
+
+--mixes writes only tests/golden/quant/llama_quantize_types.json: for both models and every export.py
+--dtype named after a llama.cpp file type (MIX_FTYPES; q4_k and q5_k as `--pure` Q4_K_M / Q5_K_M), the
+type and a digest of the bytes of every tensor llama_model_quantize writes from the same F32 source
+(test_oracle_quant.test_dtypes_give_llama_quantize_types_and_bytes).
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import os
 import sys
 import time
@@ -39,6 +45,11 @@ from common import sha256_file  # noqa: E402
 
 # llama.cpp's llama_ftype values (include/llama.h)
 FTYPES = {"q4_0": 2, "q5_0": 8, "q5_1": 9, "q8_0": 7, "q4_k_m": 15, "q5_k_m": 17, "q6_k": 18}
+# export.py --dtype -> (llama_ftype, pure): every --dtype named after a llama.cpp file type; q4_k / q5_k are
+# llama-quantize --pure Q4_K_M / Q5_K_M (only the row-length fallback, no per-tensor rules)
+MIX_FTYPES = {"f32": (0, False), "f16": (1, False), "q4_0": (2, False), "q4_1": (3, False), "q5_0": (8, False),
+              "q5_1": (9, False), "q8_0": (7, False), "q6_k": (18, False), "q4_k_m": (15, False),
+              "q5_k_m": (17, False), "q4_k": (15, True), "q5_k": (17, True)}
 SMOL_PROMPTS = ("france", "chatml_explain", "code", "prose")
 SMOL_ROW_PROMPT = "prose"     # the one prompt whose full row (first generated token) is stored, as float16
 SMOL_CONTINUE = 48
@@ -50,14 +61,15 @@ SYNTH_PROMPTS: list[tuple[str, str, bool]] = [
 ]
 
 
-def quantize(src: Path, dst: Path, ftype: int, threads: int) -> None:
-    """llama.cpp's quantizer with its default per-tensor rules for `ftype`."""
+def quantize(src: Path, dst: Path, ftype: int, threads: int, pure: bool = False) -> None:
+    """llama.cpp's quantizer with its default per-tensor rules for `ftype` (none with `pure`)."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.nthread = threads
     params.ftype = ftype
     params.allow_requantize = True
+    params.pure = pure
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise SystemExit(f"llama_model_quantize({src.name}, ftype {ftype}) failed with {rc}")
@@ -144,6 +156,59 @@ def golden_set(label: str, llama_file: Path, src: Path, prompts, ref, keep_row, 
     return meta, entries, np.stack(kept)
 
 
+def f32_source(model: str, args: argparse.Namespace) -> Path:
+    """The F32 GGUF llama.cpp quantizes: SmolLM2's shipped Q4_1 values (llama.cpp's own ALL_F32 copy, checked
+    against the gguf package's decoding) or the synthetic model's."""
+    if model == "synth":
+        return ms.make_all(args.scratch / "synth", tq.SYNTH_CONFIG, gguf_types=("f32",), hf=False)["gguf-f32"]
+    src = args.scratch / "SmolLM2-135M-Instruct.F32.gguf"
+    if not src.exists():
+        mg.make_f32_gguf(args.gguf, src)
+        mg.verify_f32_gguf(args.gguf, src)
+    return src
+
+
+def tensor_records(path: Path) -> tuple[dict[str, list], dict[str, list]]:
+    """(name -> [ggml type name, digest of the data bytes], name -> shape: rows, cols (GGUF's ne reversed))."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(str(path)).tensors
+    return ({t.name: [t.tensor_type.name, tq.bytes_digest(np.ascontiguousarray(t.data).tobytes())] for t in tensors},
+            {t.name: [int(n) for n in reversed(t.shape)] for t in tensors})
+
+
+def mix_goldens(args: argparse.Namespace) -> None:
+    """tests/golden/quant/llama_quantize_types.json (see --mixes in the module docstring)."""
+    import llama_cpp
+
+    models = {}
+    for model in args.only:
+        src = f32_source(model, args)
+        dtypes = {}
+        for dtype, (ftype, pure) in MIX_FTYPES.items():
+            dst = args.scratch / f"{model}_mix_{dtype}.gguf"
+            quantize(src, dst, ftype, args.threads, pure)
+            records, shapes = tensor_records(dst)
+            dtypes[dtype] = {"llamacpp_ftype": ftype, "pure": pure, "tensors": records}
+            dst.unlink()
+            print(f"[{model} {dtype}] {len(records)} tensors", flush=True)
+        models[model] = {"source": src.name, "source_tensors_sha256": tq.tensors_digest(src), "shapes": shapes,
+                         "dtypes": dtypes}
+    meta = {"generated_by": "tests/oracle/make_quant_goldens.py --mixes", "date": time.strftime("%Y-%m-%d"),
+            "llama_cpp_python": llama_cpp.__version__, "digest": tq.DIGEST_NOTE}
+    out = args.out / tq.MIX_GOLDEN.name
+    blocks = []   # one line per dtype: readable diffs, a small file
+    for m, v in models.items():
+        lines = ",\n".join(f'{json.dumps(d)}: {json.dumps(r, separators=(",", ":"), sort_keys=True)}'
+                           for d, r in v["dtypes"].items())
+        blocks.append(f'{json.dumps(m)}: {{"source": {json.dumps(v["source"])}, "source_tensors_sha256": '
+                      f'{json.dumps(v["source_tensors_sha256"])},\n"shapes": '
+                      f'{json.dumps(v["shapes"], separators=(",", ":"), sort_keys=True)},\n"dtypes": {{\n{lines}}}}}')
+    out.write_text('{"meta": ' + json.dumps(meta, indent=1, sort_keys=True) + ',\n"models": {\n'
+                   + ",\n".join(blocks) + "\n}}\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -154,23 +219,23 @@ def main() -> None:
     ap.add_argument("--types", choices=tq.TYPES, nargs="*", default=list(tq.TYPES))
     ap.add_argument("--no-numpy-ref", action="store_true", help="skip the float64 reference for SmolLM2 (slow)")
     ap.add_argument("--threads", type=int, default=mg.N_THREADS)
+    ap.add_argument("--mixes", action="store_true", help="write only the per-tensor types of every --dtype")
     args = ap.parse_args()
     mg.N_THREADS = args.threads
     os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
     args.scratch.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.mixes:
+        mix_goldens(args)
+        return
 
     for model in args.only:
+        src = f32_source(model, args)
         if model == "smollm2":
-            src = args.scratch / "SmolLM2-135M-Instruct.F32.gguf"
-            if not src.exists():
-                mg.make_f32_gguf(args.gguf, src)
-                mg.verify_f32_gguf(args.gguf, src)
             replica_src, prompts = args.gguf, [p for p in mg.PROMPTS if p[0] in SMOL_PROMPTS]
             mg.N_CONTINUE = SMOL_CONTINUE
             row_dtype, keep_row = np.float16, (lambda e: e["name"] == SMOL_ROW_PROMPT)
         else:
-            src = ms.make_all(args.scratch / "synth", tq.SYNTH_CONFIG, gguf_types=("f32",), hf=False)["gguf-f32"]
             replica_src, prompts = src, SYNTH_PROMPTS
             mg.N_CONTINUE = SYNTH_CONTINUE
             row_dtype, keep_row = np.float32, (lambda e: True)

@@ -26,6 +26,12 @@ and re-encodes overlong forms, while our tokenizer keeps every byte; it would ev
 on sequences above U+10FFFF). meta.json records versions, hashes and counts.
 
     python3 tests/tokenizer/make_goldens.py
+
+--aliases writes goldens/pre_aliases.json instead: for every tokenizer.ggml.pre name of ALIASES (the
+names llama.cpp's src/llama-vocab.cpp maps to the gpt-2, smollm, llama3 and qwen2 splitters), the
+smollm2 variant (SmolLM2's vocabulary plus the extra tokens) named that way, with add_bos_token and
+bos_token_id removed so that the name's own defaults count, tokenized by llama.cpp in both modes:
+a sha256 of each mode's golden text, and whether it equals the first name of its group's.
 """
 from __future__ import annotations
 
@@ -49,6 +55,21 @@ GEMMA3_GGUF = ROOT / "models" / "gemma3-270m-q4_k_m.gguf"
 SPECIAL_CATS = ("special", "chat", "random", "long")
 
 EXTRA = "extra tokens"   # marker in a change set: append variants.extra_tokens()
+DROP = None              # a change set value: leave the key out
+
+# tokenizer.ggml.pre names by the splitter llama.cpp uses for them (src/llama-vocab.cpp at
+# ggml-org/llama.cpp@0c1e57098: the pre_type each name sets in llama_vocab::impl::load, and the regexes
+# llm_tokenizer_bpe gives that pre_type; llama3's with ignore_merges). The first of each group is the
+# name the other goldens use.
+ALIASES = {
+    "gpt2": ["gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+             "modern-bert", "exaone4", "mpt", "olmo", "jais", "trillion", "granite-docling"],
+    "smollm": ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"],
+    "llama3": ["llama-bpe", "llama3", "llama-v3", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano",
+               "glm4", "glm5"],
+    "qwen2": ["qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan", "solar-open", "grok-2"],
+}
+ALIAS_DROPPED_KEYS = ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id")
 
 # name -> (source GGUF, {key: new value} or None, byte-level BPE?)
 VOCABS = {
@@ -86,6 +107,8 @@ def write_variant(src: Path, dst: Path, changes: dict) -> None:
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue
+        if name in changes and changes[name] is DROP:
+            continue
         value = changes.get(name, field.contents())
         if changes.get(EXTRA):
             value = with_extra_tokens(name, value)
@@ -121,10 +144,57 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def golden_lines(llm, corpus: list[dict], mode: str, byte_level: bool) -> list[str]:
+    """llama.cpp's ids for every corpus entry in `mode` (plain / special), "skip" where it cannot be asked."""
+    add_bos = special = mode == "special"
+    lines = []
+    for entry in corpus:
+        raw = entry_bytes(entry)
+        if (mode == "special" and entry["cat"] not in SPECIAL_CATS) or not oracle_can_take(raw, byte_level):
+            lines.append("skip")
+        else:
+            lines.append(" ".join(map(str, llm.tokenize(raw, add_bos=add_bos, special=special))))
+    return lines
+
+
+def lines_sha256(lines: list[str]) -> str:
+    return hashlib.sha256(("\n".join(lines) + "\n").encode()).hexdigest()
+
+
+def alias_goldens() -> None:
+    """goldens/pre_aliases.json (see --aliases in the module docstring)."""
+    import llama_cpp
+
+    corpus = load_corpus()
+    out = {"oracle": f"llama-cpp-python {llama_cpp.__version__} (vendored llama.cpp), vocab_only=True",
+           "vocabulary": f"{SMOLLM2_GGUF.name} plus variants.extra_tokens(), without {', '.join(ALIAS_DROPPED_KEYS)}",
+           "gguf_sha256": sha256(SMOLLM2_GGUF), "aliases": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, names in ALIASES.items():
+            for name in names:
+                path = Path(tmp) / "alias.gguf"
+                write_variant(SMOLLM2_GGUF, path, {"tokenizer.ggml.pre": name, EXTRA: True,
+                                                   **dict.fromkeys(ALIAS_DROPPED_KEYS, DROP)})
+                llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+                rec = {"kind": kind}
+                for mode in ("plain", "special"):
+                    rec[mode] = lines_sha256(golden_lines(llm, corpus, mode, True))
+                del llm
+                first = out["aliases"].get(names[0], rec)
+                rec["same_as_first"] = {m: rec[m] == first[m] for m in ("plain", "special")}
+                out["aliases"][name] = rec
+                print(f"{name}: {kind}, same ids as {names[0]}: {rec['same_as_first']}", flush=True)
+    (GOLDENS / "pre_aliases.json").write_text(json.dumps(out, indent=1) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="vocabulary names to regenerate (default: all)")
+    ap.add_argument("--aliases", action="store_true", help="write only goldens/pre_aliases.json")
     args = ap.parse_args()
+    if args.aliases:
+        alias_goldens()
+        return 0
     import llama_cpp
 
     corpus = load_corpus()
@@ -146,14 +216,8 @@ def main() -> int:
                 write_variant(src, gguf_path, changes)
             llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
             for mode, add_bos, special in (("plain", False, False), ("special", True, True)):
-                lines, skipped = [], 0
-                for entry in corpus:
-                    raw = entry_bytes(entry)
-                    if (mode == "special" and entry["cat"] not in SPECIAL_CATS) or not oracle_can_take(raw, byte_level):
-                        lines.append("skip")
-                        skipped += 1
-                        continue
-                    lines.append(" ".join(map(str, llm.tokenize(raw, add_bos=add_bos, special=special))))
+                lines = golden_lines(llm, corpus, mode, byte_level)
+                skipped = lines.count("skip")
                 (GOLDENS / f"{name}.{mode}.txt").write_text("\n".join(lines) + "\n")
                 meta["goldens"][f"{name}.{mode}"] = {
                     "gguf": src.name, "gguf_sha256": sha256(src), "changes": changes or {},
