@@ -117,7 +117,7 @@ demo-gemma: run $(GEMMA_BIN)
 # demo asks a coding question through its chat template (-c).
 QWEN_BIN = models/qwen2.5-coder-1.5b.bin
 
-$(QWEN_BIN): | $(QWEN_GGUF) py-deps
+$(QWEN_BIN): export.py | $(QWEN_GGUF) py-deps
 	$(PYTHON) export.py $(QWEN_GGUF) $@
 
 model-qwen: $(QWEN_BIN)
