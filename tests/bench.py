@@ -13,10 +13,22 @@ With llama-cpp-python installed, llama.cpp runs the same GGUF in the same
 session and the ratio is printed.
 
 The main table measures plain decoding (--lookup 0). The lookup section runs
-input-grounded tasks (summarize, extract, rewrite, rename in code) and an
-open-ended one, each with and without lookup decoding (greedy, so both give
-the same text), alternating the two, and prints decode tok/s and their ratio;
-with --llamacpp also llama.cpp's plain decode speed on the same prompts.
+the tasks of tests/data/bench_tasks/ (code edits and prose tasks answered from
+their input, and an open-ended one) through -c on Qwen2.5-Coder-1.5B (when its
+GGUF is there) and SmolLM2 q4_1 and q8_0, each with and without lookup
+decoding (greedy: both texts must be identical, and are compared), alternating
+which goes first, and prints decode tok/s, their ratio, drafts kept and tokens
+per pass; with --llamacpp also llama.cpp's plain decode speed on the same
+prompts.
+
+--qwen (--qwen-only) is the 1.5B section: Qwen2.5-Coder-1.5B-Instruct Q4_K_M,
+whose 1.1 GB of weights stream from DRAM for every token, run by ./run (its
+export) and by llama.cpp on the GGUF, alternating: load time from a warm page
+cache, the wall time and time to the first stdout byte of `-n 1 -i hi` as a
+shell sees them, prefill 512 and decode 128 tok/s, decode as a share of the
+probed DRAM bandwidth, private memory at the end of a request (and of a
+second ./run on the same file at the same time) beside the mapped weights,
+peak RSS; medians, ratios, the machine line.
 
 --sampling-only measures what the sampling chain costs (issue 27): decode tok/s greedy, with the default
 chain and with the full chain (min-p and every penalty on), --lookup 0, alternating, for both vocabularies.
@@ -53,6 +65,8 @@ Every table names the kernel set that ran.
     python3 tests/bench.py --sampling-only --runs 5
     python3 tests/bench.py --prompt-cache-only --runs 5
     python3 tests/bench.py --per-type-only --runs 5 --threads 2 [--types q4_k_m,gemma3-q4_k_m]
+    python3 tests/bench.py --qwen-only --runs 3
+    python3 tests/bench.py --lookup-only --runs 1 --lookup-models qwen --tasks fix_bug,story
 """
 from __future__ import annotations
 
@@ -64,6 +78,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +86,8 @@ RUN = ROOT / "run"
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships with the repo
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # the llama.cpp helpers, imported where used
+sys.path.insert(0, str(ROOT / "tests"))
+from common import QWEN_GGUF, qwen_model  # noqa: E402  (the 1.5B: its GGUF, and its export into the tests' scratch)
 
 
 def cpu_name() -> str:
@@ -126,18 +143,19 @@ def run_once(model: Path, ids: str, n_gen: int, threads: int, extra: list[str] |
 def probe(model: Path, threads: int, kernels: str | None = None) -> dict:
     """./run --probe -v on `model` with a kernel set (default: the best one): the set that ran, DRAM and
     last-level cache read GB/s, the set's f32 and int8 peaks, and for this model the level its decode
-    streams from ("DRAM", or "L3" when a token's bytes fit in the cache) with that level's GB/s."""
+    streams from ("DRAM", or "L3" when a token's bytes fit in the cache) with that level's GB/s, and the
+    MB a decoded token reads (weights + KV, as -v counts them)."""
     extra = ["--kernels", kernels] if kernels else []
     out = subprocess.run([str(RUN), str(model), "--probe", "-v", "-n", "1", "-i", "x", "--threads", str(threads),
                           *extra], capture_output=True, text=True, check=True).stderr
     m = re.search(r"DRAM read ([\d.]+) GB/s, f32 FMA ([\d.]+) GFLOP/s, int8 ([\d.]+) GOP/s", out)
     cache = re.search(r"L(\d) cache \(([\d.]+) MiB\) read ([\d.]+) GB/s", out)
-    level = re.search(r"decode at \d+% of (\S+) bandwidth \([\d.]+ MB/token at ([\d.]+) GB/s", out)
+    level = re.search(r"decode at \d+% of (\S+) bandwidth \(([\d.]+) MB/token at ([\d.]+) GB/s", out)
     return {"kernels": re.search(r"(\w[\w-]*) kernels", out).group(1), "gbps": float(m.group(1)),
             "f32": float(m.group(2)), "i8": float(m.group(3)),
             "llc": f"L{cache.group(1)} {cache.group(2)} MiB" if cache else "last-level cache unknown",
             "llc_gbps": float(cache.group(3)) if cache else 0.0,
-            "level": level.group(1), "level_gbps": float(level.group(2))}
+            "level": level.group(1), "level_gbps": float(level.group(3)), "mb_per_token": float(level.group(2))}
 
 
 PROBES = 3  # a peak is a maximum: the best of a few probes, since other work on the cores only lowers one
@@ -183,57 +201,79 @@ def bench_dtype(dtype: str, runs: int, threads: int) -> dict:
             "gbps": col(short, "gbps"), "rss": col(short, "rss_mb")}
 
 
-PARK = ("The town council met on Tuesday evening to discuss the future of Riverside Park. Residents asked for more "
-        "shade trees along the main path, a new playground near the east gate, and longer opening hours in summer. "
-        "The council's budget allows fifty new trees this spring, and the playground will be built next year if a "
-        "grant from the state arrives in time. Several speakers complained about litter near the river, and the "
-        "council agreed to add ten waste bins and to start a monthly volunteer clean-up on the first Saturday.")
-CODE = ("def read_config(path):\n    with open(path) as f:\n        return json.load(f)\n\n\n"
-        "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument('--config')\n"
-        "    return parser.parse_args(argv)\n\n\ndef main(argv):\n    args = parse_args(argv)\n"
-        "    config = read_config(args.config)\n    print(config)\n")
-# (name, user message, input-grounded?)
-LOOKUP_TASKS = [
-    ("summarize", f"Summarize this passage in two sentences, using its own words:\n\n{PARK}", True),
-    ("extract", f"Copy out, word for word, every sentence of this passage that mentions the council:\n\n{PARK}", True),
-    ("rewrite", f"Rewrite this paragraph exactly, changing only 'Tuesday' to 'Thursday':\n\n{PARK}", True),
-    ("rename", f"Repeat this Python code exactly, renaming the function read_config to load_config everywhere:\n\n{CODE}",
-     True),
-    ("story", "Write a short story about a lighthouse keeper who finds a message in a bottle.", False),
-]
+TASKS = ROOT / "tests" / "data" / "bench_tasks"
+LOOKUP_TOKENS = 128
 
 
-def lookup_bench(dtypes: list[str], runs: int, threads: int, llamacpp: bool) -> None:
-    """Decode tok/s of each task with and without lookup decoding (same greedy text), alternating."""
-    print(f"\nLookup decoding ({kernel_set(threads)} kernels, greedy, -c, 128 tokens at most; median of runs, "
-          "with and without alternating):\n")
-    ref = llamacpp_tasks(threads, runs) if llamacpp else {}
-    print("| dtype | task | tokens | decode tok/s, --lookup 0 | decode tok/s, lookup | ratio | accepted | "
-          "tokens per pass | llama.cpp decode tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for dtype in dtypes:
-        model = export(dtype)
-        grounded = []
-        for name, text, is_grounded in LOOKUP_TASKS:
+def lookup_tasks(only: list[str] | None = None) -> list[tuple[str, str, str]]:
+    """The lookup section's tasks, tests/data/bench_tasks/KIND_NAME.txt (KIND: code and prose tasks answer from
+    their input, open is open-ended): (name, kind, user message), code first, in name order; `only` keeps the
+    tasks whose name contains one of its strings."""
+    out = []
+    for path in sorted(TASKS.glob("*.txt"), key=lambda p: (("code", "prose", "open").index(p.stem.split("_")[0]), p.stem)):
+        kind, _, name = path.stem.partition("_")
+        if not only or any(o in path.stem for o in only):
+            out.append((name, kind, path.read_text().rstrip("\n")))
+    if not out:
+        raise SystemExit(f"no lookup task in {TASKS} matches {only}")
+    return out
+
+
+def lookup_models(names: list[str]) -> list[tuple[str, Path, Path | None]]:
+    """(label, model file, the GGUF llama.cpp runs for it or None) for each of `names`: qwen (the 1.5B, when its
+    GGUF is there), q4_1 and q8_0 (SmolLM2, bench-DTYPE.bin; q4_1 is the shipped GGUF's own type)."""
+    out = []
+    for name in names:
+        if name == "qwen":
+            if QWEN_GGUF.exists():
+                out.append(("Qwen2.5-Coder-1.5B q4_k_m", qwen_model(), QWEN_GGUF))
+            else:
+                print(f"{QWEN_GGUF} is missing (make model-qwen): no lookup rows for it", file=sys.stderr)
+        else:
+            out.append((f"SmolLM2 {name}", export(name), GGUF if name == "q4_1" else None))
+    return out
+
+
+def lookup_bench(models: list[str], runs: int, threads: int, llamacpp: bool, only: list[str] | None = None) -> None:
+    """Decode tok/s of each task with and without lookup decoding, alternating which goes first; greedy, so the
+    texts must be identical (checked: a difference is printed in the table, as it is a bug)."""
+    tasks = lookup_tasks(only)
+    print(f"\nLookup decoding ({kernel_set(threads)} kernels, greedy, -c, {LOOKUP_TOKENS} tokens at most; median of "
+          f"{runs} runs, --lookup 0 and the default alternating which goes first):\n")
+    print("| model | task | kind | tokens | decode tok/s, --lookup 0 | decode tok/s, lookup | ratio | accepted | "
+          "tokens per pass | same text | llama.cpp decode tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, model, gguf in lookup_models(models):
+        ref = llamacpp_tasks(gguf, tasks, threads, runs) if llamacpp and gguf else {}
+        grounded: dict[str, list[float]] = {"code": [], "prose": []}
+        for name, kind, text in tasks:
             res: dict[str, list[float]] = {"off": [], "on": []}
+            texts: dict[str, set[bytes]] = {"off": set(), "on": set()}
             stats = ""
-            for _ in range(runs):
-                for mode, extra in (("off", ["--lookup", "0"]), ("on", [])):
-                    p = subprocess.run([str(RUN), str(model), "-c", "-t", "0", "-n", "128", "-v", "--threads",
-                                        str(threads), "-i", text, *extra], capture_output=True, text=True, check=True)
-                    m = re.search(r"decode: (\d+) tokens, ([\d.]+) tok/s", p.stderr)
+            for i in range(runs):
+                for mode, extra in ((("off", ["--lookup", "0"]), ("on", [])) if i % 2 == 0 else
+                                    (("on", []), ("off", ["--lookup", "0"]))):
+                    p = subprocess.run([str(RUN), str(model), "-c", "-t", "0", "-n", str(LOOKUP_TOKENS), "-v",
+                                        "--threads", str(threads), "-i", text, *extra], capture_output=True, check=True)
+                    err = p.stderr.decode(errors="replace")
+                    m = re.search(r"decode: (\d+) tokens, ([\d.]+) tok/s", err)
                     res[mode].append(float(m.group(2)))
+                    texts[mode].add(p.stdout)
                     n_tok = int(m.group(1))
-                    lk = re.search(r"lookup: \d+ drafted, \d+ accepted \((\d+)%\), ([\d.]+) tokens per forward pass", p.stderr)
+                    lk = re.search(r"lookup: \d+ drafted, \d+ accepted \((\d+)%\), ([\d.]+) tokens per forward pass", err)
                     if mode == "on":
                         stats = f"{lk.group(1)}% | {lk.group(2)}" if lk else "— | 1.00"
             ratio = statistics.median(res["on"]) / statistics.median(res["off"])
-            if is_grounded:
-                grounded.append(ratio)
+            if kind in grounded:
+                grounded[kind].append(ratio)
+            same = "yes" if len(texts["off"] | texts["on"]) == 1 else "NO: texts differ"
             r = ref.get(name)
-            print(f"| {dtype} | {name} | {n_tok} | {summary(res['off'], '{:.1f}')} | {summary(res['on'], '{:.1f}')} | "
-                  f"{ratio:.2f}× | {stats} | {f'{r:.1f}' if r else '—'} |", flush=True)
-        print(f"| {dtype} | median of the input-grounded tasks | | | | {statistics.median(grounded):.2f}× | | | |")
+            print(f"| {label} | {name} | {kind} | {n_tok} | {summary(res['off'], '{:.1f}')} | "
+                  f"{summary(res['on'], '{:.1f}')} | {ratio:.2f}× | {stats} | {same} | {f'{r:.1f}' if r else '—'} |",
+                  flush=True)
+        for kind, ratios in grounded.items():
+            if ratios:
+                print(f"| {label} | median of the {kind} tasks | | | | | {statistics.median(ratios):.2f}× | | | | |")
 
 
 JSON_PROMPT = "Write a JSON array of 40 objects, one per country, each with the fields name, capital, population and continent."
@@ -371,24 +411,27 @@ def prompt_cache_bench(runs: int, threads: int, cached: int = 2000) -> None:
               f"{copy:.2f} |", flush=True)
 
 
-def llamacpp_tasks(threads: int, runs: int) -> dict[str, float]:
-    """llama.cpp's plain decode tok/s on the same chat prompts (the shipped Q4_1 GGUF), from its counters."""
+def llamacpp_tasks(gguf: Path, tasks: list[tuple[str, str, str]], threads: int, runs: int) -> dict[str, float]:
+    """llama.cpp's plain decode tok/s on the same chat prompts (the GGUF, through its own chat template), from its
+    counters; {} without llama-cpp-python."""
     try:
         import llama_cpp
     except ImportError:
         return {}
-    llm = llama_cpp.Llama(model_path=str(GGUF), n_ctx=1024, n_threads=threads, verbose=False)
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads, verbose=False)
     out = {}
-    for name, text, _ in LOOKUP_TASKS:
+    for name, _, text in tasks:
         speeds = []
         for _ in range(runs):
             llm.reset()
             llama_cpp.llama_perf_context_reset(llm._ctx.ctx)
-            llm.create_chat_completion(messages=[{"role": "user", "content": text}], temperature=0, max_tokens=128)
+            llm.create_chat_completion(messages=[{"role": "user", "content": text}], temperature=0,
+                                       max_tokens=LOOKUP_TOKENS)
             d = llama_cpp.llama_perf_context(llm._ctx.ctx)
             if d.n_eval > 1:
                 speeds.append(d.n_eval / (d.t_eval_ms / 1e3))
         out[name] = statistics.median(speeds) if speeds else 0.0
+    llm.close()
     return out
 
 
@@ -669,6 +712,186 @@ def set_table(runs: int, threads: int, scratch: Path, wait: str = "auto") -> Non
     print(f"\nload average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
+# ---- the 1.5B model: Qwen2.5-Coder-1.5B-Instruct Q4_K_M as shipped (1.1 GB: decode waits on DRAM) ----
+
+MEMORY_TOKENS = 128     # the measured request: a one-line message of ~MEMORY_PROMPT tokens, then this many
+MEMORY_PROMPT = 512
+HI = ["-n", "1", "-i", "hi", "-t", "0"]   # the shortest request: what a shell user waits for
+
+
+def shell_view(cmd: list[str]) -> dict:
+    """cmd started as a shell starts it: ms until the first byte on its stdout (the TTFT a pipe sees: process
+    start, load, prefill, first token) and until it exits (wall), and its stderr."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)
+    t_first = time.perf_counter()
+    _, err = p.communicate()
+    wall = time.perf_counter() - t0
+    if p.returncode != 0 or not first:
+        raise RuntimeError(f"{' '.join(cmd[:3])} failed ({p.returncode}) or printed nothing: {err.decode()[-300:]}")
+    return {"ttft_ms": (t_first - t0) * 1e3, "wall_ms": wall * 1e3, "stderr": err.decode(errors="replace")}
+
+
+def memory_mb(pid: int) -> dict[str, float]:
+    """bench_llamacpp.memory_kb of a live process (private, anonymous, resident, peak resident), in MB."""
+    from bench_llamacpp import memory_kb
+
+    return {k.replace("_kb", "_mb"): v / 1024 for k, v in memory_kb(pid).items()}
+
+
+def held_chat(model: Path, message: str, threads: int) -> subprocess.Popen:
+    """./run -m chat having answered `message` (greedy, MEMORY_TOKENS tokens, --ignore-eos) and waiting for the
+    next one: the state at the end of a request, still alive to be measured. release() ends it."""
+    p = subprocess.Popen([str(RUN), str(model), "-m", "chat", "-t", "0", "-n", str(MEMORY_TOKENS), "--ignore-eos",
+                          "-v", "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    p.stdin.write(message.encode() + b"\n")
+    p.stdin.flush()
+    for line in p.stderr:
+        if line.startswith(b"decode:"):   # -v's last line of a turn
+            return p
+    p.wait()
+    raise RuntimeError(f"./run -m chat ended ({p.returncode}) before answering")
+
+
+def release(p: subprocess.Popen) -> None:
+    p.stdin.close()
+    p.stderr.read()
+    if p.wait() != 0:
+        raise RuntimeError(f"./run -m chat exited with {p.returncode}")
+
+
+def one_line_message(model: Path, n_tokens: int) -> str:
+    """The longest start of the README, on one line (a chat message), of at most n_tokens tokens."""
+    words = PASSAGE.split()
+
+    def count(k: int) -> int:
+        return len(subprocess.run([str(RUN), str(model), "--tokenize", "-i", " ".join(words[:k])], capture_output=True,
+                                  check=True).stdout.split())
+
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if count(mid) <= n_tokens else (lo, mid - 1)
+    return " ".join(words[:lo])
+
+
+def ours_qwen(model: Path, ids128: str, ids512: str, message: str, threads: int) -> dict[str, float]:
+    """One measurement of ./run: the shortest request as a shell sees it, prefill 512 and decode 128 (-v), and
+    the memory of a request held open, then of a second process on the same file while the first is alive."""
+    hi = shell_view([str(RUN), str(model), *HI, "-v", "--threads", str(threads)])
+    r = {"ttft_ms": hi["ttft_ms"], "wall_ms": hi["wall_ms"],
+         "load_ms": float(re.search(r"loaded in ([\d.]+) ms", hi["stderr"]).group(1))}
+    r.update(ours_speed(model, ids128, ids512, threads))
+    first = held_chat(model, message, threads)
+    try:
+        mem = memory_mb(first.pid)
+        second = held_chat(model, message, threads)
+        try:
+            r["second_private_mb"] = memory_mb(second.pid)["private_mb"]
+        finally:
+            release(second)
+        mem["peak_rss_mb"] = memory_mb(first.pid)["peak_rss_mb"]
+    finally:
+        release(first)
+    r.update(private_mb=mem["private_mb"], anon_mb=mem["anon_mb"], peak_rss_mb=mem["peak_rss_mb"])
+    return r
+
+
+def llamacpp_qwen(llm, ids512: list[int], message: str, threads: int) -> dict[str, float]:
+    """The same for llama.cpp: the shortest request and the memory through bench_llamacpp.py --shell (a Python
+    process, as a shell user of llama-cpp-python runs it; its memory before loading the model is subtracted),
+    prefill and decode in this process from llama.cpp's own counters."""
+    script = [sys.executable, str(ROOT / "tests" / "oracle" / "bench_llamacpp.py"), "--shell", str(QWEN_GGUF),
+              "--threads", str(threads)]
+    hi = shell_view([*script, "--prompt", "hi", "-n", "1"])
+    info = json.loads(hi["stderr"].strip().splitlines()[-1])
+    r = {"ttft_ms": hi["ttft_ms"], "wall_ms": hi["wall_ms"], "load_ms": info["load_ms"], "import_ms": info["import_ms"]}
+    r.update(llamacpp_speed(llm, ids512))
+    mem = json.loads(shell_view([*script, "--prompt", message, "-n", str(MEMORY_TOKENS)])["stderr"].strip().splitlines()[-1])
+    r.update(private_mb=(mem["after"]["private_kb"] - mem["before_load"]["private_kb"]) / 1024,
+             anon_mb=(mem["after"]["anon_kb"] - mem["before_load"]["anon_kb"]) / 1024,
+             peak_rss_mb=(mem["after"]["peak_rss_kb"] - mem["before_load"]["rss_kb"]) / 1024,
+             python_rss_mb=mem["before_load"]["rss_kb"] / 1024, n_ctx=mem["n_ctx"])
+    return r
+
+
+def qwen_section(runs: int, threads: int, wait: str = "auto") -> None:
+    """`make bench`'s 1.5B table: ./run and llama.cpp on Qwen2.5-Coder-1.5B-Instruct Q4_K_M, alternating which goes
+    first each run; medians. Skipped, saying so, when the GGUF is not there."""
+    if not QWEN_GGUF.exists():
+        print(f"\n{QWEN_GGUF} is missing (make model-qwen): no 1.5B section", file=sys.stderr)
+        return
+    wait = omp_wait_policy(wait, threads) if "llama_cpp" not in sys.modules else "as already loaded"
+    try:
+        import llama_cpp
+    except ImportError:
+        llama_cpp = None
+    model = qwen_model()
+    ids512 = prompt_ids(model, 512)
+    ids128 = " ".join(ids512.split()[:128])
+    message = one_line_message(model, MEMORY_PROMPT)
+    mc = best_probe(model, threads)
+    llm = open_llamacpp(QWEN_GGUF, threads) if llama_cpp else None
+    ids = [int(i) for i in ids512.split()]
+    ours_speed(model, ids128, ids512, threads)             # warm-up: the page cache holds the file from here on
+    if llm:
+        llamacpp_speed(llm, ids)
+    res: dict[str, list[dict[str, float]]] = {"ours": [], "llamacpp": []}
+    for i in range(runs):
+        for who in (("ours", "llamacpp") if i % 2 == 0 else ("llamacpp", "ours")):
+            if who == "ours":
+                res[who].append(ours_qwen(model, ids128, ids512, message, threads))
+            elif llm:
+                res[who].append(llamacpp_qwen(llm, ids, message, threads))
+            print(f"run {i + 1}/{runs} {who}: {res[who][-1] if res[who] else 'not installed'}", file=sys.stderr, flush=True)
+    if llm:
+        llm.close()
+    med = {who: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for who, rs in res.items() if rs}
+    o, ref = med["ours"], med.get("llamacpp")
+    mb_per_token = mc["mb_per_token"]     # a token of the probe's one-token request: the weights, KV is ~0
+    for r in filter(None, (o, ref)):
+        r["dram_pct"] = mb_per_token * r["decode"] / 1e3 / mc["gbps"] * 100
+    version = f"llama-cpp-python {llama_cpp.__version__}" if llama_cpp else "llama-cpp-python not installed"
+    file_mb = model.stat().st_size / 1e6
+    their_ctx = f", n_ctx {ref['n_ctx']:.0f}" if ref else ""
+    print(f"\nQwen2.5-Coder-1.5B-Instruct Q4_K_M ({QWEN_GGUF.name}, {QWEN_GGUF.stat().st_size / 1e6:.0f} MB), "
+          f"{threads} threads, median of {runs} runs alternating which goes first. ./run: its export (--dtype keep, "
+          f"{file_mb:.0f} MB), {mc['kernels']} kernels, its defaults (KV f16, the model's context); llama.cpp: "
+          f"{version} on the GGUF with its CPU defaults (KV f16, flash attention on; the shortest request and the "
+          f"memory at the model's context{their_ctx}; "
+          f"prefill and decode at n_ctx 1024), OpenMP wait policy {wait}.")
+    print(machine_line(mc, threads) + f"; kernel set: {mc['kernels']}\n")
+    rows = [
+        ("load from a warm page cache, ms (llama.cpp: Llama())", "load_ms", "{:.0f}"),
+        ("`-n 1 -i hi -t 0`: wall time as a shell sees it, ms", "wall_ms", "{:.0f}"),
+        ("the same: time to the first byte on stdout, ms", "ttft_ms", "{:.0f}"),
+        ("prefill 512 tokens, tok/s", "prefill", "{:.1f}"),
+        ("decode 128 tokens (positions 128-255), tok/s", "decode", "{:.2f}"),
+        (f"decode, % of DRAM read ({mc['gbps']:.1f} GB/s) at {mb_per_token:.0f} MB per token (--probe's count for "
+         "one token: the weights; the KV cache read at positions 128-255 adds < 1 %)",
+         "dram_pct", "{:.0f}%"),
+        (f"private memory after a {MEMORY_PROMPT} + {MEMORY_TOKENS} token request, MB (the weights: {file_mb:.0f} MB "
+         "mapped)", "private_mb", "{:.0f}"),
+        ("of it anonymous (heap: KV cache, buffers, anything copied at load), MB", "anon_mb", "{:.0f}"),
+        ("private memory of a second ./run on the same file while the first runs, MB", "second_private_mb", "{:.0f}"),
+        ("peak RSS of that request, MB", "peak_rss_mb", "{:.0f}"),
+    ]
+    print("| measure | ./run | llama.cpp | ./run ÷ llama.cpp |")
+    print("|---|---:|---:|---:|")
+    for label, key, fmt in rows:
+        theirs = ref.get(key) if ref else None
+        ratio = f"{o[key] / theirs:.2f}×" if theirs else "—"
+        print(f"| {label} | {fmt.format(o[key])} | {fmt.format(theirs) if theirs is not None else '—'} | {ratio} |")
+    if ref:
+        print(f"\nllama.cpp's shortest request runs in a fresh Python process: its start and `import llama_cpp` take "
+              f"{ref['import_ms']:.0f} ms of the wall time and the TTFT; its memory is counted above the "
+              f"{ref['python_rss_mb']:.0f} MB the process held before loading the model.")
+    load = os.getloadavg()
+    print(f"load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -676,8 +899,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--long", action="store_true", help="also decode at 4k context (q4_1, slow)")
     ap.add_argument("--llamacpp", action="store_true", help="also run llama.cpp (llama-cpp-python) for a ratio")
-    ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section (q4_1 and q8_0)")
+    ap.add_argument("--lookup", action="store_true", help="also the lookup decoding section")
     ap.add_argument("--lookup-only", action="store_true", help="only the lookup decoding section")
+    ap.add_argument("--lookup-models", default="qwen,q4_1,q8_0",
+                    help="models of the lookup section: qwen (the 1.5B, when its GGUF is there), q4_1, q8_0 (SmolLM2)")
+    ap.add_argument("--tasks", default="", help="lookup tasks whose file name contains one of these (comma-separated)")
+    ap.add_argument("--qwen", action="store_true",
+                    help="also the 1.5B section (Qwen2.5-Coder-1.5B Q4_K_M beside llama.cpp; when its GGUF is there)")
+    ap.add_argument("--qwen-only", action="store_true", help="only the 1.5B section")
     ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
     ap.add_argument("--prompt-cache-only", action="store_true",
                     help="only the prompt cache: TTFT with a 2,000-token cached prefix (the 1.5B model when present), "
@@ -714,8 +943,13 @@ def main() -> int:
     if args.sets_only:
         set_table(args.runs, args.threads, args.scratch, args.omp_wait)
         return 0
+    lookup = lambda: lookup_bench(args.lookup_models.split(","), args.runs, args.threads, args.llamacpp,  # noqa: E731
+                                  [t for t in args.tasks.split(",") if t])
     if args.lookup_only:
-        lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
+        lookup()
+        return 0
+    if args.qwen_only:
+        qwen_section(args.runs, args.threads, args.omp_wait)
         return 0
     mc = best_probe(export("q4_1"), args.threads)
     print(machine_line(mc, args.threads))
@@ -749,8 +983,10 @@ def main() -> int:
         type_table(args.types.split(","), args.scratch, args.runs, args.threads, args.omp_wait)
     if args.sets:
         set_table(args.runs, args.threads, args.scratch, args.omp_wait)
+    if args.qwen:
+        qwen_section(args.runs, args.threads, args.omp_wait)
     if args.lookup:
-        lookup_bench(["q4_1", "q8_0"], args.runs, args.threads, args.llamacpp)
+        lookup()
     return 0
 
 

@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_GGUF, DEFAULT_MODEL, RUN, SCRATCH, exported  # noqa: E402
+from common import DEFAULT_GGUF, DEFAULT_MODEL, QWEN_GGUF, RUN, SCRATCH, exported, qwen_model  # noqa: E402
 
 WORK = SCRATCH / "bench-batch"
 SEED = 17
@@ -133,13 +133,13 @@ def parse_summary(err: str) -> dict:
             "p50": float(p50), "p90": float(p90), "kv_mb": int(used) * float(page_mb)}
 
 
-def check_records(out: Path, n_records: int, n_gen: int) -> int:
-    """Every record whole, without error, with n_gen tokens; returns the prompt tokens in all."""
+def check_records(out: Path, n_records: int, n_gen: int) -> list[dict]:
+    """Every record whole, without error, with n_gen tokens; returns them."""
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(recs) == n_records, f"{len(recs)} records for {n_records} prompts"
     for r in recs:
         assert "error" not in r and r["tokens"] == n_gen and r["finish"] == "length", r
-    return sum(r["prompt_tokens"] for r in recs)
+    return recs
 
 
 def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: int, lookup: bool = False) -> dict:
@@ -154,7 +154,8 @@ def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: 
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-300:]}")
     r = parse_summary(err)
-    r["prompt_tokens"] = check_records(out, n_prompts, n_gen)
+    recs = check_records(out, n_prompts, n_gen)
+    r["prompt_tokens"], r["texts"] = sum(q["prompt_tokens"] for q in recs), [q["text"] for q in recs]
     r["rss_mb"] = usage.ru_maxrss / 1024
     r["bound_mb"] = model.stat().st_size / 2**20 + r["kv_mb"] * 1e6 / 2**20 + RSS_SLACK_MB
     r["tok_per_cpu_s"] = r["tokens"] / (usage.ru_utime + usage.ru_stime)
@@ -359,6 +360,61 @@ def gemma_reclaim(n_prompts: int, words: int, kv_mb: int, n_gen: int) -> str:
             f"{used.group(2)} had the window's old pages been kept; {sum(r['tokens'] for r in recs)} tokens in all")
 
 
+# ----- chat prompts: what a script sends an instruct model ---------------------------
+
+CHAT_PROMPTS = Path(__file__).resolve().parent / "data" / "bench_chat_prompts.txt"
+
+
+def single_texts(model: Path, prompts: list[str], n_gen: int) -> list[str]:
+    """Each prompt's greedy answer from `./run -c -i PROMPT` alone, as a batch record writes text (U+FFFD for
+    bytes that are not UTF-8)."""
+    out = []
+    for prompt in prompts:
+        p = subprocess.run([str(RUN), str(model), "-c", "-i", prompt, "-t", "0", "--ignore-eos", "-n", str(n_gen)],
+                           capture_output=True, check=True)
+        out.append(p.stdout.decode("utf-8", "replace"))
+    return out
+
+
+def chat_models(names: list[str]) -> dict[str, Path]:
+    """The chat section's models by name: qwen (the 1.5B exported as shipped, when its GGUF is there), q4_1."""
+    models = {}
+    for name in names:
+        if name == "q4_1":
+            models["SmolLM2 q4_1"] = DEFAULT_MODEL
+        elif name == "qwen" and QWEN_GGUF.exists():
+            models["Qwen2.5-Coder-1.5B q4_k_m"] = qwen_model()
+        elif name == "qwen":
+            print(f"{QWEN_GGUF} is missing (make model-qwen): no chat rows for it", file=sys.stderr)
+        else:
+            raise SystemExit(f"--chat-models: unknown model {name!r} (known: qwen, q4_1)")
+    return models
+
+
+def chat_section(models: dict[str, Path], runs: int, parallel: int, n_gen: int, lookup: bool = False) -> None:
+    """The chat prompts of tests/data/bench_chat_prompts.txt (each a one-turn chat, n_gen tokens, -t 0
+    --ignore-eos) through --batch at --parallel 1 and `parallel`, alternating; aggregate and decode tok/s,
+    per-token latency, and whether every record's text is the answer of the same prompt run alone."""
+    prompts = CHAT_PROMPTS.read_text().splitlines()
+    path = write_prompts("chat.jsonl", [json.dumps({"prompt": p, "chat": True}) for p in prompts])
+    print(f"\n{len(prompts)} chat prompts ({CHAT_PROMPTS.name}), {n_gen} tokens each (-t 0 --ignore-eos), --batch at "
+          f"--parallel 1 and {parallel}, medians of {runs} runs alternating; 'same text' compares every record of "
+          "every run with `./run -c -i PROMPT` alone", flush=True)
+    singles = {name: single_texts(model, prompts, n_gen) for name, model in models.items()}
+    parallels = [1, parallel]
+    results = measure(models, {b: (path, len(prompts)) for b in parallels}, parallels, runs, n_gen, lookup)
+    print("\n| model | B | aggregate tok/s | decode tok/s | decode × B=1 | p50 / p90 per-token ms | same text as alone |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, b), rs in results.items():
+        base = results[(name, 1)]
+        ratio = statistics.median(r["decode_tps"] / s["decode_tps"] for r, s in zip(rs, base))
+        same = sum(t == want for r in rs for t, want in zip(r["texts"], singles[name]))
+        total = len(rs) * len(prompts)
+        print(f"| {name} | {b} | {median(rs, 'agg_tps'):.1f} | {median(rs, 'decode_tps'):.1f} | {ratio:.2f}× | "
+              f"{median(rs, 'p50'):.0f} / {median(rs, 'p90'):.0f} | "
+              f"{'all ' if same == total else 'NO: '}{same} of {total} |", flush=True)
+
+
 def llamacpp_installed() -> bool:
     try:
         import llama_cpp  # noqa: F401
@@ -383,10 +439,31 @@ def main() -> None:
     ap.add_argument("--no-llamacpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--lookup", action="store_true", help="lookup decoding on (default: --lookup 0, batching alone)")
     ap.add_argument("--no-gemma", action="store_true", help="leave out the Gemma 3 sliding-window reclaim line")
+    ap.add_argument("--chat", action="store_true", help="also the chat section: 16 chat prompts x --chat-tokens on "
+                    "Qwen2.5-Coder-1.5B (when its GGUF is there) and SmolLM2 q4_1, --parallel 1 and --parallel")
+    ap.add_argument("--chat-only", action="store_true", help="only the chat section")
+    ap.add_argument("--chat-tokens", type=int, default=64, help="tokens per chat answer")
+    ap.add_argument("--chat-models", default="qwen,q4_1",
+                    help="models of the chat section: qwen (the 1.5B, when its GGUF is there), q4_1 (SmolLM2)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.single, args.runs = 16, 4, 1
     t_start = time.perf_counter()
+    eng = engine_summary(DEFAULT_MODEL)
+    print(f"CPU: {lscpu_field('Model name')}, {lscpu_field('CPU(s)')} CPUs; ./run: {eng['kernels']} kernels, "
+          f"{eng['threads']} threads; --probe: DRAM read {eng['gbps']:.1f} GB/s, int8 {eng['i8_gops']:.0f} GOP/s")
+    print(f"load average before: {load_average()}")
+    if os.getloadavg()[0] > (os.cpu_count() or 1):
+        print("warning: more runnable threads than CPUs: the machine is busy, the speeds are lower bounds")
+    if not args.chat_only:
+        mixed_section(args, eng)
+    if args.chat or args.chat_only:
+        chat_section(chat_models(args.chat_models.split(",")), args.runs, args.parallel, args.chat_tokens, args.lookup)
+    print(f"load average after: {load_average()}; {time.perf_counter() - t_start:.0f} s in all")
+
+
+def mixed_section(args: argparse.Namespace, eng: dict) -> None:
+    """The 64 plain-text prompts of mixed length at --parallel 1 and B, SmolLM2 q4_1 / q8_0, llama.cpp beside."""
     prompts = make_prompts(args.prompts, 5, 400)
     step = max(1, args.prompts // args.single)
     files = {args.parallel: (write_prompts("batch.txt", prompts), len(prompts)),
@@ -395,13 +472,6 @@ def main() -> None:
     for b in parallels:
         files.setdefault(b, files[args.parallel])
     models = {d: DEFAULT_MODEL if d == "q4_1" else exported(d) for d in args.dtypes.split(",")}
-
-    eng = engine_summary(DEFAULT_MODEL)
-    print(f"CPU: {lscpu_field('Model name')}, {lscpu_field('CPU(s)')} CPUs; ./run: {eng['kernels']} kernels, "
-          f"{eng['threads']} threads; --probe: DRAM read {eng['gbps']:.1f} GB/s, int8 {eng['i8_gops']:.0f} GOP/s")
-    print(f"load average before: {load_average()}")
-    if os.getloadavg()[0] > (os.cpu_count() or 1):
-        print("warning: more runnable threads than CPUs: the machine is busy, the speeds are lower bounds")
     print(f"{len(prompts)} prompts of 5-400 words (seed {SEED}), {args.tokens} tokens each (-t 0 --ignore-eos); "
           f"B=1 baseline: --parallel 1 over {len(prompts[::step])} of them (every {step}th); "
           f"medians of {args.runs} runs", flush=True)
@@ -421,7 +491,6 @@ def main() -> None:
         print(rooflines(name, path, results, eng, args.parallel))
     if GEMMA.exists() and not args.no_gemma:
         print(gemma_reclaim(8, 1100, 64, 32))
-    print(f"load average after: {load_average()}; {time.perf_counter() - t_start:.0f} s in all")
 
 
 if __name__ == "__main__":

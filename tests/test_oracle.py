@@ -15,14 +15,13 @@ newer than export.py and the GGUF.
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 import common  # noqa: E402
-from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
+from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, require, run, sha256_file
 
 GOLDEN = TESTS / "golden"
 EXPORT = ROOT / "export.py"
@@ -89,16 +88,7 @@ def model_file(dtype: str) -> Path:
     golden_sha = load_golden("smollm2_f32")[0]["meta"]["source_gguf_sha256"]
     if sha256_file(DEFAULT_GGUF) != golden_sha:
         raise AssertionError(f"{DEFAULT_GGUF} is not the file the goldens were made from (sha256 {golden_sha})")
-    out = SCRATCH / f"smollm2-{dtype}.bin"
-    newest_input = max(EXPORT.stat().st_mtime, DEFAULT_GGUF.stat().st_mtime)
-    if not out.exists() or out.stat().st_mtime < newest_input:
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        p = python([EXPORT, DEFAULT_GGUF, tmp, "--dtype", dtype])
-        if p.returncode != 0:
-            tmp.unlink(missing_ok=True)
-            raise AssertionError(f"export.py --dtype {dtype} failed ({p.returncode}):\n{p.stderr.decode(errors='replace')}")
-        tmp.replace(out)
-    return out
+    return common.export_fresh(DEFAULT_GGUF, SCRATCH / f"smollm2-{dtype}.bin", ("--dtype", dtype))
 
 
 def require_run() -> None:

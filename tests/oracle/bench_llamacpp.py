@@ -13,6 +13,14 @@ flash attention off, like our engine); "llamacpp_default" uses what llama.cpp pi
 default on CPU (F16 KV cache, flash attention on).
 
     python3 tests/oracle/bench_llamacpp.py                # needs llama-cpp-python
+
+--shell GGUF answers one request as a shell user of llama-cpp-python would run it, for tests/bench.py's
+1.5B section: load the model (llama.cpp's CPU defaults), stream the greedy completion of --prompt to stdout
+piece by piece (flushed), then print one JSON line on stderr: the import and load times, and the process's
+private memory (Private_Clean + Private_Dirty of /proc/self/smaps_rollup, and of it Anonymous) and resident
+size before the model was loaded and after the request, with its peak (VmHWM).
+
+    python3 tests/oracle/bench_llamacpp.py --shell MODEL.gguf --prompt hi -n 1 --threads 2
 """
 from __future__ import annotations
 
@@ -100,8 +108,45 @@ def bench(path: Path, config: dict, threads: int, runs: int) -> dict:
                   "runs": [round(r[key], 1) for r in results]} for key in results[0]}
 
 
+def memory_kb(pid: int | str = "self") -> dict[str, int]:
+    """A process's private memory (Private_Clean + Private_Dirty of smaps_rollup: the pages no other process maps,
+    so a model file's pages too while it is the only one mapping them), of it the anonymous memory (heap), its
+    resident size now and its peak resident size (VmHWM), in kB."""
+    rollup = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:])
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    kb = lambda v: int(v.split()[0])  # noqa: E731
+    return {"private_kb": kb(rollup["Private_Clean"]) + kb(rollup["Private_Dirty"]), "anon_kb": kb(rollup["Anonymous"]),
+            "rss_kb": kb(rollup["Rss"]), "peak_rss_kb": kb(status["VmHWM"])}
+
+
+def shell_request(gguf: Path, prompt: str, n: int, threads: int, n_ctx: int) -> None:
+    """--shell: one greedy request, streamed to stdout; timings and memory as one JSON line on stderr."""
+    import time
+
+    t0 = time.perf_counter()
+    import llama_cpp
+
+    t_import = time.perf_counter()
+    before = memory_kb()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                          verbose=False, n_gpu_layers=0)
+    t_load = time.perf_counter()
+    out = sys.stdout.buffer
+    for chunk in llm.create_completion(prompt, max_tokens=n, temperature=0, stream=True):
+        out.write(chunk["choices"][0]["text"].encode())
+        out.flush()
+    after = memory_kb()
+    print(json.dumps({"import_ms": (t_import - t0) * 1e3, "load_ms": (t_load - t_import) * 1e3,
+                      "n_ctx": llm.n_ctx(), "before_load": before, "after": after}), file=sys.stderr, flush=True)
+    llm.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shell", type=Path, help="answer one request from this GGUF (see above) and exit")
+    ap.add_argument("--prompt", default="hi", help="--shell: the prompt (plain text)")
+    ap.add_argument("-n", type=int, default=1, help="--shell: tokens to generate")
+    ap.add_argument("--ctx", type=int, default=0, help="--shell: n_ctx (0: the model's)")
     ap.add_argument("--q4-1", type=Path, default=ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--f32", type=Path, default=Path("/tmp/oracle-scratch/SmolLM2-135M-Instruct.F32.gguf"),
                     help="made from --q4-1 with llama.cpp's quantize API if missing")
@@ -110,6 +155,9 @@ def main() -> None:
     ap.add_argument("--config", choices=[*CONFIGS, "both"], default="both")
     ap.add_argument("--dtypes", default="f32,f16,q8_0,q4_1", help="comma-separated subset")
     args = ap.parse_args()
+    if args.shell:
+        shell_request(args.shell, args.prompt, args.n, args.threads, args.ctx)
+        return
 
     import llama_cpp
     from make_goldens import make_f32_gguf, requantize_gguf
