@@ -3532,13 +3532,27 @@ static void build_chat(Chat *ch, const Model *m, const char *system, size_t syst
     ch->system_turn = !TEMPLATES[ch->kind].system_in_user && (ch->system_len || system);
 }
 
-/* START ROLE [HEADER_END] SEP: a turn's opening. */
-static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char *role)
+/* START ROLE [HEADER_END] SEP BODY: a turn's opening and its text. The
+   text between two control tokens is tokenized as one piece, as the
+   template rendered to a string and tokenized would be: a body that
+   starts with a line break merges with SEP's ("\n\n" is one token in
+   Qwen's vocabulary, not two). */
+static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char *role, const char *body, size_t body_len)
 {
+    const char *sep = TEMPLATES[ch->kind].sep;
+    size_t lead = strlen(role), sep_len = strlen(sep);
     push(t, ch->start);
-    push_text(m, t, role, strlen(role));
-    if (ch->header_end >= 0) push(t, ch->header_end);
-    push_text(m, t, TEMPLATES[ch->kind].sep, strlen(TEMPLATES[ch->kind].sep));
+    if (ch->header_end >= 0) { /* the role ends at its own control token */
+        push_text(m, t, role, lead);
+        push(t, ch->header_end);
+        lead = 0;
+    }
+    char *buf = xmalloc(lead + sep_len + body_len + 1);
+    memcpy(buf, role, lead);
+    memcpy(buf + lead, sep, sep_len);
+    if (body_len) memcpy(buf + lead + sep_len, body, body_len);
+    push_text(m, t, buf, lead + sep_len + body_len);
+    free(buf);
 }
 
 /* END AFTER: a turn's close. */
@@ -3556,8 +3570,7 @@ static void chat_open(const Chat *ch, const Model *m, Tokens *t)
     const tok_info *ti = tok_get_info(m->tok);
     if (TEMPLATES[ch->kind].bos && ti->bos >= 0) push(t, ti->bos);
     if (ch->system_turn) {
-        chat_turn_open(ch, m, t, "system");
-        push_text(m, t, ch->system, ch->system_len);
+        chat_turn_open(ch, m, t, "system", ch->system, ch->system_len);
         chat_turn_close(ch, m, t);
     }
 }
@@ -3570,10 +3583,9 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
     char *buf = xmalloc(len + sys + 1);
     if (sys) { memcpy(buf, ch->system, ch->system_len); memcpy(buf + ch->system_len, "\n\n", 2); }
     memcpy(buf + sys, text, len);
-    chat_turn_open(ch, m, t, "user");
-    push_text(m, t, buf, sys + len);
+    chat_turn_open(ch, m, t, "user", buf, sys + len);
     chat_turn_close(ch, m, t);
-    chat_turn_open(ch, m, t, TEMPLATES[ch->kind].assistant);
+    chat_turn_open(ch, m, t, TEMPLATES[ch->kind].assistant, "", 0);
     ch->system_pending = 0;
     free(buf);
 }

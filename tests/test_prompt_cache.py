@@ -173,10 +173,10 @@ def test_chat_mode_conversation_gives_the_same_answers():
     print("    Gemma 3: " + check_chat(gemma(), "chat-gemma.cache"))
 
 
-def check_batch(m: str, name: str) -> str:
+def check_batch(m: str, name: str, system: str = SYSTEM) -> str:
     cache = fresh(name)
-    engine([m, "-c", "-y", SYSTEM, "-i", "Hello.", "-n", "1", "--prompt-cache", cache])  # the system turn, cached
-    lines = [json.dumps({"prompt": q, "chat": True, "system": SYSTEM, "n": 16, "logprobs": 20})
+    engine([m, "-c", "-y", system, "-i", "Hello.", "-n", "1", "--prompt-cache", cache])  # the system turn, cached
+    lines = [json.dumps({"prompt": q, "chat": True, "system": system, "n": 16, "logprobs": 20})
              for q in ("When did the first station open?", "Which station was the longest?", "Name one station.")]
     lines.append(json.dumps({"prompt": "The weather today is", "n": 12, "logprobs": 20}))
     text = ("\n".join(lines) + "\n").encode()
@@ -193,9 +193,11 @@ def check_batch(m: str, name: str) -> str:
 
 def test_batch_lines_that_share_the_prefix_start_from_it():
     """--batch: three chat lines with the cached system turn start from it, a plain line does not share it; the
-    records (text and logprobs, greedy and sampled) are those without the cache. SmolLM2 and Gemma 3."""
+    records (text and logprobs, greedy and sampled) are those without the cache. SmolLM2 and Gemma 3, whose
+    system turn here is longer than its sliding window (512): batch mode gives a local layer's pages back once
+    they leave every window, except with a prompt cache, whose file must hold every position."""
     print("    SmolLM2: " + check_batch(model(), "batch-smollm2.cache"))
-    print("    Gemma 3: " + check_batch(gemma(), "batch-gemma.cache"))
+    print("    Gemma 3: " + check_batch(gemma(), "batch-gemma.cache", SYSTEM + " " + SYSTEM))
 
 
 # ------------------------------------------------------------------------------------------------------------
