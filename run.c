@@ -190,6 +190,7 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #define CACHE_LINE 64
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
 #define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
+#define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
 #define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
 #define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 #define MAX_DIM (1 << 16)
@@ -2122,6 +2123,8 @@ typedef struct {
     int n_threads;  /* the full team */
     int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
     int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
+    int warm;       /* a forward pass has run: the mapped weights' pages are in the page tables */
+    int contended;  /* passes in a row that waited long */
     Barrier bar;
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
@@ -2250,19 +2253,30 @@ static void free_state(RunState *s)
    cores, a thread of the team is descheduled for whole timeslices and every
    barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
    than with one thread. A pass (pass_ms long) whose threads spent more than
-   1/CONTENDED_SHARE of their time in long waits halves the team; the full team is tried again
+   1/CONTENDED_SHARE of their time in long waits, CONTENDED_PASSES times in
+   a row, halves the team; the full team is tried again
    after s->backoff passes, which doubles while the retries find the cores
    still contended. On cores of its own a pass waits long rarely, and
-   briefly (a prefill step's uneven split). Results do not depend on the
-   team size (see split), so it may change between passes. */
+   briefly (a prefill step's uneven split). The first pass is not judged:
+   it takes the page faults of the mapped weights (a minor fault per page
+   the process has not touched yet), unevenly between the threads, so on a
+   quiet machine it looked contended (30 of 75 ms in waits on the 1.5B)
+   and its first 64 decode steps ran on one core. Results do not depend on
+   the team size (see split), so it may change between passes. */
 static void adapt_team(RunState *s, double pass_ms)
 {
     double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
-    if (s->team > 1 && waited_ms * CONTENDED_SHARE > pass_ms * s->team) {
+    if (!s->warm) {
+        s->warm = 1;
+        return;
+    }
+    s->contended = waited_ms * CONTENDED_SHARE > pass_ms * s->team ? s->contended + 1 : 0;
+    if (s->team > 1 && s->contended >= CONTENDED_PASSES) {
+        s->contended = 0;
         s->team /= 2;
         s->retry_in = s->backoff;
         s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
-    } else if (s->team > 1 && s->team == s->n_threads) {
+    } else if (s->team > 1 && s->team == s->n_threads && !s->contended) {
         s->backoff = TEAM_RETRY; /* the full team ran uncontended */
     } else if (s->team < s->n_threads && --s->retry_in <= 0) {
         s->team = s->n_threads;
