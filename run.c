@@ -8110,21 +8110,27 @@ static float amax_avx2(const float *x, int n)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 mx = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    /* max_ps returns its second operand when either is NaN: a NaN in x is
+       skipped, as fmaxf skips it in the scalar quantizer */
+    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), mx);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 }
 
 /* 32 floats times id rounded to int8 into q exactly as round_i8 does:
-   roundf's half-away-from-zero is rebuilt from truncation. Returns the
-   sum of the 32 integers. */
+   NaN to 0, clamped to +-127, then roundf's half-away-from-zero rebuilt
+   from truncation. Returns the sum of the 32 integers (at most 32 * 127
+   in size: an unclamped NaN or inf would convert to INT_MIN). */
 static int round_i8x32_avx2(int8_t *q, const float *x, float id)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    const __m256 lim = _mm256_set1_ps(127.0f);
     __m256i v[4];
     for (int j = 0; j < 4; j++) {
         __m256 y = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * j), _mm256_set1_ps(id));
+        y = _mm256_and_ps(y, _mm256_cmp_ps(y, y, _CMP_ORD_Q));
+        y = _mm256_max_ps(_mm256_min_ps(y, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
         __m256 t = _mm256_round_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         __m256 up = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(y, t)), half, _CMP_GE_OQ);
         t = _mm256_add_ps(t, _mm256_and_ps(up, _mm256_or_ps(one, _mm256_and_ps(sign, y))));

@@ -277,6 +277,28 @@ static void test_quantize_act(int set)
         snprintf(what, sizeof what, "%s activation format %d quantizer equals scalar bit for bit (ties too)", K.op.name, a);
         check(same, what);
     }
+    /* Damaged weights make NaN and inf activations: the quantizers must
+       still agree and keep every int8 and block sum in range (an INT_MIN
+       sum overflowed offset * sum in the packed kernels). */
+    static float bad[N];
+    for (int i = 0; i < N; i++) bad[i] = frand();
+    for (int b = 0; b < N / QK; b++) {
+        float v = b % 4 == 0 ? NAN : b % 4 == 1 ? INFINITY : b % 4 == 2 ? -INFINITY : 3e38f;
+        bad[b * QK + (b * 7) % QK] = v;
+        if (b % 8 == 0) for (int i = 0; i < QK; i++) bad[b * QK + i] = NAN;
+    }
+    for (int a = ACT_F32 + 1; a < N_ACTS; a++) {
+        OPS[KSET_SCALAR].quantize[a](q, bad, N);
+        K.op.quantize[a](q2, bad, N);
+        int same = memcmp(q, q2, act_bytes(a, N)) == 0, in_range = 1;
+        for (int b = 0; a == ACT_Q8 && b < N / QK; b++) {
+            int sum = 0;
+            for (int i = 0; i < QK; i++) sum += q2[b].qs[i], in_range &= q2[b].qs[i] >= -127;
+            in_range &= q2[b].sum == sum;
+        }
+        snprintf(what, sizeof what, "%s activation format %d quantizer on NaN and inf equals scalar, sums in range", K.op.name, a);
+        check(same && in_range, what);
+    }
     if (set != KSET_SCALAR) return;
     quantize_act_scalar(q, x, N);
     int ok = 1;
