@@ -1136,11 +1136,16 @@ static int8_t round_i8(float x)
     return x == x ? (int8_t)roundf(fmaxf(-127.0f, fminf(127.0f, x))) : 0;
 }
 
-/* n floats to int8 q with one scale d = max|x| / 127, returned. */
+/* n floats to int8 q with one scale d = max|x| / 127, returned. A NaN
+   among them makes d NaN (and every q 0): damaged weights then give NaN
+   logits, which check_logits reports, instead of a plausible answer. */
 static float quantize_i8(int8_t *q, const float *x, int n)
 {
     float amax = 0;
-    for (int i = 0; i < n; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax || a != a ? a : amax; /* not fmaxf, which skips a NaN */
+    }
     float d = amax / 127, id = d ? 1 / d : 0;
     for (int i = 0; i < n; i++) q[i] = round_i8(x[i] * id);
     return d;
@@ -8105,14 +8110,18 @@ TARGET_BEGIN(ISA_AVX2)
    held L1's few miss buffers that the loads themselves needed. */
 static void decode_prefetch(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 1); }
 
-/* max |x| over n (a multiple of 8) floats. */
+/* max |x| over n (a multiple of 8) floats; NaN if one of them is NaN, as
+   quantize_i8 has it. */
 static float amax_avx2(const float *x, int n)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 mx = _mm256_setzero_ps();
-    /* max_ps returns its second operand when either is NaN: a NaN in x is
-       skipped, as fmaxf skips it in the scalar quantizer */
-    for (int i = 0; i < n; i += 8) mx = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), mx);
+    __m256 mx = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) {
+        __m256 v = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+        mx = _mm256_max_ps(mx, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     return _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
