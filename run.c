@@ -13,43 +13,31 @@
    The generated text, and nothing else, goes to stdout as it is produced;
    errors and -v statistics go to stderr. ./run -h lists every flag.
 
-   HOW IT WORKS (the file reads top to bottom in this order)
+   HOW IT WORKS
+     Part I, the engine, in plain C and in the order data flows:
      1. model file   mmap the file, validate every size and offset, point the
-                     weight structs straight into the mapping (no copy). The
-                     header says which optional steps the model's family takes
-                     (Q/K/V biases, Q/K norms, post-norms, GELU, sliding window).
-     2. kernels      the scalar definitions of every step: row conversions,
-                     activation quantization, the dot product of each weight
-                     type (f32, f16, bf16, and ggml's blocks q4_0 q4_1 q5_0
-                     q5_1 q8_0 q4_k q5_k q6_k), SwiGLU/GeGLU, attention's small
-                     kernels, RMSNorm, RoPE, softmax; the packed row layout of
-                     the int8 products that use vpdpbusd; then the weight-type
-                     table, one row per type, and the kernel sets, one of which
-                     is chosen at start-up (its matrices packed once at load).
-     3. forward      prefill pushes the prompt through each layer as batches
-                     (matrix x matrix); decode_step pushes one token (matrix x
-                     vector); verify_step checks drafted tokens, and
-                     decode_batch one token of each of many sequences (batch
-                     mode, a paged KV cache), each computed exactly as a
-                     decode step. All attend over the cached K/V in blocks
-                     with a running softmax (flash-attention style).
-     4. sampling     repetition, presence and frequency penalties, then greedy,
-                     or temperature, top-k, top-p, min-p and a seeded RNG;
-                     sampling with a drafted token that keeps the distribution;
-                     each draw's log-probabilities on request (--logprobs).
-     5. measurement  the roofline probe and the -v statistics.
-     6. generation   tokenize -> prefill -> decode loop (with lookup decoding)
-                     -> detokenize, streamed to stdout UTF-8-safely through
-                     the stop-string matcher (or as JSON records, --logprobs);
-                     output constrained to JSON by a grammar mask (--json);
-                     a prompt's KV cache kept on disk (--prompt-cache);
-                     chat; batch mode (continuous batching over a page pool);
-                     perplexity and logits tools.
-     7. CLI          flags, errors, exit codes (0 ok, 1 runtime error, 2 usage).
-     appendices      the AVX2, AVX-VNNI, AVX-512 (VNNI) and NEON kernel sets, each
-                     kernel tested against its scalar definition
-                     (tests/test_kernels.c); select_kernels picks the best
-                     set the CPU runs at start-up.
+                     weight structs into the mapping (no copy); the header
+                     says which optional steps the model's family takes.
+     2. math         the definitions: int8 activations, each weight type's
+                     dot product (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k
+                     q5_k q6_k), SwiGLU/GeGLU, softmax, RMSNorm, RoPE.
+     3. forward      embed -> layers (attention over the KV cache as three
+                     plain loops, attend_plain; the feed-forward) -> logits;
+                     prefill takes the prompt in batches, decode_step one
+                     token.
+     4. sampling     penalties, then greedy, or temperature, top-k, top-p,
+                     min-p and a seeded RNG.
+     5. generation   tokenize -> prefill -> decode loop -> text streamed to
+                     stdout whole UTF-8 characters at a time; chat.
+     6. main
+     Part II, the machinery Part I calls by name: the thread team, the
+     packed layout, the kernel tables and sets, attention in chunks (what
+     the SIMD sets run instead of attend_plain, with the same results),
+     measurement, stop strings, JSON (--json, --logprobs), the prompt cache,
+     lookup decoding, batch mode, perplexity and the command line; then one
+     appendix per instruction set (AVX2, AVX-VNNI, AVX-512, NEON), each
+     kernel tested against its definition in Part I (tests/test_kernels.c).
+     tests/ref_forward.py is the whole forward pass in 63 lines of numpy.
 
    WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
      Each weight matrix must stream from memory once per forward pass. In
@@ -93,54 +81,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#include <immintrin.h>
-#endif
-/* Every x86-64 build (GCC or clang) carries every x86 kernel set, each
-   compiled for its own instruction set whatever the compiler targets, and
-   picks one at run time from what the CPU reports: TARGET_BEGIN(isa) ..
-   TARGET_END gives each function between them the target attribute isa. */
-#define PRAGMA_STR(...) #__VA_ARGS__
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_X86_SETS 1
-#ifdef __clang__
-#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
-#define TARGET_END _Pragma("clang attribute pop")
-#else
-#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
-#define TARGET_END _Pragma("GCC pop_options")
-#endif
-#define ISA_AVX2 "avx2,fma,f16c"
-#define ISA_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
-/* The AVX-VNNI set's 256-bit vpdpbusd. The tests also build that set with
-   AVXVNNI_TWIN: the same instruction in its AVX512-VL encoding, so that a
-   CPU with AVX-512 VNNI but not AVX-VNNI (AMD Zen 4) runs its kernels. */
-#ifndef AVXVNNI_TWIN
-#define ISA_AVXVNNI "avx2,fma,f16c,avxvnni"
-#define DPBUSD_256 _mm256_dpbusd_avx_epi32
-#else
-#define ISA_AVXVNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
-#define DPBUSD_256 _mm256_dpbusd_epi32
-#endif
-#endif
-/* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A) and
-   the set with the dot-product extension (sdot, ARMv8.2-A and later; the
-   kernel reports it in the hwcaps), compiled for it as the x86 sets are. */
-#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__GNUC__)
-#define HAVE_NEON_SET 1
-#include <arm_neon.h>
-#include <sys/auxv.h>
-#ifdef __clang__
-#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
-#define TARGET_END _Pragma("clang attribute pop")
-#define ISA_DOTPROD "dotprod"
-#else
-#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
-#define TARGET_END _Pragma("GCC pop_options")
-#define ISA_DOTPROD "arch=armv8.2-a+dotprod"
-#endif
-#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -174,25 +114,10 @@
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
-#define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
-_Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
-#define ATT_QK_Q 4     /* prefill scores' register tile: queries ... */
-#define ATT_QK_K 2     /* ... times keys, 8 sums (one tree of horizontal adds) */
-#define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
-#define ATT_PV_V 2     /* ... times vectors of output elements */
-_Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
-#define ATT_QK_NEON 4  /* NEON's 32 registers: 4 x 4 scores ... */
-#define ATT_PV_V32 4   /* ... and, there and in AVX-512's, 4 queries x 4 vectors of outputs */
-#define ATT_QK_Q32 4   /* AVX-512's score tile: 4 x 4 512-bit sums */
-#define ATT_QK_K32 4
-_Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
-#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
-#define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
-#define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
 #define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
-#define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
+#define PPL_MIN_CTX 3 /* --ppl: the smallest window whose second half scores a token */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
@@ -303,6 +228,10 @@ static struct {
     double start_ms, first_text_ms;
 } marks;
 
+/* ############################################################################
+   PART I: THE ENGINE
+   ######################################################################### */
+
 /* ============================================================================
    1. THE MODEL FILE
    ========================================================================= */
@@ -389,7 +318,7 @@ typedef struct {
     const char *name;
     int type;
     int rows, cols;   /* cols elements a row */
-    int layout;       /* LAYOUT_ROWS: row-major blocks; LAYOUT_PACKED: groups of PACK_ROWS rows (section 2) */
+    int layout;       /* LAYOUT_ROWS: row-major blocks; LAYOUT_PACKED: groups of PACK_ROWS rows (Part II, "the packed layout") */
     const void *data; /* points into the mapped file */
 } Tensor;
 
@@ -484,11 +413,19 @@ typedef struct {
     int tokenizer_only;    /* a file without tensors (export.py --tokenizer-only), loaded for --tokenize */
 } Model;
 
+/* Part II's checks of the file's bytes (section "the model file's checks"). */
+static size_t nonzero_at(const uint8_t *p, size_t n);
+static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err);
+static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8]);
+static const char *section_at(uint64_t off, uint64_t tok_end);
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err);
+static int check_layout(const Tensor *t, int matmul, char *err);
+
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t rd_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static float rd_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
 
-/* Defined with the weight-type table (section 2): a type's name (NULL for
+/* Defined with the weight-type table (Part II, "the kernel tables"): a type's name (NULL for
    a type this build does not know), the bytes of a row of cols elements
    (0 when that is not a whole number of its blocks), and the activation
    format its matrix products read. */
@@ -511,14 +448,6 @@ static size_t tensor_bytes(const Tensor *t)
 }
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
-static size_t nonzero_at(const uint8_t *p, size_t n)
-{
-    size_t i = 0;
-    while (i < n && !p[i]) i++;
-    return i;
-}
 
 /* Reads and bounds-checks the header into c. The file is untrusted: every
    field is checked before anything is sized by it. */
@@ -703,68 +632,11 @@ static int tensor_slot(const Config *c, const char *name)
     return slot >= 0 && slot_present(c, slot) ? slot : -1;
 }
 
-/* Refuses, by name, a table entry that the header's flags leave out
-   (layers.N.wqkv in a split file, a bias without qkv_bias): checked before
-   the tensor count, which could only say that the count is wrong. */
-static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err)
-{
-    const Config *c = &m->c;
-    for (uint32_t i = 0; i < n; i++) {
-        const char *name = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
-        int slot = memchr(name, 0, TENSOR_NAME_BYTES) ? slot_of_name(c, name) : -1; /* unterminated: refused later */
-        if (slot < 0 || slot_present(c, slot)) continue;
-        const SlotRule *r = slot_rule(slot);
-        uint32_t why = c->flags & r->absent ? r->absent : r->flag & ~c->flags;
-        int bit = 0;
-        while (!(why >> bit & 1)) bit++;
-        LOAD_FAIL("tensor %s does not belong in this file: the header %s flag bit %d (%s)", name,
-                  c->flags & r->absent ? "sets" : "does not set", bit, FLAG_NAME[bit]);
-    }
-    return 0;
-}
-
 static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
 {
     if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
     else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
                   layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
-}
-
-/* Into name: " (no T)", T the first tensor the header implies that none
-   of the table's n entries names, or "" when there is none such. For the
-   message of a table with too few entries. */
-static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
-{
-    const Config *c = &m->c;
-    char *seen = xcalloc(n_slots(c), 1);
-    for (uint32_t i = 0; i < n; i++) {
-        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
-        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
-        if (slot >= 0) seen[slot] = 1;
-    }
-    int s = 0;
-    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
-    free(seen);
-    name[0] = 0;
-    if (s < n_slots(c)) {
-        char t[TENSOR_NAME_BYTES];
-        slot_name(t, s);
-        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
-    }
-}
-
-/* Which section before the tensor data holds byte `off`. */
-static const char *section_at(uint64_t off, uint64_t tok_end)
-{
-    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
-}
-
-/* Padding bytes [from, to) of the file, before `what`, must be zero. */
-static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
-{
-    size_t z = nonzero_at(m->map + from, to - from);
-    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
-    return 0;
 }
 
 /* Reads the tensor table into slots (n_slots entries, by tensor_slot; a
@@ -859,17 +731,6 @@ static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *e
     if (t->rows != rows || t->cols != cols)
         LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
     *out = *t;
-    return 0;
-}
-
-/* The forward pass multiplies by the matrices, which must be packed, and
-   reads every other tensor (norms, biases, an untied embedding) by rows. */
-static int check_layout(const Tensor *t, int matmul, char *err)
-{
-    if (matmul && t->layout != LAYOUT_PACKED)
-        LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
-                  "with this version's export.py", t->name);
-    if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
     return 0;
 }
 
@@ -1017,98 +878,12 @@ static void free_model(Model *m)
     memset(m, 0, sizeof *m);
 }
 
-/* The mapping watched by on_sigbus, and the line it prints. */
-static struct {
-    const uint8_t *lo, *hi;
-    char msg[LINE_BYTES];
-    size_t len;
-} watched;
-
-/* A read of the mapping past the end of a file that shrank (or that was
-   replaced in place) raises SIGBUS: say so in one line instead of dying of
-   the signal. Only write(2) and _exit(2) here: a signal handler may call
-   nothing else that matters; when several threads fault at once, one
-   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
-static void on_sigbus(int sig, siginfo_t *si, void *uc)
-{
-    (void)uc;
-    const uint8_t *at = si->si_addr;
-    if (at >= watched.lo && at < watched.hi) {
-        static atomic_flag reported = ATOMIC_FLAG_INIT;
-        if (atomic_flag_test_and_set(&reported)) /* another thread of the team: it prints and ends the run */
-            for (;;) pause();
-        if (temp_path[0]) unlink(temp_path);
-        ssize_t w = write(STDERR_FILENO, watched.msg, watched.len);
-        (void)w;
-        _exit(EXIT_RUNTIME);
-    }
-    signal(sig, SIG_DFL); /* the faulting access repeats and ends the run with the signal */
-}
-
-/* Installs on_sigbus for the model m mapped from path. */
-static void watch_model_file(const Model *m, const char *path)
-{
-    format_line(watched.msg, "%s: the model file changed or shrank while in use", path);
-    watched.len = strlen(watched.msg);
-    watched.lo = m->map;
-    watched.hi = m->map + m->map_size;
-    struct sigaction sa = {0};
-    sa.sa_sigaction = on_sigbus;
-    sa.sa_flags = SA_SIGINFO;
-    sigaction(SIGBUS, &sa, NULL);
-}
-
 /* ============================================================================
-   2. KERNELS
-   Each kernel has a plain scalar version, the definition, which the scalar
-   set runs; the SIMD sets in the appendices, one chosen at run time for the
-   CPU (select_kernels), must agree with it (tests/test_kernels.c).
+   2. THE MATH, IN PLAIN C
+   Each step's definition. --kernels scalar runs these; the SIMD sets of
+   Part II's appendices, one chosen at start-up for the CPU
+   (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
-
-/* IEEE half -> float, including subnormals, infinities and NaN. */
-static float fp16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);           /* inf, NaN */
-    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);      /* normal */
-    else if (!man) bits = sign;                                         /* zero */
-    else {                                                              /* subnormal */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static float bf16_to_f32(uint16_t h)
-{
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-/* float -> IEEE half, rounding to nearest even; overflow gives infinity. */
-static uint16_t f32_to_fp16(float f)
-{
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff, man = x & 0x7fffff;
-    if (e == 0xff) return sign | 0x7c00 | (man ? 0x200 : 0);         /* inf, NaN */
-    int exp = (int)e - 127 + 15;
-    if (exp >= 0x1f) return sign | 0x7c00;                            /* overflow */
-    if (exp <= 0) {                                                   /* subnormal or zero */
-        if (exp < -10) return sign;
-        man |= 0x800000;
-        int shift = 14 - exp;
-        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
-        return sign | (h + (rem > halfway || (rem == halfway && (h & 1))));
-    }
-    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fff;
-    return sign | (h + (rem > 0x1000 || (rem == 0x1000 && (h & 1)))); /* a carry rounds up the exponent */
-}
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
    with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
@@ -1181,194 +956,15 @@ static void quantize_act_k_scalar(void *blocks, const float *x, int n)
     }
 }
 
-/* --- row conversions: one row of n elements to and from floats ----------
-   to_float serves embedding lookups and attention's reads of the KV cache;
-   from_float is how the KV cache stores K and V rows. */
-
-static void to_float_f32_scalar(float *out, const void *row, int n) { memcpy(out, row, n * sizeof(float)); }
-static void from_float_f32_scalar(void *row, const float *x, int n) { memcpy(row, x, n * sizeof(float)); }
-
-static void to_float_f16_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]);
-}
-
-static void from_float_f16_scalar(void *row, const float *x, int n)
-{
-    for (int i = 0; i < n; i++) ((uint16_t *)row)[i] = f32_to_fp16(x[i]);
-}
-
-static void to_float_bf16_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]);
-}
-
-static void to_float_q8_0_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
-        out[i] = b->qs[i % QK] * fp16_to_f32(b->d);
-    }
-}
-
-/* The int8 KV cache: q8_0 blocks with d = max|x| / 127. */
-static void from_float_q8_0_scalar(void *row, const float *x, int n)
-{
-    BlockQ8_0 *out = row;
-    for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
-}
-
-/* The int4 KV cache: q4_0 blocks as ggml's quantize_row_q4_0_ref makes
-   them: d = -x_m / 8 for the element x_m of largest magnitude, so x_m
-   itself lands exactly on -8; q = x/d + 8.5 truncated, at most 15 (NaN
-   and inf give 0, where a cast would be undefined). */
-static void from_float_q4_0_scalar(void *row, const float *x, int n)
-{
-    BlockQ4_0 *out = row;
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        float amax = 0, xm = 0;
-        for (int i = 0; i < QK; i++)
-            if (amax < fabsf(x[i])) amax = fabsf(x[i]), xm = x[i];
-        float d = xm / -8, id = d ? 1 / d : 0;
-        out[b].d = f32_to_fp16(d);
-        for (int j = 0; j < QK / 2; j++) {
-            int lo = (int)fminf(15.0f, fmaxf(0.0f, x[j] * id + 8.5f));
-            int hi = (int)fminf(15.0f, fmaxf(0.0f, x[j + QK / 2] * id + 8.5f));
-            out[b].qs[j] = (uint8_t)(lo | hi << 4);
-        }
-    }
-}
-
-static void to_float_q4_1_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
-        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
-        out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
-    }
-}
-
-static void to_float_q4_0_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ4_0 *b = (const BlockQ4_0 *)row + i / QK;
-        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
-        out[i] = (q - 8) * fp16_to_f32(b->d);
-    }
-}
-
-/* Element j (0..31) of a 5-bit block: its nibble, and bit j of qh as bit 4. */
-static int q5_int(const uint8_t *qs, const uint8_t *qh, int j)
-{
-    uint32_t h;
-    memcpy(&h, qh, 4);
-    return (j < QK / 2 ? qs[j] & 0xf : qs[j - QK / 2] >> 4) | ((h >> j) & 1) << 4;
-}
-
-static void to_float_q5_0_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ5_0 *b = (const BlockQ5_0 *)row + i / QK;
-        out[i] = (q5_int(b->qs, b->qh, i % QK) - 16) * fp16_to_f32(b->d);
-    }
-}
-
-static void to_float_q5_1_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ5_1 *b = (const BlockQ5_1 *)row + i / QK;
-        out[i] = q5_int(b->qs, b->qh, i % QK) * fp16_to_f32(b->d) + fp16_to_f32(b->m);
-    }
-}
-
-/* --- the K types' integers (ggml-quants.c, dequantize_row_q4_K and kin) --- */
-
-/* Sub-block j's 6-bit scale and minimum in a q4_k/q5_k block's 12 bytes:
-   j < 4 in the low 6 bits of bytes j and j+4; j >= 4 in the nibbles of
-   byte j+4 with their top 2 bits in the spare bits of bytes j-4 and j. */
-static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m)
-{
-    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
-    else *sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-}
-
-/* Element i (0..255) of a q4_k block, of a q5_k block: 0..15, 0..31. */
-static int q4_k_int(const uint8_t *block, int i)
-{
-    const BlockQ4K *b = (const BlockQ4K *)block;
-    return b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf;
-}
-
-static int q5_k_int(const uint8_t *block, int i)
-{
-    const BlockQ5K *b = (const BlockQ5K *)block;
-    return (b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf) | (b->qh[i % 32] >> (i / 32) & 1) << 4;
-}
-
-/* Element i (0..255) of a q6_k block, 0..63 (the offset 32 not taken). */
-static int q6_k_int(const BlockQ6K *b, int i)
-{
-    int h = i / 128, g = i % 128 / 32, l = i % 32;
-    int low = b->ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0xf;
-    return low | (b->qh[32 * h + l] >> (2 * g) & 3) << 4;
-}
-
-/* q4_k and q5_k share their header (d, dmin, scales): bb bytes a block. */
-static void to_float_k4(float *out, const uint8_t *row, int n, size_t bb, int (*q)(const uint8_t *, int))
-{
-    for (int i = 0; i < n; i++) {
-        const uint8_t *blk = row + i / QK_K * bb;
-        const BlockQ4K *b = (const BlockQ4K *)blk;
-        int sc, m;
-        k4_scale_min(b->scales, i % QK_K / 32, &sc, &m);
-        float d = fp16_to_f32(b->d) * sc, dm = fp16_to_f32(b->dmin) * m;
-        out[i] = d * q(blk, i % QK_K) - dm;
-    }
-}
-
-static void to_float_q4_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ4K), q4_k_int); }
-static void to_float_q5_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ5K), q5_k_int); }
-
-static void to_float_q6_k_scalar(float *out, const void *row, int n)
-{
-    for (int i = 0; i < n; i++) {
-        const BlockQ6K *b = (const BlockQ6K *)row + i / QK_K;
-        float d = fp16_to_f32(b->d) * b->scales[i % QK_K / 16];
-        out[i] = d * (q6_k_int(b, i % QK_K) - 32);
-    }
-}
-
 /* --- the matrices' layout: packed groups of rows -----------------------------
-   Every matrix the forward pass multiplies by is stored packed (README.md,
-   "Packed matrices"), the way the kernels read it: decode streams each
-   weight once per token, so the bytes must arrive in the order they are
-   used, and export.py writes them so; the engine maps the file and computes
-   from it in place. Rows go in groups of PACK_ROWS (the last group padded
-   with zero rows), one row per 32-bit lane of a 512-bit vector: a broadcast
-   of four activation bytes meets four integers of each of 16 rows in one
-   vpdpbusd (two 256-bit vectors on AVX2, four 128-bit ones on NEON), each
-   lane sums its own row and no sum ever crosses lanes. A group of n
-   elements per row is n / block records (one per block; the float types
-   one per element), padded to PACK_ALIGN bytes. A record holds the block
-   of each of the 16 rows, every byte of ggml's block kept, only moved:
-     scales   ggml's non-integer fields as planes [field][row]: the fp16 d
-              (then m or dmin) of the 16 rows side by side, then (K types)
-              each scale byte of the 16 rows side by side
-     integers per 32 elements of a row (a "stretch"), unsigned:
-              8-bit (q8_0, stored as q + 128): 8 vectors of 64 bytes;
-                byte 64g + 4r + i = element 4g + i of row r
-              4-bit: the high planes (bits above the nibble; q5: 1 bit,
-                q6_k: 2, as 64 * bits bytes), then 4 vectors of 64 bytes
-                of nibbles: byte 64j + 4r + i holds element 8j + i of row
-                r in its low nibble and element 8j + 4 + i in its high one;
-                high-plane field k = 2j + h of that element (h = 0 low,
-                1 high) is at bit (k % (8 / bits)) * bits of byte
-                64 (k / (8 / bits)) + 4r + i
-   So a kernel turns 64 bytes into 16 rows x 4 elements with an and or a
-   shift, and a 5- or 6-bit integer with a shift, an and and an or more.
-   The float types' record is element e of the 16 rows (64 or 32 bytes).
-   packed_stretch and packed_half are the accessors that say where a value
-   lives; the definitions below read the matrix through them only. */
+   Every matrix the forward pass multiplies by is stored as the file holds
+   it, in groups of PACK_ROWS rows whose blocks are interleaved so that a
+   SIMD kernel reads them in one stream, in the order it uses them (decode
+   reads each weight once per token). Every byte of ggml's blocks is kept,
+   only moved (README.md, "Packed matrices").
+   The layout itself, its accessors and the byte counts are in Part II
+   ("the packed layout"); the definitions below read a matrix through
+   weight_block and weight_float only. */
 #define PACK_ROWS 16  /* rows per group: one per int32 lane of a 512-bit vector */
 #define PACK_TOKS 8   /* tokens per kernel call: a group's bytes stay in cache for all of them */
 #define PACK_ALIGN 64 /* every group starts on a cache line */
@@ -1381,25 +977,6 @@ _Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel c
    (toks <= PACK_TOKS activation rows xs bytes apart), for n elements. */
 typedef void (*PackedFn)(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
 
-/* A set's packed product for a type, one instance per token count (so
-   that T is a constant): packed_NAME_SET, calling impl(group, n, x, xs, T,
-   out, a, b, c ...), a b c the type's constants and what else impl takes. */
-#define PACKED_KERNEL(name, set, impl, ...)                                                                          \
-    static void packed_##name##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
-    {                                                                                                                \
-        switch (toks) {                                                                                              \
-        case 1: impl(group, n, x, xs, 1, out, __VA_ARGS__); break;                                                   \
-        case 2: impl(group, n, x, xs, 2, out, __VA_ARGS__); break;                                                   \
-        case 3: impl(group, n, x, xs, 3, out, __VA_ARGS__); break;                                                   \
-        case 4: impl(group, n, x, xs, 4, out, __VA_ARGS__); break;                                                   \
-        case 5: impl(group, n, x, xs, 5, out, __VA_ARGS__); break;                                                   \
-        case 6: impl(group, n, x, xs, 6, out, __VA_ARGS__); break;                                                   \
-        case 7: impl(group, n, x, xs, 7, out, __VA_ARGS__); break;                                                   \
-        default: impl(group, n, x, xs, PACK_TOKS, out, __VA_ARGS__); break;                                          \
-        }                                                                                                            \
-    }
-_Static_assert(PACK_TOKS == 8, "PACKED_KERNEL has a case per token count");
-
 /* How a type's record is laid out and what its integers mean. */
 enum { PACK_BLOCK32, PACK_K4, PACK_K6, PACK_FLOAT };
 typedef struct {
@@ -1409,94 +986,45 @@ typedef struct {
     int has_min; /* ... or u * d + m */
 } PackForm;
 
-/* Bytes of a record's scales (before its integers). */
-static size_t packed_head_bytes(const PackForm *f)
+/* --- each weight type's dot product ----------------------------------------
+   Row r of a matrix times one activation row, for n elements: the
+   definitions that --kernels scalar runs and that every other kernel set
+   matches bit for bit (tests/test_kernels.c). They read the matrix as the
+   file holds it through one accessor, weight_block (weight_float for the
+   float types), which hands over one row's block as numbers: its unsigned
+   integers u, its scale d, its minimum m and, for the K types, each
+   sub-block's integer scale and minimum. Integer sums are exact (so their
+   order does not matter); the float steps, each correctly rounded, are the
+   ones written here. */
+typedef struct {
+    uint8_t u[QK_K];     /* the block's unsigned integers (QK or QK_K of them) */
+    float d, m;          /* its scale, and its minimum (q4_1, q5_1) or dmin (q4_k, q5_k) */
+    int sc[QK_K / 16];   /* K types: each sub-block's integer scale (q4_k, q5_k: 8 of 32 elements; q6_k: 16 of 16) ... */
+    int mn[QK_K / 32];   /* ... and minimum (q4_k, q5_k) */
+} RowBlock;
+
+/* The accessors (Part II, "the packed layout"), and the bytes of a group
+   of PACK_ROWS rows of n elements and one row of a group as floats. */
+static void weight_block(const PackForm *f, const uint8_t *group, int k, int r, RowBlock *b);
+static float weight_float(int bits, int type, const uint8_t *group, int e, int r);
+static size_t packed_group_bytes(const PackForm *f, int n);
+static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n);
+
+/* The 32-element types (q4_0 q4_1 q5_0 q5_1 q8_0) against int8
+   activations (BlockQ8A), per block: isum = sum (u - offset) * x.q, then
+   acc += (isum * x.d) * d, and for a type with a minimum acc += m * x.s. */
+static float dot_block32(const PackForm *f, const uint8_t *group, int r, const BlockQ8A *a, int n)
 {
-    if (f->kind == PACK_K4) return PACK_ROWS * sizeof(BlockQ4K) - PACK_ROWS * QK_K / 2; /* d, dmin, 12 scale bytes */
-    if (f->kind == PACK_K6) return PACK_ROWS * (sizeof(uint16_t) + QK_K / 16);      /* d, 16 scale bytes */
-    return PACK_ROWS * sizeof(uint16_t) * (1 + f->has_min);
-}
-
-/* Bytes of one stretch of PACK_ROWS rows' integers: the high planes, then the nibbles (or the bytes). */
-static size_t packed_stretch_bytes(const PackForm *f) { return (size_t)PACK_ROWS * STRETCH * (f->bits == 8 ? 8 : f->bits) / 8; }
-
-/* Elements of a row per record. */
-static int packed_block(const PackForm *f) { return f->kind == PACK_FLOAT ? 1 : f->kind == PACK_BLOCK32 ? QK : QK_K; }
-
-/* Bytes of one record: one block of PACK_ROWS rows. */
-static size_t packed_record_bytes(const PackForm *f)
-{
-    if (f->kind == PACK_FLOAT) return PACK_ROWS * f->bits / 8;
-    return packed_head_bytes(f) + packed_block(f) / STRETCH * packed_stretch_bytes(f);
-}
-
-/* Bytes of one group of PACK_ROWS rows of n elements. */
-static size_t packed_group_bytes(const PackForm *f, int n)
-{
-    return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
-}
-
-/* The accessor: the unsigned integers of a stretch of packed integers of
-   `bits` bits, u[r][e] = element e (0..STRETCH-1) of row r (the layout
-   above, read in its own order). */
-static void packed_stretch(const uint8_t *stretch, int bits, uint8_t u[PACK_ROWS][STRETCH])
-{
-    if (bits == 8) { /* byte 64g + 4r + i = element 4g + i of row r */
-        for (int g = 0; g < STRETCH / 4; g++)
-            for (int r = 0; r < PACK_ROWS; r++) memcpy(&u[r][4 * g], stretch + 64 * g + 4 * r, 4);
-        return;
-    }
-    int extra = bits - 4, per_byte = extra ? 8 / extra : 1;
-    const uint8_t *nib = stretch + (size_t)PACK_ROWS * STRETCH / 8 * extra; /* the high planes come first */
-    for (int j = 0; j < STRETCH / 8; j++) /* byte 64j + 4r + i: element 8j + i low, 8j + 4 + i high */
-        for (int r = 0; r < PACK_ROWS; r++)
-            for (int i = 0; i < 4; i++) {
-                uint8_t b = nib[64 * j + 4 * r + i];
-                u[r][8 * j + i] = b & 0xf, u[r][8 * j + 4 + i] = b >> 4;
-            }
-    for (int k = 0; k < STRETCH / 4 && extra; k++) /* field k of element 4k + i: bits above the nibble */
-        for (int r = 0; r < PACK_ROWS; r++)
-            for (int i = 0; i < 4; i++)
-                u[r][4 * k + i] |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
-}
-
-/* Row r's fp16 field of a plane of PACK_ROWS of them, as a float. */
-static float packed_half(const uint8_t *plane, int r)
-{
-    uint16_t h;
-    memcpy(&h, plane + 2 * r, 2);
-    return fp16_to_f32(h);
-}
-
-/* Row r's 12 scale bytes of a packed q4_k/q5_k record, as ggml's block has them. */
-static void packed_k4_scales(const uint8_t *rec, int r, uint8_t s[12])
-{
-    for (int b = 0; b < 12; b++) s[b] = rec[PACK_ROWS * (4 + b) + r];
-}
-
-/* The definitions of the packed products, which every set's PackedFn
-   matches bit for bit (tests/test_kernels.c): out[r] = row r of a group
-   times one activation row, for the group's PACK_ROWS rows and n elements.
-   Integer sums are exact (so their order does not matter); the float
-   steps, each correctly rounded, are the ones written here. The 32-element
-   types, per block: isum = sum (u - offset) * x.q, then acc += (isum * x.d)
-   * d, and for a type with a minimum acc += m * x.s. */
-static void packed_dot_block32(const PackForm *f, const uint8_t *group, const BlockQ8A *a, int n, float out[PACK_ROWS])
-{
-    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f);
-    float acc[PACK_ROWS] = {0};
-    uint8_t u[PACK_ROWS][STRETCH];
+    float acc = 0;
+    RowBlock b;
     for (int k = 0; k < n / QK; k++, a++) {
-        const uint8_t *rec = group + k * rb;
-        packed_stretch(rec + hb, f->bits, u);
-        for (int r = 0; r < PACK_ROWS; r++) {
-            int isum = 0;
-            for (int e = 0; e < QK; e++) isum += (u[r][e] - f->offset) * a->qs[e];
-            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
-            if (f->has_min) acc[r] = fmaf(packed_half(rec + 2 * PACK_ROWS, r), a->s, acc[r]);
-        }
+        weight_block(f, group, k, r, &b);
+        int isum = 0;
+        for (int e = 0; e < QK; e++) isum += (b.u[e] - f->offset) * a->qs[e];
+        acc = fmaf((float)isum * a->d, b.d, acc);
+        if (f->has_min) acc = fmaf(b.m, a->s, acc);
     }
-    memcpy(out, acc, sizeof acc);
+    return acc;
 }
 
 /* The K types against Q8_K activations, per super-block: the sub-blocks'
@@ -1504,95 +1032,37 @@ static void packed_dot_block32(const PackForm *f, const uint8_t *group, const Bl
    the sum and for the minimums (q4_k, q5_k: acc += (isum * x.d) * d, then
    acc += (msum * x.d) * -dmin, msum = sum_j m_j * x's sum of sub-block j)
    or q6_k's offset of 32 (isum = sum_g sc_g * (s_g - 32 * x's sum of g)). */
-static void packed_dot_k(const PackForm *f, const uint8_t *group, const BlockQ8K *a, int n, float out[PACK_ROWS])
+static float dot_k(const PackForm *f, const uint8_t *group, int r, const BlockQ8K *a, int n)
 {
-    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
     int sub = f->kind == PACK_K4 ? STRETCH : 16; /* elements per sub-block */
-    float acc[PACK_ROWS] = {0};
-    uint8_t u[QK_K / STRETCH][PACK_ROWS][STRETCH];
+    float acc = 0;
+    RowBlock b;
     for (int k = 0; k < n / QK_K; k++, a++) {
-        const uint8_t *rec = group + k * rb;
-        for (int j = 0; j < QK_K / STRETCH; j++) packed_stretch(rec + hb + j * sb, f->bits, u[j]);
-        for (int r = 0; r < PACK_ROWS; r++) {
-            uint8_t scales[12];
-            if (f->kind == PACK_K4) packed_k4_scales(rec, r, scales);
-            int isum = 0, msum = 0;
-            for (int j = 0; j < QK_K / sub; j++) {
-                int s = 0, sc, m;
-                for (int e = j * sub; e < (j + 1) * sub; e++) s += u[e / STRETCH][r][e % STRETCH] * a->qs[e];
-                if (f->kind == PACK_K4) {
-                    k4_scale_min(scales, j, &sc, &m);
-                    isum += sc * s;
-                    msum += m * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
-                } else {
-                    sc = (int8_t)rec[PACK_ROWS * (2 + j) + r];
-                    isum += sc * (s - 32 * a->bsums[j]);
-                }
+        weight_block(f, group, k, r, &b);
+        int isum = 0, msum = 0;
+        for (int j = 0; j < QK_K / sub; j++) {
+            int s = 0;
+            for (int e = j * sub; e < (j + 1) * sub; e++) s += b.u[e] * a->qs[e];
+            if (f->kind == PACK_K4) {
+                isum += b.sc[j] * s;
+                msum += b.mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
+            } else {
+                isum += b.sc[j] * (s - 32 * a->bsums[j]);
             }
-            acc[r] = fmaf((float)isum * a->d, packed_half(rec, r), acc[r]);
-            if (f->kind == PACK_K4) acc[r] = fmaf((float)msum * a->d, -packed_half(rec + 2 * PACK_ROWS, r), acc[r]);
         }
+        acc = fmaf((float)isum * a->d, b.d, acc);
+        if (f->kind == PACK_K4) acc = fmaf((float)msum * a->d, -b.m, acc);
     }
-    memcpy(out, acc, sizeof acc);
+    return acc;
 }
 
-/* Element e of row r of a packed float group. */
-static float packed_float(int bits, int type, const uint8_t *group, int e, int r)
+/* The float types (f32, f16, bf16) against float activations: the row's
+   products added in element order, one fused multiply-add each. */
+static float dot_float(int type, int bits, const uint8_t *group, int r, const float *a, int n)
 {
-    const uint8_t *p = group + (size_t)(e * PACK_ROWS + r) * (bits / 8);
-    uint16_t h;
-    float f;
-    if (bits == 32) return memcpy(&f, p, 4), f;
-    memcpy(&h, p, 2);
-    return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
-}
-
-/* The float types against float activations: each row's products added
-   in element order, one fused multiply-add each. (A kernel keeps a vector
-   of rows per token, so several tokens, or a group's halves, give its
-   FMAs the independent chains they need.) */
-static void packed_dot_float(int type, int bits, const uint8_t *group, const float *a, int n, float out[PACK_ROWS])
-{
-    float acc[PACK_ROWS] = {0};
-    for (int e = 0; e < n; e++)
-        for (int r = 0; r < PACK_ROWS; r++) acc[r] = fmaf(packed_float(bits, type, group, e, r), a[e], acc[r]);
-    memcpy(out, acc, sizeof acc);
-}
-
-/* Row r of a packed group as floats, as the row's own dequantization
-   (to_float) rounds it: a tied embedding's lookup reads the output head. */
-static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
-{
-    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
-    uint8_t u[PACK_ROWS][STRETCH];
-    for (int e = 0; e < n; e++) {
-        if (f->kind == PACK_FLOAT) { out[e] = packed_float(f->bits, type, group, e, r); continue; }
-        const uint8_t *rec = group + e / packed_block(f) * rb;
-        int i = e % packed_block(f), sc, m;
-        if (i % STRETCH == 0) packed_stretch(rec + hb + i / STRETCH * sb, f->bits, u);
-        int q = u[r][i % STRETCH];
-        float d = packed_half(rec, r);
-        if (f->kind == PACK_BLOCK32)
-            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
-        else if (f->kind == PACK_K6)
-            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
-        else {
-            uint8_t scales[12];
-            packed_k4_scales(rec, r, scales);
-            k4_scale_min(scales, i / STRETCH, &sc, &m);
-            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
-        }
-    }
-}
-
-/* Decode reads each weight once, in order. One core's hardware prefetcher
-   keeps too few cache misses in flight to reach DRAM bandwidth (here 6.7 of
-   the two cores' 21 GB/s), so ask for the lines PREFETCH_AHEAD bytes ahead
-   of the row about to be read; past the end this is harmless (a prefetch
-   never faults). */
-static void prefetch_ahead(const uint8_t *row, size_t bytes)
-{
-    for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
+    float acc = 0;
+    for (int e = 0; e < n; e++) acc = fmaf(weight_float(bits, type, group, e, r), a[e], acc);
+    return acc;
 }
 
 /* --- SwiGLU, the feed-forward's activation -----------------------------
@@ -1614,13 +1084,9 @@ static void geglu_scalar(float *g, const float *u, int n)
     }
 }
 
-/* --- attention kernels -----------------------------------------------------
-   attend_chunk (section 3) scores a tile of queries against ATT_KTILE
-   cached keys at a time (att_qk), takes the online softmax step over the
-   block (att_softmax) and adds the weighted V rows (att_pv). Each query's
-   numbers come out the same whatever the other queries of the call: these
-   are small GEMMs whose sums run in a fixed order per query. The softmax
-   step uses a polynomial exp in its SIMD versions. */
+/* --- the online softmax --------------------------------------------------
+   Attention in chunks (Part II) and the sampler's exponentials take the
+   softmax a block at a time: */
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -1636,365 +1102,6 @@ static float att_softmax_scalar(float *sc, int n, float scale, float *m)
     *m = mx;
     return sum;
 }
-
-/* The multi-query kernels read K and V rows straight from the cache, in
-   its type (T_F32 or T_F16; attend_chunk converts the other cache types
-   to f32 rows first). A K or V element loaded into a register then feeds
-   every query of the tile (a token's `group` query heads, times the
-   tokens of a prefill tile). Row j of K or V is at k[j] (rows of a block
-   need not be adjacent: pages, ring buffers). */
-
-/* Element i of a cached row of type T_F32 or T_F16. */
-static float kv_elem(const void *row, int type, int i)
-{
-    return type == T_F16 ? fp16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
-}
-
-/* s[a * ATT_KTILE + j] = q_a . k_j for a < nq, j < nk (q is [nq, hd]). */
-static void att_qk_scalar(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
-{
-    for (int a = 0; a < nq; a++)
-        for (int j = 0; j < nk; j++) {
-            float sum = 0;
-            for (int i = 0; i < hd; i++) sum += q[(size_t)a * hd + i] * kv_elem(k[j], type, i);
-            s[a * ATT_KTILE + j] = sum;
-        }
-}
-
-/* o_a += sum over j < nk of p[a * ATT_KTILE + j] * v_j for a < nq, where
-   o_a is the hd floats at o + a * os. */
-static void att_pv_scalar(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
-{
-    for (int a = 0; a < nq; a++)
-        for (int j = 0; j < nk; j++)
-            for (int i = 0; i < hd; i++) o[(size_t)a * os + i] += p[a * ATT_KTILE + j] * kv_elem(v[j], type, i);
-}
-
-/* ============================================================================
-   THE WEIGHT-TYPE TABLE AND THE KERNEL SETS
-   Everything the engine knows about a tensor type is one row of TYPES:
-   its block shape, the activations its matrix products consume, how its
-   matrices are packed, and its kernels in every kernel set. A kernel set
-   is one instruction-set level (the scalar reference; AVX2, AVX-VNNI and
-   AVX-512 VNNI on x86-64; NEON and NEON with sdot on aarch64), all
-   compiled into every build for the machine's architecture; select_kernels
-   picks one at start-up (the best the CPU runs, or --kernels) and resolves
-   every row against it, filling what a set leaves out from the set it
-   inherits from, down to the scalar reference. Every set reads the one
-   packed layout of the file. The forward pass only ever calls the
-   resolved kernels. Adding a type is: its kernel functions and one row here.
-   ========================================================================= */
-
-typedef void (*ToFloatFn)(float *out, const void *row, int n);
-typedef void (*FromFloatFn)(void *row, const float *x, int n);
-typedef void (*QuantizeFn)(void *out, const float *x, int n);
-
-/* One type's kernels in one kernel set; NULL = take the inherited set's. */
-typedef struct {
-    ToFloatFn to_float;     /* a row as stored (a KV cache row, an embedding row) as floats */
-    FromFloatFn from_float; /* floats into a row (KV cache types only) */
-    PackedFn packed;        /* the matrix product over packed groups: decode's GEMV and prefill's tile at once */
-} TypeKernels;
-
-/* Activation formats: what a matrix product reads as its input rows. */
-enum { ACT_F32, ACT_Q8, ACT_Q8K, N_ACTS };
-static const struct {
-    int block;          /* elements per block */
-    size_t block_bytes; /* bytes per block */
-} ACT_FORMATS[N_ACTS] = {
-    [ACT_F32] = {1, sizeof(float)},
-    [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d, sum and d*sum */
-    [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
-};
-
-enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, KSET_NEON_DOT, KSET_AVXVNNI, N_KSETS };
-/* From plainest to best: without --kernels a run takes the last one its CPU runs. */
-static const int KSET_RANK[N_KSETS] = {KSET_SCALAR, KSET_AVX2, KSET_AVXVNNI, KSET_AVX512, KSET_NEON, KSET_NEON_DOT};
-
-typedef struct {
-    const char *name;    /* as -v and messages print it */
-    const char *kv_name; /* the name --kv takes, or NULL: not a KV cache type */
-    int block;           /* elements per block (1 for float types) */
-    size_t block_bytes;
-    int act;             /* ACT_*: the activations its matrix products read */
-    TypeKernels k[N_KSETS];
-    PackForm pack;       /* how its matrices are packed */
-} WeightType;
-
-#ifdef HAVE_X86_SETS
-#define AVX2(...) __VA_ARGS__
-#define AVX512(...) __VA_ARGS__
-#define AVXVNNI(...) __VA_ARGS__
-#else
-#define AVX2(...) {0}
-#define AVX512(...) {0}
-#define AVXVNNI(...) {0}
-#endif
-#ifdef HAVE_NEON_SET
-#define NEON(...) __VA_ARGS__
-#else
-#define NEON(...) {0}
-#endif
-
-/* The scalar set's packed products: the definitions, output by output. */
-static void packed_scalar(int type, const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks,
-                          float *out)
-{
-    for (int t = 0; t < toks; t++) {
-        const void *a = x + t * xs;
-        if (f->kind == PACK_BLOCK32) packed_dot_block32(f, group, a, n, out + t * PACK_ROWS);
-        else if (f->kind == PACK_FLOAT) packed_dot_float(type, f->bits, group, a, n, out + t * PACK_ROWS);
-        else packed_dot_k(f, group, a, n, out + t * PACK_ROWS);
-    }
-}
-
-/* Each type's packed form: kind, integer bits, offset, has a minimum. */
-#define FORM_F32 {PACK_FLOAT, 32, 0, 0}
-#define FORM_F16 {PACK_FLOAT, 16, 0, 0}
-#define FORM_BF16 {PACK_FLOAT, 16, 0, 0}
-#define FORM_Q4_0 {PACK_BLOCK32, 4, 8, 0}
-#define FORM_Q4_1 {PACK_BLOCK32, 4, 0, 1}
-#define FORM_Q5_0 {PACK_BLOCK32, 5, 16, 0}
-#define FORM_Q5_1 {PACK_BLOCK32, 5, 0, 1}
-#define FORM_Q8_0 {PACK_BLOCK32, 8, 128, 0}
-#define FORM_Q4_K {PACK_K4, 4, 0, 1}
-#define FORM_Q5_K {PACK_K4, 5, 0, 1}
-#define FORM_Q6_K {PACK_K6, 6, 32, 0}
-#define PACKED_SCALAR(name, T, FORM)                                                                             \
-    static void packed_##name##_scalar(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
-    {                                                                                                            \
-        packed_scalar(T, &(const PackForm)FORM, group, n, x, xs, toks, out);                                     \
-    }
-PACKED_SCALAR(f32, T_F32, FORM_F32) PACKED_SCALAR(f16, T_F16, FORM_F16) PACKED_SCALAR(bf16, T_BF16, FORM_BF16)
-PACKED_SCALAR(q4_0, T_Q4_0, FORM_Q4_0) PACKED_SCALAR(q4_1, T_Q4_1, FORM_Q4_1) PACKED_SCALAR(q5_0, T_Q5_0, FORM_Q5_0)
-PACKED_SCALAR(q5_1, T_Q5_1, FORM_Q5_1) PACKED_SCALAR(q8_0, T_Q8_0, FORM_Q8_0) PACKED_SCALAR(q4_k, T_Q4_K, FORM_Q4_K)
-PACKED_SCALAR(q5_k, T_Q5_K, FORM_Q5_K) PACKED_SCALAR(q6_k, T_Q6_K, FORM_Q6_K)
-
-/* The kernels of the other sets, defined in the appendices at the end of
-   the file: the scalar definitions above on 8 (AVX2) or 16 (AVX-512)
-   lanes, 32 or 64 int8 products per instruction. */
-#define PACKED_PROTO(t, set) static void packed_##t##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
-#ifdef HAVE_X86_SETS
-TARGET_BEGIN(ISA_AVX2)
-PACKED_PROTO(f32, avx2) PACKED_PROTO(f16, avx2) PACKED_PROTO(bf16, avx2)
-PACKED_PROTO(q4_0, avx2) PACKED_PROTO(q4_1, avx2) PACKED_PROTO(q5_0, avx2) PACKED_PROTO(q5_1, avx2)
-PACKED_PROTO(q8_0, avx2) PACKED_PROTO(q4_k, avx2) PACKED_PROTO(q5_k, avx2) PACKED_PROTO(q6_k, avx2)
-static void to_float_f16_avx2(float *out, const void *row, int n);
-static void from_float_f16_avx2(void *row, const float *x, int n);
-static void to_float_q4_0_avx2(float *out, const void *row, int n);
-static void to_float_q4_1_avx2(float *out, const void *row, int n);
-static void to_float_q5_0_avx2(float *out, const void *row, int n);
-static void to_float_q5_1_avx2(float *out, const void *row, int n);
-static void to_float_q8_0_avx2(float *out, const void *row, int n);
-static void quantize_act_avx2(void *blocks, const float *x, int n);
-static void quantize_act_k_avx2(void *blocks, const float *x, int n);
-static float att_softmax_avx2(float *sc, int n, float scale, float *m);
-static void att_qk_avx2(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
-static void att_pv_avx2(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
-static void swiglu_avx2(float *g, const float *u, int n);
-static void geglu_avx2(float *g, const float *u, int n);
-static int cpu_has_avx2(void);
-static double peak_f32_avx2(float *sink);
-static double peak_i8_avx2(unsigned *sink);
-TARGET_END
-TARGET_BEGIN(ISA_AVXVNNI)
-PACKED_PROTO(q4_0, avxvnni) PACKED_PROTO(q4_1, avxvnni) PACKED_PROTO(q5_0, avxvnni) PACKED_PROTO(q5_1, avxvnni)
-PACKED_PROTO(q8_0, avxvnni)
-static int cpu_has_avxvnni(void);
-static double peak_i8_avxvnni(unsigned *sink);
-TARGET_END
-TARGET_BEGIN(ISA_AVX512)
-PACKED_PROTO(q4_0, avx512) PACKED_PROTO(q4_1, avx512) PACKED_PROTO(q5_0, avx512) PACKED_PROTO(q5_1, avx512)
-PACKED_PROTO(q8_0, avx512) PACKED_PROTO(q4_k, avx512) PACKED_PROTO(q5_k, avx512) PACKED_PROTO(q6_k, avx512)
-PACKED_PROTO(f32, avx512) PACKED_PROTO(f16, avx512) PACKED_PROTO(bf16, avx512)
-static int cpu_has_avx512_vnni(void);
-static void att_qk_avx512(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
-static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
-static double peak_f32_avx512(float *sink);
-static double peak_i8_avx512(unsigned *sink);
-TARGET_END
-#endif
-static double peak_f32_scalar(float *sink);
-static double peak_i8_scalar(unsigned *sink);
-#ifdef HAVE_NEON_SET
-/* The NEON set, defined in the last appendix: the 32-element types' packed products, prefill's attention. */
-PACKED_PROTO(q4_0, neon) PACKED_PROTO(q4_1, neon) PACKED_PROTO(q5_0, neon) PACKED_PROTO(q5_1, neon) PACKED_PROTO(q8_0, neon)
-static void att_qk_neon(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk);
-static void att_pv_neon(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
-TARGET_BEGIN(ISA_DOTPROD)
-PACKED_PROTO(q4_0, sdot) PACKED_PROTO(q4_1, sdot) PACKED_PROTO(q5_0, sdot) PACKED_PROTO(q5_1, sdot) PACKED_PROTO(q8_0, sdot)
-static int cpu_has_sdot(void);
-TARGET_END
-#endif
-
-/* Type ids and block layouts are ggml's (ggml-common.h), so quantized
-   blocks are copied from GGUF files bit for bit (and packed). */
-#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .packed = packed_##t##_scalar}
-#define PACKED(t, set) {.packed = packed_##t##_##set}
-#define INT32_ROWS(t) {SCALAR(t, NULL), AVX2({.to_float = to_float_##t##_avx2, .packed = packed_##t##_avx2}), \
-                       AVX512(PACKED(t, avx512)), NEON(PACKED(t, neon)), NEON(PACKED(t, sdot)),              \
-                       [KSET_AVXVNNI] = AVXVNNI(PACKED(t, avxvnni))}
-#define K_ROWS(t) {SCALAR(t, NULL), AVX2(PACKED(t, avx2)), AVX512(PACKED(t, avx512))}
-static const WeightType TYPES[N_TYPES] = {
-    [T_F32] = {"f32", "f32", 1, 4, ACT_F32,
-               {SCALAR(f32, from_float_f32_scalar), AVX2(PACKED(f32, avx2)), AVX512(PACKED(f32, avx512))}, FORM_F32},
-    [T_F16] = {"f16", "f16", 1, 2, ACT_F32,
-               {SCALAR(f16, from_float_f16_scalar),
-                AVX2({.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .packed = packed_f16_avx2}),
-                AVX512(PACKED(f16, avx512))}, FORM_F16},
-    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32, {SCALAR(bf16, NULL), AVX2(PACKED(bf16, avx2)), AVX512(PACKED(bf16, avx512))},
-                FORM_BF16},
-    [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8,
-                {SCALAR(q4_0, from_float_q4_0_scalar), AVX2({.to_float = to_float_q4_0_avx2, .packed = packed_q4_0_avx2}),
-                 AVX512(PACKED(q4_0, avx512)), NEON(PACKED(q4_0, neon)), NEON(PACKED(q4_0, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI(PACKED(q4_0, avxvnni))}, FORM_Q4_0},
-    [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8, INT32_ROWS(q4_1), FORM_Q4_1},
-    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8, INT32_ROWS(q5_0), FORM_Q5_0},
-    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8, INT32_ROWS(q5_1), FORM_Q5_1},
-    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8,
-                {SCALAR(q8_0, from_float_q8_0_scalar), AVX2({.to_float = to_float_q8_0_avx2, .packed = packed_q8_0_avx2}),
-                 AVX512(PACKED(q8_0, avx512)), NEON(PACKED(q8_0, neon)), NEON(PACKED(q8_0, sdot)),
-                 [KSET_AVXVNNI] = AVXVNNI(PACKED(q8_0, avxvnni))}, FORM_Q8_0},
-    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K, K_ROWS(q4_k), FORM_Q4_K},
-    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K, K_ROWS(q5_k), FORM_Q5_K},
-    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K, K_ROWS(q6_k), FORM_Q6_K},
-};
-#undef SCALAR
-#undef PACKED
-
-/* The kernels that do not depend on a weight type, per kernel set. */
-typedef struct {
-    const char *name;
-    int (*available)(void); /* can this CPU run the set? */
-    int inherits;           /* KSET_*: the set whose kernels fill what this one leaves NULL */
-    QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
-    float (*att_softmax)(float *sc, int n, float scale, float *m);
-    void (*att_qk)(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk); /* prefill */
-    void (*att_pv)(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
-    void (*swiglu)(float *g, const float *u, int n);
-    void (*geglu)(float *g, const float *u, int n);
-    double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
-    double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
-    int plain_attention; /* attention by its definition (attend_plain), not in chunks (not inherited) */
-} OpKernels;
-
-static int always(void) { return 1; }
-
-static const OpKernels OPS[N_KSETS] = {
-    [KSET_SCALAR] = {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar},
-                     att_softmax_scalar, att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar,
-                     peak_i8_scalar, .plain_attention = 1},
-#ifdef HAVE_X86_SETS
-    [KSET_AVX2] = {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2},
-                   att_softmax_avx2, att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2},
-    /* AVX-512 with VNNI: the packed products and prefill attention; the rest is AVX2's */
-    [KSET_AVX512] = {"avx512", cpu_has_avx512_vnni, KSET_AVX2, .att_qk = att_qk_avx512, .att_pv = att_pv_avx512,
-                     .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
-    /* AVX-VNNI (the VEX, 256-bit vpdpbusd): the 32-element types' packed products; the rest is AVX2's */
-    [KSET_AVXVNNI] = {"avxvnni", cpu_has_avxvnni, KSET_AVX2, .peak_i8 = peak_i8_avxvnni},
-#endif
-#ifdef HAVE_NEON_SET
-    /* NEON: the 32-element types' packed products and prefill's attention; the rest is the scalar set's */
-    [KSET_NEON] = {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon},
-    /* with sdot: the 32-element types' packed products; the rest is NEON's (and so the scalar set's) */
-    [KSET_NEON_DOT] = {.name = "neon-dot", .available = cpu_has_sdot, .inherits = KSET_NEON},
-#endif
-};
-
-/* The kernel set in use, resolved: one per program, set once by
-   select_kernels before the first forward pass. */
-static struct {
-    int set;
-    OpKernels op;
-    TypeKernels type[N_TYPES];
-} K;
-
-static int kernel_set_available(int set) { return set >= 0 && set < N_KSETS && OPS[set].name && OPS[set].available(); }
-
-/* Makes `set` the kernel set of every call below; fields it leaves NULL
-   come from the set it inherits from, and so on down to the scalar set. */
-static void select_kernels(int set)
-{
-    K.set = set;
-    K.op = OPS[set];
-    for (int t = 0; t < N_TYPES; t++) K.type[t] = TYPES[t].k[set];
-    for (int s = set; s != KSET_SCALAR;) {
-        s = OPS[s].inherits;
-        const OpKernels *ref = &OPS[s];
-#define FILL(field) if (!K.op.field) K.op.field = ref->field
-        for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
-        FILL(att_softmax); FILL(att_qk); FILL(att_pv);
-        FILL(swiglu); FILL(geglu);
-        FILL(peak_f32); FILL(peak_i8);
-#undef FILL
-        for (int t = 0; t < N_TYPES; t++) {
-            const TypeKernels *r = &TYPES[t].k[s];
-            TypeKernels *k = &K.type[t];
-            if (!k->to_float) k->to_float = r->to_float;
-            if (!k->from_float) k->from_float = r->from_float;
-            if (!k->packed) k->packed = r->packed;
-        }
-    }
-}
-
-/* The best set this CPU runs: the last available one in KSET_RANK. */
-static int best_kernel_set(void)
-{
-    int best = KSET_SCALAR;
-    for (int i = 0; i < N_KSETS; i++) if (kernel_set_available(KSET_RANK[i])) best = KSET_RANK[i];
-    return best;
-}
-
-static const char *type_name(int type) { return type >= 0 && type < N_TYPES ? TYPES[type].name : NULL; }
-
-/* Bytes one row of `cols` elements takes, or 0 for an unknown type or a
-   row that is not a whole number of blocks. */
-static size_t row_bytes(int type, size_t cols)
-{
-    if (!type_name(type) || cols % TYPES[type].block) return 0;
-    return cols / TYPES[type].block * TYPES[type].block_bytes;
-}
-
-/* Bytes of a packed matrix of rows x cols (whole groups), or 0 as row_bytes. */
-static size_t packed_bytes(int type, size_t rows, size_t cols)
-{
-    if (!row_bytes(type, cols)) return 0;
-    return (rows + PACK_ROWS - 1) / PACK_ROWS * packed_group_bytes(&TYPES[type].pack, (int)cols);
-}
-
-/* Bytes of n activations in format act (n a multiple of its block). */
-static size_t act_bytes(int act, size_t n) { return n / ACT_FORMATS[act].block * ACT_FORMATS[act].block_bytes; }
-
-static int act_format(int type) { return TYPES[type].act; }
-
-/* One row of n elements of any type as floats (embedding rows, KV rows). */
-static void to_float(float *out, const void *row, int type, int n) { K.type[type].to_float(out, row, n); }
-
-/* Row r of tensor t as floats, whatever its layout (the embedding is the
-   packed output head when the two are tied). */
-static void tensor_row_to_float(float *out, const Tensor *t, int r)
-{
-    if (t->layout == LAYOUT_ROWS) {
-        to_float(out, tensor_row(t, r), t->type, t->cols);
-        return;
-    }
-    const PackForm *f = &TYPES[t->type].pack;
-    const uint8_t *group = (const uint8_t *)t->data + (size_t)(r / PACK_ROWS) * packed_group_bytes(f, t->cols);
-    packed_row_to_float(out, t->type, f, group, r % PACK_ROWS, t->cols);
-}
-
-static void quantize_act(int act, void *out, const float *x, int n) { K.op.quantize[act](out, x, n); }
-static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
-static void att_qk(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
-{
-    K.op.att_qk(s, q, nq, k, type, hd, nk);
-}
-static void att_pv(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
-{
-    K.op.att_pv(o, os, p, nq, v, type, hd, nk);
-}
-static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
-static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 
 /* out = x / sqrt(mean(x^2) + eps) * w */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
@@ -2025,70 +1132,45 @@ static void softmax(float *x, int n)
     for (int i = 0; i < n; i++) x[i] /= sum;
 }
 
+/* Activation formats: what a matrix product reads as its input rows. */
+enum { ACT_F32, ACT_Q8, ACT_Q8K, N_ACTS };
+static const struct {
+    int block;          /* elements per block */
+    size_t block_bytes; /* bytes per block */
+} ACT_FORMATS[N_ACTS] = {
+    [ACT_F32] = {1, sizeof(float)},
+    [ACT_Q8] = {QK, sizeof(BlockQ8A)}, /* int8 per 32, with d, sum and d*sum */
+    [ACT_Q8K] = {QK_K, sizeof(BlockQ8K)}, /* int8 per 256, with d and the sums of each 16 */
+};
+
+/* --- the kernel interface ---------------------------------------------------
+   The forward pass calls its kernels through these names. Each calls the
+   kernel set chosen at start-up (the best one the CPU runs, or --kernels:
+   Part II, "the kernel tables"); with --kernels scalar they are the plain
+   definitions above. */
+static size_t row_bytes(int type, size_t cols);
+static size_t act_bytes(int act, size_t n);
+static int act_format(int type);
+static void to_float(float *out, const void *row, int type, int n);
+static void from_float(void *row, const float *x, int type, int n);
+static void tensor_row_to_float(float *out, const Tensor *t, int r);
+static void quantize_act(int act, void *out, const float *x, int n);
+static float att_softmax(float *sc, int n, float scale, float *m);
+static void swiglu(float *g, const float *u, int n);
+static void geglu(float *g, const float *u, int n);
+static PackedFn packed_kernel(int type);
+static const PackForm *packed_form(int type);
+static int plain_attention(void);
+
 /* ============================================================================
    3. FORWARD PASS
    ========================================================================= */
-
-/* ----- threads --------------------------------------------------------------
-   One team of threads runs a whole forward pass (one OpenMP parallel region
-   per chunk or token). Every step splits its work by thread index and ends
-   at a barrier. Waiting threads spin: a sleep and wake-up costs tens of
-   microseconds, while a decoded token of a small model takes a few
-   milliseconds spread over ~200 steps. Without OpenMP the team is one
-   thread and the barrier does nothing. */
 
 typedef struct {
     atomic_int arrived;
     atomic_int phase;
     atomic_long long_wait_us; /* time spent in waits that outlasted SPINS_BEFORE_YIELD, since adapt_team looked */
 } Barrier;
-
-static void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_pause();
-#endif
-}
-
-static void barrier(Barrier *b, int nth)
-{
-    if (nth == 1) return;
-    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
-    } else {
-        /* spin; if the wait is long the cores are oversubscribed (another
-           program is running), and yielding lets the late thread run */
-        long spins = 0;
-        double long_since = 0;
-        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
-            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
-            else {
-                if (!long_since) long_since = now_ms();
-                sched_yield();
-            }
-        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
-    }
-}
-
-static int thread_id(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static int thread_count(void)
-{
-#ifdef _OPENMP
-    return omp_get_num_threads();
-#else
-    return 1;
-#endif
-}
 
 static int min_i(int a, int b) { return a < b ? a : b; }
 static int max_i(int a, int b) { return a > b ? a : b; }
@@ -2106,22 +1188,7 @@ static void split(int n, int unit, int me, int nth, int *lo, int *hi)
 
 enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
 
-/* A sequence's KV cache in batch mode: its positions in pages of
-   PAGE_TOKENS, each page one slab per layer: slab[i * n_layers + l] is the
-   pool slab holding layer l's rows of positions [i * PAGE_TOKENS, (i + 1) *
-   PAGE_TOKENS). A slab of a prompt prefix that several sequences share is
-   one pool slab in each of their tables. A sliding-window layer's slabs are
-   taken as the sequence's passes reach them and given back once no later
-   query can see them (page_window); the first `released` pages' local
-   entries then name the pool's spare slab, which only masked keys are
-   ever read from. */
-typedef struct {
-    int *slab;    /* [n * n_layers] pool slab ids; -1: a local layer's, not taken yet */
-    int n;        /* pages reserved */
-    int released; /* pages whose local layers' slabs were given back */
-    int budget;   /* local slabs admission counted for it: the most it holds at once */
-    int freed;    /* local slabs it gave back that went back to the pool (for -v) */
-} PageTable;
+typedef struct PageTable PageTable; /* batch mode's pages of a sequence (Part II) */
 
 /* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
 typedef struct {
@@ -2149,7 +1216,7 @@ typedef struct {
                        a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
     size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
     float *plain_scores; /* [n_threads, seq_len] attend_plain's scores, then weights */
-    float *partial; /* partial softmaxes (attention_part): one token at a time, [tokens, n_kv_heads,
+    float *partial; /* partial softmaxes (attend_in_chunks): one token at a time, [tokens, n_kv_heads,
                        seq_len/ATT_CHUNK + 1, group, PARTIAL_HEAD + head_dim] per chunk, then
                        [n_threads, group, ...] running ones; a tile of tokens, [n_threads, 2, ATT_QTILE * group, ...]:
                        a running one and the chunk's per query */
@@ -2163,8 +1230,404 @@ typedef struct {
     int *tok_pos;   /* [chunk] the position of each token of the pass */
     const PageTable **tok_pages; /* [chunk] each token's sequence's KV pages, when paged */
     int paged;      /* the cache is a pool of pages (batch mode), else one sequence's (kv_off, kv_cap) */
+    const Config *c; /* the model's shape */
     float *logits;  /* [chunk, vocab] */
 } RunState;
+
+/* A thread's place in the team that runs a forward pass: thread me of
+   nth, and the barrier where they all wait for each other between steps. */
+typedef struct {
+    int me, nth;
+    Barrier *bar;
+} Team;
+
+/* Part II's entry points that the forward pass calls: the thread team,
+   attention in chunks (the fast form of attend_plain) and batch mode's
+   paged KV cache. */
+static int thread_id(void);
+static int thread_count(void);
+static void barrier(const Team *tm);
+static void adapt_team(RunState *s, double pass_ms);
+static void attend_in_chunks(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm);
+static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos);
+
+/* Where a matmul writes: token t's output row at p + t * stride, added to
+   what is there with accumulate (a residual connection), else stored. */
+typedef struct {
+    float *p;
+    int stride;
+    int accumulate;
+} Out;
+
+/* A matmul's input rows as its weights read them: floats, or int8 blocks
+   for integer weights. stride is in bytes. */
+typedef struct {
+    const uint8_t *rows;
+    size_t stride;
+} Act;
+
+/* The activation format W reads: its first part's, which all its parts share (join_parts). */
+static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
+
+/* W's input from float rows f ([n, f_cols]) or, when W reads another
+   activation format, from the same rows converted into q. */
+static Act act_for(const Matrix *w, const float *f, int f_cols, const uint8_t *q)
+{
+    int fmt = matrix_act(w);
+    if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
+    return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
+}
+
+/* The usual input: s->xb and s->xq, rows packed W.cols apart. */
+static Act act_xb(const RunState *s, const Matrix *w) { return act_for(w, s->xb, w->cols, s->xq); }
+
+/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
+   n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
+   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
+   byte from memory once per batch and decode once per token. Every token
+   takes the same operations whatever the batch, so prefill, decode and
+   verification agree bit for bit. */
+static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
+{
+    PackedFn fn = packed_kernel(w->type);
+    size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
+    float v[PACK_TOKS * PACK_ROWS];
+    for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
+        int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
+        for (int t = 0; t < n_tok; t += PACK_TOKS) {
+            int toks = min_i(PACK_TOKS, n_tok - t);
+            fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
+            for (int j = 0; j < toks; j++) {
+                float *o = out.p + (size_t)(t + j) * out.stride + a;
+                const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
+                if (out.accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
+                else memcpy(o, vj, (b - a) * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The same for matrix W: each part computes the rows of [r0, r1) that fall
+   in it, with its own type's kernels, into the output columns of those
+   rows (a part's row i is the matrix's row base + i). */
+static void matmul_rows(Out out, const Matrix *w, Act in, int n_tok, int r0, int r1)
+{
+    for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
+        int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
+        if (a < b) tensor_rows((Out){out.p + base, out.stride, out.accumulate}, &w->part[i], in, n_tok, a - base, b - base);
+    }
+}
+
+/* Thread me's share of a matmul over all of W's rows. */
+static void matmul_part(Out out, const Matrix *w, Act in, int n_tok, const Team *tm)
+{
+    int r0, r1;
+    split(w->rows, PACK_ROWS, tm->me, tm->nth, &r0, &r1);
+    matmul_rows(out, w, in, n_tok, r0, r1);
+}
+
+/* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
+   activations: done once per matmul, then read by every weight row. */
+static void prepare_act(RunState *s, const Matrix *w, int t0, int t1)
+{
+    int fmt = matrix_act(w), cols = w->cols;
+    if (fmt == ACT_F32) return;
+    for (int t = t0; t < t1; t++) quantize_act(fmt, s->xq + t * act_bytes(fmt, cols), s->xb + (size_t)t * cols, cols);
+}
+
+/* Normalizes rows [t0, t1) of the residual stream s->x into s->xb, ready for W. */
+static void norm_rows(RunState *s, const Config *c, const Tensor *norm, const Matrix *w, int t0, int t1)
+{
+    int dim = c->dim;
+    for (int t = t0; t < t1; t++) rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)t * dim, norm->data, dim, c->norm_eps);
+    prepare_act(s, w, t0, t1);
+}
+
+/* Cached row of layer l, KV head h, position pos of the sequence that
+   token t of the pass belongs to. One sequence's cache is laid out
+   [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
+   attention streams them in order. A local layer keeps the last kv_cap
+   positions only, as a ring: position pos lives in slot pos % kv_cap. In
+   batch mode a slab holds one layer's [kv_head][PAGE_TOKENS][head_dim]:
+   runs of PAGE_TOKENS positions are still contiguous. */
+static uint8_t *cache_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos)
+{
+    if (s->paged) return paged_row(s, cache, t, l, h, pos);
+    return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
+}
+
+/* Stores one head_dim row of K or V at the cache's precision. */
+static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { from_float(dst, x, s->kv_type, n); }
+
+/* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
+   then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
+   each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
+   rows stored in the cache at each token's position. A batch is split
+   by tokens, in whole register tiles so that no result depends on the
+   thread count: the rows split by heads would leave one thread a head
+   more than the other (15 heads for SmolLM2). One token is split by heads. */
+static void qkv_part(const Model *m, RunState *s, int l, int n, const Team *tm)
+{
+    const Config *c = &m->c;
+    const Matrix *w = &m->layers[l].wqkv;
+    int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
+    Act in = act_xb(s, w);
+    int unit = PACK_TOKS;
+    if (!s->scattered && n >= tm->nth * unit) {
+        split(n, unit, tm->me, tm->nth, &t0, &t1);
+        in.rows += t0 * in.stride;
+    } else {
+        split(heads, 1, tm->me, tm->nth, &h0, &h1);
+    }
+    matmul_rows((Out){s->qkv + (size_t)t0 * w->rows, w->rows, 0}, w, in, t1 - t0, h0 * hd, h1 * hd);
+    const Layer *L = &m->layers[l];
+    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
+    for (int t = t0; t < t1; t++)
+        for (int h = h0; h < h1; h++) {
+            float *x = s->qkv + (size_t)t * w->rows + h * hd;
+            int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
+            if (c->qkv_bias)
+                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
+            if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
+            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
+            int pos = s->tok_pos[t];
+            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, t, l, kv, pos), x, hd);
+            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, t, l, kv - c->n_kv_heads, pos), x, hd);
+        }
+}
+
+/* Attention as its definition states it: for one query head of token t,
+   the three plain loops over the cached positions it sees (its own and
+   the ones before it; on a local layer the last `window` only): scores
+   q . k_j * scale, their softmax, and the weighted sum of the values.
+   The scalar set computes attention this way in every path; the other
+   sets compute the same sum in chunks (attend_chunk below), which the
+   kernel tests hold to this. out gets head_dim values. */
+static void attend_plain(const RunState *s, int l, int t, int h, float *out, int me)
+{
+    const Config *c = s->c;
+    int hd = c->head_dim, g = h / (c->n_heads / c->n_kv_heads), pos = s->tok_pos[t];
+    int lo = is_local(c, l) ? max_i(0, pos - c->window + 1) : 0, n = pos + 1 - lo;
+    const float *q = s->qkv + (size_t)t * (c->n_heads + 2 * c->n_kv_heads) * hd + (size_t)h * hd;
+    float *sc = s->plain_scores + (size_t)me * s->seq_len, *row = s->vrow + (size_t)me * hd;
+    for (int j = 0; j < n; j++) { /* 1: scores */
+        to_float(row, cache_row(s, s->key_cache, t, l, g, lo + j), s->kv_type, hd);
+        float dot = 0;
+        for (int i = 0; i < hd; i++) dot += q[i] * row[i];
+        sc[j] = dot * c->att_scale;
+    }
+    softmax(sc, n); /* 2: weights */
+    memset(out, 0, hd * sizeof(float));
+    for (int j = 0; j < n; j++) { /* 3: the weighted sum of the values */
+        to_float(row, cache_row(s, s->value_cache, t, l, g, lo + j), s->kv_type, hd);
+        for (int i = 0; i < hd; i++) out[i] += sc[j] * row[i];
+    }
+}
+
+/* The attention step of a layer for the pass's n tokens, thread me's
+   share: with the scalar set, attend_plain per (token, query head), the
+   outputs then converted for Wo (fmt); with any other set, attention in
+   chunks of the cache (attend_in_chunks, Part II), which computes the same
+   function faster. */
+static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm)
+{
+    if (!plain_attention()) {
+        attend_in_chunks(s, c, l, n, fmt, tm);
+        return;
+    }
+    int me = tm->me, nth = tm->nth;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    for (int job = me; job < n * c->n_heads; job += nth) {
+        int t = job / c->n_heads, h = job % c->n_heads;
+        attend_plain(s, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, me);
+    }
+    barrier(tm);
+    for (int job = me; job < n * c->n_kv_heads && fmt != ACT_F32; job += nth) {
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+        quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), s->xb + (size_t)t * q_dim + g * group * hd, group * hd);
+    }
+}
+
+/* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
+   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
+   halves stacked), then, as the epilogue of the same step, SwiGLU
+   silu(gate) * up written over the gate half and quantized for W2. A
+   thread owns whole int8 blocks of the result, so no barrier separates
+   the matmul, the activation and the quantization. */
+static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
+{
+    int fmt = matrix_act(&L->w2), hid = c->hidden_dim;
+    Act in = act_xb(s, &L->w13);
+    Out hb = {s->hb, 2 * hid, 0};
+    matmul_rows(hb, &L->w13, in, n, i0, i1);
+    matmul_rows(hb, &L->w13, in, n, hid + i0, hid + i1);
+    for (int t = 0; t < n && i0 < i1; t++) {
+        float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
+        if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
+        else swiglu(gate + i0, up + i0, i1 - i0);
+        if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
+    }
+}
+
+/* Where a block's output goes: added to the residual stream x, or with
+   post_norms into s->xo, for post_norm to norm and add. */
+static Out residual(RunState *s, const Config *c)
+{
+    return c->post_norms ? (Out){s->xo, c->dim, 0} : (Out){s->x, c->dim, 1};
+}
+
+/* With post_norms, x += RMSNorm(out) * post for the tokens [t0, t1) of
+   this thread (the norm needs whole output rows: the matmul wrote s->xo
+   and the team met at a barrier); then the team meets again. */
+static void post_norm(RunState *s, const Config *c, const Tensor *post, int t0, int t1, const Team *tm)
+{
+    if (!c->post_norms) return;
+    for (int t = t0; t < t1; t++) {
+        float *o = s->xo + (size_t)t * c->dim, *x = s->x + (size_t)t * c->dim;
+        rmsnorm(o, o, post->data, c->dim, c->norm_eps);
+        for (int i = 0; i < c->dim; i++) x[i] += o[i];
+    }
+    barrier(tm);
+}
+
+/* One transformer block for n tokens, run by every thread of the team. */
+static void layer_forward(const Model *m, RunState *s, int l, int n, const Team *tm)
+{
+    const Config *c = &m->c;
+    const Layer *L = &m->layers[l];
+    int hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
+    /* attention converts its output for Wo itself when its slices are whole blocks */
+    int wo_fmt = matrix_act(&L->wo), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
+    split(n, 1, tm->me, tm->nth, &t0, &t1);
+    /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
+       q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
+    norm_rows(s, c, &L->attn_norm, &L->wqkv, t0, t1);
+    barrier(tm);
+    qkv_part(m, s, l, n, tm);
+    barrier(tm);
+    attention_part(s, c, l, n, att_fmt, tm);
+    barrier(tm);
+    if (att_fmt != wo_fmt) {
+        prepare_act(s, &L->wo, t0, t1);
+        barrier(tm);
+    }
+    matmul_part(residual(s, c), &L->wo, act_xb(s, &L->wo), n, tm);
+    barrier(tm);
+    post_norm(s, c, &L->post_attn_norm, t0, t1, tm);
+    /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = norm(x), act SiLU or
+       GELU; W2's output post-normed (post_norms) */
+    norm_rows(s, c, &L->ffn_norm, &L->w13, t0, t1);
+    barrier(tm);
+    /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
+    split(hid, max_i(QK, ACT_FORMATS[matrix_act(&L->w2)].block), tm->me, tm->nth, &i0, &i1);
+    ffn_up_part(s, c, L, n, i0, i1);
+    barrier(tm);
+    matmul_part(residual(s, c), &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, tm);
+    barrier(tm);
+    post_norm(s, c, &L->post_ffn_norm, t0, t1, tm);
+}
+
+/* The embedding step for the batch's tokens [t0, t1): each token id
+   selects its row of the embedding table, which starts the residual
+   stream (scaled by embed_scale). Positions enter later, through RoPE on
+   the queries and keys: here each position's rotation angles
+   pos * theta^(-2i/rope_dim) are computed once for every layer (for each
+   RoPE base the model's layers use). */
+static void embed(const Model *m, RunState *s, const int *tokens, int t0, int t1)
+{
+    const Config *c = &m->c;
+    int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
+    for (int t = t0; t < t1; t++) {
+        float *x = s->x + (size_t)t * dim;
+        tensor_row_to_float(x, &m->tok_embeddings, tokens[t]);
+        if (c->embed_scale != 1)
+            for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
+        for (int k = 0; k < kinds; k++)
+            for (int i = 0; i < half; i++) {
+                double angle = (double)s->tok_pos[t] * s->inv_freq[k][i];
+                s->rope_cos[k][t * half + i] = (float)cos(angle);
+                s->rope_sin[k][t * half + i] = (float)sin(angle);
+            }
+    }
+}
+
+/* Runs the pass's n (<= CHUNK_TOKENS) tokens, placed by the caller in
+   s->tok_pos (and s->tok_pages when paged), through every layer, appending
+   their K and V to the cache, then the output head for the rows
+   [first_logit, n) into s->logits rows 0.. (none when first_logit == n). */
+static void forward_pass(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
+{
+    const Config *c = &m->c;
+    int dim = c->dim;
+    double t0 = now_ms();
+    #pragma omp parallel num_threads(s->team)
+    {
+        Team team = {thread_id(), thread_count(), &s->bar}, *tm = &team;
+        int t0, t1;
+        split(n, 1, tm->me, tm->nth, &t0, &t1);
+        embed(m, s, tokens, t0, t1);
+        barrier(tm);
+        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, tm);
+        if (first_logit < n) {
+            /* only the rows that need logits are normed, packed from xb row 0 */
+            split(n - first_logit, 1, tm->me, tm->nth, &t0, &t1);
+            for (int t = t0; t < t1; t++)
+                rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
+            prepare_act(s, &m->output, t0, t1);
+            barrier(tm);
+            matmul_part((Out){s->logits, m->output.rows, 0}, &m->output, act_xb(s, &m->output), n - first_logit, tm);
+        }
+    }
+    adapt_team(s, now_ms() - t0);
+}
+
+/* n tokens at positions pos0.. of one sequence: the single cache (pt
+   NULL) or the pages of pt. */
+static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
+{
+    s->paged = 0;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t;
+    forward_pass(m, s, tokens, n, first_logit);
+}
+
+/* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
+   batch, filling the KV cache (pt's pages in batch mode) from position
+   pos0. The output head (a vocab x dim matmul, the largest single one)
+   runs only for the last position, or, when all_logits is set
+   (perplexity, tests), for every position: then n <= CHUNK_TOKENS and
+   s->logits receives n rows. Chunks start at multiples of CHUNK_TOKENS
+   from pos0, so a prompt whose first pages came from another sequence
+   (batch mode's shared prefixes, whole pages of PAGE_TOKENS) is cut into
+   the same chunks, and computed bit for bit, as when prefilled alone. */
+static void prefill(const Model *m, RunState *s, const int *tokens, int n, int pos0, int all_logits)
+{
+    for (int done = 0; done < n; done += CHUNK_TOKENS) {
+        int k = min_i(n - done, CHUNK_TOKENS);
+        forward_chunk(m, s, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
+    }
+}
+
+/* Decode: one token at position pos, attending over everything cached.
+   Each weight is read once per token for two flops (a multiply and an
+   add), so decode is bound by memory bandwidth where prefill, which uses
+   each weight read for CHUNK_TOKENS tokens, is bound by arithmetic. */
+static void decode_step(const Model *m, RunState *s, int token, int pos)
+{
+    forward_chunk(m, s, &token, 1, pos, 0);
+}
+
+/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
+   positions pos0.. in one pass, with the logits of every one in
+   s->logits. Every token goes through the same operations in any pass
+   (the packed kernels, attend_chunk), so its logits are bit for bit those
+   of a decode step; the weights are still read once for all of them,
+   which is what makes checking k drafts cost about one decode step. */
+static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
+{
+    forward_chunk(m, s, tokens, n, pos0, 0);
+}
+
+/* --- the state of a run: activations of one pass, the KV cache ---------- */
 
 /* Positions layer l's cache holds for a context of seq_len. */
 static int kv_positions(const Config *c, int l, int seq_len)
@@ -2196,6 +1659,7 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
 {
     const Config *c = &m->c;
     memset(s, 0, sizeof *s);
+    s->c = c;
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
     int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
     s->n_threads = s->team = n_threads;
@@ -2254,577 +1718,16 @@ static void free_state(RunState *s)
     free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
 }
 
-/* Sizes the team of the next forward pass. When other programs take the
-   cores, a thread of the team is descheduled for whole timeslices and every
-   barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
-   than with one thread. A pass (pass_ms long) whose threads spent more than
-   1/CONTENDED_SHARE of their time in long waits, CONTENDED_PASSES times in
-   a row, halves the team; the full team is tried again
-   after s->backoff passes, which doubles while the retries find the cores
-   still contended. On cores of its own a pass waits long rarely, and
-   briefly (a prefill step's uneven split). The first pass is not judged:
-   it takes the page faults of the mapped weights (a minor fault per page
-   the process has not touched yet), unevenly between the threads, so on a
-   quiet machine it looked contended (30 of 75 ms in waits on the 1.5B)
-   and its first 64 decode steps ran on one core. Results do not depend on
-   the team size (see split), so it may change between passes. */
-static void adapt_team(RunState *s, double pass_ms)
-{
-    double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
-    if (!s->warm) {
-        s->warm = 1;
-        return;
-    }
-    s->contended = waited_ms * CONTENDED_SHARE > pass_ms * s->team ? s->contended + 1 : 0;
-    if (s->team > 1 && s->contended >= CONTENDED_PASSES) {
-        s->contended = 0;
-        s->team /= 2;
-        s->retry_in = s->backoff;
-        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
-    } else if (s->team > 1 && s->team == s->n_threads && !s->contended) {
-        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
-    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
-        s->team = s->n_threads;
-    }
-}
-
-/* A matmul's input rows as its weights read them: floats, or int8 blocks
-   for integer weights. stride is in bytes. */
-typedef struct {
-    const uint8_t *rows;
-    size_t stride;
-} Act;
-
-/* The activation format W reads: its first part's, which all its parts share (join_parts). */
-static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
-
-/* W's input from float rows f ([n, f_cols]) or, when W reads another
-   activation format, from the same rows converted into q. */
-static Act act_for(const Matrix *w, const float *f, int f_cols, const uint8_t *q)
-{
-    int fmt = matrix_act(w);
-    if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
-    return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
-}
-
-/* The usual input: s->xb and s->xq, rows packed W.cols apart. */
-static Act act_xb(const RunState *s, const Matrix *w) { return act_for(w, s->xb, w->cols, s->xq); }
-
-/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
-   n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
-   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
-   byte from memory once per batch and decode once per token. Every token
-   takes the same operations whatever the batch, so prefill, decode and
-   verification agree bit for bit. */
-static void tensor_rows(float *out, int out_stride, const Tensor *w, Act in, int n_tok, int r0, int r1, int accumulate)
-{
-    PackedFn fn = K.type[w->type].packed;
-    size_t gb = packed_group_bytes(&TYPES[w->type].pack, w->cols);
-    float v[PACK_TOKS * PACK_ROWS];
-    for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
-        int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        for (int t = 0; t < n_tok; t += PACK_TOKS) {
-            int toks = min_i(PACK_TOKS, n_tok - t);
-            fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
-            for (int j = 0; j < toks; j++) {
-                float *o = out + (size_t)(t + j) * out_stride + a;
-                const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
-                if (accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
-                else memcpy(o, vj, (b - a) * sizeof(float));
-            }
-        }
-    }
-}
-
-/* The same for matrix W: each part computes the rows of [r0, r1) that fall
-   in it, with its own type's kernels, into the output columns of those
-   rows (a part's row i is the matrix's row base + i). */
-static void matmul_rows(float *out, int out_stride, const Matrix *w, Act in, int n_tok, int r0, int r1, int accumulate)
-{
-    for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
-        int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
-        if (a < b) tensor_rows(out + base, out_stride, &w->part[i], in, n_tok, a - base, b - base, accumulate);
-    }
-}
-
-/* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(float *out, const Matrix *w, Act in, int n_tok, int accumulate, int me, int nth)
-{
-    int r0, r1;
-    split(w->rows, PACK_ROWS, me, nth, &r0, &r1);
-    matmul_rows(out, w->rows, w, in, n_tok, r0, r1, accumulate);
-}
-
-/* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
-   activations: done once per matmul, then read by every weight row. */
-static void prepare_act(RunState *s, const Matrix *w, int t0, int t1)
-{
-    int fmt = matrix_act(w), cols = w->cols;
-    if (fmt == ACT_F32) return;
-    for (int t = t0; t < t1; t++) quantize_act(fmt, s->xq + t * act_bytes(fmt, cols), s->xb + (size_t)t * cols, cols);
-}
-
-/* Normalizes rows [t0, t1) of x into s->xb, ready for W. */
-static void norm_rows(RunState *s, const float *x, const Tensor *norm, const Matrix *w, int dim, float eps, int t0, int t1)
-{
-    for (int t = t0; t < t1; t++) rmsnorm(s->xb + (size_t)t * dim, x + (size_t)t * dim, norm->data, dim, eps);
-    prepare_act(s, w, t0, t1);
-}
-
-/* Cached row of layer l, KV head h, position pos of the sequence that
-   token t of the pass belongs to. One sequence's cache is laid out
-   [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
-   attention streams them in order. A local layer keeps the last kv_cap
-   positions only, as a ring: position pos lives in slot pos % kv_cap. In
-   batch mode a slab holds one layer's [kv_head][PAGE_TOKENS][head_dim]:
-   runs of PAGE_TOKENS positions are still contiguous. */
-static uint8_t *cache_row(const RunState *s, uint8_t *cache, const Config *c, int t, int l, int h, int pos)
-{
-    if (s->paged) {
-        size_t slab = s->tok_pages[t]->slab[(size_t)(pos / PAGE_TOKENS) * c->n_layers + l];
-        return cache + ((slab * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
-    }
-    return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
-}
-
-/* Stores one head_dim row of K or V at the cache's precision. */
-static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { K.type[s->kv_type].from_float(dst, x, n); }
-
-/* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
-   then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
-   each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
-   rows stored in the cache at each token's position. A batch is split
-   by tokens, in whole register tiles so that no result depends on the
-   thread count: the rows split by heads would leave one thread a head
-   more than the other (15 heads for SmolLM2). One token is split by heads. */
-static void qkv_part(const Model *m, RunState *s, int l, int n, int me, int nth)
-{
-    const Config *c = &m->c;
-    const Matrix *w = &m->layers[l].wqkv;
-    int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
-    Act in = act_xb(s, w);
-    int unit = PACK_TOKS;
-    if (!s->scattered && n >= nth * unit) {
-        split(n, unit, me, nth, &t0, &t1);
-        in.rows += t0 * in.stride;
-    } else {
-        split(heads, 1, me, nth, &h0, &h1);
-    }
-    matmul_rows(s->qkv + (size_t)t0 * w->rows, w->rows, w, in, t1 - t0, h0 * hd, h1 * hd, 0);
-    const Layer *L = &m->layers[l];
-    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
-    for (int t = t0; t < t1; t++)
-        for (int h = h0; h < h1; h++) {
-            float *x = s->qkv + (size_t)t * w->rows + h * hd;
-            int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
-            if (c->qkv_bias)
-                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
-            if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
-            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
-            int pos = s->tok_pos[t];
-            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, c, t, l, kv, pos), x, hd);
-            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, c, t, l, kv - c->n_kv_heads, pos), x, hd);
-        }
-}
-
-/* Attention as its definition states it: for one query head of token t,
-   the three plain loops over the cached positions it sees (its own and
-   the ones before it; on a local layer the last `window` only): scores
-   q . k_j * scale, their softmax, and the weighted sum of the values.
-   The scalar set computes attention this way in every path; the other
-   sets compute the same sum in chunks (attend_chunk below), which the
-   kernel tests hold to this. out gets head_dim values. */
-static void attend_plain(const RunState *s, const Config *c, int l, int t, int h, float *out, int me)
-{
-    int hd = c->head_dim, g = h / (c->n_heads / c->n_kv_heads), pos = s->tok_pos[t];
-    int lo = is_local(c, l) ? max_i(0, pos - c->window + 1) : 0, n = pos + 1 - lo;
-    const float *q = s->qkv + (size_t)t * (c->n_heads + 2 * c->n_kv_heads) * hd + (size_t)h * hd;
-    float *sc = s->plain_scores + (size_t)me * s->seq_len, *row = s->vrow + (size_t)me * hd;
-    for (int j = 0; j < n; j++) { /* 1: scores */
-        to_float(row, cache_row(s, s->key_cache, c, t, l, g, lo + j), s->kv_type, hd);
-        float dot = 0;
-        for (int i = 0; i < hd; i++) dot += q[i] * row[i];
-        sc[j] = dot * c->att_scale;
-    }
-    softmax(sc, n); /* 2: weights */
-    memset(out, 0, hd * sizeof(float));
-    for (int j = 0; j < n; j++) { /* 3: the weighted sum of the values */
-        to_float(row, cache_row(s, s->value_cache, c, t, l, g, lo + j), s->kv_type, hd);
-        for (int i = 0; i < hd; i++) out[i] += sc[j] * row[i];
-    }
-}
-
-/* A partial softmax over some keys, for one query: the running maximum m
-   of its scaled scores, l = sum exp(score - m), and o = sum exp(score - m) v
-   (head_dim values): [m, l, o...], PARTIAL_HEAD + head_dim floats. */
-
-static void partial_init(float *p, int hd)
-{
-    p[0] = -INFINITY, p[1] = 0;
-    memset(p + PARTIAL_HEAD, 0, hd * sizeof(float));
-}
-
-/* Folds partial p (over later keys) into the running partial acc: the one
-   way chunks of keys combine. Decode folds its chunks' partials in chunk
-   order, prefill each chunk as it finishes it: the same steps, so the same
-   numbers. A partial over no keys (a chunk all in the query's future, or
-   out of its window) changes nothing. */
-static void partial_fold(float *acc, const float *p, int hd)
-{
-    if (p[1] == 0) return;
-    if (acc[1] == 0) {
-        memcpy(acc, p, (PARTIAL_HEAD + hd) * sizeof(float));
-        return;
-    }
-    float m = fmaxf(acc[0], p[0]), a = expf(acc[0] - m), b = expf(p[0] - m);
-    acc[1] = acc[1] * a + p[1] * b;
-    for (int i = 0; i < hd; i++) acc[PARTIAL_HEAD + i] = acc[PARTIAL_HEAD + i] * a + p[PARTIAL_HEAD + i] * b;
-    acc[0] = m;
-}
-
-/* The partials of the queries of tokens [t0, t1) of the pass (consecutive
-   positions of one sequence, from s->tok_pos[t0]) and the `group` query
-   heads of KV head g, over the keys of [j_lo, j_hi) that each sees: part
-   is [t1 - t0][group][PARTIAL_HEAD + head_dim]. Keys are taken ATT_KTILE
-   at a time from j_lo (a multiple of ATT_CHUNK, so blocks start at the same
-   positions for every query, whoever computes them), in the style of
-   flash attention: scores for every query and key of the block (att_qk),
-   each query's online-softmax step (att_softmax), then the weighted sum of
-   V (att_pv). Every score, every weight and every output element goes
-   through the same operations however many queries share the call: a
-   query's partial is the same computed alone (decode) or in a tile
-   (prefill). Where some query sees only part of a block (its own position
-   falls in it, or it is out of its window) each token's queries take the
-   V sum on their own, over the keys they see. */
-static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
-{
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
-    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1, ps = PARTIAL_HEAD + hd;
-    int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
-    float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
-    float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
-    const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
-    int window = is_local(c, l) ? c->window : 0;
-    for (int k = 0; k < nq; k++) {
-        partial_init(part + (size_t)k * ps, hd);
-        memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
-    }
-    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
-        int nj = min_i(ATT_KTILE, last + 1 - j0), shared = 1;
-        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
-            const uint8_t *kc = cache_row(s, s->key_cache, c, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, c, t0, l, g, j0 + j);
-            prefetch_ahead(kc, s->kv_row);
-            prefetch_ahead(vc, s->kv_row);
-            krow[j] = kc, vrow[j] = vc;
-            if (native) continue;
-            to_float(kb + (size_t)j * hd, kc, s->kv_type, hd);
-            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
-            krow[j] = kb + (size_t)j * hd, vrow[j] = vb + (size_t)j * hd;
-        }
-        att_qk(pb, q, nq, krow, type, hd, nj);
-        for (int k = 0; k < nq; k++) {
-            int t = t0 + k / group, n = min_i(nj, pos0 + t + 1 - j0);
-            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
-            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
-            shared &= n == nj && n > hidden;
-            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
-            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * ps, m = p[0];
-            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
-            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
-            if (rescale != 1.0f)
-                for (int i = 0; i < hd; i++) p[PARTIAL_HEAD + i] *= rescale;
-            p[1] = p[1] * rescale + sum;
-            p[0] = m;
-        }
-        if (shared) {
-            att_pv(part + PARTIAL_HEAD, ps, pb, nq, vrow, type, hd, nj);
-            continue;
-        }
-        for (int t = t0; t < t1; t++) {
-            int n = min_i(nj, pos0 + t + 1 - j0), hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0, k = (t - t0) * group;
-            if (n > hidden) att_pv(part + (size_t)k * ps + PARTIAL_HEAD, ps, pb + (size_t)k * ATT_KTILE, group, vrow, type, hd, n);
-        }
-    }
-}
-
-/* The outputs of KV head g's query heads for token t, from their folded
-   partial acc ([group][PARTIAL_HEAD + head_dim]), into s->xb ([n, q_dim]),
-   and converted into s->xq in activation format fmt unless that is ACT_F32
-   (the caller checked that the slice is made of whole blocks; converting
-   here spares Wo a pass and a barrier). */
-static void attention_out(RunState *s, const Config *c, const float *acc, int g, int t, int fmt)
-{
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
-    float *o = s->xb + (size_t)t * q_dim + g * group * hd;
-    for (int h = 0; h < group; h++)
-        for (int i = 0; i < hd; i++) o[h * hd + i] = acc[h * (PARTIAL_HEAD + hd) + PARTIAL_HEAD + i] / acc[h * (PARTIAL_HEAD + hd) + 1];
-    if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
-}
-
-/* The first and one past the last chunk of ATT_CHUNK positions that token
-   t's queries see on layer l. */
-static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k0, int *k1)
-{
-    int pos = s->tok_pos[t];
-    *k0 = is_local(c, l) ? max_i(0, pos - c->window + 1) / ATT_CHUNK : 0;
-    *k1 = pos / ATT_CHUNK + 1;
-}
-
-/* The attention step of a layer for the pass's n tokens, thread me's
-   share. With the scalar set, attend_plain per (token, query head). Else
-   in chunks of ATT_CHUNK positions: a pass of consecutive tokens of one
-   sequence (prefill, lookup verification) deals (query tile, KV head) jobs
-   round-robin, each folding the chunks its tokens see in order (the
-   tile's ATT_QTILE tokens times `group` heads share each K and V load). A
-   pass of one token, or of tokens of different sequences (batch mode's
-   step), deals (token, KV head, chunk) jobs, so that even one KV head's
-   long context is spread over every thread, then folds each token's
-   chunks in order. Both compute a query's output by the same steps, and no
-   job depends on the thread count. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, int me, int nth)
-{
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd, ps = PARTIAL_HEAD + hd;
-    int part = group * ps, max_chunks = s->seq_len / ATT_CHUNK + 1;
-    if (K.op.plain_attention) {
-        for (int job = me; job < n * c->n_heads; job += nth) {
-            int t = job / c->n_heads, h = job % c->n_heads;
-            attend_plain(s, c, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, me);
-        }
-        barrier(&s->bar, nth);
-        for (int job = me; job < n * c->n_kv_heads && fmt != ACT_F32; job += nth) {
-            int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
-            quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), s->xb + (size_t)t * q_dim + g * group * hd, group * hd);
-        }
-        return;
-    }
-    if (n > 1 && !s->scattered) {
-        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
-        float *acc = s->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
-        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
-            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n), k0, k1, unused;
-            chunk_range(s, c, l, t0, &k0, &unused);
-            chunk_range(s, c, l, t1 - 1, &unused, &k1);
-            for (int k = 0; k < (t1 - t0) * group; k++) partial_init(acc + (size_t)k * ps, hd);
-            for (int ch = k0; ch < k1; ch++) {
-                attend_chunk(s, c, l, g, t0, t1, ch * ATT_CHUNK, (ch + 1) * ATT_CHUNK, cur, me);
-                for (int k = 0; k < (t1 - t0) * group; k++) partial_fold(acc + (size_t)k * ps, cur + (size_t)k * ps, hd);
-            }
-            for (int t = t0; t < t1; t++) attention_out(s, c, acc + (size_t)(t - t0) * part, g, t, fmt);
-        }
-        return;
-    }
-    for (int t = 0, job = 0; t < n; t++) {
-        int k0, k1;
-        chunk_range(s, c, l, t, &k0, &k1);
-        for (int g = 0; g < c->n_kv_heads; g++)
-            for (int k = k0; k < k1; k++, job++) {
-                if (job % nth != me) continue;
-                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
-                attend_chunk(s, c, l, g, t, t + 1, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, dst, me);
-            }
-    }
-    barrier(&s->bar, nth);
-    float *acc = s->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
-    for (int job = me; job < n * c->n_kv_heads; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
-        chunk_range(s, c, l, t, &k0, &k1);
-        const float *chunks = s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
-        for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
-        for (int ch = 0; ch < k1 - k0; ch++)
-            for (int k = 0; k < group; k++) partial_fold(acc + (size_t)k * ps, chunks + (size_t)ch * part + (size_t)k * ps, hd);
-        attention_out(s, c, acc, g, t, fmt);
-    }
-}
-
-/* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
-   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
-   halves stacked), then, as the epilogue of the same step, SwiGLU
-   silu(gate) * up written over the gate half and quantized for W2. A
-   thread owns whole int8 blocks of the result, so no barrier separates
-   the matmul, the activation and the quantization. */
-static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
-{
-    int fmt = matrix_act(&L->w2), hid = c->hidden_dim;
-    Act in = act_xb(s, &L->w13);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1, 0);
-    matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1, 0);
-    for (int t = 0; t < n && i0 < i1; t++) {
-        float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
-        else swiglu(gate + i0, up + i0, i1 - i0);
-        if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
-    }
-}
-
-/* The residual add that ends a block, for every thread of the team:
-   x += W . in, or with post_norms x += RMSNorm(W . in) * post. The plain
-   add is fused into the matmul; the post-norm needs whole output rows, so
-   the matmul writes s->xo and each thread then norms and adds its tokens
-   [t0, t1). Ends at a barrier. */
-static void add_output(const Model *m, RunState *s, const Matrix *w, Act in, const Tensor *post, int n, int t0, int t1,
-                       int me, int nth)
-{
-    const Config *c = &m->c;
-    matmul_part(c->post_norms ? s->xo : s->x, w, in, n, !c->post_norms, me, nth);
-    barrier(&s->bar, nth);
-    if (!c->post_norms) return;
-    for (int t = t0; t < t1; t++) {
-        float *o = s->xo + (size_t)t * c->dim, *x = s->x + (size_t)t * c->dim;
-        rmsnorm(o, o, post->data, c->dim, c->norm_eps);
-        for (int i = 0; i < c->dim; i++) x[i] += o[i];
-    }
-    barrier(&s->bar, nth);
-}
-
-/* One transformer block for n tokens, run by every thread of the team. */
-static void layer_forward(const Model *m, RunState *s, int l, int n, int me, int nth)
-{
-    const Config *c = &m->c;
-    const Layer *L = &m->layers[l];
-    int dim = c->dim, hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
-    /* attention converts its output for Wo itself when its slices are whole blocks */
-    int wo_fmt = matrix_act(&L->wo), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
-    split(n, 1, me, nth, &t0, &t1);
-    /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
-       q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
-    norm_rows(s, s->x, &L->attn_norm, &L->wqkv, dim, c->norm_eps, t0, t1);
-    barrier(&s->bar, nth);
-    qkv_part(m, s, l, n, me, nth);
-    barrier(&s->bar, nth);
-    attention_part(s, c, l, n, att_fmt, me, nth);
-    barrier(&s->bar, nth);
-    if (att_fmt != wo_fmt) {
-        prepare_act(s, &L->wo, t0, t1);
-        barrier(&s->bar, nth);
-    }
-    add_output(m, s, &L->wo, act_xb(s, &L->wo), &L->post_attn_norm, n, t0, t1, me, nth);
-    /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = norm(x), act SiLU or
-       GELU; W2's output post-normed (post_norms) */
-    norm_rows(s, s->x, &L->ffn_norm, &L->w13, dim, c->norm_eps, t0, t1);
-    barrier(&s->bar, nth);
-    /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
-    split(hid, max_i(QK, ACT_FORMATS[matrix_act(&L->w2)].block), me, nth, &i0, &i1);
-    ffn_up_part(s, c, L, n, i0, i1);
-    barrier(&s->bar, nth);
-    add_output(m, s, &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), &L->post_ffn_norm, n, t0, t1, me, nth);
-}
-
-/* The embedding step for the batch's tokens [t0, t1): each token id
-   selects its row of the embedding table, which starts the residual
-   stream (scaled by embed_scale). Positions enter later, through RoPE on
-   the queries and keys: here each position's rotation angles
-   pos * theta^(-2i/rope_dim) are computed once for every layer (for each
-   RoPE base the model's layers use). */
-static void embed(const Model *m, RunState *s, const int *tokens, int t0, int t1)
-{
-    const Config *c = &m->c;
-    int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
-    for (int t = t0; t < t1; t++) {
-        float *x = s->x + (size_t)t * dim;
-        tensor_row_to_float(x, &m->tok_embeddings, tokens[t]);
-        if (c->embed_scale != 1)
-            for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
-        for (int k = 0; k < kinds; k++)
-            for (int i = 0; i < half; i++) {
-                double angle = (double)s->tok_pos[t] * s->inv_freq[k][i];
-                s->rope_cos[k][t * half + i] = (float)cos(angle);
-                s->rope_sin[k][t * half + i] = (float)sin(angle);
-            }
-    }
-}
-
-/* Runs the pass's n (<= CHUNK_TOKENS) tokens, placed by the caller in
-   s->tok_pos (and s->tok_pages when paged), through every layer, appending
-   their K and V to the cache, then the output head for the rows
-   [first_logit, n) into s->logits rows 0.. (none when first_logit == n). */
-static void forward_pass(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
-{
-    const Config *c = &m->c;
-    int dim = c->dim;
-    double t0 = now_ms();
-    #pragma omp parallel num_threads(s->team)
-    {
-        int me = thread_id(), nth = thread_count(), t0, t1;
-        split(n, 1, me, nth, &t0, &t1);
-        embed(m, s, tokens, t0, t1);
-        barrier(&s->bar, nth);
-        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, me, nth);
-        if (first_logit < n) {
-            /* only the rows that need logits are normed, packed from xb row 0 */
-            split(n - first_logit, 1, me, nth, &t0, &t1);
-            for (int t = t0; t < t1; t++)
-                rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
-            prepare_act(s, &m->output, t0, t1);
-            barrier(&s->bar, nth);
-            matmul_part(s->logits, &m->output, act_xb(s, &m->output), n - first_logit, 0, me, nth);
-        }
-    }
-    adapt_team(s, now_ms() - t0);
-}
-
-/* n tokens at positions pos0.. of one sequence: the single cache (pt
-   NULL) or the pages of pt. */
-static void forward_chunk(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int first_logit)
-{
-    s->paged = pt != NULL;
-    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t, s->tok_pages[t] = pt;
-    forward_pass(m, s, tokens, n, first_logit);
-}
-
-/* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
-   batch, filling the KV cache (pt's pages in batch mode) from position
-   pos0. The output head (a vocab x dim matmul, the largest single one)
-   runs only for the last position, or, when all_logits is set
-   (perplexity, tests), for every position: then n <= CHUNK_TOKENS and
-   s->logits receives n rows. Chunks start at multiples of CHUNK_TOKENS
-   from pos0, so a prompt whose first pages came from another sequence
-   (batch mode's shared prefixes, whole pages of PAGE_TOKENS) is cut into
-   the same chunks, and computed bit for bit, as when prefilled alone. */
-static void prefill(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int all_logits)
-{
-    for (int done = 0; done < n; done += CHUNK_TOKENS) {
-        int k = min_i(n - done, CHUNK_TOKENS);
-        forward_chunk(m, s, pt, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
-    }
-}
-
-/* Decode: one token at position pos, attending over everything cached.
-   Each weight is read once per token for two flops (a multiply and an
-   add), so decode is bound by memory bandwidth where prefill, which uses
-   each weight read for CHUNK_TOKENS tokens, is bound by arithmetic. */
-static void decode_step(const Model *m, RunState *s, int token, int pos)
-{
-    forward_chunk(m, s, NULL, &token, 1, pos, 0);
-}
-
-/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
-   positions pos0.. in one pass, with the logits of every one in
-   s->logits. Every token goes through the same operations in any pass
-   (the packed kernels, attend_chunk), so its logits are bit for bit those
-   of a decode step; the weights are still read once for all of them,
-   which is what makes checking k drafts cost about one decode step. */
-static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
-{
-    forward_chunk(m, s, NULL, tokens, n, pos0, 0);
-}
-
-/* Batch mode's decode step: one token of each of n sequences (token t at
-   position pos[t] of the sequence whose pages are pages[t]), the logits of
-   each in s->logits row t. Like verify_step, every token is computed as a
-   decode step would compute it alone, so a sequence's text does not
-   depend on what else is in the batch; the weights are read once for all n. */
-static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n)
-{
-    s->paged = 1;
-    for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
-    s->scattered = 1;
-    forward_pass(m, s, tokens, n, 0);
-    s->scattered = 0;
-}
-
 /* ============================================================================
    4. SAMPLING
    ========================================================================= */
+
+/* The tokens of a conversation in order; the first `pos` of them are in
+   the KV cache. */
+typedef struct {
+    int *ids;
+    int n, cap;
+} Tokens;
 
 #define LOGPROBS_MAX 20 /* --logprobs N: alternatives reported per token, at most */
 
@@ -3106,19 +2009,18 @@ static int sample_greedy(Sampler *sm, const float *logits, int n)
 
 /* The chain's steps before the draw: the logits must be finite; the
    penalties, then the mask (--json) change them. */
-static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist,
-                           int n_hist)
+static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const Tokens *hist)
 {
     check_logits(logits, n);
-    apply_penalties(sm, logits, hist, n_hist, cand);
+    apply_penalties(sm, logits, hist->ids, hist->n, cand);
     mask_logits(logits, n, allowed);
 }
 
 /* The next token after the context hist[0..n_hist) (the ids fed so far,
    the prompt's included; NULL: no penalties), from its logits. */
-static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const int *hist, int n_hist)
+static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const Tokens *hist)
 {
-    prepare_logits(sm, logits, n, cand, allowed, hist, n_hist);
+    prepare_logits(sm, logits, n, cand, allowed, hist);
     if (sm->temperature == 0) return sample_greedy(sm, logits, n);
     float total;
     int keep = sampling_dist(sm, logits, n, cand, &total);
@@ -3128,292 +2030,7 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint
 }
 
 /* ============================================================================
-   5. MEASUREMENT: ROOFLINE AND STATISTICS
-   ========================================================================= */
-
-/* How fast could this machine go? Small probes (--probe) measure the read
-   bandwidth of DRAM and of the last-level cache and the f32 and int8
-   arithmetic peaks with the same thread team; -v then puts each phase next
-   to its own limit: decode against the bandwidth of the level its bytes
-   stream from (weights and KV cache read per token: the cache when they fit
-   in it, else DRAM), prefill against arithmetic (FLOPs per prompt). */
-
-typedef struct {
-    double gbps;       /* DRAM read, GB/s */
-    double llc_gbps;   /* last-level cache read, GB/s (0: the cache's size is unknown) */
-    size_t llc_bytes;  /* its size: one instance, the cache this CPU's threads share (0: unknown) */
-    int llc_level;     /* its level: 3 on most x86-64 CPUs (0: unknown) */
-    double f32_gflops; /* FMA peak, GFLOP/s */
-    double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
-} Machine;
-
-#define PROBE_BYTES (256u << 20)  /* DRAM probe buffer: far beyond most L3s... */
-#define PROBE_DRAM_OVER_LLC 4     /* ...and at least this many times the last-level cache, which it then misses */
-#define PROBE_LLC_FRACTION 2      /* the cache probe reads 1/this of the cache (why: probe_llc) */
-#define PROBE_LLC_READ (2ull << 30) /* bytes the cache probe reads per timed pass: ~10 ms at 200 GB/s */
-#define PROBE_PASSES 3            /* timed passes of a bandwidth probe, the best one counts */
-#define PROBE_LANES 64            /* partial sums per thread: independent add chains, so the adds keep up with the loads */
-#define PROBE_ITERS 20000000      /* ~10 ms of arithmetic per thread */
-#define LLC_STREAM_SHARE 0.75     /* decode streams from the cache when it reads at most this share of it per token
-                                     (the rest holds activations, code and other processes' lines) */
-
-/* cpu0's cache attribute `name` of cache `index` in /sys, one line
-   ("3", "Unified", "32768K"); 0 when there is no such cache. */
-static int cache_attr(int index, const char *name, char word[MSG_BYTES])
-{
-    char path[MSG_BYTES];
-    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/%s", index, name);
-    FILE *f = fopen(path, "r");
-    int ok = f && fgets(word, MSG_BYTES, f);
-    if (f) fclose(f);
-    if (ok) word[strcspn(word, "\n")] = 0;
-    return ok;
-}
-
-/* The size (bytes) and level of the last-level cache: the highest level
-   /sys lists for cpu0, one instance of it (on a chip of several core
-   complexes, the L3 of one complex: what a core can hit in). sysconf's L3
-   figure is the fallback only, since some x86 VMs report the whole
-   package's there (320 MiB on an EPYC whose complexes have 32 MiB each).
-   0 when neither says. */
-static size_t llc_size(int *level)
-{
-    size_t best = 0;
-    *level = 0;
-    char lv[MSG_BYTES], type[MSG_BYTES], size[MSG_BYTES];
-    for (int i = 0; cache_attr(i, "level", lv); i++) {
-        if (!cache_attr(i, "type", type) || !strcmp(type, "Instruction") || !cache_attr(i, "size", size)) continue;
-        char *unit;
-        size_t bytes = strtoull(size, &unit, 10);
-        bytes <<= *unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0;
-        if (bytes && atoi(lv) > *level) *level = atoi(lv), best = bytes;
-    }
-#ifdef _SC_LEVEL3_CACHE_SIZE
-    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    if (!best && l3 > 0) *level = 3, best = (size_t)l3;
-#endif
-    return best;
-}
-
-/* Sums this thread's share of buf[n] `reps` times over (each thread its
-   own rows, as decode splits a matrix's rows); the sum keeps the loads. */
-static uint32_t read_share(const uint32_t *buf, size_t n, long reps)
-{
-    int lo, hi;
-    split((int)(n / PROBE_LANES), 1, thread_id(), thread_count(), &lo, &hi);
-    uint32_t acc[PROBE_LANES] = {0}, sum = 0;
-    for (long r = 0; r < reps; r++)
-        for (size_t i = (size_t)lo * PROBE_LANES; i < (size_t)hi * PROBE_LANES; i += PROBE_LANES)
-            for (int j = 0; j < PROBE_LANES; j++) acc[j] += buf[i + j];
-    for (int j = 0; j < PROBE_LANES; j++) sum += acc[j];
-    return sum;
-}
-
-/* Read bandwidth, GB/s, of every thread reading its share of a buffer of
-   `bytes`, `reps` times per pass. An untimed first pass faults the pages
-   in (and fills the cache when the buffer fits); of PROBE_PASSES timed
-   ones the best counts, as other processes may take the cores in any. */
-static double probe_read(size_t bytes, long reps)
-{
-    size_t n = bytes / sizeof(uint32_t);
-    uint32_t *buf = xmalloc(n * sizeof *buf), sum = 0;
-    memset(buf, 0, n * sizeof *buf);
-    double best = 0;
-    for (int pass = 0; pass <= PROBE_PASSES; pass++) {
-        double t0 = now_ms();
-        #pragma omp parallel reduction(+ : sum)
-        sum += read_share(buf, n, reps);
-        double gbps = (double)n * sizeof *buf * reps / ((now_ms() - t0) / 1e3) / 1e9;
-        if (pass > 0 && gbps > best) best = gbps;
-    }
-    free(buf);
-    volatile uint32_t keep = sum; /* the sums are used: the loads stay */
-    (void)keep;
-    return best;
-}
-
-/* The cache's read bandwidth, from a buffer of half its size: a buffer as
-   large as the cache would partly miss, since the cache also holds code,
-   stacks and other processes' lines and does not replace perfectly
-   least-recently-used; half still leaves each of a few threads a share
-   larger than its own L2. Each pass reads the buffer many times over, so that
-   a pass lasts milliseconds, long against the clock and the thread start. */
-static double probe_llc(size_t llc_bytes)
-{
-    size_t bytes = llc_bytes / PROBE_LLC_FRACTION;
-    long reps = (long)(PROBE_LLC_READ / bytes) + 1;
-    return probe_read(bytes, reps);
-}
-
-/* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
-   thread, enough of them to hide latency. */
-/* The scalar set's peaks: plain C chains, which the compiler vectorizes
-   as far as the build's target allows. */
-static double peak_f32_scalar(float *sink)
-{
-    float acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = (float)j;
-    for (long i = 0; i < PROBE_ITERS / 8; i++)
-        for (int j = 0; j < 8; j++) acc[j] = acc[j] * 0.999f + 1e-3f;
-    for (int j = 0; j < 8; j++) *sink += acc[j];
-    return (double)PROBE_ITERS / 8 * 8 * 2;
-}
-
-static double peak_i8_scalar(unsigned *sink)
-{
-    unsigned acc[8]; /* unsigned: the chains' sums wrap, as the SIMD sets' int32 lanes do */
-    for (int j = 0; j < 8; j++) acc[j] = j;
-    for (long i = 0; i < PROBE_ITERS / 8; i++)
-        for (int j = 0; j < 8; j++) acc[j] += (unsigned)((int8_t)(i + j) * 3);
-    for (int j = 0; j < 8; j++) *sink += acc[j];
-    return (double)PROBE_ITERS / 8 * 8 * 2;
-}
-
-/* The kernel set in use's arithmetic peaks, on every thread at once. */
-static void probe_compute(double *f32_gflops, double *i8_gops)
-{
-    double t0 = now_ms(), flops = 0, ops = 0;
-    float fsink = 0;
-    unsigned isink = 0;
-    #pragma omp parallel reduction(+ : flops, fsink)
-    flops += K.op.peak_f32(&fsink);
-    *f32_gflops = flops / ((now_ms() - t0) / 1e3) / 1e9;
-    t0 = now_ms();
-    #pragma omp parallel reduction(+ : ops, isink)
-    ops += K.op.peak_i8(&isink);
-    *i8_gops = ops / ((now_ms() - t0) / 1e3) / 1e9;
-    if (fsink == 1234.5f && isink == 12345) fputc(' ', stderr); /* keep the chains alive */
-}
-
-static void probe_machine(Machine *mc, int threads)
-{
-    mc->llc_bytes = llc_size(&mc->llc_level);
-    size_t dram = PROBE_BYTES;
-    if (mc->llc_bytes > dram / PROBE_DRAM_OVER_LLC) dram = mc->llc_bytes * PROBE_DRAM_OVER_LLC;
-    mc->gbps = probe_read(dram, 1);
-    mc->llc_gbps = mc->llc_bytes ? probe_llc(mc->llc_bytes) : 0;
-    probe_compute(&mc->f32_gflops, &mc->i8_gops);
-    fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s", threads,
-            mc->gbps, mc->f32_gflops, mc->i8_gops);
-    if (mc->llc_bytes)
-        fprintf(stderr, ", L%d cache (%.0f MiB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
-    else
-        fprintf(stderr, ", last-level cache size unknown\n");
-}
-
-/* FLOPs to prefill n tokens after pos0 cached ones: 2 per weight per token
-   (the output head once), plus attention, 4*q_dim per attended position. */
-static double prefill_flops(const Model *m, int n, int pos0)
-{
-    const Config *c = &m->c;
-    double head = 2.0 * c->vocab_size * c->dim, attended = (double)n * pos0 + (double)n * (n + 1) / 2;
-    return 2.0 * (m->matmul_params - (double)c->vocab_size * c->dim) * n + head +
-           4.0 * c->n_heads * c->head_dim * c->n_layers * attended;
-}
-
-/* Bytes decode reads per token at position pos: every weight, and the
-   cached K and V rows of every layer. */
-static double decode_bytes(const Model *m, const RunState *s, int pos)
-{
-    return m->weight_bytes + 2.0 * m->c.n_layers * m->c.n_kv_heads * (pos + 1) * s->kv_row;
-}
-
-/* Per-request numbers for -v: what the user waits for before the first
-   token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
-   memory bandwidth in decode). */
-typedef struct {
-    int pos0;       /* tokens already cached before this request */
-    int n_prompt, n_gen;
-    double prefill_ms;
-    double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
-    int n_itl;
-    int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
-    int json_incomplete;           /* --json: generation stopped before the value was complete */
-    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
-    double json_walk_ms;           /* --json: the time computing them took */
-} Stats;
-
-static int by_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-/* The -v lines of one request: speed, achieved GFLOP/s (prefill) and GB/s
-   (decode), and with --probe the fraction of the machine's limit and which
-   limit binds. */
-static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
-{
-    double pre = st->prefill_ms, itl_sum = 0;
-    int k = min_i(st->n_itl, st->n_gen > 1 ? st->n_gen - 1 : 0);
-    for (int i = 0; i < k; i++) itl_sum += st->itl[i];
-    qsort(st->itl, k, sizeof(double), by_double);
-    double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
-    double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
-    /* each forward pass reads the weights once, whatever number of tokens it yields (lookup decoding) */
-    int passes = st->passes ? min_i(st->passes, k) : k;
-    double gbps = k ? bytes * passes / (itl_sum / 1e3) / 1e9 : 0;
-    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
-            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
-    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
-            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
-    if (st->json_walks)
-        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary (%.1f ms each), %ld taken from the cache\n",
-                st->json_walks, st->json_walk_ms / st->json_walks, st->json_hits);
-    if (st->drafted)
-        fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
-                100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
-    if (!mc) return;
-    int int8 = matrix_act(&m->layers[0].w2) != ACT_F32;
-    double peak = int8 ? mc->i8_gops : mc->f32_gflops;
-    /* decode streams from the cache when a token's bytes stay in it from
-       one token to the next, with room to spare for everything else */
-    int cached = mc->llc_bytes && bytes <= LLC_STREAM_SHARE * mc->llc_bytes;
-    double bw = cached ? mc->llc_gbps : mc->gbps;
-    char level[MSG_BYTES] = "DRAM", note[MSG_BYTES] = "";
-    if (cached) {
-        snprintf(level, sizeof level, "L%d", mc->llc_level);
-        snprintf(note, sizeof note, ": it fits in the %.0f MiB L%d, so decode streams from there and is not DRAM-bound",
-                 mc->llc_bytes / 1048576.0, mc->llc_level);
-    }
-    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of %s bandwidth "
-            "(%.1f MB/token at %.1f GB/s%s); decode is %s-bound\n",
-            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / bw, level, bytes / 1e6, bw, note,
-            bytes / (bw * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? level : "compute");
-}
-
-/* A field of /proc/self/status in kB ("RssAnon:"), or -1. */
-static long status_kb(const char *field)
-{
-    FILE *f = fopen("/proc/self/status", "r");
-    char line[256];
-    long kb = -1;
-    while (f && fgets(line, sizeof line, f))
-        if (!strncmp(line, field, strlen(field))) kb = atol(line + strlen(field));
-    if (f) fclose(f);
-    return kb;
-}
-
-/* -v's last lines: how long loading took and when the first byte of text
-   left (from the start of main, so what a script waiting on the output
-   sees, but exec and the dynamic loader); and memory, split into what is
-   private to this process (its heap and anonymous mappings: activations,
-   the KV cache positions written) and what it maps from the model file
-   (page cache that every process running the same file shares). */
-static void report_process(const Model *m, double load_ms)
-{
-    fprintf(stderr, "time: loaded in %.1f ms", load_ms);
-    if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
-    long anon = status_kb("RssAnon:"), file = status_kb("RssFile:"), peak = status_kb("VmHWM:");
-    if (anon >= 0 && file >= 0)
-        fprintf(stderr, "\nmemory: %.1f MB private (activations, KV cache), %.1f MB of the %.1f MB model file resident "
-                "(mapped, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1024.0, m->map_size / 1048576.0,
-                peak / 1024.0);
-    fputc('\n', stderr);
-}
-
-/* ============================================================================
-   6. GENERATION
+   5. THE GENERATION LOOP
    ========================================================================= */
 
 /* --stop strings (matched in the "stop strings" subsection below). */
@@ -3446,13 +2063,6 @@ enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING,
 
 /* Set by SIGINT in chat mode: ends the current answer. */
 static volatile sig_atomic_t interrupted, answering;
-
-/* The tokens of a conversation in order; the first `pos` of them are in
-   the KV cache. */
-typedef struct {
-    int *ids;
-    int n, cap;
-} Tokens;
 
 static void push(Tokens *t, int id)
 {
@@ -3626,35 +2236,15 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    with the template's or -y's system text) or as plain text to continue,
    with BOS where the model wants one and control-token texts parsed only
    with `special`. */
-static void tokenize_prompt(const Model *m, const char *text, size_t len, int chat_wrap, int special, const char *system,
-                            size_t system_len, Tokens *t)
+static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *ch, int special, Tokens *t)
 {
-    if (chat_wrap) {
-        Chat ch;
-        build_chat(&ch, m, system, system_len);
-        chat_open(&ch, m, t);
-        chat_user_turn(&ch, m, t, text, len);
+    if (ch) {
+        chat_open(ch, m, t);
+        chat_user_turn(ch, m, t, text, len);
     } else {
         push_encoded(m, t, text, len, TOK_ADD_SPECIAL | (special ? TOK_PARSE_SPECIAL : 0));
     }
 }
-
-/* ----- byte buffers and JSON --------------------------------------------------
-   Buf is a growable byte string: what a request writes when its output goes
-   to memory rather than straight to stdout. The JSON reader takes exactly
-   RFC 8259 and nothing more (a script's input should mean one thing); the
-   writer escapes any bytes into valid JSON and valid UTF-8. */
-
-#define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
-#define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
-#define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
-#define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
-#ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
-#define JSON_MEM_BASE 65536  /* ... plus this much: any small document fits, a long one of tiny values does not */
-#endif
-#define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
-#define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
-#define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
 
@@ -3691,6 +2281,2097 @@ static void buf_printf(Buf *b, const char *fmt, ...)
     va_end(ap);
     b->len += (size_t)n;
 }
+
+/* Per-request numbers for -v: what the user waits for before the first
+   token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
+   memory bandwidth in decode). */
+typedef struct {
+    int pos0;       /* tokens already cached before this request */
+    int n_prompt, n_gen;
+    double prefill_ms;
+    double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
+    int n_itl;
+    int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
+    int json_incomplete;           /* --json: generation stopped before the value was complete */
+    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
+    double json_walk_ms;           /* --json: the time computing them took */
+} Stats;
+
+typedef struct {
+    double gbps;       /* DRAM read, GB/s */
+    double llc_gbps;   /* last-level cache read, GB/s (0: the cache's size is unknown) */
+    size_t llc_bytes;  /* its size: one instance, the cache this CPU's threads share (0: unknown) */
+    int llc_level;     /* its level: 3 on most x86-64 CPUs (0: unknown) */
+    double f32_gflops; /* FMA peak, GFLOP/s */
+    double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
+} Machine;
+
+/* One request's matcher state. */
+typedef struct {
+    const Stops *stops;
+    char held[STOP_MAX_BYTES]; /* the text's longest suffix that is a proper prefix of a stop string */
+    int n_held;
+    int hit; /* 1 + the index of the stop string found; 0 while none */
+} StopMatch;
+
+#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
+#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
+#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
+#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
+#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
+#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
+#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
+#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
+
+/* What forward passes cost here, measured: the time of a pass of m
+   tokens, per m. It is not proportional to m. A decode step's time goes to
+   reading every weight once, which a few more tokens share at little cost
+   while decode waits on memory; past that every token adds its arithmetic,
+   in steps of the kernels' token tiles (on AVX2 a third token costs about
+   what a fourth does). A size not timed yet is taken to cost what the
+   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
+   a hopeful guess, which its first timing then corrects. */
+typedef struct {
+    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
+    double tok_ms;               /* the least time per token of any pass of several */
+} PassCost;
+
+typedef struct {
+    int max;      /* --lookup: longest draft (0 = off) */
+    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
+    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
+    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
+} Lookup;
+
+/* Part II's entry points that the generation loop calls: stop strings, the
+   JSON grammar's mask, lookup decoding's drafts, the prompt cache, the
+   --logprobs records and -v's report. */
+typedef struct JsonMask JsonMask;
+typedef struct JsonConstraint JsonConstraint;
+typedef struct PromptCache PromptCache;
+static int stop_step(StopMatch *m, char c, char *out);
+static JsonMask *json_mask_new(const JsonConstraint *jc, int vocab);
+static const uint8_t *json_mask_allowed(JsonMask *jm);
+static int json_mask_take(JsonMask *jm, const char *text, size_t len);
+static int json_mask_done(const JsonMask *jm);
+static void json_mask_end(JsonMask *jm, Stats *st);
+static void lookup_time(PassCost *pc, int m, double ms);
+static void lookup_adapt(Lookup *lk, const int *ids, int n);
+static int lookup_room(const Lookup *lk, const Tokens *t, int limit);
+static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost *pc, int max_rows, int *k);
+static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n);
+static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n,
+                       int from);
+static void put_logprobs_line(const Model *m, int token, const Logprobs *lp);
+static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st);
+/* ----- streaming --------------------------------------------------------------- */
+
+/* Token texts are written so that a UTF-8 character split across tokens
+   is written whole: bytes of an unfinished character wait for the next
+   token (or for the end of the answer). */
+typedef struct {
+    char buf[4];
+    int len;
+} Utf8Stream;
+
+static int utf8_len(unsigned char lead)
+{
+    return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
+}
+
+/* stdout must take every byte. A reader that went away (EPIPE, e.g.
+   `| head`) ends the run quietly with status 0, like other filters; any
+   other failure (a full disk, a closed stdout) is an error. */
+static void check_stdout(void)
+{
+    if (fflush(stdout) == 0 && !ferror(stdout)) return;
+    if (errno == EPIPE) exit(EXIT_SUCCESS);
+    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Before a successful exit: all of stdout written, and closed without
+   error (some file systems report a failed write only at close). */
+static void close_stdout(void)
+{
+    check_stdout();
+    errno = 0;
+    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+}
+
+/* Where an answer's text goes: through the stop matcher (a stop string and
+   what follows are cut), then the UTF-8 holdback (a character is written
+   whole), into the sink: stdout, or a memory buffer. The request owns it. */
+typedef struct {
+    FILE *f;  /* the sink: stdout (its failures end the run, see check_stdout) ... */
+    Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: the text is only matched) */
+    Utf8Stream u;
+    StopMatch stop;
+} TextOut;
+
+static void text_open(TextOut *o, FILE *f, Buf *buf, const Stops *stops)
+{
+    *o = (TextOut){.f = f, .buf = buf, .stop = {.stops = stops}};
+}
+
+static void sink_put(TextOut *o, const char *p, size_t n)
+{
+    if (o->f == stdout && n && !marks.first_text_ms) marks.first_text_ms = now_ms();
+    if (o->f) fwrite(p, 1, n, o->f);
+    else if (o->buf) buf_put(o->buf, p, n);
+}
+
+/* Bytes released by the stop matcher, written a whole character at a time. */
+static void text_release(TextOut *o, const char *p, size_t n)
+{
+    Utf8Stream *u = &o->u;
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = p[i];
+        if (u->len && (ch & 0xc0) != 0x80) { sink_put(o, u->buf, u->len); u->len = 0; } /* broken sequence */
+        if (!u->len && utf8_len(ch) == 1) { sink_put(o, p + i, 1); continue; }
+        u->buf[u->len++] = ch;
+        if (u->len == utf8_len((unsigned char)u->buf[0])) { sink_put(o, u->buf, u->len); u->len = 0; }
+    }
+}
+
+/* Takes a token's text; returns 1 once a stop string has ended the answer
+   (later text is ignored). stdout is flushed when no character is pending. */
+static int text_put(TextOut *o, const char *p, size_t n)
+{
+    char out[STOP_MAX_BYTES];
+    for (size_t i = 0; i < n && !o->stop.hit; i++) {
+        int settled = stop_step(&o->stop, p[i], out);
+        text_release(o, out, settled);
+    }
+    if (o->f && !o->u.len) check_stdout();
+    return o->stop.hit != 0;
+}
+
+/* At the end of the answer: held bytes that began no stop string, and an
+   unfinished character, are written as they are. */
+static void text_end(TextOut *o)
+{
+    if (!o->stop.hit) text_release(o, o->stop.held, o->stop.n_held);
+    o->stop.n_held = 0;
+    sink_put(o, o->u.buf, o->u.len);
+    o->u.len = 0;
+    if (o->f) check_stdout();
+}
+
+/* One answer: what the caller gives generate, and what it gets back. */
+typedef struct {
+    Tokens *conv;  /* the conversation: every token fed is appended, so conv->n == pos on return */
+    int pos;       /* tokens of conv in the KV cache */
+    int n_predict; /* tokens to generate at most */
+    TextOut *out;  /* where the answer's text goes */
+    Stats st;      /* what it measured (st.itl: the caller frees it) */
+    int last;      /* the last token sampled (not fed; -1 when n_predict is 0) */
+} Request;
+
+/* generate's working set for one answer. */
+typedef struct {
+    const Model *m;
+    RunState *s;
+    Sampler *sm;
+    const GenOpts *o;
+    Request *r;
+    JsonMask *jm;    /* --json: the grammar's mask (NULL: free text) */
+    Lookup lk;       /* lookup decoding's pointer into the context */
+    Candidate *cand; /* [vocab] the sampler's scratch */
+} Gen;
+
+/* The next token from a row of logits, under the JSON mask and with the
+   conversation so far as the penalties' history. */
+static int sample_next(const Gen *g, float *logits)
+{
+    return sample(g->sm, logits, g->m->c.vocab_size, g->cand, g->jm ? json_mask_allowed(g->jm) : NULL, g->r->conv);
+}
+
+/* Takes the sampled token: an end token stops (never printed, never fed
+   back); otherwise it is streamed and counted, and the limits are checked
+   (a stop string in its text, -n, the context at position pos, Ctrl-C).
+   With g->jm (--json) the token moves the automaton, and a complete value
+   stops (an end token, which the mask allows only then, stops even with
+   --ignore-eos). Returns STOP_* or -1 to go on. With the sampler's report (--logprobs) the token's record is printed instead of its text (which
+   still goes through out's stop matcher), the stopping end token's too:
+   the records then cover every token the model chose, and their
+   log-probabilities add up to the likelihood of the whole answer, its end
+   included. */
+static int take_token(Gen *g, int token, int pos)
+{
+    const Model *m = g->m;
+    Request *r = g->r;
+    if (g->sm->report) put_logprobs_line(m, token, g->sm->report);
+    if (tok_is_eog(m->tok, token) && (!g->o->ignore_eos || g->jm)) return STOP_END;
+    size_t len;
+    const char *piece = tok_piece(m->tok, token, &len);
+    if (g->jm && !json_mask_take(g->jm, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
+        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
+    int stopped = piece && !tok_is_control(m->tok, token) && text_put(r->out, piece, len);
+    r->st.n_gen++;
+    if (stopped) return STOP_STRING;
+    if (g->jm && json_mask_done(g->jm)) return STOP_JSON_DONE;
+    if (r->st.n_gen >= r->n_predict) return STOP_LIMIT;
+    if (pos >= g->s->seq_len) return STOP_CONTEXT;
+    if (interrupted) return STOP_INTERRUPT;
+    return -1;
+}
+
+/* One step of the decode loop: feeds `token` (taken, at position r->pos) and
+   returns the next sampled token. With lookup, the pointer's guesses (as
+   many as lookup_plan finds worth their cost) follow it in one
+   verification pass; each that stands is taken on the spot (and may stop
+   generation: then *why is set). Every row is sampled as a decode step's
+   would be, the same draw from the same generator, and a guess stands
+   when the draw equals it. For a guess of one token that is exact
+   speculative sampling: it stands with probability p(d), and when it
+   falls the token is distributed as p without d, renormalized. And since
+   the draws are those of plain decoding, a seed gives the same text with
+   or without lookup, whatever number of guesses the measured costs chose.
+   r->conv receives every token fed, so r->conv->n == r->pos after the step. */
+static int decode_next(Gen *g, int token, int *why)
+{
+    const Model *m = g->m;
+    RunState *s = g->s;
+    Request *r = g->r;
+    Tokens *conv = r->conv;
+    Lookup *lk = &g->lk;
+    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k;
+    push(conv, token);
+    lookup_adapt(lk, conv->ids, conv->n);
+    int room = lookup_room(lk, conv, min_i(s->seq_len - r->pos - 1, r->n_predict - r->st.n_gen));
+    lookup_plan(&lk, &room, 1, &lk->cost, VERIFY_MAX_TOKENS, &k);
+    r->st.passes++;
+    double t0 = now_ms();
+    if (k == 0) {
+        decode_step(m, s, token, r->pos++);
+        lookup_time(&lk->cost, 1, now_ms() - t0);
+        return sample_next(g, s->logits);
+    }
+    batch[0] = token;
+    memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch);
+    verify_step(m, s, batch, k + 1, r->pos);
+    lookup_time(&lk->cost, k + 1, now_ms() - t0);
+    r->st.drafted += k;
+    int i = 0, kept = 0, next;
+    for (;; i++) { /* row i holds the logits after batch[0..i], which conv ends with; jm's state is after them too (drafts stood) */
+        next = sample_next(g, s->logits + (size_t)i * vocab);
+        if (i == k || next != batch[i + 1]) break;
+        kept++;
+        if ((*why = take_token(g, next, r->pos + i + 1)) >= 0) break;
+        push(conv, next);
+        lookup_adapt(lk, conv->ids, conv->n);
+    }
+    r->st.accepted += kept;
+    r->pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
+    return next;
+}
+
+/* Prefills the tokens of r->conv not yet cached (from r->pos), then samples,
+   streams into out and decodes until an end token (never printed, never
+   fed back), a stop string, n_predict tokens, the end of the context or
+   Ctrl-C. Every token fed to the model is appended to conv, so conv->n ==
+   *pos on return. Returns why it stopped and, in *last, the last token
+   sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
+   printed). With --logprobs the request's draws report into lp while it
+   runs. With o->json every token is sampled under the grammar's mask;
+   st->json_incomplete tells whether the value was left unfinished. With
+   o->cache, the prompt's rows (conv's first *pos tokens after the
+   prefill) are saved there once the first token is out, so that neither
+   the TTFT nor a run cut short by its reader (`| head`) goes without. */
+static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Request *r)
+{
+    Gen g = {.m = m, .s = s, .sm = sm, .o = o, .r = r, .lk = {.max = o->lookup, .src = -1},
+             .cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate))};
+    Logprobs lp = {.want = o->logprobs};
+    sm->report = o->logprobs >= 0 ? &lp : NULL;
+    g.jm = o->json ? json_mask_new(o->json, m->c.vocab_size) : NULL;
+    Tokens *conv = r->conv;
+    Stats *st = &r->st;
+    int n = conv->n - r->pos, why = STOP_LIMIT;
+    *st = (Stats){.pos0 = r->pos, .n_prompt = n, .itl = xmalloc((r->n_predict + 1) * sizeof(double))};
+    if (o->print_ids) {
+        fputs("ids:", stderr);
+        for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[r->pos + i]);
+        fputc('\n', stderr);
+    }
+    double t0 = now_ms();
+    prefill(m, s, conv->ids + r->pos, n, r->pos, 0);
+    r->pos += n;
+    int n_cached = r->pos, saved = !o->cache; /* the prompt's rows go to --prompt-cache once its first token is out */
+    int token = r->n_predict > 0 ? sample_next(&g, s->logits) : -1;
+    double t_prev = now_ms();
+    st->prefill_ms = t_prev - t0;
+    if (n > 0) lookup_time(&g.lk.cost, n, st->prefill_ms); /* the per-token cost of a large pass */
+    r->last = token;
+    while (r->n_predict > 0) {
+        if ((why = take_token(&g, token, r->pos)) >= 0) break;
+        if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached), saved = 1;
+        int before = st->n_gen, stop = -1;
+        token = decode_next(&g, token, &stop);
+        r->last = token;
+        /* the pass yielded the drafts taken and the new token: they share its time */
+        double t = now_ms();
+        int yielded = st->n_gen - before + 1;
+        for (int i = 0; i < yielded && st->n_itl <= r->n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
+        t_prev = t;
+        if (stop >= 0) { why = stop; break; }
+    }
+    text_end(r->out);
+    if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
+    sm->report = NULL;
+    if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", r->out->stop.hit);
+    if (g.jm) json_mask_end(g.jm, st);
+    free(g.cand);
+    return why;
+}
+
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
+/* When the conversation plus room for an answer no longer fits, drops the
+   oldest exchanges (keeping the opening: BOS and system turn) until it fits
+   in half the context, or at least fits, so that the next turns can reuse
+   the cache again; everything is then re-prefilled. Returns 0 when even the
+   newest message alone does not fit. exch[] holds the offset in conv where
+   each exchange starts. */
+static int chat_fit(Tokens *conv, int *pos, Tokens *exch, int n_open, int need, int seq_len)
+{
+    if (conv->n + need <= seq_len) return 1;
+    int k = 0, *at = exch->ids;
+    while (k < exch->n - 1 && n_open + conv->n - at[k] + need > seq_len / 2) k++;
+    while (k > 0 && n_open + conv->n - at[k - 1] + need <= seq_len / 2) k--;
+    if (n_open + conv->n - at[k] + need > seq_len) return 0;
+    int drop = at[k] - n_open;
+    memmove(conv->ids + n_open, conv->ids + at[k], (conv->n - at[k]) * sizeof(int));
+    conv->n -= drop;
+    for (int i = k; i < exch->n; i++) at[i - k] = at[i] - drop;
+    exch->n -= k;
+    *pos = 0;
+    return 1;
+}
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    if (answering && !interrupted) interrupted = 1;
+    else {
+        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
+        _exit(130);
+    }
+}
+
+/* ----- input ------------------------------------------------------------------ */
+
+/* Reads f up to its end, or with `line` up to the next newline (dropped),
+   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
+   NULL at the end of input when a line was asked and nothing was read. A
+   read error, running out of memory, or more than max bytes (why_max says
+   where that bound comes from) ends the run with a message naming `what`:
+   /dev/zero must not fill the memory. */
+static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
+{
+    size_t cap = 4096, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    errno = 0;
+    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
+        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
+        buf[n++] = (char)c;
+    }
+    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
+    if (line && c == EOF && n == 0) { free(buf); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The most bytes of text that can fit in ctx tokens: a token stands for
+   at most as many input bytes as its text holds (BOS and EOS for none,
+   bytes without a token for none, but those make no prompt). Reading
+   stops there; why gets the reason, for the error message. */
+static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
+{
+    size_t longest = 1, len;
+    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
+        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
+    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
+    return (size_t)ctx * longest;
+}
+
+/* The conversation: one user message per line of stdin (a terminal shows a
+   "> " prompt on stderr); each answer is streamed and ends with a newline.
+   Each turn prefills only its new tokens: earlier turns stay in the cache.
+   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
+static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
+{
+    int incomplete = 0; /* --json: answers cut short before their value was complete */
+    Chat ch;
+    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
+    Tokens conv = {0};
+    chat_open(&ch, m, &conv);
+    int n_open = conv.n, pos = 0, tty = isatty(STDIN_FILENO), turn = 0;
+    Tokens exch = {0}; /* where each exchange (a message and its answer) starts in conv */
+    char why_max[ERR_BYTES];
+    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
+    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
+    while (1) {
+        if (tty) fputs("> ", stderr);
+        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
+        if (!line) break;
+        while (len && line[len - 1] == '\r') line[--len] = 0;
+        if (!len) { free(line); continue; }
+        int before = conv.n, system_pending = ch.system_pending;
+        push(&exch, conv.n);
+        chat_user_turn(&ch, m, &conv, line, len);
+        free(line);
+        if (!chat_fit(&conv, &pos, &exch, n_open, reserve, s->seq_len)) {
+            int msg = conv.n - before;
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
+            conv.n = before;
+            exch.n--;
+            ch.system_pending = system_pending;
+            fputc('\n', stdout); /* an empty answer keeps answers and messages line for line */
+            check_stdout();
+            continue;
+        }
+        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
+        if (o->verbose)
+            fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
+        interrupted = 0;
+        answering = 1;
+        TextOut out;
+        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
+        Request r = {.conv = &conv, .pos = pos, .n_predict = o->n_predict, .out = &out};
+        int why = generate(m, s, sm, o, &r);
+        pos = r.pos;
+        answering = 0;
+        fputc('\n', stdout);
+        check_stdout();
+        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        if (r.st.json_incomplete) {
+            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
+                        json_stop_cause(why, &out, cause, sizeof cause));
+            fputs(msg, stderr);
+            incomplete++;
+        }
+        if (o->verbose) report_stats(m, s, mc, &r.st);
+        free(r.st.itl);
+        chat_close_answer(&ch, m, &conv, why, r.last);
+    }
+    free(exch.ids);
+    free(conv.ids);
+    return incomplete;
+}
+
+/* Runs every line of path ("-": stdin) and writes the records. Returns
+   the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
+/* What --batch takes from the command line besides GenOpts. */
+typedef struct {
+    const char *path; /* --batch FILE, "-": stdin */
+    int parallel;     /* --parallel: sequences in flight (0: from the pool) */
+    int kv_mb;        /* --kv-mem: the KV page pool */
+    int chat, special; /* -c and --special: the defaults of every line */
+} BatchOpts;
+
+/* ============================================================================
+   6. MAIN
+   ========================================================================= */
+
+/* The command line. */
+typedef struct {
+    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
+    const char *prompt_cache; /* --prompt-cache FILE */
+    int prompt_cache_ro;      /* --prompt-cache-ro */
+    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
+    Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
+    unsigned long long seed;
+    const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    int json;            /* --json */
+    const char *json_schema; /* --json-schema FILE */
+    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+    BatchOpts batch;  /* --batch, --parallel, --kv-mem */
+} Args;
+
+
+/* Part II's entry points that main calls: the command line, the kernel set,
+   the JSON grammar, the prompt cache, the machine probe, and the modes
+   other than generation (batch, perplexity, logits). */
+static void reserve_std_fds(void);
+static void parse_args(Args *a, int argc, char **argv);
+static int usable_cpus(void);
+static void select_kernels(int set);
+static int kernel_set_named(const char *v);
+static int best_kernel_set(void);
+static void watch_model_file(const Model *m, const char *path);
+static const char *kernel_set_name(void);
+static void check_kv_type(int type, int head_dim);
+static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t);
+static JsonConstraint *build_json_constraint(int json, const char *schema_path);
+static void json_constraint_vocab(JsonConstraint *jc, const Model *m);
+static void free_json_constraint(JsonConstraint *jc);
+static void keep_every_position(RunState *s, const Config *c);
+static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const char *path, int read_only, int verbose);
+static void close_prompt_cache(PromptCache *pc);
+static void probe_machine(Machine *mc, int threads);
+static void report_process(const Model *m, double load_ms);
+static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo);
+static void perplexity(const Model *m, RunState *s, const char *path, int ctx);
+static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a);
+int main(int argc, char **argv)
+{
+    marks.start_ms = now_ms();
+    reserve_std_fds();
+    Args a;
+    parse_args(&a, argc, argv);
+    signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
+    select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
+    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
+    JsonConstraint *jcp = build_json_constraint(a.json, a.json_schema);
+    double t0 = now_ms();
+    Model m;
+    char err[ERR_BYTES];
+    if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
+        die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
+    watch_model_file(&m, a.model_path);
+    if (jcp) json_constraint_vocab(jcp, &m), a.gen.json = jcp;
+    double load_ms = now_ms() - t0;
+    int chat = !strcmp(a.mode, "chat");
+    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
+    if (a.ppl && seq_len < PPL_MIN_CTX)
+        die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
+
+    Tokens prompt = {0};
+    size_t prompt_bytes = 0;
+    int batch = a.batch.path != NULL;
+    if (!chat && !a.ppl && !batch) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
+    if (a.tokenize) {
+        for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
+        printf("\n");
+        close_stdout();
+        free(prompt.ids);
+        free_model(&m);
+        return 0;
+    }
+    if (!chat && !a.ppl && !batch && prompt.n == 0) {
+        if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
+        die(EXIT_RUNTIME, "the prompt is empty");
+    }
+    if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
+
+    int cores = usable_cpus();
+    int threads = a.threads ? a.threads : cores;
+    if (threads > cores) {
+        /* the barriers spin: threads beyond the cores only wait for each other
+           (--threads 1024 on 2 cores took over a minute per token) */
+        if (a.gen.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
+        threads = cores;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(threads > 0 ? threads : 1);
+#else
+    threads = 1;
+#endif
+    RunState s;
+    check_kv_type(a.kv_type, m.c.head_dim);
+    build_state(&s, &m, seq_len, threads, a.kv_type);
+    int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode: build_pool keeps every page then */
+    if (keep_all) keep_every_position(&s, &m.c);
+    if (a.gen.verbose) {
+        static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
+        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
+                "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
+                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, keep_all) / 1e6, type_name(a.kv_type), threads, kernel_set_name(), load_ms);
+        if (m.c.window && !keep_all)
+            fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
+                    m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
+        else if (keep_all)
+            fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
+                    m.c.window);
+    }
+    if (a.prompt_cache) a.gen.cache = open_prompt_cache(&m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
+    Machine mc, *mcp = NULL;
+    if (a.probe) probe_machine(mcp = &mc, threads);
+    Sampler sm = a.sampling;
+    sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
+    int status = EXIT_SUCCESS;
+    if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
+    else if (batch) {
+        a.batch.chat = a.chat_wrap, a.batch.special = a.special;
+        status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
+    }
+    else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
+    else if (chat) {
+        int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
+        if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
+    }
+    else if (jcp && a.gen.n_predict == 0) {
+        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
+    } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
+        TextOut out;
+        text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
+        Request r = {.conv = &prompt, .n_predict = a.gen.n_predict, .out = &out};
+        r.pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
+        if (r.n_predict > seq_len - prompt.n + 1) {
+            r.n_predict = seq_len - prompt.n + 1;
+            if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, r.n_predict, seq_len, prompt.n);
+        }
+        int why = generate(&m, &s, &sm, &a.gen, &r);
+        if (a.gen.verbose) report_stats(&m, &s, mcp, &r.st);
+        free(r.st.itl);
+        char cause[STOP_MAX_BYTES + 32];
+        if (r.st.json_incomplete)
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
+    }
+    if (a.gen.cache) close_prompt_cache(a.gen.cache);
+    if (a.gen.verbose) report_process(&m, load_ms);
+    free_json_constraint(jcp);
+    close_stdout();
+    free(prompt.ids);
+    free_state(&s);
+    free_model(&m);
+    return status;
+}
+
+/* ############################################################################
+   PART II: THE MACHINERY
+   What makes Part I fast and useful without changing what it computes:
+   the thread team, the kernel tables and the choice of a kernel set, the
+   packed layout of the matrices, attention in chunks, measurement, stop
+   strings, JSON (reading, writing and constraining output to a grammar),
+   the prompt cache, lookup decoding, batch mode with its paged KV cache,
+   perplexity and the command line. Then the appendices, one per
+   instruction set, each with its kernels and its rows of the tables.
+   ######################################################################### */
+
+/* ----- instruction sets ---------------------------------------------------
+   Every x86-64 build (GCC or clang) carries every x86 kernel set, each
+   compiled for its own instruction set whatever the compiler targets, and
+   picks one at run time from what the CPU reports: TARGET_BEGIN(isa) ..
+   TARGET_END gives each function between them the target attribute isa. */
+/* The kernels' register tiles. */
+#define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
+_Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
+#define ATT_QK_Q 4     /* prefill scores' register tile: queries ... */
+#define ATT_QK_K 2     /* ... times keys, 8 sums (one tree of horizontal adds) */
+#define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
+#define ATT_PV_V 2     /* ... times vectors of output elements */
+_Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at once");
+#define ATT_QK_NEON 4  /* NEON's 32 registers: 4 x 4 scores ... */
+#define ATT_PV_V32 4   /* ... and, there and in AVX-512's, 4 queries x 4 vectors of outputs */
+#define ATT_QK_Q32 4   /* AVX-512's score tile: 4 x 4 512-bit sums */
+#define ATT_QK_K32 4
+_Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+#define PRAGMA_STR(...) #__VA_ARGS__
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_X86_SETS 1
+#ifdef __clang__
+#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
+#define TARGET_END _Pragma("clang attribute pop")
+#else
+#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
+#define TARGET_END _Pragma("GCC pop_options")
+#endif
+#define ISA_AVX2 "avx2,fma,f16c"
+#define ISA_AVX512 "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"
+/* The AVX-VNNI set's 256-bit vpdpbusd. The tests also build that set with
+   AVXVNNI_TWIN: the same instruction in its AVX512-VL encoding, so that a
+   CPU with AVX-512 VNNI but not AVX-VNNI (AMD Zen 4) runs its kernels. */
+#ifndef AVXVNNI_TWIN
+#define ISA_AVXVNNI "avx2,fma,f16c,avxvnni"
+#define DPBUSD_256 _mm256_dpbusd_avx_epi32
+#else
+#define ISA_AVXVNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
+#define DPBUSD_256 _mm256_dpbusd_epi32
+#endif
+#endif
+/* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A) and
+   the set with the dot-product extension (sdot, ARMv8.2-A and later; the
+   kernel reports it in the hwcaps), compiled for it as the x86 sets are. */
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__GNUC__)
+#define HAVE_NEON_SET 1
+#include <arm_neon.h>
+#include <sys/auxv.h>
+#ifdef __clang__
+#define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
+#define TARGET_END _Pragma("clang attribute pop")
+#define ISA_DOTPROD "dotprod"
+#else
+#define TARGET_BEGIN(isa) _Pragma("GCC push_options") _Pragma(PRAGMA_STR(GCC target(isa)))
+#define TARGET_END _Pragma("GCC pop_options")
+#define ISA_DOTPROD "arch=armv8.2-a+dotprod"
+#endif
+#endif
+/* ----- threads --------------------------------------------------------------
+   One team of threads runs a whole forward pass (one OpenMP parallel region
+   per chunk or token). Every step splits its work by thread index and ends
+   at a barrier. Waiting threads spin: a sleep and wake-up costs tens of
+   microseconds, while a decoded token of a small model takes a few
+   milliseconds spread over ~200 steps. Without OpenMP the team is one
+   thread and the barrier does nothing. */
+
+#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
+#define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
+#define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
+#define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_pause();
+#endif
+}
+
+static void barrier(const Team *tm)
+{
+    Barrier *b = tm->bar;
+    int nth = tm->nth;
+    if (nth == 1) return;
+    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+    } else {
+        /* spin; if the wait is long the cores are oversubscribed (another
+           program is running), and yielding lets the late thread run */
+        long spins = 0;
+        double long_since = 0;
+        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
+            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
+            else {
+                if (!long_since) long_since = now_ms();
+                sched_yield();
+            }
+        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
+    }
+}
+
+static int thread_id(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int thread_count(void)
+{
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Sizes the team of the next forward pass. When other programs take the
+   cores, a thread of the team is descheduled for whole timeslices and every
+   barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
+   than with one thread. A pass (pass_ms long) whose threads spent more than
+   1/CONTENDED_SHARE of their time in long waits, CONTENDED_PASSES times in
+   a row, halves the team; the full team is tried again
+   after s->backoff passes, which doubles while the retries find the cores
+   still contended. On cores of its own a pass waits long rarely, and
+   briefly (a prefill step's uneven split). The first pass is not judged:
+   it takes the page faults of the mapped weights (a minor fault per page
+   the process has not touched yet), unevenly between the threads, so on a
+   quiet machine it looked contended (30 of 75 ms in waits on the 1.5B)
+   and its first 64 decode steps ran on one core. Results do not depend on
+   the team size (see split), so it may change between passes. */
+static void adapt_team(RunState *s, double pass_ms)
+{
+    double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
+    if (!s->warm) {
+        s->warm = 1;
+        return;
+    }
+    s->contended = waited_ms * CONTENDED_SHARE > pass_ms * s->team ? s->contended + 1 : 0;
+    if (s->team > 1 && s->contended >= CONTENDED_PASSES) {
+        s->contended = 0;
+        s->team /= 2;
+        s->retry_in = s->backoff;
+        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
+    } else if (s->team > 1 && s->team == s->n_threads && !s->contended) {
+        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
+    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
+        s->team = s->n_threads;
+    }
+}
+
+/* The mapping watched by on_sigbus, and the line it prints. */
+static struct {
+    const uint8_t *lo, *hi;
+    char msg[LINE_BYTES];
+    size_t len;
+} watched;
+
+/* A read of the mapping past the end of a file that shrank (or that was
+   replaced in place) raises SIGBUS: say so in one line instead of dying of
+   the signal. Only write(2) and _exit(2) here: a signal handler may call
+   nothing else that matters; when several threads fault at once, one
+   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+static void on_sigbus(int sig, siginfo_t *si, void *uc)
+{
+    (void)uc;
+    const uint8_t *at = si->si_addr;
+    if (at >= watched.lo && at < watched.hi) {
+        static atomic_flag reported = ATOMIC_FLAG_INIT;
+        if (atomic_flag_test_and_set(&reported)) /* another thread of the team: it prints and ends the run */
+            for (;;) pause();
+        if (temp_path[0]) unlink(temp_path);
+        ssize_t w = write(STDERR_FILENO, watched.msg, watched.len);
+        (void)w;
+        _exit(EXIT_RUNTIME);
+    }
+    signal(sig, SIG_DFL); /* the faulting access repeats and ends the run with the signal */
+}
+
+/* Installs on_sigbus for the model m mapped from path. */
+static void watch_model_file(const Model *m, const char *path)
+{
+    format_line(watched.msg, "%s: the model file changed or shrank while in use", path);
+    watched.len = strlen(watched.msg);
+    watched.lo = m->map;
+    watched.hi = m->map + m->map_size;
+    struct sigaction sa = {0};
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO;
+    sigaction(SIGBUS, &sa, NULL);
+}
+
+/* ----- the model file's checks --------------------------------------------
+   What build_model rejects beyond sizes: tensors a flag requires or forbids,
+   padding that is not zero, matrices not in the packed layout. */
+
+/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
+static size_t nonzero_at(const uint8_t *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
+/* Refuses, by name, a table entry that the header's flags leave out
+   (layers.N.wqkv in a split file, a bias without qkv_bias): checked before
+   the tensor count, which could only say that the count is wrong. */
+static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err)
+{
+    const Config *c = &m->c;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *name = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(name, 0, TENSOR_NAME_BYTES) ? slot_of_name(c, name) : -1; /* unterminated: refused later */
+        if (slot < 0 || slot_present(c, slot)) continue;
+        const SlotRule *r = slot_rule(slot);
+        uint32_t why = c->flags & r->absent ? r->absent : r->flag & ~c->flags;
+        int bit = 0;
+        while (!(why >> bit & 1)) bit++;
+        LOAD_FAIL("tensor %s does not belong in this file: the header %s flag bit %d (%s)", name,
+                  c->flags & r->absent ? "sets" : "does not set", bit, FLAG_NAME[bit]);
+    }
+    return 0;
+}
+
+/* Into name: " (no T)", T the first tensor the header implies that none
+   of the table's n entries names, or "" when there is none such. For the
+   message of a table with too few entries. */
+static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
+{
+    const Config *c = &m->c;
+    char *seen = xcalloc(n_slots(c), 1);
+    for (uint32_t i = 0; i < n; i++) {
+        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
+        if (slot >= 0) seen[slot] = 1;
+    }
+    int s = 0;
+    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
+    free(seen);
+    name[0] = 0;
+    if (s < n_slots(c)) {
+        char t[TENSOR_NAME_BYTES];
+        slot_name(t, s);
+        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
+    }
+}
+
+/* Which section before the tensor data holds byte `off`. */
+static const char *section_at(uint64_t off, uint64_t tok_end)
+{
+    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
+}
+
+/* Padding bytes [from, to) of the file, before `what`, must be zero. */
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
+{
+    size_t z = nonzero_at(m->map + from, to - from);
+    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
+    return 0;
+}
+
+/* The forward pass multiplies by the matrices, which must be packed, and
+   reads every other tensor (norms, biases, an untied embedding) by rows. */
+static int check_layout(const Tensor *t, int matmul, char *err)
+{
+    if (matmul && t->layout != LAYOUT_PACKED)
+        LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
+                  "with this version's export.py", t->name);
+    if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
+    return 0;
+}
+
+/* ----- row conversions: one row of n elements to and from floats ----------
+   to_float serves embedding lookups and attention's reads of the KV cache;
+   from_float is how the KV cache stores K and V rows. */
+
+/* IEEE half -> float, including subnormals, infinities and NaN. */
+static float fp16_to_f32(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);           /* inf, NaN */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);      /* normal */
+    else if (!man) bits = sign;                                         /* zero */
+    else {                                                              /* subnormal */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static float bf16_to_f32(uint16_t h)
+{
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float -> IEEE half, rounding to nearest even; overflow gives infinity. */
+static uint16_t f32_to_fp16(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff, man = x & 0x7fffff;
+    if (e == 0xff) return sign | 0x7c00 | (man ? 0x200 : 0);         /* inf, NaN */
+    int exp = (int)e - 127 + 15;
+    if (exp >= 0x1f) return sign | 0x7c00;                            /* overflow */
+    if (exp <= 0) {                                                   /* subnormal or zero */
+        if (exp < -10) return sign;
+        man |= 0x800000;
+        int shift = 14 - exp;
+        uint32_t h = man >> shift, rem = man & ((1u << shift) - 1), halfway = 1u << (shift - 1);
+        return sign | (h + (rem > halfway || (rem == halfway && (h & 1))));
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rem = man & 0x1fff;
+    return sign | (h + (rem > 0x1000 || (rem == 0x1000 && (h & 1)))); /* a carry rounds up the exponent */
+}
+
+static void to_float_f32_scalar(float *out, const void *row, int n) { memcpy(out, row, n * sizeof(float)); }
+static void from_float_f32_scalar(void *row, const float *x, int n) { memcpy(row, x, n * sizeof(float)); }
+
+static void to_float_f16_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) out[i] = fp16_to_f32(((const uint16_t *)row)[i]);
+}
+
+static void from_float_f16_scalar(void *row, const float *x, int n)
+{
+    for (int i = 0; i < n; i++) ((uint16_t *)row)[i] = f32_to_fp16(x[i]);
+}
+
+static void to_float_bf16_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) out[i] = bf16_to_f32(((const uint16_t *)row)[i]);
+}
+
+static void to_float_q8_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ8_0 *b = (const BlockQ8_0 *)row + i / QK;
+        out[i] = b->qs[i % QK] * fp16_to_f32(b->d);
+    }
+}
+
+/* The int8 KV cache: q8_0 blocks with d = max|x| / 127. */
+static void from_float_q8_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ8_0 *out = row;
+    for (int b = 0; b < n / QK; b++, x += QK) out[b].d = f32_to_fp16(quantize_i8(out[b].qs, x, QK));
+}
+
+/* The int4 KV cache: q4_0 blocks as ggml's quantize_row_q4_0_ref makes
+   them: d = -x_m / 8 for the element x_m of largest magnitude, so x_m
+   itself lands exactly on -8; q = x/d + 8.5 truncated, at most 15 (NaN
+   and inf give 0, where a cast would be undefined). */
+static void from_float_q4_0_scalar(void *row, const float *x, int n)
+{
+    BlockQ4_0 *out = row;
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float amax = 0, xm = 0;
+        for (int i = 0; i < QK; i++)
+            if (amax < fabsf(x[i])) amax = fabsf(x[i]), xm = x[i];
+        float d = xm / -8, id = d ? 1 / d : 0;
+        out[b].d = f32_to_fp16(d);
+        for (int j = 0; j < QK / 2; j++) {
+            int lo = (int)fminf(15.0f, fmaxf(0.0f, x[j] * id + 8.5f));
+            int hi = (int)fminf(15.0f, fmaxf(0.0f, x[j + QK / 2] * id + 8.5f));
+            out[b].qs[j] = (uint8_t)(lo | hi << 4);
+        }
+    }
+}
+
+static void to_float_q4_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_1 *b = (const BlockQ4_1 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = q * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+static void to_float_q4_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ4_0 *b = (const BlockQ4_0 *)row + i / QK;
+        int j = i % QK, q = j < QK / 2 ? b->qs[j] & 0xf : b->qs[j - QK / 2] >> 4;
+        out[i] = (q - 8) * fp16_to_f32(b->d);
+    }
+}
+
+/* Element j (0..31) of a 5-bit block: its nibble, and bit j of qh as bit 4. */
+static int q5_int(const uint8_t *qs, const uint8_t *qh, int j)
+{
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    return (j < QK / 2 ? qs[j] & 0xf : qs[j - QK / 2] >> 4) | ((h >> j) & 1) << 4;
+}
+
+static void to_float_q5_0_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_0 *b = (const BlockQ5_0 *)row + i / QK;
+        out[i] = (q5_int(b->qs, b->qh, i % QK) - 16) * fp16_to_f32(b->d);
+    }
+}
+
+static void to_float_q5_1_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ5_1 *b = (const BlockQ5_1 *)row + i / QK;
+        out[i] = q5_int(b->qs, b->qh, i % QK) * fp16_to_f32(b->d) + fp16_to_f32(b->m);
+    }
+}
+
+/* --- the K types' integers (ggml-quants.c, dequantize_row_q4_K and kin) --- */
+
+/* Sub-block j's 6-bit scale and minimum in a q4_k/q5_k block's 12 bytes:
+   j < 4 in the low 6 bits of bytes j and j+4; j >= 4 in the nibbles of
+   byte j+4 with their top 2 bits in the spare bits of bytes j-4 and j. */
+static void k4_scale_min(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) *sc = s[j] & 63, *m = s[j + 4] & 63;
+    else *sc = (s[j + 4] & 0xf) | (s[j - 4] >> 6) << 4, *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+}
+
+/* Element i (0..255) of a q4_k block, of a q5_k block: 0..15, 0..31. */
+static int q4_k_int(const uint8_t *block, int i)
+{
+    const BlockQ4K *b = (const BlockQ4K *)block;
+    return b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf;
+}
+
+static int q5_k_int(const uint8_t *block, int i)
+{
+    const BlockQ5K *b = (const BlockQ5K *)block;
+    return (b->qs[i / 64 * 32 + i % 32] >> (i % 64 / 32 * 4) & 0xf) | (b->qh[i % 32] >> (i / 32) & 1) << 4;
+}
+
+/* Element i (0..255) of a q6_k block, 0..63 (the offset 32 not taken). */
+static int q6_k_int(const BlockQ6K *b, int i)
+{
+    int h = i / 128, g = i % 128 / 32, l = i % 32;
+    int low = b->ql[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0xf;
+    return low | (b->qh[32 * h + l] >> (2 * g) & 3) << 4;
+}
+
+/* q4_k and q5_k share their header (d, dmin, scales): bb bytes a block. */
+static void to_float_k4(float *out, const uint8_t *row, int n, size_t bb, int (*q)(const uint8_t *, int))
+{
+    for (int i = 0; i < n; i++) {
+        const uint8_t *blk = row + i / QK_K * bb;
+        const BlockQ4K *b = (const BlockQ4K *)blk;
+        int sc, m;
+        k4_scale_min(b->scales, i % QK_K / 32, &sc, &m);
+        float d = fp16_to_f32(b->d) * sc, dm = fp16_to_f32(b->dmin) * m;
+        out[i] = d * q(blk, i % QK_K) - dm;
+    }
+}
+
+static void to_float_q4_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ4K), q4_k_int); }
+static void to_float_q5_k_scalar(float *out, const void *row, int n) { to_float_k4(out, row, n, sizeof(BlockQ5K), q5_k_int); }
+
+static void to_float_q6_k_scalar(float *out, const void *row, int n)
+{
+    for (int i = 0; i < n; i++) {
+        const BlockQ6K *b = (const BlockQ6K *)row + i / QK_K;
+        float d = fp16_to_f32(b->d) * b->scales[i % QK_K / 16];
+        out[i] = d * (q6_k_int(b, i % QK_K) - 32);
+    }
+}
+
+/* ----- the packed layout ---------------------------------------------------
+   Where Part I's accessors find a value, and the byte counts of records
+   and groups (README.md, "Packed matrices").
+   Every matrix the forward pass multiplies by is stored packed, the way the kernels read it: decode streams each
+   weight once per token, so the bytes must arrive in the order they are
+   used, and export.py writes them so; the engine maps the file and computes
+   from it in place. Rows go in groups of PACK_ROWS (the last group padded
+   with zero rows), one row per 32-bit lane of a 512-bit vector: a broadcast
+   of four activation bytes meets four integers of each of 16 rows in one
+   vpdpbusd (two 256-bit vectors on AVX2, four 128-bit ones on NEON), each
+   lane sums its own row and no sum ever crosses lanes. A group of n
+   elements per row is n / block records (one per block; the float types
+   one per element), padded to PACK_ALIGN bytes. A record holds the block
+   of each of the 16 rows, every byte of ggml's block kept, only moved:
+     scales   ggml's non-integer fields as planes [field][row]: the fp16 d
+              (then m or dmin) of the 16 rows side by side, then (K types)
+              each scale byte of the 16 rows side by side
+     integers per 32 elements of a row (a "stretch"), unsigned:
+              8-bit (q8_0, stored as q + 128): 8 vectors of 64 bytes;
+                byte 64g + 4r + i = element 4g + i of row r
+              4-bit: the high planes (bits above the nibble; q5: 1 bit,
+                q6_k: 2, as 64 * bits bytes), then 4 vectors of 64 bytes
+                of nibbles: byte 64j + 4r + i holds element 8j + i of row
+                r in its low nibble and element 8j + 4 + i in its high one;
+                high-plane field k = 2j + h of that element (h = 0 low,
+                1 high) is at bit (k % (8 / bits)) * bits of byte
+                64 (k / (8 / bits)) + 4r + i
+   So a kernel turns 64 bytes into 16 rows x 4 elements with an and or a
+   shift, and a 5- or 6-bit integer with a shift, an and and an or more.
+   The float types' record is element e of the 16 rows (64 or 32 bytes). */
+
+/* A set's packed product for a type, one instance per token count (so
+   that T is a constant): packed_NAME_SET, calling impl(group, n, x, xs, T,
+   out, a, b, c ...), a b c the type's constants and what else impl takes. */
+#define PACKED_KERNEL(name, set, impl, ...)                                                                          \
+    static void packed_##name##_##set(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
+    {                                                                                                                \
+        switch (toks) {                                                                                              \
+        case 1: impl(group, n, x, xs, 1, out, __VA_ARGS__); break;                                                   \
+        case 2: impl(group, n, x, xs, 2, out, __VA_ARGS__); break;                                                   \
+        case 3: impl(group, n, x, xs, 3, out, __VA_ARGS__); break;                                                   \
+        case 4: impl(group, n, x, xs, 4, out, __VA_ARGS__); break;                                                   \
+        case 5: impl(group, n, x, xs, 5, out, __VA_ARGS__); break;                                                   \
+        case 6: impl(group, n, x, xs, 6, out, __VA_ARGS__); break;                                                   \
+        case 7: impl(group, n, x, xs, 7, out, __VA_ARGS__); break;                                                   \
+        default: impl(group, n, x, xs, PACK_TOKS, out, __VA_ARGS__); break;                                          \
+        }                                                                                                            \
+    }
+_Static_assert(PACK_TOKS == 8, "PACKED_KERNEL has a case per token count");
+
+/* Bytes of a record's scales (before its integers). */
+static size_t packed_head_bytes(const PackForm *f)
+{
+    if (f->kind == PACK_K4) return PACK_ROWS * sizeof(BlockQ4K) - PACK_ROWS * QK_K / 2; /* d, dmin, 12 scale bytes */
+    if (f->kind == PACK_K6) return PACK_ROWS * (sizeof(uint16_t) + QK_K / 16);      /* d, 16 scale bytes */
+    return PACK_ROWS * sizeof(uint16_t) * (1 + f->has_min);
+}
+
+/* Bytes of one stretch of PACK_ROWS rows' integers: the high planes, then the nibbles (or the bytes). */
+static size_t packed_stretch_bytes(const PackForm *f) { return (size_t)PACK_ROWS * STRETCH * (f->bits == 8 ? 8 : f->bits) / 8; }
+
+/* Elements of a row per record. */
+static int packed_block(const PackForm *f) { return f->kind == PACK_FLOAT ? 1 : f->kind == PACK_BLOCK32 ? QK : QK_K; }
+
+/* Bytes of one record: one block of PACK_ROWS rows. */
+static size_t packed_record_bytes(const PackForm *f)
+{
+    if (f->kind == PACK_FLOAT) return PACK_ROWS * f->bits / 8;
+    return packed_head_bytes(f) + packed_block(f) / STRETCH * packed_stretch_bytes(f);
+}
+
+/* Bytes of one group of PACK_ROWS rows of n elements. */
+static size_t packed_group_bytes(const PackForm *f, int n)
+{
+    return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
+}
+
+/* Row r's unsigned integers of a stretch of packed integers of `bits`
+   bits: u[e] = element e (0..STRETCH-1) (the layout above, read in its
+   own order). */
+static void packed_row_ints(const uint8_t *stretch, int bits, int r, uint8_t u[STRETCH])
+{
+    if (bits == 8) { /* byte 64g + 4r + i = element 4g + i of row r */
+        for (int g = 0; g < STRETCH / 4; g++) memcpy(&u[4 * g], stretch + 64 * g + 4 * r, 4);
+        return;
+    }
+    int extra = bits - 4, per_byte = extra ? 8 / extra : 1;
+    const uint8_t *nib = stretch + (size_t)PACK_ROWS * STRETCH / 8 * extra; /* the high planes come first */
+    for (int j = 0; j < STRETCH / 8; j++) /* byte 64j + 4r + i: element 8j + i low, 8j + 4 + i high */
+        for (int i = 0; i < 4; i++) {
+            uint8_t b = nib[64 * j + 4 * r + i];
+            u[8 * j + i] = b & 0xf, u[8 * j + 4 + i] = b >> 4;
+        }
+    for (int k = 0; k < STRETCH / 4 && extra; k++) /* field k of element 4k + i: bits above the nibble */
+        for (int i = 0; i < 4; i++)
+            u[4 * k + i] |= (stretch[64 * (k / per_byte) + 4 * r + i] >> (k % per_byte * extra) & ((1 << extra) - 1)) << 4;
+}
+
+/* Row r's fp16 field of a plane of PACK_ROWS of them, as a float. */
+static float packed_half(const uint8_t *plane, int r)
+{
+    uint16_t h;
+    memcpy(&h, plane + 2 * r, 2);
+    return fp16_to_f32(h);
+}
+
+/* Row r's 12 scale bytes of a packed q4_k/q5_k record, as ggml's block has them. */
+static void packed_k4_scales(const uint8_t *rec, int r, uint8_t s[12])
+{
+    for (int b = 0; b < 12; b++) s[b] = rec[PACK_ROWS * (4 + b) + r];
+}
+
+/* The blocks' accessor: row r's block k of a packed group as numbers,
+   every field read from where the layout above keeps it. */
+static void weight_block(const PackForm *f, const uint8_t *group, int k, int r, RowBlock *b)
+{
+    const uint8_t *rec = group + k * packed_record_bytes(f);
+    size_t hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    for (int j = 0; j < packed_block(f) / STRETCH; j++) packed_row_ints(rec + hb + j * sb, f->bits, r, b->u + j * STRETCH);
+    b->d = packed_half(rec, r);
+    b->m = f->has_min || f->kind == PACK_K4 ? packed_half(rec + 2 * PACK_ROWS, r) : 0;
+    if (f->kind == PACK_K4) {
+        uint8_t scales[12];
+        packed_k4_scales(rec, r, scales);
+        for (int j = 0; j < QK_K / STRETCH; j++) k4_scale_min(scales, j, &b->sc[j], &b->mn[j]);
+    } else if (f->kind == PACK_K6) {
+        for (int j = 0; j < QK_K / 16; j++) b->sc[j] = (int8_t)rec[PACK_ROWS * (2 + j) + r];
+    }
+}
+
+/* The float types' accessor: element e of row r of a packed float group. */
+static float weight_float(int bits, int type, const uint8_t *group, int e, int r)
+{
+    const uint8_t *p = group + (size_t)(e * PACK_ROWS + r) * (bits / 8);
+    uint16_t h;
+    float f;
+    if (bits == 32) return memcpy(&f, p, 4), f;
+    memcpy(&h, p, 2);
+    return type == T_F16 ? fp16_to_f32(h) : bf16_to_f32(h);
+}
+
+/* Row r of a packed group as floats, as the row's own dequantization
+   (to_float) rounds it: a tied embedding's lookup reads the output head. */
+static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
+{
+    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
+    uint8_t u[STRETCH];
+    for (int e = 0; e < n; e++) {
+        if (f->kind == PACK_FLOAT) { out[e] = weight_float(f->bits, type, group, e, r); continue; }
+        const uint8_t *rec = group + e / packed_block(f) * rb;
+        int i = e % packed_block(f), sc, m;
+        if (i % STRETCH == 0) packed_row_ints(rec + hb + i / STRETCH * sb, f->bits, r, u);
+        int q = u[i % STRETCH];
+        float d = packed_half(rec, r);
+        if (f->kind == PACK_BLOCK32)
+            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
+        else if (f->kind == PACK_K6)
+            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
+        else {
+            uint8_t scales[12];
+            packed_k4_scales(rec, r, scales);
+            k4_scale_min(scales, i / STRETCH, &sc, &m);
+            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
+        }
+    }
+}
+
+/* Decode reads each weight once, in order. One core's hardware prefetcher
+   keeps too few cache misses in flight to reach DRAM bandwidth (here 6.7 of
+   the two cores' 21 GB/s), so ask for the lines PREFETCH_AHEAD bytes ahead
+   of the row about to be read; past the end this is harmless (a prefetch
+   never faults). */
+static void prefetch_ahead(const uint8_t *row, size_t bytes)
+{
+    for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
+}
+
+/* ----- the kernel sets' interface -----------------------------------------
+   One type's kernels and the other kernels of a set, as the tables below
+   hold them, and the set in use. */
+
+typedef void (*ToFloatFn)(float *out, const void *row, int n);
+typedef void (*FromFloatFn)(void *row, const float *x, int n);
+typedef void (*QuantizeFn)(void *out, const float *x, int n);
+
+/* One type's kernels in one kernel set; NULL = take the inherited set's. */
+typedef struct {
+    ToFloatFn to_float;     /* a row as stored (a KV cache row, an embedding row) as floats */
+    FromFloatFn from_float; /* floats into a row (KV cache types only) */
+    PackedFn packed;        /* the matrix product over packed groups: decode's GEMV and prefill's tile at once */
+} TypeKernels;
+
+enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, KSET_NEON_DOT, KSET_AVXVNNI, N_KSETS };
+/* From plainest to best: without --kernels a run takes the last one its CPU runs. */
+static const int KSET_RANK[N_KSETS] = {KSET_SCALAR, KSET_AVX2, KSET_AVXVNNI, KSET_AVX512, KSET_NEON, KSET_NEON_DOT};
+
+typedef struct {
+    const char *name;    /* as -v and messages print it */
+    const char *kv_name; /* the name --kv takes, or NULL: not a KV cache type */
+    int block;           /* elements per block (1 for float types) */
+    size_t block_bytes;
+    int act;             /* ACT_*: the activations its matrix products read */
+    PackForm pack;       /* how its matrices are packed */
+} WeightType;
+
+/* The kernels that do not depend on a weight type, per kernel set. */
+typedef struct {
+    const char *name;
+    int (*available)(void); /* can this CPU run the set? */
+    int inherits;           /* KSET_*: the set whose kernels fill what this one leaves NULL */
+    QuantizeFn quantize[N_ACTS]; /* floats -> activation blocks (NULL for ACT_F32: used as they are) */
+    float (*att_softmax)(float *sc, int n, float scale, float *m);
+    void (*att_qk)(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk); /* prefill */
+    void (*att_pv)(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk);
+    void (*swiglu)(float *g, const float *u, int n);
+    void (*geglu)(float *g, const float *u, int n);
+    double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
+    double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
+    int plain_attention; /* attention by its definition (attend_plain), not in chunks (not inherited) */
+} OpKernels;
+
+/* The kernel set in use, resolved: one per program, set once by
+   select_kernels before the first forward pass. */
+static struct {
+    int set;
+    OpKernels op;
+    TypeKernels type[N_TYPES];
+} K;
+
+/* The weight-type table, one row per type (a tentative definition: the
+   rows, with each kernel set's functions, are in the tables below). */
+static const WeightType TYPES[N_TYPES];
+/* ----- attention in chunks -------------------------------------------------
+   attend_chunk scores a tile of queries against ATT_KTILE
+   cached keys at a time (att_qk), takes the online softmax step over the
+   block (att_softmax) and adds the weighted V rows (att_pv). Each query's
+   numbers come out the same whatever the other queries of the call: these
+   are small GEMMs whose sums run in a fixed order per query. The softmax
+   step uses a polynomial exp in its SIMD versions. */
+
+/* The multi-query kernels read K and V rows straight from the cache, in
+   its type (T_F32 or T_F16; attend_chunk converts the other cache types
+   to f32 rows first). A K or V element loaded into a register then feeds
+   every query of the tile (a token's `group` query heads, times the
+   tokens of a prefill tile). Row j of K or V is at k[j] (rows of a block
+   need not be adjacent: pages, ring buffers). */
+
+/* Element i of a cached row of type T_F32 or T_F16. */
+static float kv_elem(const void *row, int type, int i)
+{
+    return type == T_F16 ? fp16_to_f32(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* s[a * ATT_KTILE + j] = q_a . k_j for a < nq, j < nk (q is [nq, hd]). */
+static void att_qk_scalar(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    for (int a = 0; a < nq; a++)
+        for (int j = 0; j < nk; j++) {
+            float sum = 0;
+            for (int i = 0; i < hd; i++) sum += q[(size_t)a * hd + i] * kv_elem(k[j], type, i);
+            s[a * ATT_KTILE + j] = sum;
+        }
+}
+
+/* o_a += sum over j < nk of p[a * ATT_KTILE + j] * v_j for a < nq, where
+   o_a is the hd floats at o + a * os. */
+static void att_pv_scalar(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    for (int a = 0; a < nq; a++)
+        for (int j = 0; j < nk; j++)
+            for (int i = 0; i < hd; i++) o[(size_t)a * os + i] += p[a * ATT_KTILE + j] * kv_elem(v[j], type, i);
+}
+
+static void att_qk(float *s, const float *q, int nq, const void *const *k, int type, int hd, int nk)
+{
+    K.op.att_qk(s, q, nq, k, type, hd, nk);
+}
+static void att_pv(float *o, int os, const float *p, int nq, const void *const *v, int type, int hd, int nk)
+{
+    K.op.att_pv(o, os, p, nq, v, type, hd, nk);
+}
+
+/* A partial softmax over some keys, for one query: the running maximum m
+   of its scaled scores, l = sum exp(score - m), and o = sum exp(score - m) v
+   (head_dim values): [m, l, o...], PARTIAL_HEAD + head_dim floats. */
+
+static void partial_init(float *p, int hd)
+{
+    p[0] = -INFINITY, p[1] = 0;
+    memset(p + PARTIAL_HEAD, 0, hd * sizeof(float));
+}
+
+/* Folds partial p (over later keys) into the running partial acc: the one
+   way chunks of keys combine. Decode folds its chunks' partials in chunk
+   order, prefill each chunk as it finishes it: the same steps, so the same
+   numbers. A partial over no keys (a chunk all in the query's future, or
+   out of its window) changes nothing. */
+static void partial_fold(float *acc, const float *p, int hd)
+{
+    if (p[1] == 0) return;
+    if (acc[1] == 0) {
+        memcpy(acc, p, (PARTIAL_HEAD + hd) * sizeof(float));
+        return;
+    }
+    float m = fmaxf(acc[0], p[0]), a = expf(acc[0] - m), b = expf(p[0] - m);
+    acc[1] = acc[1] * a + p[1] * b;
+    for (int i = 0; i < hd; i++) acc[PARTIAL_HEAD + i] = acc[PARTIAL_HEAD + i] * a + p[PARTIAL_HEAD + i] * b;
+    acc[0] = m;
+}
+
+/* The partials of the queries of tokens [t0, t1) of the pass (consecutive
+   positions of one sequence, from s->tok_pos[t0]) and the `group` query
+   heads of KV head g, over the keys of [j_lo, j_hi) that each sees: part
+   is [t1 - t0][group][PARTIAL_HEAD + head_dim]. Keys are taken ATT_KTILE
+   at a time from j_lo (a multiple of ATT_CHUNK, so blocks start at the same
+   positions for every query, whoever computes them), in the style of
+   flash attention: scores for every query and key of the block (att_qk),
+   each query's online-softmax step (att_softmax), then the weighted sum of
+   V (att_pv). Every score, every weight and every output element goes
+   through the same operations however many queries share the call: a
+   query's partial is the same computed alone (decode) or in a tile
+   (prefill). Where some query sees only part of a block (its own position
+   falls in it, or it is out of its window) each token's queries take the
+   V sum on their own, over the keys they see. */
+static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int t1, int j_lo, int j_hi, float *part, int me)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
+    int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1, ps = PARTIAL_HEAD + hd;
+    int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
+    float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
+    float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
+    const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
+    int window = is_local(c, l) ? c->window : 0;
+    for (int k = 0; k < nq; k++) {
+        partial_init(part + (size_t)k * ps, hd);
+        memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
+    }
+    for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
+        int nj = min_i(ATT_KTILE, last + 1 - j0), shared = 1;
+        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
+            const uint8_t *kc = cache_row(s, s->key_cache, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, t0, l, g, j0 + j);
+            prefetch_ahead(kc, s->kv_row);
+            prefetch_ahead(vc, s->kv_row);
+            krow[j] = kc, vrow[j] = vc;
+            if (native) continue;
+            to_float(kb + (size_t)j * hd, kc, s->kv_type, hd);
+            to_float(vb + (size_t)j * hd, vc, s->kv_type, hd);
+            krow[j] = kb + (size_t)j * hd, vrow[j] = vb + (size_t)j * hd;
+        }
+        att_qk(pb, q, nq, krow, type, hd, nj);
+        for (int k = 0; k < nq; k++) {
+            int t = t0 + k / group, n = min_i(nj, pos0 + t + 1 - j0);
+            /* a local layer's query sees only keys j > pos - window: the first `hidden` of the block are masked */
+            int hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0;
+            shared &= n == nj && n > hidden;
+            if (n <= hidden) continue; /* the whole block lies in this token's future (or out of its window) */
+            float *sc = pb + (size_t)k * ATT_KTILE, *p = part + (size_t)k * ps, m = p[0];
+            for (int j = 0; j < hidden; j++) sc[j] = -INFINITY; /* exp gives them weight 0 */
+            float sum = att_softmax(sc, n, c->att_scale, &m), rescale = expf(p[0] - m); /* 0 on the first block */
+            if (rescale != 1.0f)
+                for (int i = 0; i < hd; i++) p[PARTIAL_HEAD + i] *= rescale;
+            p[1] = p[1] * rescale + sum;
+            p[0] = m;
+        }
+        if (shared) {
+            att_pv(part + PARTIAL_HEAD, ps, pb, nq, vrow, type, hd, nj);
+            continue;
+        }
+        for (int t = t0; t < t1; t++) {
+            int n = min_i(nj, pos0 + t + 1 - j0), hidden = window ? max_i(0, pos0 + t - window + 1 - j0) : 0, k = (t - t0) * group;
+            if (n > hidden) att_pv(part + (size_t)k * ps + PARTIAL_HEAD, ps, pb + (size_t)k * ATT_KTILE, group, vrow, type, hd, n);
+        }
+    }
+}
+
+/* The outputs of KV head g's query heads for token t, from their folded
+   partial acc ([group][PARTIAL_HEAD + head_dim]), into s->xb ([n, q_dim]),
+   and converted into s->xq in activation format fmt unless that is ACT_F32
+   (the caller checked that the slice is made of whole blocks; converting
+   here spares Wo a pass and a barrier). */
+static void attention_out(RunState *s, const Config *c, const float *acc, int g, int t, int fmt)
+{
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
+    float *o = s->xb + (size_t)t * q_dim + g * group * hd;
+    for (int h = 0; h < group; h++)
+        for (int i = 0; i < hd; i++) o[h * hd + i] = acc[h * (PARTIAL_HEAD + hd) + PARTIAL_HEAD + i] / acc[h * (PARTIAL_HEAD + hd) + 1];
+    if (fmt != ACT_F32) quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), o, group * hd);
+}
+
+/* The first and one past the last chunk of ATT_CHUNK positions that token
+   t's queries see on layer l. */
+static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k0, int *k1)
+{
+    int pos = s->tok_pos[t];
+    *k0 = is_local(c, l) ? max_i(0, pos - c->window + 1) / ATT_CHUNK : 0;
+    *k1 = pos / ATT_CHUNK + 1;
+}
+
+/* Attention for the pass's n tokens, thread me's share, in chunks of
+   ATT_CHUNK positions: a pass of consecutive tokens of one sequence
+   (prefill, lookup verification) deals (query tile, KV head) jobs
+   round-robin, each folding the chunks its tokens see in order (the
+   tile's ATT_QTILE tokens times `group` heads share each K and V load). A
+   pass of one token, or of tokens of different sequences (batch mode's
+   step), deals (token, KV head, chunk) jobs, so that even one KV head's
+   long context is spread over every thread, then folds each token's
+   chunks in order. Both compute a query's output by the same steps, and no
+   job depends on the thread count. */
+static void attend_in_chunks(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm)
+{
+    int me = tm->me, nth = tm->nth;
+    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, ps = PARTIAL_HEAD + hd;
+    int part = group * ps, max_chunks = s->seq_len / ATT_CHUNK + 1;
+    if (n > 1 && !s->scattered) {
+        int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
+        float *acc = s->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
+        for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
+            int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n), k0, k1, unused;
+            chunk_range(s, c, l, t0, &k0, &unused);
+            chunk_range(s, c, l, t1 - 1, &unused, &k1);
+            for (int k = 0; k < (t1 - t0) * group; k++) partial_init(acc + (size_t)k * ps, hd);
+            for (int ch = k0; ch < k1; ch++) {
+                attend_chunk(s, c, l, g, t0, t1, ch * ATT_CHUNK, (ch + 1) * ATT_CHUNK, cur, me);
+                for (int k = 0; k < (t1 - t0) * group; k++) partial_fold(acc + (size_t)k * ps, cur + (size_t)k * ps, hd);
+            }
+            for (int t = t0; t < t1; t++) attention_out(s, c, acc + (size_t)(t - t0) * part, g, t, fmt);
+        }
+        return;
+    }
+    for (int t = 0, job = 0; t < n; t++) {
+        int k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
+        for (int g = 0; g < c->n_kv_heads; g++)
+            for (int k = k0; k < k1; k++, job++) {
+                if (job % nth != me) continue;
+                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
+                attend_chunk(s, c, l, g, t, t + 1, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, dst, me);
+            }
+    }
+    barrier(tm);
+    float *acc = s->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
+    for (int job = me; job < n * c->n_kv_heads; job += nth) {
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
+        chunk_range(s, c, l, t, &k0, &k1);
+        const float *chunks = s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
+        for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
+        for (int ch = 0; ch < k1 - k0; ch++)
+            for (int k = 0; k < group; k++) partial_fold(acc + (size_t)k * ps, chunks + (size_t)ch * part + (size_t)k * ps, hd);
+        attention_out(s, c, acc, g, t, fmt);
+    }
+}
+
+/* ----- the kernel tables -----------------------------------------------------
+   Everything the engine knows about a tensor type is one row of TYPES:
+   its block shape, the activations its matrix products consume, how its
+   matrices are packed, and its kernels in every kernel set. A kernel set
+   is one instruction-set level (the scalar reference; AVX2, AVX-VNNI and
+   AVX-512 VNNI on x86-64; NEON and NEON with sdot on aarch64), all
+   compiled into every build for the machine's architecture; select_kernels
+   picks one at start-up (the best the CPU runs, or --kernels) and resolves
+   every row against it, filling what a set leaves out from the set it
+   inherits from, down to the scalar reference. Every set reads the one
+   packed layout of the file. The forward pass only ever calls the
+   resolved kernels. Adding a type is: its kernel functions and one row here. */
+
+/* The scalar set's packed products: the definitions, output by output. */
+static void packed_scalar(int type, const PackForm *f, const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks,
+                          float *out)
+{
+    for (int t = 0; t < toks; t++)
+        for (int r = 0; r < PACK_ROWS; r++) {
+            const void *a = x + t * xs;
+            float *o = out + t * PACK_ROWS + r;
+            if (f->kind == PACK_BLOCK32) *o = dot_block32(f, group, r, a, n);
+            else if (f->kind == PACK_FLOAT) *o = dot_float(type, f->bits, group, r, a, n);
+            else *o = dot_k(f, group, r, a, n);
+        }
+}
+
+/* Each type's packed form: kind, integer bits, offset, has a minimum. */
+#define FORM_F32 {PACK_FLOAT, 32, 0, 0}
+#define FORM_F16 {PACK_FLOAT, 16, 0, 0}
+#define FORM_BF16 {PACK_FLOAT, 16, 0, 0}
+#define FORM_Q4_0 {PACK_BLOCK32, 4, 8, 0}
+#define FORM_Q4_1 {PACK_BLOCK32, 4, 0, 1}
+#define FORM_Q5_0 {PACK_BLOCK32, 5, 16, 0}
+#define FORM_Q5_1 {PACK_BLOCK32, 5, 0, 1}
+#define FORM_Q8_0 {PACK_BLOCK32, 8, 128, 0}
+#define FORM_Q4_K {PACK_K4, 4, 0, 1}
+#define FORM_Q5_K {PACK_K4, 5, 0, 1}
+#define FORM_Q6_K {PACK_K6, 6, 32, 0}
+#define PACKED_SCALAR(name, T, FORM)                                                                             \
+    static void packed_##name##_scalar(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
+    {                                                                                                            \
+        packed_scalar(T, &(const PackForm)FORM, group, n, x, xs, toks, out);                                     \
+    }
+PACKED_SCALAR(f32, T_F32, FORM_F32) PACKED_SCALAR(f16, T_F16, FORM_F16) PACKED_SCALAR(bf16, T_BF16, FORM_BF16)
+PACKED_SCALAR(q4_0, T_Q4_0, FORM_Q4_0) PACKED_SCALAR(q4_1, T_Q4_1, FORM_Q4_1) PACKED_SCALAR(q5_0, T_Q5_0, FORM_Q5_0)
+PACKED_SCALAR(q5_1, T_Q5_1, FORM_Q5_1) PACKED_SCALAR(q8_0, T_Q8_0, FORM_Q8_0) PACKED_SCALAR(q4_k, T_Q4_K, FORM_Q4_K)
+PACKED_SCALAR(q5_k, T_Q5_K, FORM_Q5_K) PACKED_SCALAR(q6_k, T_Q6_K, FORM_Q6_K)
+
+/* The scalar set's probes (--probe), defined with the measurements. */
+static double peak_f32_scalar(float *sink);
+static double peak_i8_scalar(unsigned *sink);
+
+/* Type ids and block layouts are ggml's (ggml-common.h), so quantized
+   blocks are copied from GGUF files bit for bit (and packed). */
+static const WeightType TYPES[N_TYPES] = {
+    [T_F32] = {"f32", "f32", 1, 4, ACT_F32, FORM_F32},
+    [T_F16] = {"f16", "f16", 1, 2, ACT_F32, FORM_F16},
+    [T_BF16] = {"bf16", NULL, 1, 2, ACT_F32, FORM_BF16},
+    [T_Q4_0] = {"q4_0", "q4", QK, sizeof(BlockQ4_0), ACT_Q8, FORM_Q4_0},
+    [T_Q4_1] = {"q4_1", NULL, QK, sizeof(BlockQ4_1), ACT_Q8, FORM_Q4_1},
+    [T_Q5_0] = {"q5_0", NULL, QK, sizeof(BlockQ5_0), ACT_Q8, FORM_Q5_0},
+    [T_Q5_1] = {"q5_1", NULL, QK, sizeof(BlockQ5_1), ACT_Q8, FORM_Q5_1},
+    [T_Q8_0] = {"q8_0", "q8", QK, sizeof(BlockQ8_0), ACT_Q8, FORM_Q8_0},
+    [T_Q4_K] = {"q4_k", NULL, QK_K, sizeof(BlockQ4K), ACT_Q8K, FORM_Q4_K},
+    [T_Q5_K] = {"q5_k", NULL, QK_K, sizeof(BlockQ5K), ACT_Q8K, FORM_Q5_K},
+    [T_Q6_K] = {"q6_k", NULL, QK_K, sizeof(BlockQ6K), ACT_Q8K, FORM_Q6_K},
+};
+
+static int always(void) { return 1; }
+
+/* A kernel set: its kernels that do not depend on a type, and its row of
+   kernels for each type (NULL where it takes the set it inherits from). */
+typedef struct {
+    OpKernels op;
+    TypeKernels type[N_TYPES];
+} KernelSet;
+
+/* The scalar set: Part I's definitions. */
+#define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .packed = packed_##t##_scalar}
+static const KernelSet SET_SCALAR = {
+    {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_softmax_scalar,
+     att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar, .plain_attention = 1},
+    {[T_F32] = SCALAR(f32, from_float_f32_scalar), [T_F16] = SCALAR(f16, from_float_f16_scalar), [T_BF16] = SCALAR(bf16, NULL),
+     [T_Q4_0] = SCALAR(q4_0, from_float_q4_0_scalar), [T_Q4_1] = SCALAR(q4_1, NULL), [T_Q5_0] = SCALAR(q5_0, NULL),
+     [T_Q5_1] = SCALAR(q5_1, NULL), [T_Q8_0] = SCALAR(q8_0, from_float_q8_0_scalar), [T_Q4_K] = SCALAR(q4_k, NULL),
+     [T_Q5_K] = SCALAR(q5_k, NULL), [T_Q6_K] = SCALAR(q6_k, NULL)},
+};
+#undef SCALAR
+
+/* The other sets are defined at the end of their appendices, beside their
+   kernels; these tentative definitions let the table below name them. */
+#ifdef HAVE_X86_SETS
+static const KernelSet SET_AVX2, SET_AVXVNNI, SET_AVX512;
+#endif
+#ifdef HAVE_NEON_SET
+static const KernelSet SET_NEON, SET_NEON_DOT;
+#endif
+static const KernelSet *const SETS[N_KSETS] = {
+    [KSET_SCALAR] = &SET_SCALAR,
+#ifdef HAVE_X86_SETS
+    [KSET_AVX2] = &SET_AVX2, [KSET_AVXVNNI] = &SET_AVXVNNI, [KSET_AVX512] = &SET_AVX512,
+#endif
+#ifdef HAVE_NEON_SET
+    [KSET_NEON] = &SET_NEON, [KSET_NEON_DOT] = &SET_NEON_DOT,
+#endif
+};
+
+static int kernel_set_available(int set) { return set >= 0 && set < N_KSETS && SETS[set] && SETS[set]->op.available(); }
+
+/* Makes `set` the kernel set of every call below; fields it leaves NULL
+   come from the set it inherits from, and so on down to the scalar set. */
+static void select_kernels(int set)
+{
+    K.set = set;
+    K.op = SETS[set]->op;
+    for (int t = 0; t < N_TYPES; t++) K.type[t] = SETS[set]->type[t];
+    for (int s = set; s != KSET_SCALAR;) {
+        s = SETS[s]->op.inherits;
+        const OpKernels *ref = &SETS[s]->op;
+#define FILL(field) if (!K.op.field) K.op.field = ref->field
+        for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
+        FILL(att_softmax); FILL(att_qk); FILL(att_pv);
+        FILL(swiglu); FILL(geglu);
+        FILL(peak_f32); FILL(peak_i8);
+#undef FILL
+        for (int t = 0; t < N_TYPES; t++) {
+            const TypeKernels *r = &SETS[s]->type[t];
+            TypeKernels *k = &K.type[t];
+            if (!k->to_float) k->to_float = r->to_float;
+            if (!k->from_float) k->from_float = r->from_float;
+            if (!k->packed) k->packed = r->packed;
+        }
+    }
+}
+
+/* The best set this CPU runs: the last available one in KSET_RANK. */
+static int best_kernel_set(void)
+{
+    int best = KSET_SCALAR;
+    for (int i = 0; i < N_KSETS; i++) if (kernel_set_available(KSET_RANK[i])) best = KSET_RANK[i];
+    return best;
+}
+
+static const char *type_name(int type) { return type >= 0 && type < N_TYPES ? TYPES[type].name : NULL; }
+
+/* Bytes one row of `cols` elements takes, or 0 for an unknown type or a
+   row that is not a whole number of blocks. */
+static size_t row_bytes(int type, size_t cols)
+{
+    if (!type_name(type) || cols % TYPES[type].block) return 0;
+    return cols / TYPES[type].block * TYPES[type].block_bytes;
+}
+
+/* Bytes of a packed matrix of rows x cols (whole groups), or 0 as row_bytes. */
+static size_t packed_bytes(int type, size_t rows, size_t cols)
+{
+    if (!row_bytes(type, cols)) return 0;
+    return (rows + PACK_ROWS - 1) / PACK_ROWS * packed_group_bytes(&TYPES[type].pack, (int)cols);
+}
+
+/* Bytes of n activations in format act (n a multiple of its block). */
+static size_t act_bytes(int act, size_t n) { return n / ACT_FORMATS[act].block * ACT_FORMATS[act].block_bytes; }
+
+static int act_format(int type) { return TYPES[type].act; }
+
+/* One row of n elements of any type as floats (embedding rows, KV rows). */
+static void to_float(float *out, const void *row, int type, int n) { K.type[type].to_float(out, row, n); }
+
+/* Row r of tensor t as floats, whatever its layout (the embedding is the
+   packed output head when the two are tied). */
+static void tensor_row_to_float(float *out, const Tensor *t, int r)
+{
+    if (t->layout == LAYOUT_ROWS) {
+        to_float(out, tensor_row(t, r), t->type, t->cols);
+        return;
+    }
+    const PackForm *f = &TYPES[t->type].pack;
+    const uint8_t *group = (const uint8_t *)t->data + (size_t)(r / PACK_ROWS) * packed_group_bytes(f, t->cols);
+    packed_row_to_float(out, t->type, f, group, r % PACK_ROWS, t->cols);
+}
+
+static void quantize_act(int act, void *out, const float *x, int n) { K.op.quantize[act](out, x, n); }
+static float att_softmax(float *sc, int n, float scale, float *m) { return K.op.att_softmax(sc, n, scale, m); }
+static void swiglu(float *g, const float *u, int n) { K.op.swiglu(g, u, n); }
+static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
+
+/* Floats into a row of a KV cache type. */
+static void from_float(void *row, const float *x, int type, int n) { K.type[type].from_float(row, x, n); }
+static PackedFn packed_kernel(int type) { return K.type[type].packed; }
+static const PackForm *packed_form(int type) { return &TYPES[type].pack; }
+static int plain_attention(void) { return K.op.plain_attention; }
+static const char *kernel_set_name(void) { return K.op.name; }
+
+/* --kv TYPE must divide the model's head_dim into whole blocks. */
+static void check_kv_type(int type, int head_dim)
+{
+    if (head_dim % TYPES[type].block)
+        die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[type].kv_name,
+            TYPES[type].block, head_dim);
+}
+
+
+/* ----- measurement: roofline and statistics ---------------------------------- */
+
+/* How fast could this machine go? Small probes (--probe) measure the read
+   bandwidth of DRAM and of the last-level cache and the f32 and int8
+   arithmetic peaks with the same thread team; -v then puts each phase next
+   to its own limit: decode against the bandwidth of the level its bytes
+   stream from (weights and KV cache read per token: the cache when they fit
+   in it, else DRAM), prefill against arithmetic (FLOPs per prompt). */
+
+#define PROBE_BYTES (256u << 20)  /* DRAM probe buffer: far beyond most L3s... */
+#define PROBE_DRAM_OVER_LLC 4     /* ...and at least this many times the last-level cache, which it then misses */
+#define PROBE_LLC_FRACTION 2      /* the cache probe reads 1/this of the cache (why: probe_llc) */
+#define PROBE_LLC_READ (2ull << 30) /* bytes the cache probe reads per timed pass: ~10 ms at 200 GB/s */
+#define PROBE_PASSES 3            /* timed passes of a bandwidth probe, the best one counts */
+#define PROBE_LANES 64            /* partial sums per thread: independent add chains, so the adds keep up with the loads */
+#define PROBE_ITERS 20000000      /* ~10 ms of arithmetic per thread */
+#define LLC_STREAM_SHARE 0.75     /* decode streams from the cache when it reads at most this share of it per token
+                                     (the rest holds activations, code and other processes' lines) */
+
+/* cpu0's cache attribute `name` of cache `index` in /sys, one line
+   ("3", "Unified", "32768K"); 0 when there is no such cache. */
+static int cache_attr(int index, const char *name, char word[MSG_BYTES])
+{
+    char path[MSG_BYTES];
+    snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu0/cache/index%d/%s", index, name);
+    FILE *f = fopen(path, "r");
+    int ok = f && fgets(word, MSG_BYTES, f);
+    if (f) fclose(f);
+    if (ok) word[strcspn(word, "\n")] = 0;
+    return ok;
+}
+
+/* The size (bytes) and level of the last-level cache: the highest level
+   /sys lists for cpu0, one instance of it (on a chip of several core
+   complexes, the L3 of one complex: what a core can hit in). sysconf's L3
+   figure is the fallback only, since some x86 VMs report the whole
+   package's there (320 MiB on an EPYC whose complexes have 32 MiB each).
+   0 when neither says. */
+static size_t llc_size(int *level)
+{
+    size_t best = 0;
+    *level = 0;
+    char lv[MSG_BYTES], type[MSG_BYTES], size[MSG_BYTES];
+    for (int i = 0; cache_attr(i, "level", lv); i++) {
+        if (!cache_attr(i, "type", type) || !strcmp(type, "Instruction") || !cache_attr(i, "size", size)) continue;
+        char *unit;
+        size_t bytes = strtoull(size, &unit, 10);
+        bytes <<= *unit == 'K' ? 10 : *unit == 'M' ? 20 : *unit == 'G' ? 30 : 0;
+        if (bytes && atoi(lv) > *level) *level = atoi(lv), best = bytes;
+    }
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    if (!best && l3 > 0) *level = 3, best = (size_t)l3;
+#endif
+    return best;
+}
+
+/* Sums this thread's share of buf[n] `reps` times over (each thread its
+   own rows, as decode splits a matrix's rows); the sum keeps the loads. */
+static uint32_t read_share(const uint32_t *buf, size_t n, long reps)
+{
+    int lo, hi;
+    split((int)(n / PROBE_LANES), 1, thread_id(), thread_count(), &lo, &hi);
+    uint32_t acc[PROBE_LANES] = {0}, sum = 0;
+    for (long r = 0; r < reps; r++)
+        for (size_t i = (size_t)lo * PROBE_LANES; i < (size_t)hi * PROBE_LANES; i += PROBE_LANES)
+            for (int j = 0; j < PROBE_LANES; j++) acc[j] += buf[i + j];
+    for (int j = 0; j < PROBE_LANES; j++) sum += acc[j];
+    return sum;
+}
+
+/* Read bandwidth, GB/s, of every thread reading its share of a buffer of
+   `bytes`, `reps` times per pass. An untimed first pass faults the pages
+   in (and fills the cache when the buffer fits); of PROBE_PASSES timed
+   ones the best counts, as other processes may take the cores in any. */
+static double probe_read(size_t bytes, long reps)
+{
+    size_t n = bytes / sizeof(uint32_t);
+    uint32_t *buf = xmalloc(n * sizeof *buf), sum = 0;
+    memset(buf, 0, n * sizeof *buf);
+    double best = 0;
+    for (int pass = 0; pass <= PROBE_PASSES; pass++) {
+        double t0 = now_ms();
+        #pragma omp parallel reduction(+ : sum)
+        sum += read_share(buf, n, reps);
+        double gbps = (double)n * sizeof *buf * reps / ((now_ms() - t0) / 1e3) / 1e9;
+        if (pass > 0 && gbps > best) best = gbps;
+    }
+    free(buf);
+    volatile uint32_t keep = sum; /* the sums are used: the loads stay */
+    (void)keep;
+    return best;
+}
+
+/* The cache's read bandwidth, from a buffer of half its size: a buffer as
+   large as the cache would partly miss, since the cache also holds code,
+   stacks and other processes' lines and does not replace perfectly
+   least-recently-used; half still leaves each of a few threads a share
+   larger than its own L2. Each pass reads the buffer many times over, so that
+   a pass lasts milliseconds, long against the clock and the thread start. */
+static double probe_llc(size_t llc_bytes)
+{
+    size_t bytes = llc_bytes / PROBE_LLC_FRACTION;
+    long reps = (long)(PROBE_LLC_READ / bytes) + 1;
+    return probe_read(bytes, reps);
+}
+
+/* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
+   thread, enough of them to hide latency. */
+/* The scalar set's peaks: plain C chains, which the compiler vectorizes
+   as far as the build's target allows. */
+static double peak_f32_scalar(float *sink)
+{
+    float acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = (float)j;
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] = acc[j] * 0.999f + 1e-3f;
+    for (int j = 0; j < 8; j++) *sink += acc[j];
+    return (double)PROBE_ITERS / 8 * 8 * 2;
+}
+
+static double peak_i8_scalar(unsigned *sink)
+{
+    unsigned acc[8]; /* unsigned: the chains' sums wrap, as the SIMD sets' int32 lanes do */
+    for (int j = 0; j < 8; j++) acc[j] = j;
+    for (long i = 0; i < PROBE_ITERS / 8; i++)
+        for (int j = 0; j < 8; j++) acc[j] += (unsigned)((int8_t)(i + j) * 3);
+    for (int j = 0; j < 8; j++) *sink += acc[j];
+    return (double)PROBE_ITERS / 8 * 8 * 2;
+}
+
+/* The kernel set in use's arithmetic peaks, on every thread at once. */
+static void probe_compute(double *f32_gflops, double *i8_gops)
+{
+    double t0 = now_ms(), flops = 0, ops = 0;
+    float fsink = 0;
+    unsigned isink = 0;
+    #pragma omp parallel reduction(+ : flops, fsink)
+    flops += K.op.peak_f32(&fsink);
+    *f32_gflops = flops / ((now_ms() - t0) / 1e3) / 1e9;
+    t0 = now_ms();
+    #pragma omp parallel reduction(+ : ops, isink)
+    ops += K.op.peak_i8(&isink);
+    *i8_gops = ops / ((now_ms() - t0) / 1e3) / 1e9;
+    if (fsink == 1234.5f && isink == 12345) fputc(' ', stderr); /* keep the chains alive */
+}
+
+static void probe_machine(Machine *mc, int threads)
+{
+    mc->llc_bytes = llc_size(&mc->llc_level);
+    size_t dram = PROBE_BYTES;
+    if (mc->llc_bytes > dram / PROBE_DRAM_OVER_LLC) dram = mc->llc_bytes * PROBE_DRAM_OVER_LLC;
+    mc->gbps = probe_read(dram, 1);
+    mc->llc_gbps = mc->llc_bytes ? probe_llc(mc->llc_bytes) : 0;
+    probe_compute(&mc->f32_gflops, &mc->i8_gops);
+    fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s", threads,
+            mc->gbps, mc->f32_gflops, mc->i8_gops);
+    if (mc->llc_bytes)
+        fprintf(stderr, ", L%d cache (%.0f MiB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
+    else
+        fprintf(stderr, ", last-level cache size unknown\n");
+}
+
+/* FLOPs to prefill n tokens after pos0 cached ones: 2 per weight per token
+   (the output head once), plus attention, 4*q_dim per attended position. */
+static double prefill_flops(const Model *m, int n, int pos0)
+{
+    const Config *c = &m->c;
+    double head = 2.0 * c->vocab_size * c->dim, attended = (double)n * pos0 + (double)n * (n + 1) / 2;
+    return 2.0 * (m->matmul_params - (double)c->vocab_size * c->dim) * n + head +
+           4.0 * c->n_heads * c->head_dim * c->n_layers * attended;
+}
+
+/* Bytes decode reads per token at position pos: every weight, and the
+   cached K and V rows of every layer. */
+static double decode_bytes(const Model *m, const RunState *s, int pos)
+{
+    return m->weight_bytes + 2.0 * m->c.n_layers * m->c.n_kv_heads * (pos + 1) * s->kv_row;
+}
+
+static int by_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The -v lines of one request: speed, achieved GFLOP/s (prefill) and GB/s
+   (decode), and with --probe the fraction of the machine's limit and which
+   limit binds. */
+static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st)
+{
+    double pre = st->prefill_ms, itl_sum = 0;
+    int k = min_i(st->n_itl, st->n_gen > 1 ? st->n_gen - 1 : 0);
+    for (int i = 0; i < k; i++) itl_sum += st->itl[i];
+    qsort(st->itl, k, sizeof(double), by_double);
+    double gflops = pre > 0 ? prefill_flops(m, st->n_prompt, st->pos0) / (pre / 1e3) / 1e9 : 0;
+    double bytes = decode_bytes(m, s, st->pos0 + st->n_prompt + k / 2), itl = k ? itl_sum / k : 0;
+    /* each forward pass reads the weights once, whatever number of tokens it yields (lookup decoding) */
+    int passes = st->passes ? min_i(st->passes, k) : k;
+    double gbps = k ? bytes * passes / (itl_sum / 1e3) / 1e9 : 0;
+    fprintf(stderr, "prefill: %d tokens in %.1f ms, %.0f tok/s, TTFT %.1f ms, %.1f GFLOP/s\n",
+            st->n_prompt, pre, pre > 0 ? st->n_prompt / (pre / 1e3) : 0.0, pre, gflops);
+    fprintf(stderr, "decode: %d tokens, %.1f tok/s, ITL %.2f ms, p50 %.2f ms, p90 %.2f ms, %.1f GB/s\n", st->n_gen,
+            k ? k / (itl_sum / 1e3) : 0.0, itl, k ? st->itl[(k - 1) / 2] : 0.0, k ? st->itl[(int)(0.9 * (k - 1))] : 0.0, gbps);
+    if (st->json_walks)
+        fprintf(stderr, "json: %ld allowed sets walked over the vocabulary (%.1f ms each), %ld taken from the cache\n",
+                st->json_walks, st->json_walk_ms / st->json_walks, st->json_hits);
+    if (st->drafted)
+        fprintf(stderr, "lookup: %d drafted, %d accepted (%.0f%%), %.2f tokens per forward pass\n", st->drafted, st->accepted,
+                100.0 * st->accepted / st->drafted, st->passes ? (double)st->n_gen / st->passes : 0.0);
+    if (!mc) return;
+    int int8 = matrix_act(&m->layers[0].w2) != ACT_F32;
+    double peak = int8 ? mc->i8_gops : mc->f32_gflops;
+    /* decode streams from the cache when a token's bytes stay in it from
+       one token to the next, with room to spare for everything else */
+    int cached = mc->llc_bytes && bytes <= LLC_STREAM_SHARE * mc->llc_bytes;
+    double bw = cached ? mc->llc_gbps : mc->gbps;
+    char level[MSG_BYTES] = "DRAM", note[MSG_BYTES] = "";
+    if (cached) {
+        snprintf(level, sizeof level, "L%d", mc->llc_level);
+        snprintf(note, sizeof note, ": it fits in the %.0f MiB L%d, so decode streams from there and is not DRAM-bound",
+                 mc->llc_bytes / 1048576.0, mc->llc_level);
+    }
+    fprintf(stderr, "roofline: prefill at %.0f%% of the %s peak (%.0f G/s); decode at %.0f%% of %s bandwidth "
+            "(%.1f MB/token at %.1f GB/s%s); decode is %s-bound\n",
+            100 * gflops / peak, int8 ? "int8" : "f32", peak, 100 * gbps / bw, level, bytes / 1e6, bw, note,
+            bytes / (bw * 1e9) > 2 * m->matmul_params / (peak * 1e9) ? level : "compute");
+}
+
+/* A field of /proc/self/status in kB ("RssAnon:"), or -1. */
+static long status_kb(const char *field)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    char line[256];
+    long kb = -1;
+    while (f && fgets(line, sizeof line, f))
+        if (!strncmp(line, field, strlen(field))) kb = atol(line + strlen(field));
+    if (f) fclose(f);
+    return kb;
+}
+
+/* -v's last lines: how long loading took and when the first byte of text
+   left (from the start of main, so what a script waiting on the output
+   sees, but exec and the dynamic loader); and memory, split into what is
+   private to this process (its heap and anonymous mappings: activations,
+   the KV cache positions written) and what it maps from the model file
+   (page cache that every process running the same file shares). */
+static void report_process(const Model *m, double load_ms)
+{
+    fprintf(stderr, "time: loaded in %.1f ms", load_ms);
+    if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
+    long anon = status_kb("RssAnon:"), file = status_kb("RssFile:"), peak = status_kb("VmHWM:");
+    if (anon >= 0 && file >= 0)
+        fprintf(stderr, "\nmemory: %.1f MB private (activations, KV cache), %.1f MB of the %.1f MB model file resident "
+                "(mapped, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1024.0, m->map_size / 1048576.0,
+                peak / 1024.0);
+    fputc('\n', stderr);
+}
+
+/* ----- byte buffers and JSON --------------------------------------------------
+   Buf is a growable byte string: what a request writes when its output goes
+   to memory rather than straight to stdout. The JSON reader takes exactly
+   RFC 8259 and nothing more (a script's input should mean one thing); the
+   writer escapes any bytes into valid JSON and valid UTF-8. */
+
+#define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
+#define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
+#define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
+#define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
+#ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
+#define JSON_MEM_BASE 65536  /* ... plus this much: any small document fits, a long one of tiny values does not */
+#endif
+#define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
+#define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
+#define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 /* How many bytes at s[0..n) (n >= 1) follow the well-formed UTF-8 table
    (the Unicode standard's table 3-7: no overlong forms, no surrogates
@@ -4213,14 +4894,6 @@ static void put_logprobs_line(const Model *m, int token, const Logprobs *lp)
    end wins, so the matcher never waits for a longer candidate (stops "bc"
    and "abcd" on "abcd" leave "a"); of several ending at the same byte the
    longest wins, as it starts first (stops "b" and "ab" on "ab" leave ""). */
-
-/* One request's matcher state. */
-typedef struct {
-    const Stops *stops;
-    char held[STOP_MAX_BYTES]; /* the text's longest suffix that is a proper prefix of a stop string */
-    int n_held;
-    int hit; /* 1 + the index of the stop string found; 0 while none */
-} StopMatch;
 
 /* Whether p[0..n) is a proper prefix of some stop string. */
 static int stop_prefix(const Stops *st, const char *p, int n)
@@ -4981,7 +5654,7 @@ typedef struct JsonConstraint {
 
 /* A request's constrained-output state: where the automaton stands, and
    the allowed sets of recently seen states. */
-typedef struct {
+typedef struct JsonMask {
     const JsonConstraint *jc;
     JsonState state;
     int vocab;
@@ -5402,97 +6075,50 @@ static int compile_schema_value(JsonConstraint *jc, const Json *v, const VocabTr
     return 0;
 }
 
-/* ----- streaming --------------------------------------------------------------- */
-
-/* Token texts are written so that a UTF-8 character split across tokens
-   is written whole: bytes of an unfinished character wait for the next
-   token (or for the end of the answer). */
-typedef struct {
-    char buf[4];
-    int len;
-} Utf8Stream;
-
-static int utf8_len(unsigned char lead)
+/* The generation loop's handles on a request's mask (a heap object, so
+   that the loop needs no more of this section than these names). */
+static JsonMask *json_mask_new(const JsonConstraint *jc, int vocab)
 {
-    return lead < 0x80 ? 1 : (lead >> 5) == 6 ? 2 : (lead >> 4) == 14 ? 3 : (lead >> 3) == 30 ? 4 : 1;
+    JsonMask *jm = xmalloc(sizeof *jm);
+    json_mask_init(jm, jc, vocab);
+    return jm;
 }
 
-/* stdout must take every byte. A reader that went away (EPIPE, e.g.
-   `| head`) ends the run quietly with status 0, like other filters; any
-   other failure (a full disk, a closed stdout) is an error. */
-static void check_stdout(void)
+/* Moves the automaton over a token's text; 0 if the text breaks the grammar. */
+static int json_mask_take(JsonMask *jm, const char *text, size_t len) { return json_feed_all(&jm->jc->g, &jm->state, text, len); }
+
+static int json_mask_done(const JsonMask *jm) { return jm->state.mode == JM_DONE; }
+
+/* Ends a request's mask: whether its value was left unfinished, and the
+   mask's statistics, into st; frees it. */
+static void json_mask_end(JsonMask *jm, Stats *st)
 {
-    if (fflush(stdout) == 0 && !ferror(stdout)) return;
-    if (errno == EPIPE) exit(EXIT_SUCCESS);
-    die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+    st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
+    st->json_walks = jm->walks, st->json_hits = jm->hits, st->json_walk_ms = jm->walk_ms;
+    json_mask_free(jm);
+    free(jm);
 }
 
-/* Before a successful exit: all of stdout written, and closed without
-   error (some file systems report a failed write only at close). */
-static void close_stdout(void)
+/* --json (json) or --json-schema (schema_path): the grammar, compiled once;
+   NULL for neither. The vocabulary's trie follows with the model
+   (json_constraint_vocab). */
+static JsonConstraint *build_json_constraint(int json, const char *schema_path)
 {
-    check_stdout();
-    errno = 0;
-    if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
+    if (!json && !schema_path) return NULL;
+    JsonConstraint *jc = xcalloc(1, sizeof *jc);
+    json_grammar_init(&jc->g);
+    jc->root = schema_path ? compile_schema_file(&jc->g, schema_path) : 0;
+    return jc;
 }
 
-/* Where an answer's text goes: through the stop matcher (a stop string and
-   what follows are cut), then the UTF-8 holdback (a character is written
-   whole), into the sink: stdout, or a memory buffer. The request owns it. */
-typedef struct {
-    FILE *f;  /* the sink: stdout (its failures end the run, see check_stdout) ... */
-    Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: the text is only matched) */
-    Utf8Stream u;
-    StopMatch stop;
-} TextOut;
+static void json_constraint_vocab(JsonConstraint *jc, const Model *m) { build_trie(&jc->trie, m->tok, m->c.vocab_size); }
 
-static void text_open(TextOut *o, FILE *f, Buf *buf, const Stops *stops)
+static void free_json_constraint(JsonConstraint *jc)
 {
-    *o = (TextOut){.f = f, .buf = buf, .stop = {.stops = stops}};
-}
-
-static void sink_put(TextOut *o, const char *p, size_t n)
-{
-    if (o->f == stdout && n && !marks.first_text_ms) marks.first_text_ms = now_ms();
-    if (o->f) fwrite(p, 1, n, o->f);
-    else if (o->buf) buf_put(o->buf, p, n);
-}
-
-/* Bytes released by the stop matcher, written a whole character at a time. */
-static void text_release(TextOut *o, const char *p, size_t n)
-{
-    Utf8Stream *u = &o->u;
-    for (size_t i = 0; i < n; i++) {
-        unsigned char ch = p[i];
-        if (u->len && (ch & 0xc0) != 0x80) { sink_put(o, u->buf, u->len); u->len = 0; } /* broken sequence */
-        if (!u->len && utf8_len(ch) == 1) { sink_put(o, p + i, 1); continue; }
-        u->buf[u->len++] = ch;
-        if (u->len == utf8_len((unsigned char)u->buf[0])) { sink_put(o, u->buf, u->len); u->len = 0; }
-    }
-}
-
-/* Takes a token's text; returns 1 once a stop string has ended the answer
-   (later text is ignored). stdout is flushed when no character is pending. */
-static int text_put(TextOut *o, const char *p, size_t n)
-{
-    char out[STOP_MAX_BYTES];
-    for (size_t i = 0; i < n && !o->stop.hit; i++) {
-        int settled = stop_step(&o->stop, p[i], out);
-        text_release(o, out, settled);
-    }
-    if (o->f && !o->u.len) check_stdout();
-    return o->stop.hit != 0;
-}
-
-/* At the end of the answer: held bytes that began no stop string, and an
-   unfinished character, are written as they are. */
-static void text_end(TextOut *o)
-{
-    if (!o->stop.hit) text_release(o, o->stop.held, o->stop.n_held);
-    o->stop.n_held = 0;
-    sink_put(o, o->u.buf, o->u.len);
-    o->u.len = 0;
-    if (o->f) check_stdout();
+    if (!jc) return;
+    json_grammar_free(&jc->g);
+    free_trie(&jc->trie);
+    free(jc);
 }
 
 /* ----- prompt cache -------------------------------------------------------------
@@ -5611,13 +6237,13 @@ static size_t pcache_kv_at(size_t n) { return PCACHE_HEADER + align_up(n * sizeo
    cache) for layer l, K (v = 0) or V (1), KV head h, from position pos up
    to end at most, that lie next to each other in memory: returns the
    first, and their count in *len. */
-static uint8_t *kv_rows(RunState *s, const Config *c, const PageTable *pt, int v, int l, int h, int pos, int end, int *len)
+static uint8_t *kv_rows(RunState *s, const PageTable *pt, int v, int l, int h, int pos, int end, int *len)
 {
     s->paged = pt != NULL;
     s->tok_pages[0] = pt; /* cache_row finds a paged token's pages there: set before every pass, so free between them */
     int run = pt ? PAGE_TOKENS - pos % PAGE_TOKENS : s->kv_cap[l] - pos % s->kv_cap[l];
     *len = min_i(end - pos, run);
-    return cache_row(s, v ? s->value_cache : s->key_cache, c, 0, l, h, pos);
+    return cache_row(s, v ? s->value_cache : s->key_cache, 0, l, h, pos);
 }
 
 /* The reason the file's header (n tokens, size bytes) does not fit this
@@ -5757,7 +6383,7 @@ static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageT
         for (int v = 0; v < 2; v++)
             for (int h = 0; h < c->n_kv_heads; h++, kv += seg)
                 for (int pos = from, len; pos < L; pos += len) {
-                    uint8_t *dst = kv_rows(s, c, pt, v, l, h, pos, L, &len);
+                    uint8_t *dst = kv_rows(s, pt, v, l, h, pos, L, &len);
                     memcpy(dst, kv + (size_t)pos * s->kv_row, (size_t)len * s->kv_row);
                 }
     double ms = now_ms() - t0, mb = pcache_kv_bytes(c, s, L - from) / 1e6;
@@ -5813,7 +6439,7 @@ static int pcache_write(CacheWriter *w, PromptCache *pc, const Model *m, RunStat
         for (int v = 0; v < 2; v++)
             for (int hd = 0; hd < c->n_kv_heads; hd++)
                 for (int pos = 0, len; pos < n; pos += len) {
-                    const uint8_t *rows = kv_rows(s, c, pt, v, l, hd, pos, n, &len);
+                    const uint8_t *rows = kv_rows(s, pt, v, l, hd, pos, n, &len);
                     cw_put(w, rows, (size_t)len * s->kv_row);
                 }
     if (w->len && !w->err) cw_flush(w);
@@ -5920,35 +6546,6 @@ static void keep_every_position(RunState *s, const Config *c)
    from the passes' own times, the odds from every token that met a
    pointer, drafted or not; lookup_plan then picks the guesses that give
    the most tokens per unit of time. */
-
-#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
-#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
-#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
-#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
-#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
-#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
-#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
-#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
-
-/* What forward passes cost here, measured: the time of a pass of m
-   tokens, per m. It is not proportional to m. A decode step's time goes to
-   reading every weight once, which a few more tokens share at little cost
-   while decode waits on memory; past that every token adds its arithmetic,
-   in steps of the kernels' token tiles (on AVX2 a third token costs about
-   what a fourth does). A size not timed yet is taken to cost what the
-   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
-   a hopeful guess, which its first timing then corrects. */
-typedef struct {
-    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
-    double tok_ms;               /* the least time per token of any pass of several */
-} PassCost;
-
-typedef struct {
-    int max;      /* --lookup: longest draft (0 = off) */
-    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
-    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
-    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
-} Lookup;
 
 /* Takes the time of a pass of m tokens into pc (a prefill of several
    chunks counts as chunks of CHUNK_TOKENS). */
@@ -6064,302 +6661,6 @@ static int lookup_room(const Lookup *lk, const Tokens *t, int limit)
     return lk->src >= 0 ? max_i(0, min_i(min_i(lk->max, limit), t->n - lk->src)) : 0;
 }
 
-/* Takes the sampled token: an end token stops (never printed, never fed
-   back); otherwise it is streamed and counted, and the limits are checked
-   (a stop string in its text, -n, the context at position pos, Ctrl-C).
-   With jm (--json) the token moves the automaton, and a complete value
-   stops (an end token, which the mask allows only then, stops even with
-   --ignore-eos). Returns STOP_* or -1 to go on. With lp (--logprobs: the
-   draw's report) the token's record is printed instead of its text (which
-   still goes through out's stop matcher), the stopping end token's too:
-   the records then cover every token the model chose, and their
-   log-probabilities add up to the likelihood of the whole answer, its end
-   included. */
-static int take_token(const Model *m, const GenOpts *o, JsonMask *jm, TextOut *out, Stats *st, int token, int n_predict,
-                      int pos, int seq_len, const Logprobs *lp)
-{
-    if (lp) put_logprobs_line(m, token, lp);
-    if (tok_is_eog(m->tok, token) && (!o->ignore_eos || jm)) return STOP_END;
-    size_t len;
-    const char *piece = tok_piece(m->tok, token, &len);
-    if (jm && !json_feed_all(&jm->jc->g, &jm->state, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
-        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = piece && !tok_is_control(m->tok, token) && text_put(out, piece, len);
-    st->n_gen++;
-    if (stopped) return STOP_STRING;
-    if (jm && jm->state.mode == JM_DONE) return STOP_JSON_DONE;
-    if (st->n_gen >= n_predict) return STOP_LIMIT;
-    if (pos >= seq_len) return STOP_CONTEXT;
-    if (interrupted) return STOP_INTERRUPT;
-    return -1;
-}
-
-/* One step of the decode loop: feeds `token` (taken, at position *pos) and
-   returns the next sampled token. With lookup, the pointer's guesses (as
-   many as lookup_plan finds worth their cost) follow it in one
-   verification pass; each that stands is taken on the spot (and may stop
-   generation: then *why is set). Every row is sampled as a decode step's
-   would be, the same draw from the same generator, and a guess stands
-   when the draw equals it. For a guess of one token that is exact
-   speculative sampling: it stands with probability p(d), and when it
-   falls the token is distributed as p without d, renormalized. And since
-   the draws are those of plain decoding, a seed gives the same text with
-   or without lookup, whatever number of guesses the measured costs chose.
-   conv receives every token fed, so conv->n == *pos after the step. */
-static int decode_next(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, JsonMask *jm, Lookup *lk, Candidate *cand,
-                       Tokens *conv, int *pos, int n_predict, TextOut *out, Stats *st, int token, int *why)
-{
-    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k;
-    push(conv, token);
-    lookup_adapt(lk, conv->ids, conv->n);
-    int room = lookup_room(lk, conv, min_i(s->seq_len - *pos - 1, n_predict - st->n_gen));
-    lookup_plan(&lk, &room, 1, &lk->cost, VERIFY_MAX_TOKENS, &k);
-    st->passes++;
-    double t0 = now_ms();
-    if (k == 0) {
-        decode_step(m, s, token, (*pos)++);
-        lookup_time(&lk->cost, 1, now_ms() - t0);
-        return sample(sm, s->logits, vocab, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
-    }
-    batch[0] = token;
-    memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch);
-    verify_step(m, s, batch, k + 1, *pos);
-    lookup_time(&lk->cost, k + 1, now_ms() - t0);
-    st->drafted += k;
-    int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i], which conv ends with; jm's state is after them too (drafts stood) */
-        next = sample(sm, s->logits + (size_t)i * vocab, vocab, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n);
-        if (i == k || next != batch[i + 1]) break;
-        kept++;
-        if ((*why = take_token(m, o, jm, out, st, next, n_predict, *pos + i + 1, s->seq_len, sm->report)) >= 0) break;
-        push(conv, next);
-        lookup_adapt(lk, conv->ids, conv->n);
-    }
-    st->accepted += kept;
-    *pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
-    return next;
-}
-
-/* Prefills the tokens of conv not yet cached (from *pos), then samples,
-   streams into out and decodes until an end token (never printed, never
-   fed back), a stop string, n_predict tokens, the end of the context or
-   Ctrl-C. Every token fed to the model is appended to conv, so conv->n ==
-   *pos on return. Returns why it stopped and, in *last, the last token
-   sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
-   printed). With --logprobs the request's draws report into lp while it
-   runs. With o->json every token is sampled under the grammar's mask;
-   st->json_incomplete tells whether the value was left unfinished. With
-   o->cache, the prompt's rows (conv's first *pos tokens after the
-   prefill) are saved there once the first token is out, so that neither
-   the TTFT nor a run cut short by its reader (`| head`) goes without. */
-static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *conv, int *pos, int n_predict,
-                    TextOut *out, Stats *st, int *last)
-{
-    Candidate *cand = xmalloc((size_t)m->c.vocab_size * sizeof *cand);
-    Logprobs lp = {.want = o->logprobs};
-    sm->report = o->logprobs >= 0 ? &lp : NULL;
-    JsonMask mask, *jm = NULL;
-    if (o->json) json_mask_init(jm = &mask, o->json, m->c.vocab_size);
-    Lookup lk = {.max = o->lookup, .src = -1};
-    int n = conv->n - *pos, why = STOP_LIMIT;
-    *st = (Stats){.pos0 = *pos, .n_prompt = n, .itl = xmalloc((n_predict + 1) * sizeof(double))};
-    if (o->print_ids) {
-        fputs("ids:", stderr);
-        for (int i = 0; i < n; i++) fprintf(stderr, " %d", conv->ids[*pos + i]);
-        fputc('\n', stderr);
-    }
-    double t0 = now_ms();
-    prefill(m, s, NULL, conv->ids + *pos, n, *pos, 0);
-    *pos += n;
-    int n_cached = *pos, saved = !o->cache; /* the prompt's rows go to --prompt-cache once its first token is out */
-    int token = n_predict > 0 ? sample(sm, s->logits, m->c.vocab_size, cand, jm ? json_mask_allowed(jm) : NULL, conv->ids, conv->n)
-                              : -1;
-    double t_prev = now_ms();
-    st->prefill_ms = t_prev - t0;
-    if (n > 0) lookup_time(&lk.cost, n, st->prefill_ms); /* the per-token cost of a large pass */
-    *last = token;
-    while (n_predict > 0) {
-        if ((why = take_token(m, o, jm, out, st, token, n_predict, *pos, s->seq_len, sm->report)) >= 0) break;
-        if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached), saved = 1;
-        int before = st->n_gen, stop = -1;
-        token = decode_next(m, s, sm, o, jm, &lk, cand, conv, pos, n_predict, out, st, token, &stop);
-        *last = token;
-        /* the pass yielded the drafts taken and the new token: they share its time */
-        double t = now_ms();
-        int yielded = st->n_gen - before + 1;
-        for (int i = 0; i < yielded && st->n_itl <= n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
-        t_prev = t;
-        if (stop >= 0) { why = stop; break; }
-    }
-    text_end(out);
-    if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
-    sm->report = NULL;
-    if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", out->stop.hit);
-    if (jm) {
-        st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
-        st->json_walks = jm->walks, st->json_hits = jm->hits, st->json_walk_ms = jm->walk_ms;
-        json_mask_free(jm);
-    }
-    free(cand);
-    return why;
-}
-
-/* What ended an answer whose JSON value is incomplete (generate's why),
-   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
-   string, e.g. "stop string 2 (',')". */
-static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
-{
-    if (why == STOP_STRING) {
-        int k = out->stop.hit - 1;
-        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
-        return buf;
-    }
-    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
-}
-
-/* When the conversation plus room for an answer no longer fits, drops the
-   oldest exchanges (keeping the opening: BOS and system turn) until it fits
-   in half the context, or at least fits, so that the next turns can reuse
-   the cache again; everything is then re-prefilled. Returns 0 when even the
-   newest message alone does not fit. exch[] holds the offset in conv where
-   each exchange starts. */
-static int chat_fit(Tokens *conv, int *pos, int *exch, int *n_exch, int n_open, int need, int seq_len)
-{
-    if (conv->n + need <= seq_len) return 1;
-    int k = 0;
-    while (k < *n_exch - 1 && n_open + conv->n - exch[k] + need > seq_len / 2) k++;
-    while (k > 0 && n_open + conv->n - exch[k - 1] + need <= seq_len / 2) k--;
-    if (n_open + conv->n - exch[k] + need > seq_len) return 0;
-    int drop = exch[k] - n_open;
-    memmove(conv->ids + n_open, conv->ids + exch[k], (conv->n - exch[k]) * sizeof(int));
-    conv->n -= drop;
-    for (int i = k; i < *n_exch; i++) exch[i - k] = exch[i] - drop;
-    *n_exch -= k;
-    *pos = 0;
-    return 1;
-}
-
-static void on_sigint(int sig)
-{
-    (void)sig;
-    if (answering && !interrupted) interrupted = 1;
-    else {
-        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
-        _exit(130);
-    }
-}
-
-/* ----- input ------------------------------------------------------------------ */
-
-/* Reads f up to its end, or with `line` up to the next newline (dropped),
-   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
-   NULL at the end of input when a line was asked and nothing was read. A
-   read error, running out of memory, or more than max bytes (why_max says
-   where that bound comes from) ends the run with a message naming `what`:
-   /dev/zero must not fill the memory. */
-static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
-{
-    size_t cap = 4096, n = 0;
-    char *buf = xmalloc(cap);
-    int c;
-    errno = 0;
-    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
-        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
-        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
-        buf[n++] = (char)c;
-    }
-    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
-    if (line && c == EOF && n == 0) { free(buf); return NULL; }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
-/* The most bytes of text that can fit in ctx tokens: a token stands for
-   at most as many input bytes as its text holds (BOS and EOS for none,
-   bytes without a token for none, but those make no prompt). Reading
-   stops there; why gets the reason, for the error message. */
-static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
-{
-    size_t longest = 1, len;
-    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
-        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
-    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
-    return (size_t)ctx * longest;
-}
-
-/* The conversation: one user message per line of stdin (a terminal shows a
-   "> " prompt on stderr); each answer is streamed and ends with a newline.
-   Each turn prefills only its new tokens: earlier turns stay in the cache.
-   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
-{
-    int incomplete = 0; /* --json: answers cut short before their value was complete */
-    Chat ch;
-    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
-    Tokens conv = {0};
-    chat_open(&ch, m, &conv);
-    int n_open = conv.n, pos = 0, n_exch = 0, tty = isatty(STDIN_FILENO), turn = 0;
-    int *exch = NULL;
-    char why_max[ERR_BYTES];
-    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
-    struct sigaction sa = {0};
-    sa.sa_handler = on_sigint;
-    sigaction(SIGINT, &sa, NULL);
-    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
-    while (1) {
-        if (tty) fputs("> ", stderr);
-        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
-        if (!line) break;
-        while (len && line[len - 1] == '\r') line[--len] = 0;
-        if (!len) { free(line); continue; }
-        exch = realloc(exch, (n_exch + 1) * sizeof *exch);
-        if (!exch) die(EXIT_RUNTIME, "out of memory");
-        int before = conv.n, system_pending = ch.system_pending;
-        exch[n_exch++] = conv.n;
-        chat_user_turn(&ch, m, &conv, line, len);
-        free(line);
-        if (!chat_fit(&conv, &pos, exch, &n_exch, n_open, reserve, s->seq_len)) {
-            int msg = conv.n - before;
-            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
-                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
-            conv.n = before;
-            n_exch--;
-            ch.system_pending = system_pending;
-            fputc('\n', stdout); /* an empty answer keeps answers and messages line for line */
-            check_stdout();
-            continue;
-        }
-        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
-        if (o->verbose)
-            fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
-        Stats st;
-        int last;
-        interrupted = 0;
-        answering = 1;
-        TextOut out;
-        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
-        int why = generate(m, s, sm, o, &conv, &pos, o->n_predict, &out, &st, &last);
-        answering = 0;
-        fputc('\n', stdout);
-        check_stdout();
-        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (st.json_incomplete) {
-            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
-            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
-                        json_stop_cause(why, &out, cause, sizeof cause));
-            fputs(msg, stderr);
-            incomplete++;
-        }
-        if (o->verbose) report_stats(m, s, mc, &st);
-        free(st.itl);
-        chat_close_answer(&ch, m, &conv, why, last);
-    }
-    free(exch);
-    free(conv.ids);
-    return incomplete;
-}
-
 /* ----- batch mode ---------------------------------------------------------------
    --batch FILE: one request per input line, answered as one JSON record per
    line, in input order. Decode reads every weight once per token; one
@@ -6384,6 +6685,32 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
    CHUNK_TOKENS. Sampling draws from a generator seeded by -s and the
    line number, so a record does not depend on what else is in the batch. */
 
+/* A sequence's KV cache in batch mode: its positions in pages of
+   PAGE_TOKENS, each page one slab per layer: slab[i * n_layers + l] is the
+   pool slab holding layer l's rows of positions [i * PAGE_TOKENS, (i + 1) *
+   PAGE_TOKENS). A slab of a prompt prefix that several sequences share is
+   one pool slab in each of their tables. A sliding-window layer's slabs are
+   taken as the sequence's passes reach them and given back once no later
+   query can see them (page_window); the first `released` pages' local
+   entries then name the pool's spare slab, which only masked keys are
+   ever read from. */
+typedef struct PageTable {
+    int *slab;    /* [n * n_layers] pool slab ids; -1: a local layer's, not taken yet */
+    int n;        /* pages reserved */
+    int released; /* pages whose local layers' slabs were given back */
+    int budget;   /* local slabs admission counted for it: the most it holds at once */
+    int freed;    /* local slabs it gave back that went back to the pool (for -v) */
+} PageTable;
+
+/* cache_row in a paged cache: the slab that token t's sequence's page
+   table names for layer l at position pos. */
+static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos)
+{
+    const Config *c = s->c;
+    size_t slab = s->tok_pages[t]->slab[(size_t)(pos / PAGE_TOKENS) * c->n_layers + l];
+    return cache + ((slab * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
+}
+
 #define BATCH_KV_MB 1024     /* --kv-mem default: the page pool, MB */
 #define BATCH_DEFAULT_MAX 32 /* --parallel default at most */
 #define BATCH_JSON_SLACK 6   /* a JSON line may spell each byte of its prompt as \u00XX */
@@ -6394,6 +6721,29 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
 #define MAX_POOL_SLABS (1 << 24) /* the free stack is committed: 64 MB at most */
 
 _Static_assert(BATCH_MAX <= CHUNK_TOKENS, "one decode step of every sequence in flight is one pass");
+
+/* n tokens at positions pos0.. of the sequence whose KV pages are pt: a
+   prefill chunk of batch mode (forward_chunk's twin for a paged cache). */
+static void forward_pages(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int first_logit)
+{
+    s->paged = 1;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t, s->tok_pages[t] = pt;
+    forward_pass(m, s, tokens, n, first_logit);
+}
+
+/* Batch mode's decode step: one token of each of n sequences (token t at
+   position pos[t] of the sequence whose pages are pages[t]), the logits of
+   each in s->logits row t. Like verify_step, every token is computed as a
+   decode step would compute it alone, so a sequence's text does not
+   depend on what else is in the batch; the weights are read once for all n. */
+static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n)
+{
+    s->paged = 1;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
+    s->scattered = 1;
+    forward_pass(m, s, tokens, n, 0);
+    s->scattered = 0;
+}
 
 /* The KV cache's slabs: free ones, and how many page tables hold each.
    Admission never promises more than the pool holds: `committed` counts
@@ -6970,7 +7320,9 @@ static void read_request(Batch *b, int wait)
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
         if (!problem) {
-            tokenize_prompt(b->m, text, text_len, chat, b->special, system, system_len, &q->toks);
+            Chat ch;
+            if (chat) build_chat(&ch, b->m, system, system_len);
+            tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
             q->n_prompt = q->toks.n;
             if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
             else if (q->n_prompt > b->s->seq_len)
@@ -7140,7 +7492,7 @@ static void prefill_some(Batch *b)
     int k = min_i(q->n_prompt - q->pos, CHUNK_TOKENS), last = q->pos + k == q->n_prompt;
     page_window(&b->pool, &b->m->c, &q->pt, q->pos, k);
     double t0 = now_ms();
-    forward_chunk(b->m, b->s, &q->pt, q->toks.ids + q->pos, k, q->pos, last ? k - 1 : k);
+    forward_pages(b->m, b->s, &q->pt, q->toks.ids + q->pos, k, q->pos, last ? k - 1 : k);
     lookup_time(&b->cost, k, now_ms() - t0);
     b->prefill_ms += now_ms() - t0;
     b->prefill_tokens += k;
@@ -7152,7 +7504,7 @@ static void prefill_some(Batch *b)
     }
     q->state = SEQ_DECODE;
     seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
-                          q->toks.ids, q->toks.n));
+                          &q->toks));
 }
 
 /* One token's latency, for the -v percentiles. */
@@ -7209,7 +7561,7 @@ static void decode_some(Batch *b)
         q->pos++;
         for (int i = 0;; i++) { /* row r + i: the logits after the sequence's token and its first i guesses */
             int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
-                              q->toks.ids, q->toks.n);
+                              &q->toks);
             int stood = i < k[t] && next == tokens[r + i + 1];
             taken++;
             b->accepted += stood;
@@ -7279,16 +7631,6 @@ static void report_batch(Batch *b)
         fprintf(stderr, "lookup: %ld drafted, %ld accepted (%.0f%%), %.2f tokens per sequence per step\n", b->drafted,
                 b->accepted, 100.0 * b->accepted / b->drafted, (double)(b->rows - b->drafted + b->accepted) / (b->rows - b->drafted));
 }
-
-/* Runs every line of path ("-": stdin) and writes the records. Returns
-   the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
-/* What --batch takes from the command line besides GenOpts. */
-typedef struct {
-    const char *path; /* --batch FILE, "-": stdin */
-    int parallel;     /* --parallel: sequences in flight (0: from the pool) */
-    int kv_mb;        /* --kv-mem: the KV page pool */
-    int chat, special; /* -c and --special: the defaults of every line */
-} BatchOpts;
 
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo)
 {
@@ -7386,7 +7728,7 @@ static void each_logits(const Model *m, RunState *s, const int *ids, int n, int 
         int k = min_i(n - off, exact ? exact : CHUNK_TOKENS);
         if (exact == 1) decode_step(m, s, ids[off], off);
         else if (exact) verify_step(m, s, ids + off, k, off);
-        else prefill(m, s, NULL, ids + off, k, off, 1);
+        else prefill(m, s, ids + off, k, off, 1);
         use(ctx, s, off, k);
         off += k;
     }
@@ -7395,7 +7737,6 @@ static void each_logits(const Model *m, RunState *s, const int *ids, int n, int 
 /* ----- perplexity ------------------------------------------------------------ */
 
 #define PPL_MAX_BYTES (64u << 20) /* the text --ppl reads: ~16M tokens, hours of prefill */
-#define PPL_MIN_CTX 3             /* the smallest window whose second half scores a token */
 
 /* One window's score: the negative log-likelihood of each token at
    positions [first, ctx) given those before it. */
@@ -7458,27 +7799,6 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
            exp(sc.nll / sc.scored), sc.scored, n_win, ctx, (double)n_win * ctx / sec);
     free(text.ids);
 }
-
-
-/* ============================================================================
-   7. COMMAND LINE
-   ========================================================================= */
-
-/* The command line. */
-typedef struct {
-    const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
-    const char *prompt_cache; /* --prompt-cache FILE */
-    int prompt_cache_ro;      /* --prompt-cache-ro */
-    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
-    int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
-    Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
-    unsigned long long seed;
-    const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
-    int json;            /* --json */
-    const char *json_schema; /* --json-schema FILE */
-    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
-    BatchOpts batch;  /* --batch, --parallel, --kv-mem */
-} Args;
 
 
 
@@ -7685,8 +8005,8 @@ static int kernel_set_named(const char *v)
     char names[MSG_BYTES] = "";
     for (int k = 0; k < N_KSETS; k++) {
         if (!kernel_set_available(k)) continue;
-        if (!strcmp(v, OPS[k].name)) return k;
-        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", OPS[k].name);
+        if (!strcmp(v, SETS[k]->op.name)) return k;
+        snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", SETS[k]->op.name);
     }
     usage_error("--kernels %s is not a kernel set this build runs on this CPU (available: %s)", v, names);
 }
@@ -7768,7 +8088,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--special")) a->special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
-        else if (!strcmp(f, "--scalar")) a->kernels = OPS[KSET_SCALAR].name;
+        else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
         else if (!strcmp(f, "--kernels")) a->kernels = v;
         else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
@@ -7862,7 +8182,9 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
-    tokenize_prompt(m, text, len, a->chat_wrap, a->special, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0, t);
+    Chat ch;
+    if (a->chat_wrap) build_chat(&ch, m, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0);
+    tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->special, t);
     free(text);
     return len;
 }
@@ -7889,6 +8211,24 @@ static void on_fatal_signal(int sig)
     if (temp_path[0]) unlink(temp_path);
     signal(sig, SIG_DFL);
     raise(sig);
+}
+
+/* --prompt-cache FILE for the run: opened (a heap object), and a file
+   being written is removed on a fatal signal (chat and batch mode take
+   SIGINT over). */
+static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const char *path, int read_only, int verbose)
+{
+    PromptCache *pc = xmalloc(sizeof *pc);
+    pcache_open(pc, m, s, path, read_only, verbose);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
+    return pc;
+}
+
+static void close_prompt_cache(PromptCache *pc)
+{
+    pcache_close(pc);
+    free(pc);
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
@@ -7961,140 +8301,10 @@ static int usable_cpus(void)
     return n > 0 ? (int)n : 1;
 }
 
-int main(int argc, char **argv)
-{
-    marks.start_ms = now_ms();
-    reserve_std_fds();
-    Args a;
-    parse_args(&a, argc, argv);
-    signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
-    select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
-    signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
-    JsonConstraint jc, *jcp = NULL;
-    if (a.json || a.json_schema) {
-        json_grammar_init(&jc.g);
-        jc.root = a.json_schema ? compile_schema_file(&jc.g, a.json_schema) : 0;
-        jcp = &jc;
-    }
-    double t0 = now_ms();
-    Model m;
-    char err[ERR_BYTES];
-    if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
-        die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
-    watch_model_file(&m, a.model_path);
-    if (jcp) build_trie(&jcp->trie, m.tok, m.c.vocab_size), a.gen.json = jcp;
-    double load_ms = now_ms() - t0;
-    int chat = !strcmp(a.mode, "chat");
-    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
-    if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
-    if (a.ppl && seq_len < PPL_MIN_CTX)
-        die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
-
-    Tokens prompt = {0};
-    size_t prompt_bytes = 0;
-    int batch = a.batch.path != NULL;
-    if (!chat && !a.ppl && !batch) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
-    if (a.tokenize) {
-        for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
-        printf("\n");
-        close_stdout();
-        free(prompt.ids);
-        free_model(&m);
-        return 0;
-    }
-    if (!chat && !a.ppl && !batch && prompt.n == 0) {
-        if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
-        die(EXIT_RUNTIME, "the prompt is empty");
-    }
-    if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
-
-    int cores = usable_cpus();
-    int threads = a.threads ? a.threads : cores;
-    if (threads > cores) {
-        /* the barriers spin: threads beyond the cores only wait for each other
-           (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.gen.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
-        threads = cores;
-    }
-#ifdef _OPENMP
-    omp_set_num_threads(threads > 0 ? threads : 1);
-#else
-    threads = 1;
-#endif
-    RunState s;
-    if (m.c.head_dim % TYPES[a.kv_type].block)
-        die(EXIT_USAGE, "--kv %s needs a head_dim that is a multiple of %d (this model: %d)", TYPES[a.kv_type].kv_name,
-            TYPES[a.kv_type].block, m.c.head_dim);
-    build_state(&s, &m, seq_len, threads, a.kv_type);
-    int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode: build_pool keeps every page then */
-    if (keep_all) keep_every_position(&s, &m.c);
-    if (a.gen.verbose) {
-        static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
-        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
-                "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
-                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, keep_all) / 1e6, type_name(a.kv_type), threads, K.op.name, load_ms);
-        if (m.c.window && !keep_all)
-            fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
-                    m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
-        else if (keep_all)
-            fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
-                    m.c.window);
-    }
-    PromptCache pc;
-    if (a.prompt_cache) {
-        pcache_open(&pc, &m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
-        a.gen.cache = &pc;
-        int sigs[] = {SIGINT, SIGTERM, SIGHUP}; /* a file being written is removed (chat and batch mode take SIGINT over) */
-        for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
-    }
-    Machine mc, *mcp = NULL;
-    if (a.probe) probe_machine(mcp = &mc, threads);
-    Sampler sm = a.sampling;
-    sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
-    int status = EXIT_SUCCESS;
-    if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
-    else if (batch) {
-        a.batch.chat = a.chat_wrap, a.batch.special = a.special;
-        status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
-    }
-    else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) {
-        int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
-        if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
-    }
-    else if (jcp && a.gen.n_predict == 0) {
-        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
-    } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
-        int n_predict = a.gen.n_predict, last;
-        int pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
-        if (n_predict > seq_len - prompt.n + 1) {
-            n_predict = seq_len - prompt.n + 1;
-            if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, n_predict, seq_len, prompt.n);
-        }
-        Stats st;
-        TextOut out;
-        text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
-        int why = generate(&m, &s, &sm, &a.gen, &prompt, &pos, n_predict, &out, &st, &last);
-        if (a.gen.verbose) report_stats(&m, &s, mcp, &st);
-        free(st.itl);
-        char cause[STOP_MAX_BYTES + 32];
-        if (st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
-    }
-    if (a.prompt_cache) pcache_close(&pc);
-    if (a.gen.verbose) report_process(&m, load_ms);
-    if (jcp) json_grammar_free(&jc.g), free_trie(&jc.trie);
-    close_stdout();
-    free(prompt.ids);
-    free_state(&s);
-    free_model(&m);
-    return status;
-}
-
 
 /* ============================================================================
    APPENDIX A: THE AVX2 KERNEL SET
-   Each function computes what its scalar definition in section 2 computes
+   Each function computes what its scalar definition in Part I computes
    (tests/test_kernels.c checks every one against it), up to summation
    order; the row conversions, the activation quantizers and the f16 row
    writer agree bit for bit. Compiled into every x86-64 build for AVX2,
@@ -8523,7 +8733,7 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
     from_float_f16_scalar((uint16_t *)row + i, x + i, n - i);
 }
 
-/* --- packed products on 256-bit vectors (section 2, "the matrices' layout") --
+/* --- packed products on 256-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are two halves of 8 lanes: of every 64 bytes of
    integers, 32 belong to each half. Each half is taken for a few tokens at
    a time (16 registers). A kernel computes exactly its scalar definition:
@@ -8556,7 +8766,7 @@ INLINE __m256i dot4_q8_avx2(__m256i acc, __m256i u, __m256i a)
 
 /* Integers 4g .. 4g + 3 (g = 0..7) of the 8 rows of half `half` in a
    stretch of `bits`-bit integers: a load and an and or a shift, and for 5
-   or 6 bits the high plane's bits moved to bit 4 (packed_stretch). */
+   or 6 bits the high plane's bits moved to bit 4 (packed_row_ints). */
 INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 {
     const uint8_t *p = stretch + 32 * half;
@@ -8742,7 +8952,7 @@ INLINE __m256 packed_floats_256(const uint8_t *group, int e, int type, int h)
 }
 
 /* The float types for T <= PACK_TOKS_F256 tokens, both halves at each
-   element: a sum per half and token, element by element (packed_dot_float). */
+   element: a sum per half and token, element by element (dot_float). */
 INLINE void packedf_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type)
 {
     const size_t eb = (size_t)PACK_ROWS * (type == T_F32 ? 4 : 2);
@@ -8835,6 +9045,21 @@ static double peak_i8_avx2(unsigned *sink)
     return (double)PROBE_ITERS / 8 * 8 * 32 * 2;
 }
 TARGET_END
+
+/* The AVX2 set's row of the kernel tables. */
+static const KernelSet SET_AVX2 = {
+    {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_softmax_avx2,
+     att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, .plain_attention = 0},
+    {[T_F32] = {.packed = packed_f32_avx2},
+     [T_F16] = {.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .packed = packed_f16_avx2},
+     [T_BF16] = {.packed = packed_bf16_avx2},
+     [T_Q4_0] = {.to_float = to_float_q4_0_avx2, .packed = packed_q4_0_avx2},
+     [T_Q4_1] = {.to_float = to_float_q4_1_avx2, .packed = packed_q4_1_avx2},
+     [T_Q5_0] = {.to_float = to_float_q5_0_avx2, .packed = packed_q5_0_avx2},
+     [T_Q5_1] = {.to_float = to_float_q5_1_avx2, .packed = packed_q5_1_avx2},
+     [T_Q8_0] = {.to_float = to_float_q8_0_avx2, .packed = packed_q8_0_avx2},
+     [T_Q4_K] = {.packed = packed_q4_k_avx2}, [T_Q5_K] = {.packed = packed_q5_k_avx2}, [T_Q6_K] = {.packed = packed_q6_k_avx2}},
+};
 #endif /* HAVE_X86_SETS */
 
 /* ============================================================================
@@ -8878,12 +9103,21 @@ static double peak_i8_avxvnni(unsigned *sink)
     return (double)PROBE_ITERS / 8 * 8 * 32 * 2;
 }
 TARGET_END
+
+/* The AVX-VNNI set's row: the 32-element types' packed products and the
+   int8 probe; the rest is AVX2's. */
+static const KernelSet SET_AVXVNNI = {
+    {.name = "avxvnni", .available = cpu_has_avxvnni, .inherits = KSET_AVX2, .peak_i8 = peak_i8_avxvnni},
+    {[T_Q4_0] = {.packed = packed_q4_0_avxvnni}, [T_Q4_1] = {.packed = packed_q4_1_avxvnni},
+     [T_Q5_0] = {.packed = packed_q5_0_avxvnni}, [T_Q5_1] = {.packed = packed_q5_1_avxvnni},
+     [T_Q8_0] = {.packed = packed_q8_0_avxvnni}},
+};
 #endif /* HAVE_X86_SETS */
 
 /* ============================================================================
    APPENDIX C: THE AVX-512 KERNEL SET
    What AVX-512 with VNNI improves over AVX2, and nothing else: the set
-   inherits every kernel it leaves out from the AVX2 set (OPS[].inherits).
+   inherits every kernel it leaves out from the AVX2 set (its inherits field).
    The int8 matrix products take two 32-element blocks per 512-bit vector
    and one vpdpbusd per 64 products, where AVX2 needs maddubs and madd per
    32; the float tiles take 16 floats per FMA. Same contracts as the AVX2
@@ -8905,7 +9139,7 @@ INLINE __m512 packed_floats_512(const uint8_t *group, int e, int type)
 
 /* The float types for T <= PACK_TOKS_F tokens: per element one vector of
    16 rows times each token's element broadcast, a sum per token
-   (packed_dot_float). */
+   (dot_float). */
 #define PACK_TOKS_F 8
 INLINE void packed_f_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int type, int unused1,
                          int unused2)
@@ -8927,7 +9161,7 @@ PACKED_KERNEL(f32, avx512, packed_f_512, T_F32, 0, 0)
 PACKED_KERNEL(f16, avx512, packed_f_512, T_F16, 0, 0)
 PACKED_KERNEL(bf16, avx512, packed_f_512, T_BF16, 0, 0)
 
-/* --- packed products on 512-bit vectors (section 2, "the matrices' layout") --
+/* --- packed products on 512-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are one vector's 16 lanes: four activation bytes
    broadcast meet four integers of each row in one vpdpbusd. Integers are
    unsigned as stored (q8_0's q + 128, whose offset leaves through the
@@ -9211,6 +9445,18 @@ static double peak_i8_avx512(unsigned *sink)
     return (double)PROBE_ITERS / 8 * 8 * 64 * 2;
 }
 TARGET_END
+
+/* The AVX-512 set's row: the packed products and prefill's attention; the
+   rest is AVX2's. */
+static const KernelSet SET_AVX512 = {
+    {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2, .att_qk = att_qk_avx512,
+     .att_pv = att_pv_avx512, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
+    {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
+     [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
+     [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},
+     [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512},
+     [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512}},
+};
 #endif /* HAVE_X86_SETS */
 
 /* ============================================================================
@@ -9219,14 +9465,14 @@ TARGET_END
    int8 multiplies (vmull_s8, vmlal_s8) summed pairwise into 32 bits, the
    same integers as the scalar set's, scaled per block in float; and
    prefill's multi-query attention. Every other kernel is the scalar set's
-   (OPS[].inherits). Checked against the
+   (its inherits field). Checked against the
    scalar set by tests/test_kernels.c, cross-compiled and run under
    qemu-aarch64 (tests/test_kernels.py).
    ========================================================================= */
 #ifdef HAVE_NEON_SET
 #define NEON_INLINE static inline __attribute__((always_inline))
 
-/* --- packed products on 128-bit vectors (section 2, "the matrices' layout") --
+/* --- packed products on 128-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are four quarters of 4 lanes: of every 64 bytes of
    integers, 16 belong to each quarter. The integers go in as signed bytes
    (nibbles and 5-bit ones as they are, q8_0's q + 128 back to q), so a
@@ -9433,4 +9679,17 @@ static int cpu_has_sdot(void)
     return (getauxval(AT_HWCAP) & asimddp) != 0;
 }
 TARGET_END
+
+/* The NEON sets' rows: the 32-element types' packed products and (NEON)
+   prefill's attention; the rest is the scalar set's, and with sdot NEON's. */
+static const KernelSet SET_NEON = {
+    {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon},
+    {[T_Q4_0] = {.packed = packed_q4_0_neon}, [T_Q4_1] = {.packed = packed_q4_1_neon}, [T_Q5_0] = {.packed = packed_q5_0_neon},
+     [T_Q5_1] = {.packed = packed_q5_1_neon}, [T_Q8_0] = {.packed = packed_q8_0_neon}},
+};
+static const KernelSet SET_NEON_DOT = {
+    {.name = "neon-dot", .available = cpu_has_sdot, .inherits = KSET_NEON},
+    {[T_Q4_0] = {.packed = packed_q4_0_sdot}, [T_Q4_1] = {.packed = packed_q4_1_sdot}, [T_Q5_0] = {.packed = packed_q5_0_sdot},
+     [T_Q5_1] = {.packed = packed_q5_1_sdot}, [T_Q8_0] = {.packed = packed_q8_0_sdot}},
+};
 #endif /* HAVE_NEON_SET */

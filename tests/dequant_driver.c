@@ -27,12 +27,12 @@ int main(int argc, char **argv)
     int from = argc == 5;
     size_t unit = from ? t->block * sizeof(float) : t->block_bytes;
     if (!in || got % unit) die(EXIT_RUNTIME, "%zu bytes is not a whole number of %s blocks", got, t->name);
-    if (from && !t->k[KSET_SCALAR].from_float) die(EXIT_USAGE, "%s has no from_float", t->name);
+    if (from && !SET_SCALAR.type[type].from_float) die(EXIT_USAGE, "%s has no from_float", t->name);
     int n = (int)(got / unit * t->block);
     size_t out_bytes = from ? row_bytes(type, n) : n * sizeof(float);
     void *out = xmalloc(out_bytes);
-    if (from) t->k[KSET_SCALAR].from_float(out, (const float *)in, n);
-    else t->k[KSET_SCALAR].to_float(out, in, n);
+    if (from) SET_SCALAR.type[type].from_float(out, (const float *)in, n);
+    else SET_SCALAR.type[type].to_float(out, in, n);
     FILE *o = fopen(argv[3], "wb");
     if (!o || fwrite(out, 1, out_bytes, o) != out_bytes || fclose(o)) die(EXIT_RUNTIME, "cannot write %s", argv[3]);
     printf("%s %d %zu\n", t->name, t->block, t->block_bytes);

@@ -69,13 +69,14 @@ static int sample_runs(int argc, char **argv)
     build_trie(&jc.trie, m.tok, m.c.vocab_size);
     int runs = atoi(argv[2]), n_predict = atoi(argv[3]);
     Tokens prompt = {0};
-    tokenize_prompt(&m, argv[4], strlen(argv[4]), 1, 0, NULL, 0, &prompt);
+    Chat ch;
+    build_chat(&ch, &m, NULL, 0);
+    tokenize_prompt(&m, argv[4], strlen(argv[4]), &ch, 0, &prompt);
     RunState s;
     int seq_len = prompt.n + n_predict + VERIFY_MAX_TOKENS;
     build_state(&s, &m, seq_len, usable_cpus(), T_F16);
     GenOpts gen = {.n_predict = n_predict, .lookup = LOOKUP_DEFAULT, .json = &jc, .logprobs = -1};
-    int n_prompt = prompt.n, pos = 0, last;
-    Stats st;
+    int n_prompt = prompt.n, pos = 0;
     for (int run = 1; run <= runs; run++) {
         /* the prompt but its last token is cached after the first run:
            that one is fed again, giving the logits generation starts from */
@@ -85,9 +86,11 @@ static int sample_runs(int argc, char **argv)
         if (pos) pos = n_prompt - 1;
         TextOut out;
         text_open(&out, stdout, NULL, &gen.stops);
-        generate(&m, &s, &sm, &gen, &prompt, &pos, n_predict, &out, &st, &last);
-        printf("\x1e %d\n", st.json_incomplete);
-        free(st.itl);
+        Request r = {.conv = &prompt, .pos = pos, .n_predict = n_predict, .out = &out};
+        generate(&m, &s, &sm, &gen, &r);
+        pos = r.pos;
+        printf("\x1e %d\n", r.st.json_incomplete);
+        free(r.st.itl);
     }
     free(prompt.ids);
     free_state(&s);

@@ -100,7 +100,7 @@ static void test_types(void)
             check(0, what);
             continue;
         }
-        const TypeKernels *ref = &TYPES[type].k[KSET_SCALAR], *k = &K.type[type];
+        const TypeKernels *ref = &SETS[KSET_SCALAR]->type[type], *k = &K.type[type];
         random_rows(w, type, N, 1);
         /* to_float and from_float over a row that is not a multiple of 8 where the type allows it */
         int n = wt->block == 1 ? CONV_N + 3 : wt->block * max_i(1, CONV_N / wt->block);
@@ -181,7 +181,7 @@ static void test_packed(void)
         for (int pass = 0; pass < 3; pass++) { /* random; largest integers x +127; x -127 */
             for (int t = 0; t < TOKS; t++) {
                 for (int i = 0; i < N; i++) x[t][i] = pass == 0 ? frand() * 3 : pass == 1 ? 1 : -1;
-                for (int a = ACT_F32 + 1; a < N_ACTS; a++) OPS[KSET_SCALAR].quantize[a](xq[a][t], x[t], N);
+                for (int a = ACT_F32 + 1; a < N_ACTS; a++) SETS[KSET_SCALAR]->op.quantize[a](xq[a][t], x[t], N);
             }
             for (int li = 0; li < 2; li++) {
                 int len = lens[li], same = 1;
@@ -191,7 +191,7 @@ static void test_packed(void)
                 }
                 random_group(group, type, len, pass > 0);
                 float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
-                TYPES[type].k[KSET_SCALAR].packed(group, len, xa, xs, TOKS, ref);
+                SETS[KSET_SCALAR]->type[type].packed(group, len, xa, xs, TOKS, ref);
                 for (int toks = 1; toks <= TOKS; toks++)
                     for (int t0 = 0; t0 + toks <= TOKS; t0 += toks) {
                         K.type[type].packed(group, len, xa + t0 * xs, xs, toks, got);
@@ -268,10 +268,10 @@ static void test_quantize_act(int set)
     for (int i = 0; i < N; i++) ties[i] = (i % QK == 0) ? 127.0f : (float)((i % 255) - 127) * 0.5f; /* exact .5 ties */
     char what[128];
     for (int a = ACT_F32 + 1; a < N_ACTS && set != KSET_SCALAR; a++) {
-        OPS[KSET_SCALAR].quantize[a](q, x, N);
+        SETS[KSET_SCALAR]->op.quantize[a](q, x, N);
         K.op.quantize[a](q2, x, N);
         int same = memcmp(q, q2, act_bytes(a, N)) == 0;
-        OPS[KSET_SCALAR].quantize[a](q, ties, N);
+        SETS[KSET_SCALAR]->op.quantize[a](q, ties, N);
         K.op.quantize[a](q2, ties, N);
         same &= memcmp(q, q2, act_bytes(a, N)) == 0;
         snprintf(what, sizeof what, "%s activation format %d quantizer equals scalar bit for bit (ties too)", K.op.name, a);
@@ -288,7 +288,7 @@ static void test_quantize_act(int set)
         if (b % 8 == 0) for (int i = 0; i < QK; i++) bad[b * QK + i] = NAN;
     }
     for (int a = ACT_F32 + 1; a < N_ACTS; a++) {
-        OPS[KSET_SCALAR].quantize[a](q, bad, N);
+        SETS[KSET_SCALAR]->op.quantize[a](q, bad, N);
         K.op.quantize[a](q2, bad, N);
         int same = memcmp(q, q2, act_bytes(a, N)) == 0, in_range = 1;
         for (int b = 0; a == ACT_Q8 && b < N / QK; b++) {
@@ -341,7 +341,7 @@ static void test_attention_multi(void)
     static float q[NQ * HD], p[NQ * ATT_KTILE], sref[NQ * ATT_KTILE], sgot[NQ * ATT_KTILE], oref[NQ * OS], ogot[NQ * OS];
     static uint8_t kpool[ATT_KTILE * HD * 4], vpool[ATT_KTILE * HD * 4];
     const int types[] = {T_F32, T_F16}, hds[] = {64, 256, 136, 130, 72, 18, 2}, nqs[] = {1, 3, 4, 7, NQ}, nks[] = {1, 7, 33, ATT_KTILE};
-    const OpKernels *ref = &OPS[KSET_SCALAR];
+    const OpKernels *ref = &SETS[KSET_SCALAR]->op;
     for (int ti = 0; ti < 2; ti++) {
         double worst_s = 0, worst_a = 0;
         int type = types[ti];
@@ -438,7 +438,8 @@ static void test_attention_paths(void)
         int cap = c.window ? c.window + CHUNK_TOKENS : total, qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * hd, q_dim = c.n_heads * hd;
         size_t off = 0, ps = PARTIAL_HEAD + hd;
         RunState s = {.kv_type = CASES[ci].type, .kv_row = row_bytes(CASES[ci].type, hd), .kv_cap = &cap, .kv_off = &off,
-                      .seq_len = total + 1, .n_threads = 1};
+                      .seq_len = total + 1, .n_threads = 1, .c = &c};
+        Team one = {0, 1, &s.bar}; /* a team of one thread */
         s.key_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row), s.value_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row);
         s.qkv = calloc((size_t)N * qkv_dim, sizeof(float)), s.tok_pos = calloc(N, sizeof(int)), s.xb = calloc((size_t)N * q_dim, sizeof(float));
         s.plain_scores = calloc(s.seq_len, sizeof(float)), s.vrow = calloc(hd, sizeof(float));
@@ -452,19 +453,19 @@ static void test_attention_paths(void)
             for (int g = 0; g < c.n_kv_heads; g++)
                 for (int kv = 0; kv < 2; kv++) {
                     for (int i = 0; i < hd; i++) row[i] = frand() * 2;
-                    TYPES[s.kv_type].k[KSET_SCALAR].from_float(cache_row(&s, kv ? s.value_cache : s.key_cache, &c, 0, 0, g, pos), row, hd);
+                    SETS[KSET_SCALAR]->type[s.kv_type].from_float(cache_row(&s, kv ? s.value_cache : s.key_cache, 0, 0, g, pos), row, hd);
                 }
         memcpy(s.qkv, qkv, (size_t)N * qkv_dim * sizeof(float));
         for (int t = 0; t < N; t++) s.tok_pos[t] = CASES[ci].prev + t;
-        attention_part(&s, &c, 0, N, ACT_F32, 0, 1);
+        attention_part(&s, &c, 0, N, ACT_F32, &one);
         memcpy(batched, s.xb, (size_t)N * q_dim * sizeof(float));
         for (int t = 0; t < N; t++) {
             memcpy(s.qkv, qkv + (size_t)t * qkv_dim, qkv_dim * sizeof(float));
             s.tok_pos[0] = CASES[ci].prev + t;
-            attention_part(&s, &c, 0, 1, ACT_F32, 0, 1);
+            attention_part(&s, &c, 0, 1, ACT_F32, &one);
             same &= memcmp(s.xb, batched + (size_t)t * q_dim, q_dim * sizeof(float)) == 0;
             for (int h = 0; h < c.n_heads; h++) {
-                attend_plain(&s, &c, 0, 0, h, plain, 0);
+                attend_plain(&s, 0, 0, h, plain, 0);
                 for (int i = 0; i < hd; i++) worst = fmax(worst, fabs(plain[i] - s.xb[h * hd + i]));
             }
         }
@@ -492,7 +493,7 @@ static void test_softmax(void)
             int n = ns[c];
             float m0 = rep % 2 ? -INFINITY : frand() * 20, mr = m0, mg = m0;
             for (int j = 0; j < n; j++) ref[j] = got[j] = frand() * 40;
-            double sr = OPS[KSET_SCALAR].att_softmax(ref, n, 0.125f, &mr), sg = K.op.att_softmax(got, n, 0.125f, &mg);
+            double sr = SETS[KSET_SCALAR]->op.att_softmax(ref, n, 0.125f, &mr), sg = K.op.att_softmax(got, n, 0.125f, &mg);
             if (mr != mg) max_ok = 0;
             for (int j = 0; j < n; j++) worst_e = fmax(worst_e, fabs(got[j] - ref[j]) / fmax(ref[j], 1e-30));
             worst_s = fmax(worst_s, fabs(sg - sr) / sr);
@@ -512,8 +513,8 @@ static void test_gates(void)
 {
     enum { N = 1003 };
     static float g[N], u[N], ref[N], x[N];
-    void (*const sets[2][2])(float *, const float *, int) = {{OPS[KSET_SCALAR].swiglu, K.op.swiglu},
-                                                             {OPS[KSET_SCALAR].geglu, K.op.geglu}};
+    void (*const sets[2][2])(float *, const float *, int) = {{SETS[KSET_SCALAR]->op.swiglu, K.op.swiglu},
+                                                             {SETS[KSET_SCALAR]->op.geglu, K.op.geglu}};
     static const char *const names[] = {"swiglu", "geglu"};
     for (int k = 0; k < 2; k++) {
         for (int i = 0; i < N; i++) x[i] = g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
@@ -556,9 +557,9 @@ int main(void)
 {
     int ran = 0;
     for (int set = 0; set < N_KSETS; set++) {
-        if (!OPS[set].name) { printf("skip kernel set %d: not compiled in this build\n", set); continue; }
-        if (!kernel_set_available(set)) { printf("skip kernel set %s: this CPU cannot run it\n", OPS[set].name); continue; }
-        printf("kernels: %s\n", OPS[set].name);
+        if (!SETS[set]) { printf("skip kernel set %d: not compiled in this build\n", set); continue; }
+        if (!kernel_set_available(set)) { printf("skip kernel set %s: this CPU cannot run it\n", SETS[set]->op.name); continue; }
+        printf("kernels: %s\n", SETS[set]->op.name);
         select_kernels(set);
         test_fp16(set);
         test_quantize_act(set);

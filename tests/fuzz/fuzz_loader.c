@@ -100,16 +100,16 @@ static void run_model(const Model *m, uint32_t variant)
     else push(&prompt, 0);
     int vocab = m->c.vocab_size;
     cand = xmalloc((size_t)vocab * sizeof *cand);
-    prefill(m, &s, NULL, prompt.ids, prompt.n, 0, 0);
+    prefill(m, &s, prompt.ids, prompt.n, 0, 0);
     Sampler greedy = {.top_p = 1, .rng = 1}, topp = SAMPLING_DEFAULTS;
     topp.rng = 88172645463325252ull, topp.top_p = 0.9f;
     topp.min_p = 0.05f, topp.repeat = 1.1f, topp.presence = 0.5f, topp.frequency = 0.5f;
-    int tok = sample(&greedy, s.logits, vocab, cand, NULL, prompt.ids, prompt.n);
+    int tok = sample(&greedy, s.logits, vocab, cand, NULL, &prompt);
     if (tok < 0 || tok >= vocab) abort();
     if (prompt.n < seq_len) {
         decode_step(m, &s, tok, prompt.n);
         push(&prompt, tok);
-        tok = sample(&topp, s.logits, vocab, cand, NULL, prompt.ids, prompt.n); /* the penalties over the prompt and tok */
+        tok = sample(&topp, s.logits, vocab, cand, NULL, &prompt); /* the penalties over the prompt and tok */
         if (tok < 0 || tok >= vocab) abort();
         size_t len;
         (void)tok_piece(m->tok, tok, &len);
