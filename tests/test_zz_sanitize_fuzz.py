@@ -14,6 +14,9 @@ import sys
 from common import ROOT
 
 SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions cli chat synthetic").split()
+# The instrumented modules two at a time (run_tests.py -j): each engine run is mostly single-threaded
+# start-up and checking, so two modules keep both cores busy.
+SAN_JOBS = os.environ.get("SAN_JOBS", "2")
 SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1",
            "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1"}
 
@@ -22,7 +25,7 @@ def test_suite_under_asan_ubsan():
     build = subprocess.run(["make", "-C", str(ROOT), "run-asan"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     env = {**os.environ, **SAN_ENV, "RUN_BIN": str(ROOT / "run-asan")}
-    r = subprocess.run([sys.executable, str(ROOT / "tests/run_tests.py"), *SAN_TESTS], env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "tests/run_tests.py"), "-j", SAN_JOBS, *SAN_TESTS], env=env,
                        capture_output=True, text=True, timeout=3600)
     print("\n".join("    asan: " + line for line in r.stdout.splitlines()[-3:]))
     assert r.returncode == 0 and " 0 failed" in r.stdout, "sanitizer run failed:\n" + r.stdout[-6000:] + r.stderr[-2000:]
