@@ -174,7 +174,8 @@ bench: run $(MODEL_BIN) $(GEMMA_GGUF)
 	$(PYTHON) tests/bench_batch.py --runs 3 --chat
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
-SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+# -O1 (AddressSanitizer's advice; tests/common.py SANITIZE): the same instrumentation as -O2, compiled in half the time
+SAN_FLAGS    = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 # Test modules that run the engine; the C tests (kernels, tokenizer) already build their own
 # ASan/UBSan variants in the normal suite. test_threads is left out for time: its long-prompt
 # --no-batch test alone takes ~210 s under ASan (the threaded paths still run: every engine run

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from common import DEFAULT_MODEL, ROOT, SCRATCH, require, run
+from common import DEFAULT_MODEL, ROOT, SANITIZE, SCRATCH, require, run
 
 
 def build(name: str, flags: list[str], compiler: str = "cc") -> Path:
@@ -104,7 +104,7 @@ def check_avxvnni_twin() -> None:
 
 
 def test_kernels_under_sanitizers():
-    build_and_run("test_kernels_asan", ["-march=native", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"])
+    build_and_run("test_kernels_asan", ["-march=native", *SANITIZE])
 
 
 def test_neon_kernels_under_qemu():
