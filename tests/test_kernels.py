@@ -3,17 +3,29 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 
-from common import DEFAULT_MODEL, ROOT, SCRATCH, require, run
+from common import DEFAULT_MODEL, ROOT, SANITIZE, SCRATCH, require, run
 
 
-def build_and_run(name: str, flags: list[str], compiler: str = "cc", runner: tuple[str, ...] = ()) -> str:
+def build(name: str, flags: list[str], compiler: str = "cc") -> Path:
+    """tests/test_kernels.c (which includes run.c) built into SCRATCH/name; a warning fails."""
     exe = SCRATCH / name
     cc = subprocess.run([compiler, "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", *flags, f"-I{ROOT}",
                          str(ROOT / "tests/test_kernels.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True)
     assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
+    return exe
+
+
+def run_checks(exe: Path, runner: tuple[str, ...] = ()) -> str:
     out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
+    return out.stdout
+
+
+def build_and_run(name: str, flags: list[str]) -> str:
+    return run_checks(build(name, flags))
     assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
     return out.stdout
 
@@ -92,7 +104,7 @@ def check_avxvnni_twin() -> None:
 
 
 def test_kernels_under_sanitizers():
-    build_and_run("test_kernels_asan", ["-march=native", "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-g"])
+    build_and_run("test_kernels_asan", ["-march=native", *SANITIZE])
 
 
 def test_neon_kernels_under_qemu():
@@ -102,8 +114,9 @@ def test_neon_kernels_under_qemu():
     assert not missing, f"{missing} not installed: run `make cross-deps`"
     # qemu's default CPU ("max") has the dot-product extension; a Cortex-A53 (ARMv8.0-A) has not, so
     # there the sdot set must be found missing in the hwcaps and skipped
+    exe = build("test_kernels_aarch64", ["-static"], "aarch64-linux-gnu-gcc")
     for cpu, sets in ((), ["scalar", "neon", "neon-dot"]), (("-cpu", "cortex-a53"), ["scalar", "neon"]):
-        out = build_and_run("test_kernels_aarch64", ["-static"], "aarch64-linux-gnu-gcc", ("qemu-aarch64", *cpu))
+        out = run_checks(exe, ("qemu-aarch64", *cpu))
         tested = [line.split()[1] for line in out.splitlines() if line.startswith("kernels:")]
         assert tested == sets and f"{len(sets)} kernel sets tested" in out, out
         print(" ".join(cpu) or "max", "".join(line + "\n" for line in out.splitlines() if line.startswith(("kernels:", "skip"))), end="")

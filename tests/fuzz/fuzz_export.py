@@ -2,11 +2,14 @@
 """Fuzz export.py's GGUF and safetensors readers, in process, with atheris (libFuzzer for Python).
 
     python3 tests/fuzz/fuzz_export.py gguf WORKDIR [--seconds 60] [--engine auto|atheris|mutate]
+    python3 tests/fuzz/fuzz_export.py gguf WORKDIR --runs 10000 --seed 5 --corpus DIR [--inputs DIR...]
     python3 tests/fuzz/fuzz_export.py safetensors WORKDIR ...
     python3 tests/fuzz/fuzz_export.py gguf WORKDIR --replay FILE...     # regression inputs
 
 WORKDIR is what tests/fuzz/make_seeds.py built: seeds/TARGET, hf_template/. The corpus grows in
-WORKDIR/corpus/TARGET and a failing input is written to WORKDIR/crashes/TARGET/.
+WORKDIR/corpus/TARGET (or --corpus DIR) and a failing input is written to WORKDIR/crashes/TARGET/.
+With --runs N (and --seed S) the run is N executions instead of --seconds, the same ones every
+time from the same corpus, seeds and --inputs directories (run_fuzz.py --fixed).
 
 An input is a whole GGUF file (gguf), or the model.safetensors of a Hugging Face directory
 whose config.json and tokenizer files are fixed (safetensors). export.export() runs on it
@@ -187,16 +190,19 @@ def limit_memory() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit * 4, limit * 4))   # address space; RSS is libFuzzer's
 
 
-def run_atheris(h: Harness, workdir: Path, seconds: int, timeout: int) -> None:
+def run_atheris(h: Harness, workdir: Path, args: argparse.Namespace) -> None:
     import atheris
-    corpus = workdir / "corpus" / h.target
+    corpus = args.corpus or workdir / "corpus" / h.target
     crashes = workdir / "crashes" / h.target
     corpus.mkdir(parents=True, exist_ok=True)
     crashes.mkdir(parents=True, exist_ok=True)
     seeds = workdir / "seeds" / h.target
     max_len = max(p.stat().st_size for p in seeds.iterdir())
-    argv = [sys.argv[0], f"-max_total_time={seconds}", f"-timeout={timeout}", f"-rss_limit_mb={MEMORY_LIMIT_MB}",
-            f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/", str(corpus), str(seeds)]
+    # -reload=0: the corpus directory is not reread every second, which would make the run depend on the speed
+    budget = [f"-runs={args.runs}", f"-seed={args.seed}", "-reload=0"] if args.runs else [f"-max_total_time={args.seconds}"]
+    argv = [sys.argv[0], *budget, f"-timeout={args.timeout}", f"-rss_limit_mb={MEMORY_LIMIT_MB}",
+            f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/", str(corpus), str(seeds),
+            *map(str, args.inputs)]
     atheris.Setup(argv, h.run)
     atheris.Fuzz()
 
@@ -230,21 +236,22 @@ def mutate(data: bytearray, rng: random.Random, pool: list[bytes]) -> bytearray:
     return data
 
 
-def run_mutate(h: Harness, workdir: Path, seconds: int, timeout: int, seed: int) -> None:
+def run_mutate(h: Harness, workdir: Path, args: argparse.Namespace) -> None:
     import signal
     seeds = workdir / "seeds" / h.target
-    corpus = workdir / "corpus" / h.target
+    corpus = args.corpus or workdir / "corpus" / h.target
     crashes = workdir / "crashes" / h.target
     crashes.mkdir(parents=True, exist_ok=True)
-    pool = [p.read_bytes() for d in (seeds, corpus) if d.is_dir() for p in sorted(d.iterdir())]
-    rng = random.Random(seed)
+    pool = [p.read_bytes() for d in (seeds, corpus, *args.inputs) if d.is_dir() for p in sorted(d.iterdir())]
+    rng = random.Random(args.seed)
+    seconds, timeout = args.seconds, args.timeout
 
     def on_alarm(signum, frame):
         raise TimeoutError(f"one input ran longer than {timeout} s")
 
     signal.signal(signal.SIGALRM, on_alarm)
-    t_end = time.time() + seconds
-    while time.time() < t_end:
+    t0 = time.time()
+    while (h.executions < args.runs) if args.runs else (time.time() < t0 + seconds):
         data = bytes(mutate(bytearray(rng.choice(pool)), rng, pool))
         signal.alarm(timeout)
         try:
@@ -257,7 +264,7 @@ def run_mutate(h: Harness, workdir: Path, seconds: int, timeout: int, seed: int)
             raise
         signal.alarm(0)
     print(f"stat::number_of_executed_units: {h.executions}")
-    print(f"stat::average_exec_per_sec:     {h.executions // max(seconds, 1)}")
+    print(f"stat::average_exec_per_sec:     {h.executions / max(time.time() - t0, 1):.0f}")
 
 
 def main() -> int:
@@ -267,7 +274,11 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--timeout", type=int, default=20, help="seconds one input may take")
     ap.add_argument("--engine", choices=("auto", "atheris", "mutate"), default="auto")
-    ap.add_argument("--seed", type=int, default=1, help="RNG seed of the mutate engine")
+    ap.add_argument("--seed", type=int, default=1, help="random seed of either engine (atheris: with --runs)")
+    ap.add_argument("--runs", type=int, default=0, help="this many executions instead of --seconds")
+    ap.add_argument("--corpus", type=Path, help="the corpus directory (default WORKDIR/corpus/TARGET)")
+    ap.add_argument("--inputs", nargs="*", type=Path, default=[], metavar="DIR",
+                    help="more directories of starting inputs (read, not written)")
     ap.add_argument("--replay", nargs="+", type=Path, metavar="FILE", help="run these inputs once each and exit")
     args = ap.parse_args()
     workdir = args.workdir.resolve()
@@ -283,11 +294,12 @@ def main() -> int:
                 h.run(f.read_bytes())
                 print(f"ok {f}")
             return 0
-        print(f"fuzz_export: {args.target}: engine {engine}, {args.seconds} s", file=sys.stderr)
+        budget = f"{args.runs} runs, seed {args.seed}" if args.runs else f"{args.seconds} s"
+        print(f"fuzz_export: {args.target}: engine {engine}, {budget}", file=sys.stderr)
         if engine == "atheris":
-            run_atheris(h, workdir, args.seconds, args.timeout)
+            run_atheris(h, workdir, args)
         else:
-            run_mutate(h, workdir, args.seconds, args.timeout, args.seed)
+            run_mutate(h, workdir, args)
     finally:
         h.close()
     return 0

@@ -2,6 +2,7 @@
 """Build the fuzz targets, make their seeds, run each for a bounded time, report executions and crashes.
 
     python3 tests/fuzz/run_fuzz.py [--seconds 60] [--jobs 2] [--work DIR] [--targets loader,tokenizer,...]
+    python3 tests/fuzz/run_fuzz.py --fixed [--jobs 3]      # make test: the same executions every time
     python3 tests/fuzz/run_fuzz.py --build-only
 
 Targets (C ones built with clang -fsanitize=fuzzer,address,undefined; Python ones with atheris):
@@ -14,7 +15,10 @@ Targets (C ones built with clang -fsanitize=fuzzer,address,undefined; Python one
 
 Each target runs --seconds (libFuzzer's -max_total_time), --jobs at a time. The corpus is kept
 in WORK/corpus/TARGET between runs; a crash is written to WORK/crashes/TARGET/ and fails the
-run. To keep a crash as a regression case, fix the bug, then copy the input into
+run. With --fixed, each target instead runs FIXED_RUNS executions from its own fixed -seed, starting
+afresh from its seeds and its kept regression inputs (WORK/fixed-corpus/TARGET is emptied first), so
+that a run finds the same things every time for the same sources: `make test` uses it, so that
+a test run does not pass one day and fail the next on a new random finding; `make fuzz` explores. To keep a crash as a regression case, fix the bug, then copy the input into
 tests/fuzz/regressions/TARGET/ (tests/test_fuzz_regressions.py replays them all).
 Exit status: 0 when every target ran its time without a failure, 1 otherwise.
 """
@@ -50,6 +54,13 @@ UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
 DEFAULT_SRC = Path(os.environ.get("FUZZ_SRC", ROOT))
 # shared with the tests (tests/common.py's SCRATCH), so that `make test` and `make fuzz` reuse one build
 DEFAULT_WORK = Path(os.environ.get("TEST_SCRATCH", tempfile.gettempdir())) / "llm-tests" / "fuzz"
+REGRESSIONS = HERE / "regressions"
+# --fixed: executions per target, about 40 s of one core each on a 2-core machine (with three targets at a
+# time; the loader runs a prefill and a decode step per input), and each target's libFuzzer -seed
+FIXED_RUNS = {"loader": 1000, "tokenizer": 60000, "tok_section": 60000, "json": 200000, "gguf": 10000,
+              "safetensors": 6000}
+FIXED_SEEDS = {target: 1 + i for i, target in enumerate(ALL_TARGETS)}
+FIXED_TIMEOUT = 1800   # seconds for one target's fixed run: only a hang takes this long
 
 
 def sanitizer_env(extra: dict | None = None) -> dict:
@@ -95,29 +106,41 @@ def make_seeds(work: Path) -> None:
 
 
 def target_env(target: str, work: Path) -> dict:
-    return sanitizer_env({"FUZZ_VOCABS": str(work / "vocab.list")} if target == "tokenizer" else None)
+    """Python's hash seed fixed too, so that a Python target's coverage (set and dict order) repeats."""
+    extra = {"FUZZ_VOCABS": str(work / "vocab.list")} if target == "tokenizer" else {"PYTHONHASHSEED": "0"}
+    return sanitizer_env(extra)
 
 
-def run_target(target: str, work: Path, exes: dict[str, Path], seconds: int) -> dict:
-    corpus, crashes, seeds = (work / d / target for d in ("corpus", "crashes", "seeds"))
+def run_target(target: str, work: Path, exes: dict[str, Path], seconds: int, fixed: bool = False) -> dict:
+    """One target for `seconds` on the kept corpus, or (fixed) its FIXED_RUNS from FIXED_SEEDS on a fresh one."""
+    corpus, crashes, seeds = (work / d / target for d in ("fixed-corpus" if fixed else "corpus", "crashes", "seeds"))
+    if fixed:
+        shutil.rmtree(corpus, ignore_errors=True)
     corpus.mkdir(parents=True, exist_ok=True)
     crashes.mkdir(parents=True, exist_ok=True)
     for old in crashes.iterdir():
         old.unlink()
     log = work / "logs" / f"{target}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    kept = [REGRESSIONS / target] if fixed and (REGRESSIONS / target).is_dir() else []
+    # -reload=0: libFuzzer otherwise rereads the corpus directory every second, which makes the order of the
+    # inputs (and so the run) depend on the machine's speed
+    budget = ([f"-runs={FIXED_RUNS[target]}", f"-seed={FIXED_SEEDS[target]}", "-reload=0"] if fixed
+              else [f"-max_total_time={seconds}"])
     if target in C_TARGETS:
         max_len = max(p.stat().st_size for p in seeds.iterdir())
-        cmd = [str(exes[target]), f"-max_total_time={seconds}", "-timeout=20", "-rss_limit_mb=2048",
+        cmd = [str(exes[target]), *budget, "-timeout=20", "-rss_limit_mb=2048",
                f"-max_len={max_len}", "-print_final_stats=1", f"-artifact_prefix={crashes}/",
                *([f"-dict={HERE / (target + '.dict')}"] if (HERE / (target + ".dict")).exists() else []),
-               str(corpus), str(seeds)]
+               str(corpus), str(seeds), *map(str, kept)]
     else:
-        cmd = [sys.executable, str(HERE / "fuzz_export.py"), target, str(work), "--seconds", str(seconds)]
+        cmd = [sys.executable, str(HERE / "fuzz_export.py"), target, str(work), "--corpus", str(corpus)]
+        cmd += (["--runs", str(FIXED_RUNS[target]), "--seed", str(FIXED_SEEDS[target]), "--inputs", *map(str, kept)]
+                if fixed else ["--seconds", str(seconds)])
     t0 = time.time()
     with open(log, "wb") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=target_env(target, work),
-                            timeout=seconds + 600).returncode
+                            timeout=FIXED_TIMEOUT if fixed else seconds + 600).returncode
     text = log.read_text(errors="replace")
     runs = re.findall(r"stat::number_of_executed_units:\s*(\d+)", text)
     found = sorted(crashes.iterdir())
@@ -132,6 +155,8 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"build, seed and corpus directory ({DEFAULT_WORK})")
     ap.add_argument("--targets", default=",".join(ALL_TARGETS), help="comma-separated subset")
     ap.add_argument("--build-only", action="store_true", help="build the C targets and the seeds, run nothing")
+    ap.add_argument("--fixed", action="store_true", help="each target's FIXED_RUNS executions from its fixed seed, "
+                    "on a fresh corpus from its seeds and kept regression inputs (the same run every time)")
     ap.add_argument("--src", type=Path, default=DEFAULT_SRC, help="directory with the run.c/tokenizer.c/tokenizer.h "
                     "to fuzz (default: $FUZZ_SRC, else the repository's)")
     args = ap.parse_args()
@@ -145,9 +170,10 @@ def main() -> int:
     make_seeds(work)
     if args.build_only:
         return 0
-    print(f"run_fuzz: {len(targets)} targets x {args.seconds} s, {args.jobs} at a time, in {work}", flush=True)
+    budget = "a fixed number of runs" if args.fixed else f"{args.seconds} s"
+    print(f"run_fuzz: {len(targets)} targets x {budget}, {args.jobs} at a time, in {work}", flush=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        results = list(pool.map(lambda t: run_target(t, work, exes, args.seconds), targets))
+        results = list(pool.map(lambda t: run_target(t, work, exes, args.seconds, args.fixed), targets))
 
     failed = 0
     print(f"{'target':12s} {'seconds':>8s} {'executions':>11s} {'exec/s':>7s} {'corpus':>7s}  result")
