@@ -3119,6 +3119,8 @@ static void adapt_team(RunState *s, double pass_ms)
     }
 }
 
+/* ----- a model file that changes while mapped -------------------------------- */
+
 /* The mapping watched by on_sigbus, and the line it prints. */
 static struct {
     const uint8_t *lo, *hi;
@@ -4356,9 +4358,9 @@ static void report_process(const Model *m, double load_ms)
     fputc('\n', stderr);
 }
 
-/* ----- byte buffers and JSON --------------------------------------------------
-   Buf is a growable byte string: what a request writes when its output goes
-   to memory rather than straight to stdout. The JSON reader takes exactly
+/* ----- JSON -------------------------------------------------------------------
+   Reading and writing it (a record is written into a Buf, section 5's
+   growable byte string). The JSON reader takes exactly
    RFC 8259 and nothing more (a script's input should mean one thing); the
    writer escapes any bytes into valid JSON and valid UTF-8. */
 
@@ -7801,6 +7803,11 @@ static void perplexity(const Model *m, RunState *s, const char *path, int ctx)
 }
 
 
+
+/* ----- the command line ------------------------------------------------------
+   -h's text, the flags' parsing and checks (usage errors exit 2), the
+   prompt's sources (-i, stdin, --ids), --dump-logits and --prompt-cache's
+   opening. */
 
 static void usage(FILE *f)
 {
