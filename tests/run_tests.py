@@ -10,12 +10,17 @@ whose prerequisite is missing fails, saying what is missing.
     python3 tests/run_tests.py -k prefill   # only tests whose name contains 'prefill'
     python3 tests/run_tests.py --check      # the fast subset (make check): see CHECK below
     python3 tests/run_tests.py -j 2         # two modules at a time (make test): see ALONE below
+
+A whole run (no module or -k filter) that ends with no failure removes its scratch directory (common.SCRATCH,
+about 9 GB of exports, logits and builds by the end) unless --keep-scratch is given; after a failure it stays,
+for a look at what the failing test left.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -137,6 +142,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only the fast subset listed in CHECK (make check)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="modules run at once, each in a child process "
                     "(default 1: all in this process); the ALONE modules still run one at a time, last")
+    ap.add_argument("--keep-scratch", action="store_true", help="keep the scratch directory after a whole run")
     ap.add_argument("--module", help=argparse.SUPPRESS)   # exactly this module (the children of -j)
     args = ap.parse_args()
     if args.jobs < 1:
@@ -153,6 +159,9 @@ def main() -> int:
         for path in paths:
             p, f = run_module(path, args.k, args.check)
             passed, failed = passed + p, failed + f
+    if not (failed or args.modules or args.k or args.module or args.keep_scratch):
+        from common import SCRATCH
+        shutil.rmtree(SCRATCH, ignore_errors=True)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
 
