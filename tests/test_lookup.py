@@ -76,7 +76,8 @@ def test_prefill_decode_and_verify_logits_are_identical():
     # scalar set's 262,144-row output head one token at a time takes minutes; its paths are one function anyway)
     rng = np.random.default_rng(3)
     for path, n, kvs, sets in ((require(DEFAULT_MODEL, "run `make model`"), 300, ("f16", "q8"), kernel_sets()[1:]),
-                               (require(DEFAULT_MODEL, "run `make model`"), 40, ("f16",), ("scalar",)),
+                               # the scalar set costs ~160 ms of CPU a token here: 16 tokens, two passes of 7 and one of 2
+                               (require(DEFAULT_MODEL, "run `make model`"), 16, ("f16",), ("scalar",)),
                                (require(ROOT / "models" / "gemma3-270m.bin", "run `make model-gemma`"), 560, ("f16",),
                                 ("",))):
         ids = [int(i) for i in rng.integers(100, 40000, size=n)]
@@ -147,7 +148,9 @@ def test_sampled_text_identical_with_and_without_lookup():
 
 def test_drafting_logic_against_references():
     exe = SCRATCH / "lookup_driver"
-    cc = subprocess.run(["cc", "-O2", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
+    # -O0: the driver includes the whole of run.c (-O2: 25 s of CPU to compile, -O0: 14) and runs in 0.1 s either
+    # way. gcc's range analysis at -O0 cannot see that read_family's message fits (the -O2 builds check it).
+    cc = subprocess.run(["cc", "-O0", "-Wno-format-truncation", "-std=c11", "-Wall", "-Wextra", "-Wno-unknown-pragmas", f"-I{ROOT}",
                          str(ROOT / "tests/lookup_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True)
     assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"

@@ -5,12 +5,14 @@ Expected values come from outside the code under test: the engine runs (greedy -
 WITHOUT --stop to give the full text, the stop strings are chosen from that text here, and the
 expected output is the full text cut in Python (`expected_cut`: the occurrence that ends first;
 of several ending at the same byte, the longest). Token boundaries come from the lengths of the
-texts that -n 1, -n 2, ... give. Every case runs with lookup decoding off (--lookup 0) and on
+tokens' bytes (the ids of a --logprobs run, the bytes from the model file's vocabulary), whose concatenation
+must be the text the run prints. Every case runs with lookup decoding off (--lookup 0) and on
 (--lookup 8, whose accepted drafts may run past a stop string), which must give the same bytes.
 """
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
 import re
@@ -65,11 +67,35 @@ def expected_cut(text: bytes, stops: list[bytes]) -> bytes:
     return text if match is None else text[:match[0]]
 
 
+CONTROL = 3  # a control token's type in the tokenizer section (llama.cpp's numbering): it prints nothing
+
+
+@functools.cache
+def vocabulary() -> tuple[list[bytes], list[int]]:
+    """Each token's bytes and type, from the model file's tokenizer section (README "The model file", read by
+    tests/tokenizer/variants.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "tokenizer"))
+    from variants import read_section
+    section = read_section(Path(model()).read_bytes())
+    return section["texts"], section["types"]
+
+
 @functools.cache
 def boundaries(args: tuple[str, ...], n: int, stdin: bytes | None = None, trailer: int = 0) -> list[int]:
-    """Byte offsets where each of the first n generated tokens ends (from -n 1 .. -n n; args without
-    -n), not counting `trailer` bytes the mode adds (chat's newline)."""
-    return [len(generate(["-n", str(k), *args], stdin=stdin)) - trailer for k in range(1, n + 1)]
+    """Byte offsets where each of the first n generated tokens ends (args without -n), not counting `trailer`
+    bytes the mode adds (chat's newline). One greedy run with --logprobs 0 gives the tokens' ids, the vocabulary
+    their bytes; their concatenation must be the text the run without --logprobs prints (what -n 1 .. -n n,
+    run one by one, would show, in one run instead of n)."""
+    texts, types = vocabulary()
+    p = run([model(), "-t", "0", "--lookup", "0", "-n", str(n), "--logprobs", "0", *args], stdin=stdin)
+    assert p.returncode == 0, f"{args} --logprobs 0: exit {p.returncode}: {p.stderr.decode(errors='replace')[-1000:]}"
+    ids = [json.loads(line)["id"] for line in p.stdout.splitlines() if line.strip()]
+    pieces = [b"" if types[i] == CONTROL else texts[i] for i in ids]
+    ends = [sum(map(len, pieces[:k + 1])) for k in range(len(pieces))]
+    ends += [ends[-1] if ends else 0] * (n - len(ends))  # the answer ended before n tokens
+    full = generate(["-n", str(n), *args], stdin=stdin)
+    assert b"".join(pieces) == full[:len(full) - trailer], f"the tokens' bytes {pieces!r} are not the text {full!r}"
+    return ends
 
 
 def stop_token(ends: list[int], match_end: int) -> int:

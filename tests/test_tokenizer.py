@@ -170,7 +170,30 @@ def export_alias(name: str) -> subprocess.CompletedProcess:
     gguf.write_bytes(data[:at] + len(new).to_bytes(8, "little") + new + data[at + 8 + len(old):])
     out = SCRATCH / "tok-alias.bin"
     out.unlink(missing_ok=True)
-    return python([ROOT / "export.py", gguf, out, "--tokenizer-only"])
+    return export_in_process([str(gguf), str(out), "--tokenizer-only"])
+
+
+@lru_cache(maxsize=None)
+def export_module():
+    """export.py imported once: the alias tests export 67 tokenizer-only files, and a `python3 export.py` each
+    spent most of its time importing numpy and export.py itself."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("export_under_test", ROOT / "export.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def export_in_process(argv: list[str]) -> subprocess.CompletedProcess:
+    """export.py's main(argv) in this process, its stdout and stderr captured and its return value the exit
+    code, as `python3 export.py ARGV` would give them (main turns every error into one line and a code)."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = export_module().main(argv)
+    return subprocess.CompletedProcess(["export.py", *argv], code, out.getvalue().encode(), err.getvalue().encode())
 
 
 def ids_sha256(model_file: Path, mode: str) -> str:
