@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from common import DEFAULT_GGUF, ROOT, SCRATCH, gguf_tensors, python, require
+from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require
+from common import gguf_tensors as gguf_tensor_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 import modelfile  # noqa: E402
@@ -648,7 +649,7 @@ def test_truncated_gguf_inside_a_k_block() -> None:
     from gguf.constants import GGMLQuantizationType as QT
 
     src = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make model-gemma)")
-    t = min((t for t in gguf_tensors(src) if t.type == QT.Q4_K), key=lambda t: t.offset)
+    t = min((t for t in gguf_tensor_table(src) if t.type == QT.Q4_K), key=lambda t: t.offset)
     with open(src, "rb") as f:
         head = f.read(t.offset + t.nbytes)
     for cut in (t.offset + 100, len(head) - 1):
