@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require
+from common import gguf_tensors as gguf_tensor_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 import modelfile  # noqa: E402
@@ -645,14 +646,13 @@ def test_truncated_gguf_in_tensor_data() -> None:
 def test_truncated_gguf_inside_a_k_block() -> None:
     """Gemma 3's Q4_K_M GGUF cut 100 bytes into its first Q4_K tensor's data (inside a 144-byte block), and one
     byte before that tensor's end: refused, naming the tensor."""
-    from gguf import GGUFReader
     from gguf.constants import GGMLQuantizationType as QT
 
     src = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make model-gemma)")
-    t = min((t for t in GGUFReader(str(src)).tensors if t.tensor_type == QT.Q4_K), key=lambda t: int(t.data_offset))
+    t = min((t for t in gguf_tensor_table(src) if t.type == QT.Q4_K), key=lambda t: t.offset)
     with open(src, "rb") as f:
-        head = f.read(int(t.data_offset) + int(t.n_bytes))
-    for cut in (int(t.data_offset) + 100, len(head) - 1):
+        head = f.read(t.offset + t.nbytes)
+    for cut in (t.offset + 100, len(head) - 1):
         expect_failure(write_gguf("trunc_k.gguf", head[:cut]), "past the end", t.name)
 
 

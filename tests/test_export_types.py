@@ -34,10 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fuzz"))
 import kquant_ref  # noqa: E402
 import make_synthetic as ms  # noqa: E402
 import modelfile  # noqa: E402
-from common import DEFAULT_GGUF, ROOT, SCRATCH, python, require, run  # noqa: E402
+from common import DEFAULT_GGUF, ROOT, SCRATCH, gguf_tensors, python, require, run  # noqa: E402
 
 try:
-    from gguf import GGUFReader
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as QT
     from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
 except ImportError as e:  # a missing prerequisite is a failure, never a skip
@@ -92,11 +91,12 @@ def random_blocks(rows: int, cols: int, type_name: str, rng: np.random.Generator
 
 
 def gguf_rows(path: Path) -> dict[str, tuple[str, np.ndarray]]:
-    """GGUF tensor name -> (type name, raw bytes as (rows, row bytes)), read by the `gguf` package."""
+    """GGUF tensor name -> (type name, raw bytes as (rows, row bytes)), by common.gguf_tensors' table."""
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
-    for t in GGUFReader(str(path)).tensors:
-        rows = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
-        out[t.name] = (QT(t.tensor_type).name, np.asarray(t.data).view(np.uint8).reshape(rows, -1))
+    for t in gguf_tensors(path):
+        rows = int(np.prod(t.dims[1:])) if len(t.dims) > 1 else 1
+        out[t.name] = (QT(t.type).name, data[t.offset:t.offset + t.nbytes].reshape(rows, -1))
     return out
 
 
@@ -497,7 +497,7 @@ def test_mix_rules_reproduce_llama_cpp_gemma3_q4_k_m():
     fallbacks show), for every matrix: the tied token embedding, attn_q, attn_k, attn_v, attn_output,
     ffn_gate, ffn_up, ffn_down (our roles tok_embeddings, wq, wk, wv, wo, w1, w3, w2)."""
     gguf = require(ROOT / "models" / "gemma3-270m-q4_k_m.gguf", "the Gemma 3 GGUF (make models)")
-    src = {t.name: (QT(t.tensor_type).name, int(t.shape[0])) for t in GGUFReader(str(gguf)).tensors}  # shape[0]: row length
+    src = {t.name: (QT(t.type).name, t.dims[0]) for t in gguf_tensors(gguf)}  # dims[0]: row length
     n_layers = 1 + max(int(name.split(".")[1]) for name in src if name.startswith("blk."))
     roles = {"attn_q": "wq", "attn_k": "wk", "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w1", "ffn_up": "w3",
              "ffn_down": "w2"}

@@ -44,8 +44,10 @@ tests/README.md for the breakages tried).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import sys
@@ -55,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 import common  # noqa: E402
-from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, python, require, run, sha256_file
+from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, gguf_tensors, require, run, sha256_file
 
 try:
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
@@ -67,6 +69,7 @@ sys.path.insert(0, str(TESTS))
 sys.path.insert(0, str(TESTS / "fuzz"))
 import make_synthetic as ms  # noqa: E402
 import modelfile  # noqa: E402
+import quality  # noqa: E402
 
 GOLDEN = TESTS / "golden" / "quant"
 EXPORT = ROOT / "export.py"
@@ -110,6 +113,7 @@ DIGEST_HEX = 16
 DIGEST_NOTE = f"first {DIGEST_HEX} hex digits of the sha256 of the tensor's data bytes, in GGUF row order"
 
 
+@lru_cache(maxsize=None)
 def _load_export():
     spec = importlib.util.spec_from_file_location("export_oracle_quant", EXPORT)
     mod = importlib.util.module_from_spec(spec)
@@ -134,9 +138,13 @@ def tensors_digest(path: Path) -> str:
     quantizer writes the tensors in another order than the source): equal digests mean two GGUFs
     hold the same weights whatever their metadata and layout."""
     h = hashlib.sha256()
-    for t in sorted(GGUFReader(str(path)).tensors, key=lambda t: t.name):
-        h.update(f"{t.name}|{int(t.tensor_type)}|{list(map(int, t.shape))}|".encode())
-        h.update(np.ascontiguousarray(t.data).tobytes())
+    with open(path, "rb") as f:
+        for t in sorted(gguf_tensors(path)):
+            h.update(f"{t.name}|{t.type}|{t.dims}|".encode())
+            f.seek(t.offset)
+            data = f.read(t.nbytes)
+            assert len(data) == t.nbytes, f"{path}: tensor {t.name} runs past the end of the file"
+            h.update(data)
     return h.hexdigest()
 
 
@@ -145,14 +153,28 @@ def bytes_digest(data: bytes) -> str:
 
 
 def tensor_types(path: Path) -> dict[str, int]:
-    return {t.name: int(t.tensor_type) for t in GGUFReader(str(path)).tensors}
+    return {t.name: t.type for t in gguf_tensors(path)}
+
+
+@lru_cache(maxsize=None)
+def gguf_reader(src: Path) -> GGUFReader:
+    """One GGUFReader per source file and run: it decodes SmolLM2's 49k token strings in seconds, and each
+    of the seven replicas and the F32 source reads the same file."""
+    return GGUFReader(str(src))
+
+
+@lru_cache(maxsize=None)
+def decoded(src: Path) -> dict[str, np.ndarray]:
+    """src's tensors decoded to float32 by the `gguf` package, once per run (SmolLM2: 540 MB, 2 s of decoding
+    that every replica would repeat)."""
+    return {t.name: gguf_dequantize(t.data, t.tensor_type).astype(np.float32) for t in gguf_reader(src).tensors}
 
 
 def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
     """A GGUF with src's metadata whose tensors are src's values (decoded by the `gguf` package)
     encoded in `types` by export.py's quantizers."""
     export = _load_export()
-    reader = GGUFReader(str(src))
+    reader = gguf_reader(src)
     missing = sorted(set(types) ^ {t.name for t in reader.tensors})
     if missing:
         raise AssertionError(f"tensor sets of {src.name} and the golden differ: {missing[:5]}")
@@ -163,8 +185,9 @@ def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
             continue
         vtype = f.types[0]
         writer.add_key_value(f.name, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    values = decoded(src)
     for t in reader.tensors:
-        x = gguf_dequantize(t.data, t.tensor_type).astype(np.float32)
+        x = values[t.name]
         want = types[t.name]
         if want == GGMLQuantizationType.F32:
             writer.add_tensor(t.name, x)
@@ -211,13 +234,9 @@ def replica_gguf(model: str, qtype: str) -> Path:
 
 @lru_cache(maxsize=None)
 def engine_file(model: str, qtype: str) -> Path:
-    """Our model file: the replica exported with export.py's default (--dtype keep)."""
-    gguf = replica_gguf(model, qtype)
-    out = WORK / f"{model}-{qtype}.bin"
-    p = python([EXPORT, gguf, out])
-    if p.returncode != 0:
-        raise AssertionError(f"export.py {gguf.name} failed ({p.returncode}):\n{p.stderr.decode(errors='replace')}")
-    return out
+    """Our model file: the replica exported with export.py's default (--dtype keep), again whenever export.py
+    or the replica is newer than the export."""
+    return common.export_fresh(replica_gguf(model, qtype), WORK / f"{model}-{qtype}.bin")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,16 +425,11 @@ def as_gguf_tensors(model: Path, shapes: dict[str, list[int]]) -> dict[str, tupl
 
 def f32_source(model: str) -> Path:
     """The F32 GGUF llama.cpp quantized: SmolLM2's shipped Q4_1 values as F32 (llama.cpp's ALL_F32 copy of
-    the shipped GGUF holds exactly the values the gguf package decodes), or the synthetic model's."""
+    the shipped GGUF holds exactly the values the gguf package decodes: tests/quality.py's F32 GGUF, which
+    test_quant quantizes too), or the synthetic model's. The test checks its tensors' digest."""
     if model == "synth":
         return synthetic_f32_gguf()
-    src = source_gguf(model)
-    out = WORK / "smollm2-f32.gguf"
-    if not out.exists() or out.stat().st_mtime < max(src.stat().st_mtime, EXPORT.stat().st_mtime):
-        tmp = out.with_suffix(f".tmp{os.getpid()}")
-        write_replica(src, {t.name: int(GGMLQuantizationType.F32) for t in GGUFReader(str(src)).tensors}, tmp)
-        tmp.replace(out)
-    return out
+    return quality.f32_gguf_source(quality.gguf_source(source_gguf(model))).path
 
 
 def test_dtypes_give_llama_quantize_types_and_bytes():
@@ -432,8 +446,10 @@ def test_dtypes_give_llama_quantize_types_and_bytes():
         assert tensors_digest(src) == g["source_tensors_sha256"], f"{src} holds other values than llama.cpp's source"
         for dtype, want in g["dtypes"].items():
             out = WORK / f"mix-{model}-{dtype}.bin"
-            p = python([EXPORT, src, out, "--dtype", dtype], timeout=600)
-            assert p.returncode == 0, f"export.py --dtype {dtype} failed: {p.stderr.decode(errors='replace')[-600:]}"
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):   # in this process: 24 exports, each saving an interpreter start
+                rc = _load_export().main([str(src), str(out), "--dtype", dtype])
+            assert rc == 0, f"export.py --dtype {dtype} failed: {err.getvalue()[-600:]}"
             got = as_gguf_tensors(out, g["shapes"])
             out.unlink()
             assert set(got) == set(want["tensors"]), f"{model} {dtype}: tensor sets differ: {set(got) ^ set(want['tensors'])}"

@@ -42,7 +42,7 @@ import make_synthetic as ms  # noqa: E402
 import ppl_ref  # noqa: E402
 import quality  # noqa: E402
 import ref_forward as rf  # noqa: E402
-from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, python, require, run  # noqa: E402
+from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, exported, python, require, run  # noqa: E402
 
 THREADS = 2
 TEXT = require(quality.TEXT, "the perplexity text (see tests/data/SOURCE.md)")
@@ -222,13 +222,15 @@ def test_ppl_rule_variants_are_distinguishable():
 
 @functools.cache
 def smollm2(which: str) -> Path:
-    """'f32', 'q8_0', 'q4_1' exported from the F32 GGUF; 'q4_1 copy' exported from the Q4_1 GGUF itself."""
+    """'q8_0', 'q4_1' exported from the F32 GGUF; 'q4_1 copy' exported from the Q4_1 GGUF itself, and 'f32' too
+    (the other modules' shared common.exported files: --dtype f32 of the Q4_1 GGUF writes the same bytes as of
+    the F32 GGUF, its values decoded exactly either way)."""
+    if which in ("f32", "q4_1 copy"):
+        return exported(which.split()[0])
     try:
         src = quality.gguf_source(DEFAULT_GGUF)
     except FileNotFoundError as e:
         raise AssertionError(str(e))
-    if which == "q4_1 copy":
-        return quality.export(src, "q4_1", "gguf")
     return quality.export(quality.f32_gguf_source(src), which, "f32gguf")
 
 

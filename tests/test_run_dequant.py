@@ -8,6 +8,7 @@ the KV cache's quantizers (q8_0, q4_0: from_float), checked against gguf.quants.
 """
 from __future__ import annotations
 
+import functools
 import subprocess
 import zlib
 
@@ -20,7 +21,9 @@ from test_dequant import QT, GGML_QUANT_SIZES, _random_blocks, _test_data, gguf_
 NATIVE = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
+@functools.cache
 def _driver() -> str:
+    """Built once per run: compiling run.c into the driver is most of this module's time."""
     return str(build_driver("dequant_driver.c"))
 
 

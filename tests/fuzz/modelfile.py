@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -238,29 +239,42 @@ def _int_layout(ttype: int):
             Q4_K: (256, 0, 8), Q5_K: (256, 1, 8), Q6_K: (288, 2, 8)}[ttype]
 
 
-def _ints_of_record(rec: np.ndarray, ttype: int) -> np.ndarray:
-    """A packed record (groups, record bytes) -> the unsigned integers [groups, 16 rows, elements]."""
+@lru_cache(maxsize=None)
+def _int_places(ttype: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray | None, int]:
+    """Where each unsigned integer [row, element] of a packed record lies: (byte of its low 4 bits (all 8 for
+    Q8_0), their shift, byte of its high bits, their shift, high-bit mask), tables of shape (16, elements)
+    filled element by element from _stretch_places."""
     head, extra, stretches = _int_layout(ttype)
-    G = rec.shape[0]
-    out = np.zeros((G, PACK_ROWS, 32 * stretches), dtype=np.uint8)
+    n = 32 * stretches
+    lo_at, lo_shift = np.zeros((PACK_ROWS, n), np.intp), np.zeros((PACK_ROWS, n), np.uint8)
+    hi_at, hi_shift = np.zeros((PACK_ROWS, n), np.intp), np.zeros((PACK_ROWS, n), np.uint8)
     if ttype == Q8_0:
         for r in range(PACK_ROWS):
             for e in range(32):
-                out[:, r, e] = rec[:, head + 64 * (e // 4) + 4 * r + e % 4]   # q + 128, as stored
-        return out
+                lo_at[r, e] = head + 64 * (e // 4) + 4 * r + e % 4   # q + 128, as stored
+        return lo_at, lo_shift, None, None, 0xFF
     plane_bytes = 64 * extra
     for s in range(stretches):
         base = head + s * (plane_bytes + 256)
         for r in range(PACK_ROWS):
             for e in range(32):
                 at, shift, k, pb = _stretch_places(r, e)
-                u = (rec[:, base + plane_bytes + at] >> shift) & 0x0F
+                lo_at[r, 32 * s + e], lo_shift[r, 32 * s + e] = base + plane_bytes + at, shift
                 if extra:
                     per_byte = 8 // extra
-                    hi = (rec[:, base + 64 * (k // per_byte) + pb] >> (k % per_byte * extra)) & ((1 << extra) - 1)
-                    u = u | (hi << 4)
-                out[:, r, 32 * s + e] = u
-    return out
+                    hi_at[r, 32 * s + e] = base + 64 * (k // per_byte) + pb
+                    hi_shift[r, 32 * s + e] = k % per_byte * extra
+    return lo_at, lo_shift, hi_at if extra else None, hi_shift, 0x0F
+
+
+def _ints_of_record(rec: np.ndarray, ttype: int) -> np.ndarray:
+    """Packed records (n, record bytes) -> the unsigned integers [n, 16 rows, elements]."""
+    lo_at, lo_shift, hi_at, hi_shift, mask = _int_places(ttype)
+    u = (rec[:, lo_at] >> lo_shift) & mask
+    if hi_at is not None:
+        extra = _int_layout(ttype)[1]
+        u |= ((rec[:, hi_at] >> hi_shift) & ((1 << extra) - 1)) << 4
+    return u
 
 
 def _put_ints(rec: np.ndarray, ttype: int, ints: np.ndarray) -> None:
@@ -365,17 +379,15 @@ def unpack(ttype: int, rows: int, cols: int, data: bytes) -> bytes:
     out = np.zeros((groups, PACK_ROWS, nb, nbytes), dtype=np.uint8)
     if ttype in FLOAT_TYPES:
         out[:] = rec.reshape(groups, nb, PACK_ROWS, nbytes).transpose(0, 2, 1, 3)
-    else:
-        for k in range(nb):
-            r_ = rec[:, k, :]
-            at = 0
-            for off, width in _head_fields(ttype):
-                for r in range(PACK_ROWS):
-                    out[:, r, k, off:off + width] = r_[:, at + width * r:at + width * (r + 1)]
-                at += width * PACK_ROWS
-            u = _ints_of_record(r_, ttype)
-            blocks = _blocks_of_ints(u.reshape(-1, u.shape[2]), out[:, :, k, :].reshape(-1, nbytes), ttype)
-            out[:, :, k, :] = blocks.reshape(groups, PACK_ROWS, nbytes)
+    else:   # every block k of every group at once
+        at = 0
+        for off, width in _head_fields(ttype):
+            for r in range(PACK_ROWS):
+                out[:, r, :, off:off + width] = rec[:, :, at + width * r:at + width * (r + 1)]
+            at += width * PACK_ROWS
+        u = _ints_of_record(rec.reshape(groups * nb, -1), ttype).reshape(groups, nb, PACK_ROWS, -1)
+        u = u.transpose(0, 2, 1, 3).reshape(groups * PACK_ROWS * nb, -1)
+        out = _blocks_of_ints(u, out.reshape(-1, nbytes), ttype)
     return out.reshape(groups * PACK_ROWS, nb * nbytes)[:rows].tobytes()
 
 
