@@ -26,8 +26,6 @@ def run_checks(exe: Path, runner: tuple[str, ...] = ()) -> str:
 
 def build_and_run(name: str, flags: list[str]) -> str:
     return run_checks(build(name, flags))
-    assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
-    return out.stdout
 
 
 def cpu_sets() -> list[str]:

@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#ifndef FUZZ_RUN_C_INCLUDED   /* tests/fuzz/fuzz_engine.c has included run.c already */
 #ifndef RUN_C
 #define RUN_C "../../run.c"   /* -DRUN_C='"path"' fuzzes a patched copy */
 #endif
@@ -22,6 +23,7 @@
 #define main run_main
 #include RUN_C
 #undef main
+#endif
 #include "../json_canon.h"
 
 /* An error must be one line, "at byte N: ..." with N <= len. */
