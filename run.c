@@ -2984,7 +2984,10 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #include <immintrin.h>
 #endif
 #define PRAGMA_STR(...) #__VA_ARGS__
-#if defined(__x86_64__) && defined(__GNUC__)
+/* SCALAR_SET_ONLY leaves every SIMD set out: for test drivers of code that
+   runs no kernel (the JSON reader's, lookup's), which then compile in a
+   fraction of the time. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(SCALAR_SET_ONLY)
 #define HAVE_X86_SETS 1
 #ifdef __clang__
 #define TARGET_BEGIN(isa) _Pragma(PRAGMA_STR(clang attribute push(__attribute__((target(isa))), apply_to = function)))
@@ -3005,11 +3008,24 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #define ISA_AVXVNNI "avx2,fma,f16c,avx512f,avx512vl,avx512vnni"
 #define DPBUSD_256 _mm256_dpbusd_epi32
 #endif
+/* Every x86-64 build carries the AVX-VNNI and AVX-512 sets, chosen at run
+   time. NATIVE_SETS_ONLY, for builds made with -march=native to test the
+   machine they are built on (the sanitizer and fuzz builds), leaves out the
+   sets that -march=native says this CPU lacks: there they can only be
+   compiled, which the normal builds do, and their instrumented kernels are
+   a large part of such a build's time. */
+#if !defined(NATIVE_SETS_ONLY) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+                                   defined(__AVX512DQ__) && defined(__AVX512VNNI__))
+#define HAVE_AVX512_SET 1
+#endif
+#if !defined(NATIVE_SETS_ONLY) || defined(__AVXVNNI__) || (defined(AVXVNNI_TWIN) && defined(HAVE_AVX512_SET))
+#define HAVE_AVXVNNI_SET 1
+#endif
 #endif
 /* Every aarch64 build carries the NEON set (NEON is part of ARMv8-A) and
    the set with the dot-product extension (sdot, ARMv8.2-A and later; the
    kernel reports it in the hwcaps), compiled for it as the x86 sets are. */
-#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__GNUC__)
+#if defined(__aarch64__) && defined(__ARM_NEON) && defined(__GNUC__) && !defined(SCALAR_SET_ONLY)
 #define HAVE_NEON_SET 1
 #include <arm_neon.h>
 #include <sys/auxv.h>
@@ -3980,7 +3996,13 @@ static const KernelSet SET_SCALAR = {
 /* The other sets are defined at the end of their appendices, beside their
    kernels; these tentative definitions let the table below name them. */
 #ifdef HAVE_X86_SETS
-static const KernelSet SET_AVX2, SET_AVXVNNI, SET_AVX512;
+static const KernelSet SET_AVX2;
+#endif
+#ifdef HAVE_AVXVNNI_SET
+static const KernelSet SET_AVXVNNI;
+#endif
+#ifdef HAVE_AVX512_SET
+static const KernelSet SET_AVX512;
 #endif
 #ifdef HAVE_NEON_SET
 static const KernelSet SET_NEON, SET_NEON_DOT;
@@ -3988,7 +4010,13 @@ static const KernelSet SET_NEON, SET_NEON_DOT;
 static const KernelSet *const SETS[N_KSETS] = {
     [KSET_SCALAR] = &SET_SCALAR,
 #ifdef HAVE_X86_SETS
-    [KSET_AVX2] = &SET_AVX2, [KSET_AVXVNNI] = &SET_AVXVNNI, [KSET_AVX512] = &SET_AVX512,
+    [KSET_AVX2] = &SET_AVX2,
+#endif
+#ifdef HAVE_AVXVNNI_SET
+    [KSET_AVXVNNI] = &SET_AVXVNNI,
+#endif
+#ifdef HAVE_AVX512_SET
+    [KSET_AVX512] = &SET_AVX512,
 #endif
 #ifdef HAVE_NEON_SET
     [KSET_NEON] = &SET_NEON, [KSET_NEON_DOT] = &SET_NEON_DOT,
@@ -8998,19 +9026,6 @@ PACKED_KERNEL(f32, avx2, packedf_avx2, T_F32, 0, 0, NULL)
 PACKED_KERNEL(f16, avx2, packedf_avx2, T_F16, 0, 0, NULL)
 PACKED_KERNEL(bf16, avx2, packedf_avx2, T_BF16, 0, 0, NULL)
 
-/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
-   1 and 7, xgetbv): what the AVX2 set's instructions need. */
-static int cpu_has_avx2(void)
-{
-    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
-    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
-    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
-    if (!(fma && osxsave && avx && f16c)) return 0;
-    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    return b >> 5 & 1;
-}
-
 /* --probe's f32 peak for a set: 8 independent chains of FMAs on vectors V
    of `width` floats. */
 #define PEAK_F32(set, V, width, set1, fmadd, hsum)                                \
@@ -9044,6 +9059,24 @@ static double peak_i8_avx2(unsigned *sink)
 }
 TARGET_END
 
+/* AVX2, FMA and F16C, and an OS that saves the YMM registers (cpuid leaves
+   1 and 7, xgetbv): what the AVX2 set's instructions need. Like every set's
+   check, it stands outside the set's target region: it runs on CPUs that
+   lack the set, so it must not be compiled to use the set's instructions
+   (gcc did: at -O0 under ASan, cpu_has_avx512_vnni inside AVX-512's region
+   set up its stack with an AVX-512 store and died of SIGILL on AVX2-only
+   CPUs). */
+static int cpu_has_avx2(void)
+{
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int fma = c >> 12 & 1, osxsave = c >> 27 & 1, avx = c >> 28 & 1, f16c = c >> 29 & 1;
+    if (!(fma && osxsave && avx && f16c)) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 6) != 6 || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return b >> 5 & 1;
+}
+
 /* The AVX2 set's row of the kernel tables. */
 static const KernelSet SET_AVX2 = {
     {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_softmax_avx2,
@@ -9069,7 +9102,7 @@ static const KernelSet SET_AVX2 = {
    to saturate). The rest is the AVX2 set's. Used when the CPU reports
    AVX-VNNI (cpuid leaf 7, subleaf 1, EAX bit 4) besides AVX2.
    ========================================================================= */
-#ifdef HAVE_X86_SETS
+#ifdef HAVE_AVXVNNI_SET
 TARGET_BEGIN(ISA_AVXVNNI)
 INLINE __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) { return DPBUSD_256(acc, u, s); }
 
@@ -9078,16 +9111,6 @@ PACKED_KERNEL(q4_1, avxvnni, packed32_avx2, 4, 0, 1, dot4_vnni)
 PACKED_KERNEL(q5_0, avxvnni, packed32_avx2, 5, 16, 0, dot4_vnni)
 PACKED_KERNEL(q5_1, avxvnni, packed32_avx2, 5, 0, 1, dot4_vnni)
 PACKED_KERNEL(q8_0, avxvnni, packed32_avx2, 8, 128, 0, dot4_vnni) /* q + 128 as stored: its offset through x's sum */
-
-static int cpu_has_avxvnni(void)
-{
-#ifdef AVXVNNI_TWIN
-    return cpu_has_avx512_vnni(); /* the tests' build: the EVEX twin runs where AVX-512 VNNI does */
-#else
-    unsigned a, b, c, d;
-    return cpu_has_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
-#endif
-}
 
 /* --probe's int8 peak for this set: 8 chains of 256-bit vpdpbusd (32 int8
    multiply-adds each). */
@@ -9102,6 +9125,20 @@ static double peak_i8_avxvnni(unsigned *sink)
 }
 TARGET_END
 
+#ifdef AVXVNNI_TWIN
+static int cpu_has_avx512_vnni(void); /* appendix C */
+#endif
+
+static int cpu_has_avxvnni(void)
+{
+#ifdef AVXVNNI_TWIN
+    return cpu_has_avx512_vnni(); /* the tests' build: the EVEX twin runs where AVX-512 VNNI does */
+#else
+    unsigned a, b, c, d;
+    return cpu_has_avx2() && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1);
+#endif
+}
+
 /* The AVX-VNNI set's row: the 32-element types' packed products and the
    int8 probe; the rest is AVX2's. */
 static const KernelSet SET_AVXVNNI = {
@@ -9110,7 +9147,7 @@ static const KernelSet SET_AVXVNNI = {
      [T_Q5_0] = {.packed = packed_q5_0_avxvnni}, [T_Q5_1] = {.packed = packed_q5_1_avxvnni},
      [T_Q8_0] = {.packed = packed_q8_0_avxvnni}},
 };
-#endif /* HAVE_X86_SETS */
+#endif /* HAVE_AVXVNNI_SET */
 
 /* ============================================================================
    APPENDIX C: THE AVX-512 KERNEL SET
@@ -9123,7 +9160,7 @@ static const KernelSet SET_AVXVNNI = {
    Used when the CPU has AVX-512 F/BW/VL/DQ and VNNI and the OS saves the
    ZMM registers (cpu_has_avx512_vnni).
    ========================================================================= */
-#ifdef HAVE_X86_SETS
+#ifdef HAVE_AVX512_SET
 TARGET_BEGIN(ISA_AVX512)
 
 /* Element e's 16 rows of a packed float group (see "packed floats"). */
@@ -9416,19 +9453,6 @@ static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *
     else att_pv_type_avx512(o, os, p, nq, v, hd, nk, 0);
 }
 
-/* AVX2's requirements, AVX-512 F/DQ/BW/VL and VNNI (cpuid leaf 7), and an
-   OS that saves the opmask and all 32 ZMM registers (XCR0 bits 5-7). */
-static int cpu_has_avx512_vnni(void)
-{
-    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
-    const unsigned zmm_state = 0xe6; /* XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM */
-    if (!cpu_has_avx2()) return 0;
-    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
-    if ((xcr0_lo & zmm_state) != zmm_state || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
-    int f = b >> 16 & 1, dq = b >> 17 & 1, bw = b >> 30 & 1, vl = b >> 31 & 1, vnni = c >> 11 & 1;
-    return f && dq && bw && vl && vnni;
-}
-
 /* --probe's peaks for this set: 16-float FMAs, and 8 chains of vpdpbusd
    (64 int8 multiply-adds each). */
 PEAK_F32(avx512, __m512, 16, _mm512_set1_ps, _mm512_fmadd_ps, _mm512_reduce_add_ps)
@@ -9444,6 +9468,19 @@ static double peak_i8_avx512(unsigned *sink)
 }
 TARGET_END
 
+/* AVX2's requirements, AVX-512 F/DQ/BW/VL and VNNI (cpuid leaf 7), and an
+   OS that saves the opmask and all 32 ZMM registers (XCR0 bits 5-7). */
+static int cpu_has_avx512_vnni(void)
+{
+    unsigned a, b, c, d, xcr0_lo, xcr0_hi;
+    const unsigned zmm_state = 0xe6; /* XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM */
+    if (!cpu_has_avx2()) return 0;
+    __asm__("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & zmm_state) != zmm_state || !__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    int f = b >> 16 & 1, dq = b >> 17 & 1, bw = b >> 30 & 1, vl = b >> 31 & 1, vnni = c >> 11 & 1;
+    return f && dq && bw && vl && vnni;
+}
+
 /* The AVX-512 set's row: the packed products and prefill's attention; the
    rest is AVX2's. */
 static const KernelSet SET_AVX512 = {
@@ -9455,7 +9492,7 @@ static const KernelSet SET_AVX512 = {
      [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512},
      [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512}},
 };
-#endif /* HAVE_X86_SETS */
+#endif /* HAVE_AVX512_SET */
 
 /* ============================================================================
    APPENDIX D: THE NEON KERNEL SET (aarch64)
@@ -9669,6 +9706,7 @@ PACKED_KERNEL(q4_1, sdot, packed32_neon, 4, 0, 1, dot4_sdot)
 PACKED_KERNEL(q5_0, sdot, packed32_neon, 5, 16, 0, dot4_sdot)
 PACKED_KERNEL(q5_1, sdot, packed32_neon, 5, 0, 1, dot4_sdot)
 PACKED_KERNEL(q8_0, sdot, packed32_neon, 8, 0, 0, dot4_sdot)
+TARGET_END
 
 /* The dot-product instructions, as the kernel reports them (HWCAP_ASIMDDP). */
 static int cpu_has_sdot(void)
@@ -9676,7 +9714,6 @@ static int cpu_has_sdot(void)
     const unsigned long asimddp = 1ul << 20;
     return (getauxval(AT_HWCAP) & asimddp) != 0;
 }
-TARGET_END
 
 /* The NEON sets' rows: the 32-element types' packed products and (NEON)
    prefill's attention; the rest is the scalar set's, and with sdot NEON's. */
