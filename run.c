@@ -2350,11 +2350,11 @@ typedef struct JsonMask JsonMask;
 typedef struct JsonConstraint JsonConstraint;
 typedef struct PromptCache PromptCache;
 static int stop_step(StopMatch *m, char c, char *out);
-static JsonMask *json_mask_new(const JsonConstraint *jc, int vocab);
-static const uint8_t *json_mask_allowed(JsonMask *jm);
-static int json_mask_take(JsonMask *jm, const char *text, size_t len);
-static int json_mask_done(const JsonMask *jm);
-static void json_mask_end(JsonMask *jm, Stats *st);
+static JsonMask *grammar_mask_new(const JsonConstraint *jc, int vocab);
+static const uint8_t *grammar_mask_allowed(JsonMask *jm);
+static int grammar_mask_take(JsonMask *jm, const char *text, size_t len);
+static int grammar_mask_done(const JsonMask *jm);
+static void grammar_mask_end(JsonMask *jm, Stats *st);
 static void lookup_time(PassCost *pc, int m, double ms);
 static void lookup_adapt(Lookup *lk, const int *ids, int n);
 static int lookup_room(const Lookup *lk, const Tokens *t, int limit);
@@ -2483,7 +2483,7 @@ typedef struct {
    conversation so far as the penalties' history. */
 static int sample_next(const Gen *g, float *logits)
 {
-    return sample(g->sm, logits, g->m->c.vocab_size, g->cand, g->jm ? json_mask_allowed(g->jm) : NULL, g->r->conv);
+    return sample(g->sm, logits, g->m->c.vocab_size, g->cand, g->jm ? grammar_mask_allowed(g->jm) : NULL, g->r->conv);
 }
 
 /* Takes the sampled token: an end token stops (never printed, never fed
@@ -2504,12 +2504,12 @@ static int take_token(Gen *g, int token, int pos)
     if (tok_is_eog(m->tok, token) && (!g->o->ignore_eos || g->jm)) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
-    if (g->jm && !json_mask_take(g->jm, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
+    if (g->jm && !grammar_mask_take(g->jm, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
         die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
     int stopped = piece && !tok_is_control(m->tok, token) && text_put(r->out, piece, len);
     r->st.n_gen++;
     if (stopped) return STOP_STRING;
-    if (g->jm && json_mask_done(g->jm)) return STOP_JSON_DONE;
+    if (g->jm && grammar_mask_done(g->jm)) return STOP_JSON_DONE;
     if (r->st.n_gen >= r->n_predict) return STOP_LIMIT;
     if (pos >= g->s->seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
@@ -2584,7 +2584,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
              .cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate))};
     Logprobs lp = {.want = o->logprobs};
     sm->report = o->logprobs >= 0 ? &lp : NULL;
-    g.jm = o->json ? json_mask_new(o->json, m->c.vocab_size) : NULL;
+    g.jm = o->json ? grammar_mask_new(o->json, m->c.vocab_size) : NULL;
     Tokens *conv = r->conv;
     Stats *st = &r->st;
     int n = conv->n - r->pos, why = STOP_LIMIT;
@@ -2620,7 +2620,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
     sm->report = NULL;
     if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", r->out->stop.hit);
-    if (g.jm) json_mask_end(g.jm, st);
+    if (g.jm) grammar_mask_end(g.jm, st);
     free(g.cand);
     return why;
 }
@@ -2628,7 +2628,7 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
 /* What ended an answer whose JSON value is incomplete (generate's why),
    for the message: "-n", "the end of the context", "Ctrl-C" or the stop
    string, e.g. "stop string 2 (',')". */
-static const char *json_stop_cause(int why, const TextOut *out, char *buf, size_t len)
+static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
 {
     if (why == STOP_STRING) {
         int k = out->stop.hit - 1;
@@ -2766,7 +2766,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         if (r.st.json_incomplete) {
             char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
             format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
-                        json_stop_cause(why, &out, cause, sizeof cause));
+                        stop_cause(why, &out, cause, sizeof cause));
             fputs(msg, stderr);
             incomplete++;
         }
@@ -2824,7 +2824,7 @@ static const char *kernel_set_name(void);
 static void check_kv_type(int type, int head_dim);
 static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t);
 static JsonConstraint *build_json_constraint(int json, const char *schema_path);
-static void json_constraint_vocab(JsonConstraint *jc, const Model *m);
+static void constraint_vocab(JsonConstraint *jc, const Model *m);
 static void free_json_constraint(JsonConstraint *jc);
 static void keep_every_position(RunState *s, const Config *c);
 static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const char *path, int read_only, int verbose);
@@ -2850,7 +2850,7 @@ int main(int argc, char **argv)
     if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
         die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
-    if (jcp) json_constraint_vocab(jcp, &m), a.gen.json = jcp;
+    if (jcp) constraint_vocab(jcp, &m), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
     int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
@@ -2938,7 +2938,7 @@ int main(int argc, char **argv)
         free(r.st.itl);
         char cause[STOP_MAX_BYTES + 32];
         if (r.st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", json_stop_cause(why, &out, cause, sizeof cause));
+            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, &out, cause, sizeof cause));
     }
     if (a.gen.cache) close_prompt_cache(a.gen.cache);
     if (a.gen.verbose) report_process(&m, load_ms);
@@ -5749,7 +5749,7 @@ static int json_walk(const JsonConstraint *jc, const JsonState *s, JsonState *wa
 /* The tokens allowed next: 1 where a token keeps the output a prefix of
    a value the grammar allows (an end token only where the value is
    complete). Cached by state. */
-static const uint8_t *json_mask_allowed(JsonMask *jm)
+static const uint8_t *grammar_mask_allowed(JsonMask *jm)
 {
     size_t size = json_state_size(&jm->state);
     uint64_t h = 1469598103934665603ull; /* FNV-1a */
@@ -6098,7 +6098,7 @@ static int compile_schema_value(JsonConstraint *jc, const Json *v, const VocabTr
 
 /* The generation loop's handles on a request's mask (a heap object, so
    that the loop needs no more of this section than these names). */
-static JsonMask *json_mask_new(const JsonConstraint *jc, int vocab)
+static JsonMask *grammar_mask_new(const JsonConstraint *jc, int vocab)
 {
     JsonMask *jm = xmalloc(sizeof *jm);
     json_mask_init(jm, jc, vocab);
@@ -6106,13 +6106,13 @@ static JsonMask *json_mask_new(const JsonConstraint *jc, int vocab)
 }
 
 /* Moves the automaton over a token's text; 0 if the text breaks the grammar. */
-static int json_mask_take(JsonMask *jm, const char *text, size_t len) { return json_feed_all(&jm->jc->g, &jm->state, text, len); }
+static int grammar_mask_take(JsonMask *jm, const char *text, size_t len) { return json_feed_all(&jm->jc->g, &jm->state, text, len); }
 
-static int json_mask_done(const JsonMask *jm) { return jm->state.mode == JM_DONE; }
+static int grammar_mask_done(const JsonMask *jm) { return jm->state.mode == JM_DONE; }
 
 /* Ends a request's mask: whether its value was left unfinished, and the
    mask's statistics, into st; frees it. */
-static void json_mask_end(JsonMask *jm, Stats *st)
+static void grammar_mask_end(JsonMask *jm, Stats *st)
 {
     st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
     st->json_walks = jm->walks, st->json_hits = jm->hits, st->json_walk_ms = jm->walk_ms;
@@ -6122,7 +6122,7 @@ static void json_mask_end(JsonMask *jm, Stats *st)
 
 /* --json (json) or --json-schema (schema_path): the grammar, compiled once;
    NULL for neither. The vocabulary's trie follows with the model
-   (json_constraint_vocab). */
+   (constraint_vocab). */
 static JsonConstraint *build_json_constraint(int json, const char *schema_path)
 {
     if (!json && !schema_path) return NULL;
@@ -6132,7 +6132,7 @@ static JsonConstraint *build_json_constraint(int json, const char *schema_path)
     return jc;
 }
 
-static void json_constraint_vocab(JsonConstraint *jc, const Model *m) { build_trie(&jc->trie, m->tok, m->c.vocab_size); }
+static void constraint_vocab(JsonConstraint *jc, const Model *m) { build_trie(&jc->trie, m->tok, m->c.vocab_size); }
 
 static void free_json_constraint(JsonConstraint *jc)
 {
@@ -7491,9 +7491,9 @@ static void seq_take(Batch *b, Seq *q, int token)
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);
     int text = piece && !tok_is_control(b->m->tok, token);
-    if (q->jc && !json_mask_take(&q->jm, piece, text ? len : 0))
+    if (q->jc && !grammar_mask_take(&q->jm, piece, text ? len : 0))
         die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && json_mask_done(&q->jm));
+    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && grammar_mask_done(&q->jm));
     b->gen_tokens++;
     q->n_gen++;
     if (stopped) finish_seq(b, q, FIN_STOP);
@@ -7524,7 +7524,7 @@ static void prefill_some(Batch *b)
         b->o->cache->saved = 1;
     }
     q->state = SEQ_DECODE;
-    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? grammar_mask_allowed(&q->jm) : NULL,
                           &q->toks));
 }
 
@@ -7581,7 +7581,7 @@ static void decode_some(Batch *b)
         int taken = 0;
         q->pos++;
         for (int i = 0;; i++) { /* row r + i: the logits after the sequence's token and its first i guesses */
-            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? json_mask_allowed(&q->jm) : NULL,
+            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? grammar_mask_allowed(&q->jm) : NULL,
                               &q->toks);
             int stood = i < k[t] && next == tokens[r + i + 1];
             taken++;

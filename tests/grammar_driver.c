@@ -39,7 +39,7 @@ static void check_mask(const JsonConstraint *jc, const Model *m, const unsigned 
     json_mask_init(&jm, jc, vocab);
     if (!json_feed_all(&jc->g, &jm.state, (const char *)p, n)) { puts("invalid"); json_mask_free(&jm); return; }
     for (int pass = 0; pass < 2; pass++) { /* the second time from the cache */
-        const uint8_t *walked = json_mask_allowed(&jm);
+        const uint8_t *walked = grammar_mask_allowed(&jm);
         for (int id = 0; id < vocab; id++) {
             size_t len;
             const char *piece = tok_piece(m->tok, id, &len);
