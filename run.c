@@ -508,7 +508,7 @@ static int read_family(Model *m, char *err)
     float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
     for (int bit = N_FLAGS; bit < 32; bit++)
         if (flags >> bit & 1) {
-            char known[ERR_BYTES] = "";
+            char known[ERR_BYTES / 2] = "";  /* the names take ~60 bytes; the sentence around them fits beside */
             for (int b = 0; b < N_FLAGS; b++)
                 snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
             LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);

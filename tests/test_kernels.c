@@ -9,7 +9,9 @@
    the int8 dot products exactly, the vector exp, and the activation
    quantizer's error bound. Includes run.c whole so the static kernels are
    reachable; prints one line per check (a set the CPU lacks is reported
-   as skipped, with the reason) and exits 1 if any failed.
+   as skipped, with the reason) and exits 1 if any failed. With --list it
+   only reports which sets this CPU runs and which it skips (the CPU check
+   alone, for a second emulated CPU whose kernels are those already tested).
    Build: cc -O2 -march=native -I. tests/test_kernels.c tokenizer.c -lm */
 #define main run_main
 #include "../run.c"
@@ -553,13 +555,15 @@ static void test_exp_avx2(void)
 TARGET_END
 #endif
 
-int main(void)
+int main(int argc, char **argv)
 {
-    int ran = 0;
+    int list = argc == 2 && !strcmp(argv[1], "--list"), ran = 0;
+    if (argc > 1 && !list) { fprintf(stderr, "usage: %s [--list]\n", argv[0]); return 2; }
     for (int set = 0; set < N_KSETS; set++) {
         if (!SETS[set]) { printf("skip kernel set %d: not compiled in this build\n", set); continue; }
         if (!kernel_set_available(set)) { printf("skip kernel set %s: this CPU cannot run it\n", SETS[set]->op.name); continue; }
         printf("kernels: %s\n", SETS[set]->op.name);
+        if (list) { ran++; continue; }
         select_kernels(set);
         test_fp16(set);
         test_quantize_act(set);
@@ -573,6 +577,7 @@ int main(void)
         test_softmax();
         test_gates();
     }
+    if (list) { printf("%d kernel sets found (--list: none tested)\n", ran); return 0; }
 #ifdef HAVE_X86_SETS
     if (kernel_set_available(KSET_AVX2)) test_exp_avx2();
 #endif

@@ -18,8 +18,8 @@ def build(name: str, flags: list[str], compiler: str = "cc") -> Path:
     return exe
 
 
-def run_checks(exe: Path, runner: tuple[str, ...] = ()) -> str:
-    out = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
+def run_checks(exe: Path, runner: tuple[str, ...] = (), *args: str) -> str:
+    out = subprocess.run([*runner, str(exe), *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"kernel checks failed:\n{out.stdout}{out.stderr}"
     return out.stdout
 
@@ -60,11 +60,6 @@ def test_simd_kernels_match_scalar():
     check_avxvnni_twin()
 
 
-def test_portable_build_tests_every_set():
-    """Without -march the x86 sets are still compiled in (target attributes) and all run."""
-    check_sets(build_and_run("test_kernels_portable", []))
-
-
 def test_portable_engine_uses_the_best_set():
     """`make portable` (no -march): the engine still picks the best set this CPU runs, and runs every
     one of them when asked; an unavailable or unknown set is a usage error listing the available ones."""
@@ -101,16 +96,18 @@ def check_avxvnni_twin() -> None:
     print(f"avxvnni through its EVEX twin (this CPU lacks AVX-VNNI): {len(packed)} packed-product checks passed")
 
 
-# The kernel checks under ASan/UBSan at -O0 with every set compiled in, those this CPU lacks too (the other
-# sanitizer builds leave them out, NATIVE_SETS_ONLY): a set's CPU check must not run that set's instructions.
-# gcc compiled cpu_has_avx512_vnni, when it stood inside AVX-512's target region, with an AVX-512 store in
-# its stack set-up at -O0 under ASan: this build died of SIGILL on an AVX2-only CPU. As cheap as the -O1
-# build of the CPU's own sets (about 70 s of one core each).
+# The kernel checks under ASan/UBSan, built portably (no -march: every x86 set is compiled through its target
+# attributes, those this CPU lacks too, unlike the other sanitizer builds' NATIVE_SETS_ONLY) at -O0, which compiles
+# in the time -O1 takes for the CPU's own sets (about 70 s of one core). Portable: the sets still run without
+# -march. Every set compiled: a set's CPU check must not run that set's instructions. gcc compiled
+# cpu_has_avx512_vnni, when it stood inside AVX-512's target region, with an AVX-512 store in its stack set-up
+# at -O0 under ASan: this build died of SIGILL on an AVX2-only CPU.
 KERNELS_SANITIZE = ["-O0", *(f for f in SANITIZE if f not in ("-O1", "-DNATIVE_SETS_ONLY"))]
 
 
-def test_kernels_under_sanitizers():
-    out = build_and_run("test_kernels_asan", ["-march=native", *KERNELS_SANITIZE])
+def test_portable_build_under_sanitizers_tests_every_set():
+    out = build_and_run("test_kernels_asan", KERNELS_SANITIZE)
+    check_sets(out)
     assert "all kernel checks passed" in out, out
 
 
@@ -119,11 +116,13 @@ def test_neon_kernels_under_qemu():
     qemu-aarch64 (qemu-user): correctness only. `make test` installs both (cross-deps)."""
     missing = [t for t in ("aarch64-linux-gnu-gcc", "qemu-aarch64") if not shutil.which(t)]
     assert not missing, f"{missing} not installed: run `make cross-deps`"
-    # qemu's default CPU ("max") has the dot-product extension; a Cortex-A53 (ARMv8.0-A) has not, so
-    # there the sdot set must be found missing in the hwcaps and skipped
+    # qemu's default CPU ("max") has the dot-product extension and runs every check; a Cortex-A53 (ARMv8.0-A)
+    # has not, so there the sdot set must be found missing in the hwcaps and skipped (--list: the CPU check
+    # alone, the kernels being the ones "max" just tested)
     exe = build("test_kernels_aarch64", ["-static"], "aarch64-linux-gnu-gcc")
-    for cpu, sets in ((), ["scalar", "neon", "neon-dot"]), (("-cpu", "cortex-a53"), ["scalar", "neon"]):
-        out = run_checks(exe, ("qemu-aarch64", *cpu))
+    for cpu, sets, done in (((), ["scalar", "neon", "neon-dot"], "kernel sets tested"),
+                            (("-cpu", "cortex-a53"), ["scalar", "neon"], "kernel sets found")):
+        out = run_checks(exe, ("qemu-aarch64", *cpu), *(["--list"] if cpu else []))
         tested = [line.split()[1] for line in out.splitlines() if line.startswith("kernels:")]
-        assert tested == sets and f"{len(sets)} kernel sets tested" in out, out
+        assert tested == sets and f"{len(sets)} {done}" in out, out
         print(" ".join(cpu) or "max", "".join(line + "\n" for line in out.splitlines() if line.startswith(("kernels:", "skip"))), end="")
