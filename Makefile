@@ -143,15 +143,14 @@ test-deps: py-deps
 	@$(PYTHON) -c "import unicodedata2; assert unicodedata2.unidata_version == '15.1.0'" 2>/dev/null || \
 	  $(PYTHON) -m pip install --quiet unicodedata2==15.1.0
 
-# Two test modules at a time (each in a process of its own; test_threads and the sanitizer/fuzz module run
-# alone at the end): TEST_JOBS=1 runs everything in one process, in file order.
+# Two test modules at a time (each in a process of its own; test_threads runs alone at the end):
+# TEST_JOBS=1 runs everything in one process, in file order.
 TEST_JOBS ?= 2
 
-# The engines the suite runs, compiled side by side: ./run and ./run-noomp (about 35 s of one core each) and the
-# ASan/UBSan build that the last test module runs the end-to-end tests against (about 65 s), which would
-# otherwise be compiled there on one core while the other waits.
+# The engines the suite runs, compiled side by side: ./run and ./run-noomp (about 35 s of one core each). The
+# ASan/UBSan build (run-asan, about 75 s) is made by test_sanitize_fuzz, the first module started, beside the others.
 engines:
-	$(MAKE) -j 2 run run-noomp run-asan
+	$(MAKE) -j 2 run run-noomp
 
 test: engines $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
 	$(PYTHON) tests/run_tests.py -j $(TEST_JOBS)
@@ -202,7 +201,7 @@ run-asan: $(SRC) $(HDR)
 	$(CC) $(SAN_FLAGS) -march=native $(WARN) $(OMP) -o $@ $(SRC) -lm
 
 sanitize: run-asan $(MODEL_BIN) $(GEMMA_GGUF) test-deps fuzz-deps
-	SAN_TESTS="$(SAN_TESTS)" $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k asan
+	SAN_TESTS="$(SAN_TESTS)" $(PYTHON) tests/run_tests.py sanitize_fuzz -k asan
 
 # clang with libFuzzer and the sanitizer runtimes (Debian packages), atheris (PyPI).
 fuzz-deps: test-deps
@@ -227,4 +226,4 @@ tool-deps:
 	@command -v jq >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends jq; }
 
 fuzz: fuzz-deps $(MODEL_GGUF) $(GEMMA_GGUF)
-	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) $(PYTHON) tests/run_tests.py zz_sanitize_fuzz -k fuzz
+	FUZZ_SECONDS=$(FUZZ_SECONDS) FUZZ_JOBS=$(FUZZ_JOBS) $(PYTHON) tests/run_tests.py sanitize_fuzz -k fuzz

@@ -55,13 +55,15 @@ CHECK = [
 
 
 # With -j N, these modules run after the others, one at a time, with the machine to themselves: test_threads
-# checks thread counts and the team's adaptation to contention, and test_zz_sanitize_fuzz already keeps every core
-# busy (the ASan suite two modules at a time, the fuzz targets three at a time).
-ALONE = ("test_threads", "test_zz_sanitize_fuzz")
+# checks thread counts and the team's adaptation to contention.
+ALONE = ("test_threads",)
 # With -j N the longest modules start first, so that the last one to finish is a short one (seconds measured on a
-# 2-core machine; a module not listed counts as short).
-LONG_FIRST = ("test_fuzz_regressions", "test_kernels", "test_json", "test_oracle_quant", "test_json_output",
-              "test_prompt_cache", "test_export_types", "test_batch", "test_lookup", "test_family_oracles")
+# 2-core machine; a module not listed counts as short). test_sanitize_fuzz (the ASan/UBSan build and suite, the
+# fixed fuzz runs: ~300 CPU-s, some of it on both cores) goes first.
+# test_fuzz_regressions is short once test_sanitize_fuzz has built the fuzz targets (it waits for that build).
+LONG_FIRST = ("test_sanitize_fuzz", "test_kernels", "test_oracle_quant", "test_prompt_cache", "test_json_output",
+              "test_family_oracles", "test_batch", "test_lookup", "test_quant", "test_qwen", "test_export_errors",
+              "test_tokenizer", "test_export_types", "test_sampling")
 SUMMARY = re.compile(rb"(\d+) passed, (\d+) failed")
 
 

@@ -22,8 +22,7 @@ _built: dict[str, Path] = {}
 def work() -> Path:
     """Targets built and seeds made once per session (both cached on disk across sessions)."""
     if not _built:
-        _built.update(run_fuzz.build(run_fuzz.DEFAULT_WORK))
-        run_fuzz.make_seeds(run_fuzz.DEFAULT_WORK)
+        _built.update(run_fuzz.prepare(run_fuzz.DEFAULT_WORK))
     return run_fuzz.DEFAULT_WORK
 
 
@@ -33,10 +32,11 @@ def inputs(target: str) -> list[Path]:
 
 def replay_c(target: str, with_seeds: bool = True) -> None:
     w = work()
-    files = inputs(target) + (sorted((w / "seeds" / target).iterdir()) if with_seeds else [])
-    assert files, f"nothing to replay for {target}"
-    r = subprocess.run([str(_built[target]), "-runs=1", *map(str, files)], capture_output=True, text=True,
-                       env=run_fuzz.target_env(target, w), timeout=600)
+    with run_fuzz.locked(w, exclusive=False):   # the seeds are not rewritten meanwhile
+        files = inputs(target) + (sorted((w / "seeds" / target).iterdir()) if with_seeds else [])
+        assert files, f"nothing to replay for {target}"
+        r = subprocess.run([str(_built[target]), "-runs=1", *map(str, files)], capture_output=True, text=True,
+                           env=run_fuzz.target_env(target, w), timeout=600)
     assert r.returncode == 0, f"fuzz_{target} failed on a kept input:\n{r.stderr[-4000:]}"
 
 
@@ -72,7 +72,8 @@ def test_json_regressions():
 def test_export_regressions():
     w = work()
     for target in ("gguf", "safetensors"):
-        files = inputs(target) + sorted((w / "seeds" / target).iterdir())
-        r = subprocess.run([sys.executable, str(TESTS / "fuzz" / "fuzz_export.py"), target, str(w), "--replay",
-                            *map(str, files)], capture_output=True, text=True, timeout=600)
+        with run_fuzz.locked(w, exclusive=False):
+            files = inputs(target) + sorted((w / "seeds" / target).iterdir())
+            r = subprocess.run([sys.executable, str(TESTS / "fuzz" / "fuzz_export.py"), target, str(w), "--replay",
+                                *map(str, files)], capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, f"fuzz_export.py {target} failed on a kept input:\n{r.stdout[-2000:]}{r.stderr[-4000:]}"

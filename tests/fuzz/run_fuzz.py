@@ -25,6 +25,8 @@ Exit status: 0 when every target ran its time without a failure, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import re
 import shutil
@@ -122,6 +124,25 @@ def make_seeds(work: Path) -> None:
         raise SystemExit(f"run_fuzz: make_seeds.py failed:\n{r.stdout}{r.stderr}")
 
 
+@contextlib.contextmanager
+def locked(work: Path, exclusive: bool):
+    """WORK's lock: `make test` runs test_fuzz_regressions and the fixed fuzz runs side by side on one WORK, and
+    make_seeds() rewrites the seeds that both read. Writers (prepare) hold it exclusively, readers (a run, a
+    replay) shared, so that no one reads a half-written seed or runs a binary clang is still writing."""
+    work.mkdir(parents=True, exist_ok=True)
+    with open(work / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+
+
+def prepare(work: Path, src_dir: Path = DEFAULT_SRC) -> dict[str, Path]:
+    """build() and make_seeds() under WORK's lock; a second caller waits, then finds the binaries fresh."""
+    with locked(work, exclusive=True):
+        exes = build(work, src_dir)
+        make_seeds(work)
+    return exes
+
+
 def target_env(target: str, work: Path) -> dict:
     """Python's hash seed fixed too, so that a Python target's coverage (set and dict order) repeats."""
     extra = {"FUZZ_VOCABS": str(work / "vocab.list")} if target == "tokenizer" else {"PYTHONHASHSEED": "0"}
@@ -183,13 +204,12 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown targets {sorted(unknown)} (known: {', '.join(ALL_TARGETS)})")
 
-    exes = build(work, args.src.resolve())
-    make_seeds(work)
+    exes = prepare(work, args.src.resolve())
     if args.build_only:
         return 0
     budget = "a fixed number of runs" if args.fixed else f"{args.seconds} s"
     print(f"run_fuzz: {len(targets)} targets x {budget}, {args.jobs} at a time, in {work}", flush=True)
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    with locked(work, exclusive=False), ThreadPoolExecutor(max_workers=args.jobs) as pool:
         results = list(pool.map(lambda t: run_target(t, work, exes, args.seconds, args.fixed), targets))
 
     failed = 0

@@ -1,5 +1,5 @@
 """The end-to-end suite again under AddressSanitizer + UndefinedBehaviorSanitizer,
-and every fuzz target for a bounded time. Named to run last: both are long.
+and every fuzz target for a bounded time. `make test` starts this module first: it is the longest.
 
 Each is one test here so that `make test` ends with a single count; the child
 runs print their own per-test lines. SAN_TESTS, SAN_JOBS and FUZZ_SECONDS/FUZZ_JOBS
