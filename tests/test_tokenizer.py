@@ -28,7 +28,6 @@ import make_goldens  # noqa: E402  (its llama_cpp import is inside the functions
 
 TOKDIR = TESTS / "tokenizer"
 GOLDENS = TOKDIR / "goldens"
-BENCH = TOKDIR / "bench"
 SMOLLM2_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_GGUF = MODELS / "gemma3-270m-q4_k_m.gguf"
 FETCH = "run `make test` (the Makefile fetches the GGUFs into models/)"
@@ -400,18 +399,6 @@ def test_encoding_is_never_slow() -> None:
             assert t_big < 10 * t_small + 0.02, f"{name}: {label}: 1 MB {t_big:.3f} s vs 256 kB {t_small:.3f} s"
     worst.sort(reverse=True)
     print("slowest 1 MB inputs: " + ", ".join(f"{n} {l} {t:.3f} s" for t, l, n in worst[:4]))
-
-
-def test_benchmark_report() -> None:
-    """MB/s on 1 MB of English prose, C source and Chinese poetry (bench inputs, repeated to 1 MB)."""
-    for name in ("smollm2", "gemma3"):
-        for text in ("english", "code", "cjk"):
-            r = run_driver([model(name), "--bench", require(BENCH / f"{text}.txt", "bench input"), "--min-bytes", MB,
-                            "--seconds", 0.3])
-            assert r.returncode == 0, r.stderr
-            mbs = float(r.stdout.split("encode")[1].split()[0])
-            print(f"{name} {text}: {r.stdout.strip()}")
-            assert mbs > 2.0, f"{name} {text}: encoding at {mbs} MB/s"
 
 
 def test_tokenize_runs_on_a_tokenizer_only_file() -> None:
