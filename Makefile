@@ -185,11 +185,12 @@ bench: run $(MODEL_BIN) $(GEMMA_GGUF)
 # -O1 (AddressSanitizer's advice; tests/common.py SANITIZE): the same instrumentation as -O2, compiled in half the time
 # NATIVE_SETS_ONLY: only the kernel sets this CPU runs are compiled (run.c), a third less to compile
 SAN_FLAGS    = -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all -DNATIVE_SETS_ONLY
-# Test modules that run the engine; the C tests (kernels, tokenizer) already build their own
-# ASan/UBSan variants in the normal suite. test_threads is left out for time: its long-prompt
-# --no-batch test alone takes ~210 s under ASan (the threaded paths still run: every engine run
-# uses 2 threads); add it with SAN_TESTS="... threads".
-SAN_TESTS   ?= bad_inputs fuzz_regressions cli chat synthetic
+# Test modules that run the engine (MODULE.TEST: only that module's tests named so; of test_fuzz_regressions
+# the one that runs the engine, the others replay harnesses that are sanitizer builds already); the C tests
+# (kernels, tokenizer) already build their own ASan/UBSan variants in the normal suite. test_threads is left out
+# for time: its long-prompt --no-batch test alone takes ~210 s under ASan (the threaded paths still run: every
+# engine run uses 2 threads); add it with SAN_TESTS="... threads".
+SAN_TESTS   ?= bad_inputs fuzz_regressions.in_run cli chat synthetic
 FUZZ_SECONDS ?= 60
 FUZZ_JOBS    ?= 3
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)

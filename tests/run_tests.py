@@ -7,6 +7,7 @@ whose prerequisite is missing fails, saying what is missing.
 
     python3 tests/run_tests.py              # all tests
     python3 tests/run_tests.py tokenizer    # only modules whose name contains 'tokenizer'
+    python3 tests/run_tests.py cli.pipe     # in those modules, only tests whose name contains 'pipe'
     python3 tests/run_tests.py -k prefill   # only tests whose name contains 'prefill'
     python3 tests/run_tests.py --check      # the fast subset (make check): see CHECK below
     python3 tests/run_tests.py -j 2         # two modules at a time (make test): see ALONE below
@@ -76,8 +77,9 @@ def load_module(path: Path):
     return module
 
 
-def run_module(path: Path, k: str, check: bool) -> tuple[int, int]:
-    """Runs the module's tests in this process, printing one line per test; returns (passed, failed)."""
+def run_module(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int]:
+    """Runs the module's tests whose names contain every one of ks in this process, printing one line per test;
+    returns (passed, failed)."""
     passed = failed = 0
     try:
         module = load_module(path)
@@ -86,7 +88,7 @@ def run_module(path: Path, k: str, check: bool) -> tuple[int, int]:
         return 0, 1
     for name in sorted(n for n in dir(module) if n.startswith("test_")):
         fn = getattr(module, name)
-        if not callable(fn) or k not in name or (check and (path.stem, name) not in CHECK):
+        if not callable(fn) or any(k not in name for k in ks) or (check and (path.stem, name) not in CHECK):
             continue
         t0 = time.time()
         try:
@@ -101,10 +103,10 @@ def run_module(path: Path, k: str, check: bool) -> tuple[int, int]:
     return passed, failed
 
 
-def run_module_child(path: Path, k: str, check: bool) -> tuple[int, int, bytes]:
+def run_module_child(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int, bytes]:
     """The module in a child run_tests.py of its own (a fresh interpreter, as when run alone); returns
     (passed, failed, its whole output). A child that dies without its count line is one failure."""
-    cmd = [sys.executable, __file__, "--module", path.stem, "-k", k, *(["--check"] if check else [])]
+    cmd = [sys.executable, __file__, "--module", path.stem, *(a for k in ks for a in ("-k", k)), *(["--check"] if check else [])]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     body, _, last = r.stdout.rstrip(b"\n").rpartition(b"\n")
     counts = SUMMARY.fullmatch(last)
@@ -117,14 +119,14 @@ def run_module_child(path: Path, k: str, check: bool) -> tuple[int, int, bytes]:
     return p, f, out
 
 
-def run_parallel(paths: list[Path], jobs: int, k: str, check: bool) -> tuple[int, int]:
+def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool) -> tuple[int, int]:
     """The modules `jobs` at a time, each in a child process; each module's output is printed whole as soon as
     it ends. Then the ALONE modules, one at a time in this process."""
     order = {name: i for i, name in enumerate(LONG_FIRST)}
     pooled = sorted((p for p in paths if p.stem not in ALONE), key=lambda p: order.get(p.stem, len(order)))
     passed = failed = 0
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run_module_child, p, k, check) for p in pooled]
+        futures = [pool.submit(run_module_child, p, paths[p], check) for p in pooled]
         for fut in as_completed(futures):
             p, f, out = fut.result()
             sys.stdout.buffer.write(out)
@@ -132,15 +134,28 @@ def run_parallel(paths: list[Path], jobs: int, k: str, check: bool) -> tuple[int
             passed, failed = passed + p, failed + f
     for path in paths:
         if path.stem in ALONE:
-            p, f = run_module(path, k, check)
+            p, f = run_module(path, paths[path], check)
             passed, failed = passed + p, failed + f
     return passed, failed
 
 
+def select(modules: list[str], k: list[str]) -> dict[Path, tuple[str, ...]]:
+    """The modules named (all when none are), each with the substrings its tests' names must contain: every -k, and
+    TEST from the first MODULE.TEST that names it."""
+    chosen = {}
+    for p in sorted(TESTS.glob("test_*.py")):
+        specs = [m.partition(".") for m in modules if m.partition(".")[0] in p.stem]
+        if modules and not specs:
+            continue
+        chosen[p] = tuple(k) + ((specs[0][2],) if specs and specs[0][2] else ())
+    return chosen
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("modules", nargs="*", help="substrings of module names to run")
-    ap.add_argument("-k", default="", help="substring of test names to run")
+    ap.add_argument("modules", nargs="*", help="substrings of module names to run; MODULE.TEST: of that module, "
+                    "only the tests whose names contain TEST")
+    ap.add_argument("-k", action="append", default=[], help="substring of test names to run (repeated: all of them)")
     ap.add_argument("--check", action="store_true", help="only the fast subset listed in CHECK (make check)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="modules run at once, each in a child process "
                     "(default 1: all in this process); the ALONE modules still run one at a time, last")
@@ -151,15 +166,14 @@ def main() -> int:
         ap.error(f"-j {args.jobs}: at least 1")
     check = {m for m, _ in CHECK}
 
-    paths = [p for p in sorted(TESTS.glob("test_*.py"))
-             if (not args.modules or any(m in p.stem for m in args.modules)) and (not args.check or p.stem in check)
-             and (args.module is None or p.stem == args.module)]
+    paths = {p: ks for p, ks in select(args.modules, args.k).items()
+             if (not args.check or p.stem in check) and (args.module is None or p.stem == args.module)}
     if args.jobs > 1 and len(paths) > 1:
-        passed, failed = run_parallel(paths, args.jobs, args.k, args.check)
+        passed, failed = run_parallel(paths, args.jobs, args.check)
     else:
         passed = failed = 0
-        for path in paths:
-            p, f = run_module(path, args.k, args.check)
+        for path, ks in paths.items():
+            p, f = run_module(path, ks, args.check)
             passed, failed = passed + p, failed + f
     if not (failed or args.modules or args.k or args.module or args.keep_scratch):
         from common import SCRATCH

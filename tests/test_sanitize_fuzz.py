@@ -13,7 +13,9 @@ import sys
 
 from common import ROOT
 
-SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions cli chat synthetic").split()
+# As the Makefile's SAN_TESTS (which `make sanitize` passes): of test_fuzz_regressions only the test that runs the
+# engine, its others replaying the libFuzzer harnesses (sanitizer builds already) and export.py alike with any RUN_BIN.
+SAN_TESTS = os.environ.get("SAN_TESTS", "bad_inputs fuzz_regressions.in_run cli chat synthetic").split()
 # The instrumented modules two at a time (run_tests.py -j): each engine run is mostly single-threaded
 # start-up and checking, so two modules keep both cores busy.
 SAN_JOBS = os.environ.get("SAN_JOBS", "2")
