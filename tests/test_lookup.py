@@ -73,12 +73,15 @@ def test_prefill_decode_and_verify_logits_are_identical():
                                         f"verification passes of {k} tokens differ from decode steps")
                     checked += 1
     # the real models' blocks and shapes, past a chunk of attention (and Gemma's window: with the best set only, the
-    # scalar set's 262,144-row output head one token at a time takes minutes; its paths are one function anyway)
+    # scalar set's 262,144-row output head one token at a time takes minutes; its paths are one function anyway).
+    # 270 tokens: 14 positions see two chunks, a verification pass of 7 (252-258) and a prefill pass of 72 (216-287)
+    # cross the chunk's end; Gemma's 530: 18 positions past its window, the pass 511-517 crosses it. Each token costs
+    # a decode step (Gemma's 262,144-row head: 20 ms of CPU) and a logits row in each of three dumps.
     rng = np.random.default_rng(3)
-    for path, n, kvs, sets in ((require(DEFAULT_MODEL, "run `make model`"), 300, ("f16", "q8"), kernel_sets()[1:]),
+    for path, n, kvs, sets in ((require(DEFAULT_MODEL, "run `make model`"), 270, ("f16", "q8"), kernel_sets()[1:]),
                                # the scalar set costs ~160 ms of CPU a token here: 16 tokens, two passes of 7 and one of 2
                                (require(DEFAULT_MODEL, "run `make model`"), 16, ("f16",), ("scalar",)),
-                               (require(ROOT / "models" / "gemma3-270m.bin", "run `make model-gemma`"), 560, ("f16",),
+                               (require(ROOT / "models" / "gemma3-270m.bin", "run `make model-gemma`"), 530, ("f16",),
                                 ("",))):
         ids = [int(i) for i in rng.integers(100, 40000, size=n)]
         for k in sets:
