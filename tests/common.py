@@ -105,7 +105,6 @@ def qwen_model() -> Path:
 def gguf_metadata(path: Path, key: str) -> str | int | float | bool:
     """One scalar or string value of a GGUF file's metadata. A small reader:
     the gguf package parses every tensor and token, which takes seconds."""
-    scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
     with open(require(path, "the GGUF model"), "rb") as f:
         head = f.read(16 << 20)  # the metadata sits at the start, before the tensors
     k = key.encode()
@@ -117,10 +116,12 @@ def gguf_metadata(path: Path, key: str) -> str | int | float | bool:
     if vtype == 8:
         n = struct.unpack_from("<Q", head, at)[0]
         return head[at + 8: at + 8 + n].decode("utf-8")
-    return struct.unpack_from(scalar[vtype], head, at)[0]
+    return struct.unpack_from(GGUF_SCALAR_FORMAT[vtype], head, at)[0]
 
 
-GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}   # GGUF value type -> width
+GGUF_SCALAR_FORMAT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                      12: "<d"}   # GGUF value type -> struct format
+GGUF_SCALAR_BYTES = {t: struct.calcsize(f) for t, f in GGUF_SCALAR_FORMAT.items()}
 GGUF_STRING, GGUF_ARRAY, GGUF_DEFAULT_ALIGNMENT = 8, 9, 32
 
 
@@ -135,12 +136,18 @@ class GGUFTensor(NamedTuple):
 def gguf_tensors(path: Path) -> list[GGUFTensor]:
     """A GGUF's tensor table, read by docs/gguf.md's layout with the gguf package's type sizes. The gguf
     package's GGUFReader also decodes every token string: seconds per file (20 s for Gemma 3's 262k tokens)."""
+    return gguf_header(path)[1]
+
+
+def gguf_header(path: Path) -> tuple[dict[str, str | int | float | bool], list[GGUFTensor]]:
+    """(metadata, tensor table) of a GGUF: every scalar and string value by key (arrays, such as the
+    vocabulary, are skipped unread), and gguf_tensors' table."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     with open(require(Path(path), "the GGUF model"), "rb") as f:
         buf = f.read(64 << 20)   # the header, metadata and tensor infos sit before the data
     magic, _version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
     assert magic == b"GGUF", f"{path} is not a GGUF file"
-    at, alignment = 24, GGUF_DEFAULT_ALIGNMENT
+    at, fields = 24, {}
 
     def string(at: int) -> tuple[str, int]:
         n = struct.unpack_from("<Q", buf, at)[0]
@@ -150,8 +157,6 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
         key, at = string(at)
         vtype = struct.unpack_from("<I", buf, at)[0]
         at += 4
-        if key == "general.alignment":
-            alignment = struct.unpack_from("<I", buf, at)[0]
         if vtype == GGUF_ARRAY:
             etype, count = struct.unpack_from("<IQ", buf, at)
             at += 12
@@ -161,9 +166,11 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
             else:
                 at += count * GGUF_SCALAR_BYTES[etype]
         elif vtype == GGUF_STRING:
-            at = string(at)[1]
+            fields[key], at = string(at)
         else:
+            fields[key] = struct.unpack_from(GGUF_SCALAR_FORMAT[vtype], buf, at)[0]
             at += GGUF_SCALAR_BYTES[vtype]
+    alignment = fields.get("general.alignment", GGUF_DEFAULT_ALIGNMENT)
     infos = []
     for _ in range(n_tensors):
         name, at = string(at)
@@ -174,7 +181,7 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
         infos.append((name, ttype, dims, offset, int(np.prod(dims)) // block * size))
     start = (at + alignment - 1) // alignment * alignment
-    return [GGUFTensor(name, ttype, dims, start + offset, n) for name, ttype, dims, offset, n in infos]
+    return fields, [GGUFTensor(name, ttype, dims, start + offset, n) for name, ttype, dims, offset, n in infos]
 
 
 def sha256_file(path: Path) -> str:

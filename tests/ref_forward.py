@@ -60,6 +60,8 @@ test tolerances (how far two float32 implementations may be from exact arithmeti
     python3 tests/ref_forward.py models/gemma3-270m-q4_k_m.gguf --ids "2 818 5279 529 7001 563"
 
 Reading a GGUF needs the `gguf` package (quantized blocks are decoded by gguf.quants.dequantize).
+The logits are float64; forward(..., dtype=np.float32) computes in float32 (for tests whose tolerance is far
+above float32 rounding: about half the time, and half the memory with load_gguf(..., dtype=np.float32)).
 """
 from __future__ import annotations
 
@@ -260,7 +262,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, n_kv_he
     hidden = np.triu(np.ones((n_pos, n_pos), dtype=bool), k=1)
     if window > 0:
         hidden |= np.tril(np.ones((n_pos, n_pos), dtype=bool), k=-window)
-    divisor = np.sqrt(hd) if divisor is None else divisor
+    divisor = math.sqrt(hd) if divisor is None else divisor
     out = np.empty_like(q)
     for h in range(n_heads):
         kv = h // group
@@ -274,16 +276,17 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, n_heads: int, n_kv_he
 
 
 def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjacent_pairs: bool = False,
-            full_attention: bool = False, positions: list[int] | None = None) -> np.ndarray:
+            full_attention: bool = False, positions: list[int] | None = None, dtype: type = np.float64) -> np.ndarray:
     """Logits [len(tokens), vocab] (float64) for the token sequence starting at position 0.
 
     adjacent_pairs: see apply_rope (for llama GGUF-order Q/K weights only).
     full_attention: ignore the sliding window (every layer sees every earlier key) - a wrong
     model, used to show that a test's prompt depends on the window.
     positions: return only these rows (the output head over a large vocabulary is the costly part).
+    dtype: the arithmetic; np.float32 (half the work) only where a test's tolerance is far above its rounding.
     """
     c = config_values(cfg)
-    w = {name: np.asarray(t, dtype=np.float64) for name, t in weights.items()}
+    w = {name: np.asarray(t, dtype=dtype) for name, t in weights.items()}
     n_pos, hd, nh, nkv, eps = len(tokens), c["head_dim"], c["n_heads"], c["n_kv_heads"], c["eps"]
     if nh % nkv:
         raise ValueError("n_heads must be a multiple of n_kv_heads")
@@ -297,9 +300,10 @@ def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjace
             y = y + w[name + ".bias"]
         return y.reshape(n_pos, n_out_heads, hd)
 
-    rope_global = rope_tables(n_pos, hd, c["theta"], c["rope_divisors"], c["rope_linear"])
+    rope_global = [t.astype(dtype) for t in rope_tables(n_pos, hd, c["theta"], c["rope_divisors"], c["rope_linear"])]
     # Local (sliding) layers: their own base, no scaling (Gemma 3's rotary_emb_local).
-    rope_local = rope_tables(n_pos, hd, c["theta_local"], c["rope_divisors"]) if any(c["sliding"]) else None
+    rope_local = ([t.astype(dtype) for t in rope_tables(n_pos, hd, c["theta_local"], c["rope_divisors"])]
+                  if any(c["sliding"]) else None)
 
     x = w["model.embed_tokens.weight"][np.asarray(tokens)]
     if c["embed_scale"] != 1.0:
@@ -331,12 +335,12 @@ def forward(cfg: dict, weights: dict[str, np.ndarray], tokens: list[int], adjace
         x = x + f
     x = norm(x if positions is None else x[np.asarray(positions)], "model.norm.weight")
     head = w["model.embed_tokens.weight"] if c["tied"] or "lm_head.weight" not in w else w["lm_head.weight"]
-    return x @ head.T
+    return (x @ head.T).astype(np.float64, copy=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loaders. A minimal safetensors reader (its own code, so the reference does not depend on the exporter's)
-# and a GGUF reader on top of the `gguf` package.
+# and a GGUF reader: tests/common.py's header parser, the `gguf` package's block decoders.
 
 def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of one .safetensors file as float32 arrays (F32, F16, BF16 supported)."""
@@ -430,38 +434,41 @@ def gguf_is_permuted(cfg: dict) -> bool:
     return cfg.get("model_type", "llama") == "llama"
 
 
-def load_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
-    """(HF-style config dict, {HF weight name: float64 array}) of a llama, qwen2, qwen3 or gemma3 GGUF.
+def load_gguf(path: Path, dtype: type = np.float64) -> tuple[dict, dict[str, np.ndarray]]:
+    """(HF-style config dict, {HF weight name: array of dtype}) of a llama, qwen2, qwen3 or gemma3 GGUF.
 
     Quantized tensors are decoded to the values the file stores. llama Q and K rows stay in the
     converter's permuted order: run forward(..., adjacent_pairs=gguf_is_permuted(cfg)). Gemma 3
     norm weights are returned minus 1 (the GGUF stores 1 + w; forward adds the 1 back, exactly
     in float64), so that the weights follow the Hugging Face convention.
     """
-    from gguf import GGUFReader
+    from common import gguf_header
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    arch = reader.fields["general.architecture"].contents()
+    fields, tensors = gguf_header(path)   # not gguf.GGUFReader: it decodes every vocabulary string first
+    arch = fields["general.architecture"]
     if arch not in FAMILIES:
         raise ValueError(f"{path}: architecture {arch} not modelled")
 
     def field(key: str, default: float | None = None) -> float:
-        f = reader.fields.get(f"{arch}.{key}")
+        f = fields.get(f"{arch}.{key}")
         if f is None and default is None:
             raise ValueError(f"{path}: no {arch}.{key}")
-        return default if f is None else f.contents()
+        return default if f is None else f
 
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     weights, factors = {}, None
-    for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type).astype(np.float64)
+    for t in tensors:
+        rows = data[t.offset:t.offset + t.nbytes].reshape(int(np.prod(t.dims[1:])), -1)   # dims: row length first
+        values = dequantize(rows, GGMLQuantizationType(t.type)).reshape(t.dims[::-1])
         if t.name == "rope_freqs.weight":
             factors = [float(f) for f in values.reshape(-1)]
             continue
         name = gguf_to_hf_name(t.name, arch)
         if arch == "gemma3" and name.endswith("norm.weight"):
-            values = values - 1.0
-        weights[name] = values
+            values = values.astype(np.float64) - 1.0
+        weights[name] = values.astype(dtype)
     dim, n_heads = field("embedding_length"), field("attention.head_count")
     head_dim = field("attention.key_length", dim // n_heads)
     cfg = {
@@ -479,8 +486,7 @@ def load_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray]]:
         cfg["rope_freq_factors"] = factors
     # llama.cpp (llama-model.cpp, load_hparams): scaling type "linear" unless the file says otherwise,
     # factor from rope.scaling.factor or the older rope.scale_linear; Gemma 3's local layers ignore it.
-    scaling_type = reader.fields.get(f"{arch}.rope.scaling.type")
-    scaling_type = "linear" if scaling_type is None else scaling_type.contents()
+    scaling_type = fields.get(f"{arch}.rope.scaling.type", "linear")
     factor = field("rope.scaling.factor", field("rope.scale_linear", 0.0))
     if factor not in (0.0, 1.0) and scaling_type != "none":
         if scaling_type != "linear":
