@@ -1926,7 +1926,7 @@ static int sampling_dist(const Sampler *sm, float *logits, int n, Candidate *can
     *total = 0;
     for (int i = 0; i < nc; i++) {
         *total += cand[i].p;
-        if (*total >= sm->top_p) { keep = i + 1; break; }
+        if (sm->top_p < 1 && *total >= sm->top_p) { keep = i + 1; break; } /* 1 = off: a float sum may reach 1 early */
     }
     return keep;
 }
