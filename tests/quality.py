@@ -32,7 +32,9 @@ by (engine binary, model file, text, ctx, KV type, threads); --fresh ignores it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import io
 import json
 import os
 import platform
@@ -44,6 +46,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -129,19 +132,26 @@ def f32_gguf_source(src: Source) -> Source:
     return Source(out, key)
 
 
-def export(src: Source, dtype: str, tag: str) -> Path:
-    """export.py SRC --dtype DTYPE into WORK (cached by export.py's content and the source's key)."""
+def export(src: Source, dtype: str, tag: str, export_main: Callable[[list[str]], int] | None = None) -> Path:
+    """export.py SRC --dtype DTYPE into WORK (cached by export.py's content and the source's key); through
+    export_main (export.py's main, already imported by the caller) in this process when given."""
     WORK.mkdir(parents=True, exist_ok=True)
     key = hashlib.sha256(EXPORT.read_bytes()).hexdigest()[:12]
     prefix = f"{tag}-{dtype}-"
     out = WORK / f"{prefix}{src.key}-{key}.bin"
     if not out.exists():
         tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-        p = subprocess.run([sys.executable, str(EXPORT), str(src.path), str(tmp), "--dtype", dtype],
-                           capture_output=True, text=True, timeout=1200)
-        if p.returncode != 0:
+        args = [str(src.path), str(tmp), "--dtype", dtype]
+        if export_main is None:
+            p = subprocess.run([sys.executable, str(EXPORT), *args], capture_output=True, text=True, timeout=1200)
+            rc, err = p.returncode, p.stderr
+        else:
+            with contextlib.redirect_stderr(io.StringIO()) as captured:
+                rc = export_main(args)
+            err = captured.getvalue()
+        if rc != 0:
             tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"export.py {src.path} --dtype {dtype} failed ({p.returncode}): {p.stderr[-2000:]}")
+            raise RuntimeError(f"export.py {src.path} --dtype {dtype} failed ({rc}): {err[-2000:]}")
         tmp.replace(out)
         _replace_stale(out, prefix)
     return out

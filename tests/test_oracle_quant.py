@@ -53,6 +53,7 @@ import os
 import sys
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -111,6 +112,7 @@ GOLDEN_BYTES_LIMIT = 3_500_000
 MIX_GOLDEN = GOLDEN / "llama_quantize_types.json"
 DIGEST_HEX = 16
 DIGEST_NOTE = f"first {DIGEST_HEX} hex digits of the sha256 of the tensor's data bytes, in GGUF row order"
+FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 
 @lru_cache(maxsize=None)
@@ -170,6 +172,51 @@ def decoded(src: Path) -> dict[str, np.ndarray]:
     return {t.name: gguf_dequantize(t.data, t.tensor_type).astype(np.float32) for t in gguf_reader(src).tensors}
 
 
+class Memo:
+    """A memo around one of export.py's pure array functions f(x, ggml_type) (encode_rows: float rows ->
+    blocks; pack_rows: blocks -> packed groups). Across the files of one model many (tensor, type) pairs repeat
+    (SmolLM2's q4_k_m falls back to the very Q5_0 blocks of its q5_0 file, its q6_k to q8_0's Q8_0 ...), and
+    each costs seconds of numpy. It cannot hide a bug: the key is the whole input (its dtype, shape and a
+    sha256 of every byte) and the type, so a hit returns what f returned for exactly these bytes, and every
+    file's every tensor is still compared with llama.cpp's. The stored results are read-only, so a caller
+    that wrote into one would fail loudly instead of changing a later file. The float types are not memoized
+    (a copy or a cast costs less than the hash)."""
+
+    def __init__(self, fn: Callable[[np.ndarray, int], np.ndarray]):
+        self.fn, self.results, self.hits = fn, {}, 0
+
+    def __call__(self, x: np.ndarray, ggml_type: int) -> np.ndarray:
+        if ggml_type in FLOAT_TYPES:
+            return self.fn(x, ggml_type)
+        x = np.ascontiguousarray(x)
+        key = (ggml_type, x.dtype.str, x.shape, hashlib.sha256(x.view(np.uint8).reshape(-1)).digest())
+        got = self.results.get(key)
+        if got is None:
+            got = self.results[key] = self.fn(x, ggml_type)
+            got.setflags(write=False)
+        else:
+            self.hits += 1
+        return got
+
+
+@contextlib.contextmanager
+def memoized_export(export):
+    """export.py's encode_rows and pack_rows memoized (Memo) while the block runs; restored after."""
+    saved = export.encode_rows, export.pack_rows
+    export.encode_rows, export.pack_rows = Memo(saved[0]), Memo(saved[1])
+    try:
+        yield export
+    finally:
+        export.encode_rows, export.pack_rows = saved
+
+
+@lru_cache(maxsize=None)
+def replica_encoder() -> Memo:
+    """encode_rows for the replicas, memoized over the module's run (Memo: SmolLM2's q4_k_m and q5_0
+    replicas share their Q5_0 tensors, q6_k and q8_0 their Q8_0 ones, all seven the Q8_0 embedding)."""
+    return Memo(_load_export().encode_rows)
+
+
 def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
     """A GGUF with src's metadata whose tensors are src's values (decoded by the `gguf` package)
     encoded in `types` by export.py's quantizers."""
@@ -192,7 +239,7 @@ def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
         if want == GGMLQuantizationType.F32:
             writer.add_tensor(t.name, x)
         else:
-            data = export.encode_rows(x.reshape(-1, x.shape[-1]), want)
+            data = replica_encoder()(x.reshape(-1, x.shape[-1]), want)
             writer.add_tensor(t.name, data.reshape(*x.shape[:-1], -1), raw_dtype=GGMLQuantizationType(want))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -409,27 +456,63 @@ def as_gguf_tensors(model: Path, shapes: dict[str, list[int]]) -> dict[str, tupl
     for t in modelfile.tensors(buf):
         layer, _, base = t.name.rpartition(".")
         prefix = f"blk.{layer.split('.')[1]}." if layer else ""
-        rows = np.frombuffer(modelfile.rows_of(buf, t), np.uint8).reshape(t.rows, -1)   # packed matrices as rows
-        at = 0
-        for part in GGUF_PARTS[base]:
-            name = f"{prefix}{part}.weight"
-            n = shapes[name][0] if len(shapes[name]) > 1 else 1
-            block = rows[at:at + n]
-            at += n
-            if part in heads:
-                block = llama_cpp_permute(block, heads[part])
-            out[name] = (GGMLQuantizationType(t.type).name, bytes_digest(block.tobytes()))
-        assert at == t.rows, f"{t.name}: {t.rows} rows, its GGUF parts have {at}"
+        parts = tuple((part, shapes[f"{prefix}{part}.weight"][0] if len(shapes[f"{prefix}{part}.weight"]) > 1 else 1,
+                       heads.get(part)) for part in GGUF_PARTS[base])
+        for part, digest in zip(GGUF_PARTS[base], part_digests(buf, t, parts)):
+            out[f"{prefix}{part}.weight"] = (GGMLQuantizationType(t.type).name, digest)
     return out
 
 
-def f32_source(model: str) -> Path:
+_PART_DIGESTS: dict[tuple, list[str]] = {}
+
+
+def part_digests(buf: bytes, t: modelfile.Tensor, parts: tuple[tuple[str, int, int | None], ...]) -> list[str]:
+    """The digests of tensor t's GGUF parts (name, rows, heads to permute back or None), in GGUF row order.
+    Unpacking a packed matrix costs seconds of numpy, and the same tensor in the same type recurs across the
+    dtypes' files: the result is kept under the tensor's type, shape, layout, parts and a sha256 of all its
+    bytes as stored, so a hit is exactly the unpacking of these bytes (modelfile.unpack is deterministic)."""
+    data = memoryview(buf)[t.offset:t.offset + t.size]
+    key = (t.type, t.rows, t.cols, t.layout, parts, hashlib.sha256(data).digest())
+    if key not in _PART_DIGESTS:
+        rows = np.frombuffer(modelfile.rows_of(buf, t), np.uint8).reshape(t.rows, -1)   # packed matrices as rows
+        at, digests = 0, []
+        for part, n, n_heads in parts:
+            block = rows[at:at + n]
+            at += n
+            if n_heads is not None:
+                block = llama_cpp_permute(block, n_heads)
+            digests.append(bytes_digest(block.tobytes()))
+        assert at == t.rows, f"{t.name}: {t.rows} rows, its GGUF parts have {at}"
+        _PART_DIGESTS[key] = digests
+    return _PART_DIGESTS[key]
+
+
+def f32_source(model: str) -> quality.Source:
     """The F32 GGUF llama.cpp quantized: SmolLM2's shipped Q4_1 values as F32 (llama.cpp's ALL_F32 copy of
     the shipped GGUF holds exactly the values the gguf package decodes: tests/quality.py's F32 GGUF, which
     test_quant quantizes too), or the synthetic model's. The test checks its tensors' digest."""
     if model == "synth":
-        return synthetic_f32_gguf()
-    return quality.f32_gguf_source(quality.gguf_source(source_gguf(model))).path
+        return quality.Source(synthetic_f32_gguf(), "synth")
+    return quality.f32_gguf_source(quality.gguf_source(source_gguf(model)))
+
+
+# test_quant's exports of SmolLM2's F32 GGUF (quality.export's cache): whichever module comes first writes them
+SHARED_WITH_TEST_QUANT = ("q8_0", "q4_1")
+
+
+def export_dtype(export, model: str, src: quality.Source, dtype: str) -> tuple[Path, bool]:
+    """export.py SRC --dtype DTYPE in this process -> (the file, whether it is test_quant's to keep)."""
+    if model == "smollm2" and dtype in SHARED_WITH_TEST_QUANT:
+        try:
+            return quality.export(src, dtype, "f32gguf", export.main), True
+        except RuntimeError as e:
+            raise AssertionError(str(e))
+    out = WORK / f"mix-{model}-{dtype}.bin"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = export.main([str(src.path), str(out), "--dtype", dtype])
+    assert rc == 0, f"export.py --dtype {dtype} failed: {err.getvalue()[-600:]}"
+    return out, False
 
 
 def test_dtypes_give_llama_quantize_types_and_bytes():
@@ -443,23 +526,24 @@ def test_dtypes_give_llama_quantize_types_and_bytes():
     failures, checked = [], 0
     for model, g in golden["models"].items():
         src = f32_source(model)
-        assert tensors_digest(src) == g["source_tensors_sha256"], f"{src} holds other values than llama.cpp's source"
-        for dtype, want in g["dtypes"].items():
-            out = WORK / f"mix-{model}-{dtype}.bin"
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):   # in this process: 24 exports, each saving an interpreter start
-                rc = _load_export().main([str(src), str(out), "--dtype", dtype])
-            assert rc == 0, f"export.py --dtype {dtype} failed: {err.getvalue()[-600:]}"
-            got = as_gguf_tensors(out, g["shapes"])
-            out.unlink()
-            assert set(got) == set(want["tensors"]), f"{model} {dtype}: tensor sets differ: {set(got) ^ set(want['tensors'])}"
-            for name, (wtype, wdigest) in want["tensors"].items():
-                checked += 1
-                gtype, gdigest = got[name]
-                if gtype != wtype:
-                    failures.append(f"{model} {dtype} {name}: ours {gtype}, llama.cpp {wtype}")
-                elif gdigest != wdigest:
-                    failures.append(f"{model} {dtype} {name}: {gtype} bytes differ from llama.cpp's")
+        assert tensors_digest(src.path) == g["source_tensors_sha256"], f"{src.path} holds other values than llama.cpp's source"
+        # in this process (24 exports, each saving an interpreter start), quantizing and packing each distinct
+        # (tensor, type) of the model once (Memo), the memo dropped with the model
+        with memoized_export(_load_export()) as export:
+            for dtype, want in g["dtypes"].items():
+                out, shared = export_dtype(export, model, src, dtype)
+                got = as_gguf_tensors(out, g["shapes"])
+                if not shared:
+                    out.unlink()
+                assert set(got) == set(want["tensors"]), f"{model} {dtype}: tensor sets differ: {set(got) ^ set(want['tensors'])}"
+                for name, (wtype, wdigest) in want["tensors"].items():
+                    checked += 1
+                    gtype, gdigest = got[name]
+                    if gtype != wtype:
+                        failures.append(f"{model} {dtype} {name}: ours {gtype}, llama.cpp {wtype}")
+                    elif gdigest != wdigest:
+                        failures.append(f"{model} {dtype} {name}: {gtype} bytes differ from llama.cpp's")
+        _PART_DIGESTS.clear()
     print(f"    {checked} tensors compared, {len(failures)} differ")
     assert not failures, f"{len(failures)} tensors differ from llama-quantize's:\n" + "\n".join(failures[:20])
 
