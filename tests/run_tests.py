@@ -77,9 +77,9 @@ def load_module(path: Path):
     return module
 
 
-def run_module(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int]:
-    """Runs the module's tests whose names contain every one of ks in this process, printing one line per test;
-    returns (passed, failed)."""
+def run_module(path: Path, ks: tuple[str, ...], check: bool, leave: tuple[str, ...] = ()) -> tuple[int, int]:
+    """Runs the module's tests whose names contain every one of ks, and whose MODULE.NAME none of leave, in this
+    process, printing one line per test; returns (passed, failed)."""
     passed = failed = 0
     try:
         module = load_module(path)
@@ -88,7 +88,7 @@ def run_module(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int]:
         return 0, 1
     for name in sorted(n for n in dir(module) if n.startswith("test_")):
         fn = getattr(module, name)
-        if not callable(fn) or any(k not in name for k in ks) or (check and (path.stem, name) not in CHECK):
+        if not callable(fn) or any(k not in name for k in ks) or any(x in f"{path.stem}.{name}" for x in leave) or (check and (path.stem, name) not in CHECK):
             continue
         t0 = time.time()
         try:
@@ -103,10 +103,11 @@ def run_module(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int]:
     return passed, failed
 
 
-def run_module_child(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int, int, bytes]:
+def run_module_child(path: Path, ks: tuple[str, ...], check: bool, leave: tuple[str, ...]) -> tuple[int, int, bytes]:
     """The module in a child run_tests.py of its own (a fresh interpreter, as when run alone); returns
     (passed, failed, its whole output). A child that dies without its count line is one failure."""
-    cmd = [sys.executable, __file__, "--module", path.stem, *(a for k in ks for a in ("-k", k)), *(["--check"] if check else [])]
+    cmd = [sys.executable, __file__, "--module", path.stem, *(a for k in ks for a in ("-k", k)), *(["--check"] if check else []),
+           *(a for x in leave for a in ("--leave-out", x))]
     r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     body, _, last = r.stdout.rstrip(b"\n").rpartition(b"\n")
     counts = SUMMARY.fullmatch(last)
@@ -119,14 +120,14 @@ def run_module_child(path: Path, ks: tuple[str, ...], check: bool) -> tuple[int,
     return p, f, out
 
 
-def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool) -> tuple[int, int]:
+def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool, leave: tuple[str, ...]) -> tuple[int, int]:
     """The modules `jobs` at a time, each in a child process; each module's output is printed whole as soon as
     it ends. Then the ALONE modules, one at a time in this process."""
     order = {name: i for i, name in enumerate(LONG_FIRST)}
     pooled = sorted((p for p in paths if p.stem not in ALONE), key=lambda p: order.get(p.stem, len(order)))
     passed = failed = 0
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run_module_child, p, paths[p], check) for p in pooled]
+        futures = [pool.submit(run_module_child, p, paths[p], check, leave) for p in pooled]
         for fut in as_completed(futures):
             p, f, out = fut.result()
             sys.stdout.buffer.write(out)
@@ -134,7 +135,7 @@ def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool) -> 
             passed, failed = passed + p, failed + f
     for path in paths:
         if path.stem in ALONE:
-            p, f = run_module(path, paths[path], check)
+            p, f = run_module(path, paths[path], check, leave)
             passed, failed = passed + p, failed + f
     return passed, failed
 
@@ -156,6 +157,8 @@ def main() -> int:
     ap.add_argument("modules", nargs="*", help="substrings of module names to run; MODULE.TEST: of that module, "
                     "only the tests whose names contain TEST")
     ap.add_argument("-k", action="append", default=[], help="substring of test names to run (repeated: all of them)")
+    ap.add_argument("--leave-out", action="append", default=[], metavar="MODULE.TEST",
+                    help="do not run the tests whose test_MODULE.test_NAME contains this (repeatable)")
     ap.add_argument("--check", action="store_true", help="only the fast subset listed in CHECK (make check)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="modules run at once, each in a child process "
                     "(default 1: all in this process); the ALONE modules still run one at a time, last")
@@ -169,13 +172,13 @@ def main() -> int:
     paths = {p: ks for p, ks in select(args.modules, args.k).items()
              if (not args.check or p.stem in check) and (args.module is None or p.stem == args.module)}
     if args.jobs > 1 and len(paths) > 1:
-        passed, failed = run_parallel(paths, args.jobs, args.check)
+        passed, failed = run_parallel(paths, args.jobs, args.check, tuple(args.leave_out))
     else:
         passed = failed = 0
         for path, ks in paths.items():
-            p, f = run_module(path, ks, args.check)
+            p, f = run_module(path, ks, args.check, tuple(args.leave_out))
             passed, failed = passed + p, failed + f
-    if not (failed or args.modules or args.k or args.module or args.keep_scratch):
+    if not (failed or args.modules or args.k or args.leave_out or args.module or args.keep_scratch):
         from common import SCRATCH
         shutil.rmtree(SCRATCH, ignore_errors=True)
     print(f"{passed} passed, {failed} failed")
