@@ -88,7 +88,8 @@ def run_module(path: Path, ks: tuple[str, ...], check: bool, leave: tuple[str, .
         return 0, 1
     for name in sorted(n for n in dir(module) if n.startswith("test_")):
         fn = getattr(module, name)
-        if not callable(fn) or any(k not in name for k in ks) or any(x in f"{path.stem}.{name}" for x in leave) or (check and (path.stem, name) not in CHECK):
+        chosen = all(k in name for k in ks) and not any(x in f"{path.stem}.{name}" for x in leave)
+        if not callable(fn) or not chosen or (check and (path.stem, name) not in CHECK):
             continue
         t0 = time.time()
         try:
