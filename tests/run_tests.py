@@ -10,7 +10,7 @@ whose prerequisite is missing fails, saying what is missing.
     python3 tests/run_tests.py cli.pipe     # in those modules, only tests whose name contains 'pipe'
     python3 tests/run_tests.py -k prefill   # only tests whose name contains 'prefill'
     python3 tests/run_tests.py --check      # the fast subset (make check): see CHECK below
-    python3 tests/run_tests.py -j 2         # two modules at a time (make test): see ALONE below
+    python3 tests/run_tests.py -j 2         # two modules at a time, the longest first (make test)
 
 A whole run (no module or -k filter) that ends with no failure removes its scratch directory (common.SCRATCH,
 about 9 GB of exports, logits and builds by the end) unless --keep-scratch is given; after a failure it stays,
@@ -55,9 +55,6 @@ CHECK = [
 ]
 
 
-# With -j N, these modules run after the others, one at a time, with the machine to themselves: test_threads
-# checks thread counts and the team's adaptation to contention.
-ALONE = ("test_threads",)
 # With -j N the longest modules start first, so that the last one to finish is a short one (seconds measured on a
 # 2-core machine; a module not listed counts as short). test_sanitize_fuzz (the ASan/UBSan build and suite, the
 # fixed fuzz runs: ~300 CPU-s, some of it on both cores) goes first.
@@ -123,9 +120,9 @@ def run_module_child(path: Path, ks: tuple[str, ...], check: bool, leave: tuple[
 
 def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool, leave: tuple[str, ...]) -> tuple[int, int]:
     """The modules `jobs` at a time, each in a child process; each module's output is printed whole as soon as
-    it ends. Then the ALONE modules, one at a time in this process."""
+    it ends."""
     order = {name: i for i, name in enumerate(LONG_FIRST)}
-    pooled = sorted((p for p in paths if p.stem not in ALONE), key=lambda p: order.get(p.stem, len(order)))
+    pooled = sorted(paths, key=lambda p: order.get(p.stem, len(order)))
     passed = failed = 0
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(run_module_child, p, paths[p], check, leave) for p in pooled]
@@ -133,10 +130,6 @@ def run_parallel(paths: dict[Path, tuple[str, ...]], jobs: int, check: bool, lea
             p, f, out = fut.result()
             sys.stdout.buffer.write(out)
             sys.stdout.flush()
-            passed, failed = passed + p, failed + f
-    for path in paths:
-        if path.stem in ALONE:
-            p, f = run_module(path, paths[path], check, leave)
             passed, failed = passed + p, failed + f
     return passed, failed
 
@@ -162,7 +155,7 @@ def main() -> int:
                     help="do not run the tests whose test_MODULE.test_NAME contains this (repeatable)")
     ap.add_argument("--check", action="store_true", help="only the fast subset listed in CHECK (make check)")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="modules run at once, each in a child process "
-                    "(default 1: all in this process); the ALONE modules still run one at a time, last")
+                    "(default 1: all in this process)")
     ap.add_argument("--keep-scratch", action="store_true", help="keep the scratch directory after a whole run")
     ap.add_argument("--module", help=argparse.SUPPRESS)   # exactly this module (the children of -j)
     args = ap.parse_args()

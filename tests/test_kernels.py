@@ -98,7 +98,7 @@ def check_avxvnni_twin() -> None:
 
 # The kernel checks under ASan/UBSan, built portably (no -march: every x86 set is compiled through its target
 # attributes, those this CPU lacks too, unlike the other sanitizer builds' NATIVE_SETS_ONLY) at -O0, which compiles
-# in the time -O1 takes for the CPU's own sets (about 70 s of one core). Portable: the sets still run without
+# in the time -O1 takes for the CPU's own sets (about 55 s of one core). Portable: the sets still run without
 # -march. Every set compiled: a set's CPU check must not run that set's instructions. gcc compiled
 # cpu_has_avx512_vnni, when it stood inside AVX-512's target region, with an AVX-512 store in its stack set-up
 # at -O0 under ASan: this build died of SIGILL on an AVX2-only CPU.
