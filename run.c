@@ -3009,11 +3009,11 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #define DPBUSD_256 _mm256_dpbusd_epi32
 #endif
 /* Every x86-64 build carries the AVX-VNNI and AVX-512 sets, chosen at run
-   time. NATIVE_SETS_ONLY, for builds made with -march=native to test the
-   machine they are built on (the sanitizer and fuzz builds), leaves out the
-   sets that -march=native says this CPU lacks: there they can only be
-   compiled, which the normal builds do, and their instrumented kernels are
-   a large part of such a build's time. */
+   time. NATIVE_SETS_ONLY, for test builds made with -march=native (the
+   sanitizer, fuzz and kernel-test builds), leaves out the sets that
+   -march=native says this CPU lacks: there they could only be compiled,
+   which the normal builds do, and their kernels are a large part of such a
+   build's time. */
 #if !defined(NATIVE_SETS_ONLY) || (defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
                                    defined(__AVX512DQ__) && defined(__AVX512VNNI__))
 #define HAVE_AVX512_SET 1

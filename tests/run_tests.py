@@ -59,9 +59,10 @@ CHECK = [
 # 2-core machine; a module not listed counts as short). test_sanitize_fuzz (the ASan/UBSan build and suite, the
 # fixed fuzz runs: ~300 CPU-s, some of it on both cores) goes first.
 # test_fuzz_regressions is short once test_sanitize_fuzz has built the fuzz targets (it waits for that build).
-LONG_FIRST = ("test_sanitize_fuzz", "test_kernels", "test_oracle_quant", "test_prompt_cache", "test_json_output",
-              "test_family_oracles", "test_batch", "test_lookup", "test_quant", "test_qwen", "test_export_errors",
-              "test_tokenizer", "test_export_types", "test_sampling")
+LONG_FIRST = ("test_sanitize_fuzz", "test_oracle_quant", "test_kernels", "test_batch", "test_prompt_cache",
+              "test_json_output", "test_lookup", "test_quant", "test_family_oracles", "test_qwen", "test_export_types",
+              "test_tokenizer", "test_export_errors", "test_stop", "test_sampling", "test_threads", "test_oracle",
+              "test_logprobs")
 SUMMARY = re.compile(rb"(\d+) passed, (\d+) failed")
 
 
