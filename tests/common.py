@@ -2,6 +2,7 @@
 GGUF metadata."""
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import struct
@@ -19,8 +20,65 @@ MODELS = ROOT / "models"
 RUN = Path(os.environ.get("RUN_BIN", ROOT / "run"))
 DEFAULT_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = MODELS / "smollm2-135m-instruct.bin"
-SCRATCH = Path(os.environ.get("TEST_SCRATCH", tempfile.gettempdir())) / "llm-tests"
+# A whole run's scratch folder stays under SCRATCH_PEAK (7.6 GB measured); /dev/shm holds it when it has that much
+# room twice over and the memory has it to spare beside the tests' own (SCRATCH_SPARE: two modules' engines,
+# exports and logits in numpy).
+SCRATCH_PEAK = 10 << 30
+SCRATCH_SPARE = 6 << 30
+
+
+def memory_available() -> int:
+    """MemAvailable from /proc/meminfo, in bytes (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+def scratch_base() -> Path:
+    """The folder that holds the scratch folder: TEST_SCRATCH when set; else /dev/shm, in memory, when it and the
+    memory have room for a whole run; else the temp directory. A whole run writes about 16 GB into it, most of
+    it logits dumps read once: on a virtual machine's disk their writeback cost more than computing them (Gemma
+    3's 555 MB dump of 530 positions: 6 s of system time to a file on disk, 0.8 s to /dev/shm). The choice is
+    put into TEST_SCRATCH, so that every module's child process (each imports this) and every script the tests
+    start make the same one."""
+    base = os.environ.get("TEST_SCRATCH")
+    if not base:
+        shm = Path("/dev/shm")
+        try:
+            st = os.statvfs(shm)
+            room = st.f_bavail * st.f_frsize
+        except OSError:
+            room = 0
+        fits = room >= 2 * SCRATCH_PEAK and memory_available() >= SCRATCH_PEAK + SCRATCH_SPARE
+        # a scratch folder already there (an earlier run's exports, which take memory themselves) stays in use
+        base = str(shm) if fits or (shm / "llm-tests").is_dir() else tempfile.gettempdir()
+        os.environ["TEST_SCRATCH"] = base
+    return Path(base)
+
+
+SCRATCH = scratch_base() / "llm-tests"
 SCRATCH.mkdir(parents=True, exist_ok=True)
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4   # glibc's malloc.h
+
+
+def keep_freed_memory() -> None:
+    """glibc's malloc gives every block of over 32 MB back to the kernel when it is freed, and the next one
+    is faulted in afresh: the tests' numpy arrays of weights and logits came and went so, a million page
+    faults in test_oracle_quant alone (16 s of its 74 s were system time; 8 s with this). In this process, not
+    in the engines it starts, blocks come from the heap and freed memory stays there for the next array."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_MMAP_MAX, 0)
+        libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)
+    except (OSError, AttributeError):
+        pass   # not glibc: its allocator as it is
+
+
+keep_freed_memory()
 
 
 def run(args: list[str], stdin: bytes | None = None, timeout: float = 300, binary: Path | None = None) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ whose prerequisite is missing fails, saying what is missing.
     python3 tests/run_tests.py -j 2         # two modules at a time, the longest first (make test)
 
 A whole run (no module or -k filter) that ends with no failure removes its scratch directory (common.SCRATCH,
-about 9 GB of exports, logits and builds by the end) unless --keep-scratch is given; after a failure it stays,
+about 8 GB of exports, logits and builds by the end) unless --keep-scratch is given; after a failure it stays,
 for a look at what the failing test left.
 """
 from __future__ import annotations
@@ -163,6 +163,7 @@ def main() -> int:
     if args.jobs < 1:
         ap.error(f"-j {args.jobs}: at least 1")
     check = {m for m, _ in CHECK}
+    from common import SCRATCH   # the scratch folder chosen here, once: the children find it in TEST_SCRATCH
 
     paths = {p: ks for p, ks in select(args.modules, args.k).items()
              if (not args.check or p.stem in check) and (args.module is None or p.stem == args.module)}
@@ -174,7 +175,6 @@ def main() -> int:
             p, f = run_module(path, ks, args.check, tuple(args.leave_out))
             passed, failed = passed + p, failed + f
     if not (failed or args.modules or args.k or args.leave_out or args.module or args.keep_scratch):
-        from common import SCRATCH
         shutil.rmtree(SCRATCH, ignore_errors=True)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0

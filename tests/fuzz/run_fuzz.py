@@ -32,7 +32,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -40,6 +39,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent))
+from common import SCRATCH  # noqa: E402
 
 # The loader and json targets share one binary (fuzz_engine.c includes both harnesses and run.c once, which is
 # what takes clang long: see OPT); bin/fuzz_loader and bin/fuzz_json are links to it, and its name picks the target.
@@ -63,8 +64,9 @@ ASAN_OPTIONS = "detect_leaks=1:quarantine_size_mb=64:allocator_may_return_null=1
 UBSAN_OPTIONS = "print_stacktrace=1:halt_on_error=1"
 # the sources fuzzed: the repository's, or a patched copy (FUZZ_SRC=dir or --src dir)
 DEFAULT_SRC = Path(os.environ.get("FUZZ_SRC", ROOT))
-# shared with the tests (tests/common.py's SCRATCH), so that `make test` and `make fuzz` reuse one build
-DEFAULT_WORK = Path(os.environ.get("TEST_SCRATCH", tempfile.gettempdir())) / "llm-tests" / "fuzz"
+# shared with the tests (tests/common.py's SCRATCH, in memory or in the temp directory), so that `make test` and
+# `make fuzz` reuse one build
+DEFAULT_WORK = SCRATCH / "fuzz"
 REGRESSIONS = HERE / "regressions"
 # --fixed: executions per target (about 80 s of CPU for all six), and each target's libFuzzer -seed. Sized on the
 # coverage curve of a run twice as long (edges reached / edges at the doubled count, fuzz_engine.c at -O0, this
