@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -71,6 +72,39 @@ def _replace_stale(out: Path, prefix: str) -> None:
             old.unlink(missing_ok=True)
 
 
+def _file_version(path: Path) -> tuple[str, int, int]:
+    """A cache key for a file's content as it is now: its path, modification time and size."""
+    st = path.stat()
+    return str(path), st.st_mtime_ns, st.st_size
+
+
+@functools.lru_cache(maxsize=None)
+def _reader(version: tuple[str, int, int]):
+    from gguf import GGUFReader
+    return GGUFReader(version[0])
+
+
+def gguf_reader(path: Path):
+    """The `gguf` package's GGUFReader of path, one per process and file version: it decodes SmolLM2's 49k
+    token strings, 8 s of CPU, and the F32 source and test_oracle_quant's replicas read the same file."""
+    return _reader(_file_version(Path(path)))
+
+
+@functools.lru_cache(maxsize=None)
+def _decoded(version: tuple[str, int, int]) -> dict[str, np.ndarray]:
+    from gguf.quants import dequantize
+    return {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in _reader(version).tensors}
+
+
+def decoded(path: Path) -> dict[str, np.ndarray]:
+    """path's tensors decoded to float32 by the `gguf` package, once per process and file version (SmolLM2:
+    540 MB, 4 s of decoding). Read-only: every user shares them."""
+    values = _decoded(_file_version(Path(path)))
+    for v in values.values():
+        v.setflags(write=False)
+    return values
+
+
 def make_f32_gguf(src: Path, dst: Path, overrides: dict[str, bool] | None = None) -> None:
     """Write `dst`: the GGUF `src` with every tensor dequantized to F32 by the `gguf` package.
 
@@ -79,11 +113,10 @@ def make_f32_gguf(src: Path, dst: Path, overrides: dict[str, bool] | None = None
     independent of export.py's; tests/oracle/make_goldens.py checked that
     llama.cpp's own quantize API (ftype ALL_F32) gives the same values.
     """
-    from gguf import GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize
+    from gguf import GGUFValueType, GGUFWriter
 
     overrides = dict(overrides or {})
-    reader = GGUFReader(str(src))
+    reader, values = gguf_reader(src), decoded(src)
     writer = GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
     for f in reader.fields.values():
         if f.name.startswith("GGUF.") or f.name == "general.architecture":
@@ -99,8 +132,7 @@ def make_f32_gguf(src: Path, dst: Path, overrides: dict[str, bool] | None = None
     for key, value in overrides.items():
         writer.add_bool(key, value)
     for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, values.reshape(tuple(int(n) for n in reversed(t.shape))))   # ggml ne order
+        writer.add_tensor(t.name, values[t.name].reshape(tuple(int(n) for n in reversed(t.shape))))   # ggml ne order
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -61,8 +61,7 @@ import common  # noqa: E402
 from common import DEFAULT_GGUF, ROOT, RUN, SCRATCH, TESTS, gguf_tensors, require, run, sha256_file
 
 try:
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
-    from gguf.quants import dequantize as gguf_dequantize
+    from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 except ImportError as e:  # a missing prerequisite is a failure, never a skip
     raise AssertionError(f"the gguf package is needed for these tests: pip install gguf ({e})")
 
@@ -158,20 +157,6 @@ def tensor_types(path: Path) -> dict[str, int]:
     return {t.name: t.type for t in gguf_tensors(path)}
 
 
-@lru_cache(maxsize=None)
-def gguf_reader(src: Path) -> GGUFReader:
-    """One GGUFReader per source file and run: it decodes SmolLM2's 49k token strings in seconds, and each
-    of the seven replicas and the F32 source reads the same file."""
-    return GGUFReader(str(src))
-
-
-@lru_cache(maxsize=None)
-def decoded(src: Path) -> dict[str, np.ndarray]:
-    """src's tensors decoded to float32 by the `gguf` package, once per run (SmolLM2: 540 MB, 2 s of decoding
-    that every replica would repeat)."""
-    return {t.name: gguf_dequantize(t.data, t.tensor_type).astype(np.float32) for t in gguf_reader(src).tensors}
-
-
 class Memo:
     """A memo around one of export.py's pure array functions f(x, ggml_type) (encode_rows: float rows ->
     blocks; pack_rows: blocks -> packed groups). Across the files of one model many (tensor, type) pairs repeat
@@ -221,7 +206,7 @@ def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
     """A GGUF with src's metadata whose tensors are src's values (decoded by the `gguf` package)
     encoded in `types` by export.py's quantizers."""
     export = _load_export()
-    reader = gguf_reader(src)
+    reader = quality.gguf_reader(src)
     missing = sorted(set(types) ^ {t.name for t in reader.tensors})
     if missing:
         raise AssertionError(f"tensor sets of {src.name} and the golden differ: {missing[:5]}")
@@ -232,7 +217,7 @@ def write_replica(src: Path, types: dict[str, int], dst: Path) -> None:
             continue
         vtype = f.types[0]
         writer.add_key_value(f.name, f.contents(), vtype, sub_type=f.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    values = decoded(src)
+    values = quality.decoded(src)
     for t in reader.tensors:
         x = values[t.name]
         want = types[t.name]
