@@ -180,7 +180,7 @@ bench: run $(MODEL_BIN) $(GEMMA_GGUF)
 	$(PYTHON) tests/bench.py --json-only --runs 3
 	$(PYTHON) tests/bench_batch.py --runs 3 --chat
 
-# ---- sanitizers and fuzzing (both also run as the last tests of `make test`) ----
+# ---- sanitizers and fuzzing (both also run in `make test`, test_sanitize_fuzz started first) ----
 # -O1 (AddressSanitizer's advice; tests/common.py SANITIZE): the same instrumentation as -O2, compiled in half the time;
 # without UBSan's pointer-overflow check, a quarter of gcc's compile time in the inlined SIMD kernels (a pointer out
 # of range that is used is ASan's to catch; the clang fuzz builds keep the check)

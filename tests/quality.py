@@ -93,16 +93,16 @@ def gguf_reader(path: Path):
 @functools.lru_cache(maxsize=None)
 def _decoded(version: tuple[str, int, int]) -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
-    return {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in _reader(version).tensors}
+    values = {t.name: dequantize(t.data, t.tensor_type).astype(np.float32) for t in _reader(version).tensors}
+    for v in values.values():
+        v.setflags(write=False)   # shared by every caller
+    return values
 
 
 def decoded(path: Path) -> dict[str, np.ndarray]:
-    """path's tensors decoded to float32 by the `gguf` package, once per process and file version (SmolLM2:
-    540 MB, 4 s of decoding). Read-only: every user shares them."""
-    values = _decoded(_file_version(Path(path)))
-    for v in values.values():
-        v.setflags(write=False)
-    return values
+    """path's tensors decoded to float32 by the `gguf` package (read-only arrays), once per process and file
+    version (SmolLM2: 540 MB, 4 s of decoding)."""
+    return _decoded(_file_version(Path(path)))
 
 
 def make_f32_gguf(src: Path, dst: Path, overrides: dict[str, bool] | None = None) -> None:
