@@ -381,6 +381,12 @@ def seconds(name: str, path: Path) -> float:
     return float(r.stdout.split("seconds")[1].split()[0])
 
 
+# A pair of timings that breaks a bound is taken again, up to this many times in all, keeping each size's
+# fastest: on a shared machine one encode of 1 MB of spaces took 76 ms of CPU where it takes ~20 (its page faults
+# and cache misses are CPU time too), while a quadratic encoder breaks the bound every time.
+TIMING_TRIES = 3
+
+
 def test_encoding_is_never_slow() -> None:
     """1 MB of anything encodes in well under a second of CPU time, and 4x the input costs
     at most 10x the time (n log n: ~4.4x, more when the 1 MB heap outgrows the caches;
@@ -392,8 +398,11 @@ def test_encoding_is_never_slow() -> None:
         big.write_bytes(data)
         small.write_bytes(data[:len(data) // 4])
         for name in ("smollm2", "smollm2-llama3", "gemma3"):
-            t_big = seconds(name, big)
-            t_small = max(seconds(name, small), 1e-3)
+            t_big, t_small = seconds(name, big), max(seconds(name, small), 1e-3)
+            for _ in range(TIMING_TRIES - 1):
+                if t_big < 1.5 and t_big < 10 * t_small + 0.02:
+                    break
+                t_big, t_small = min(t_big, seconds(name, big)), min(t_small, max(seconds(name, small), 1e-3))
             worst.append((t_big, label, name))
             assert t_big < 1.5, f"{name}: 1 MB of {label} took {t_big:.2f} s"
             assert t_big < 10 * t_small + 0.02, f"{name}: {label}: 1 MB {t_big:.3f} s vs 256 kB {t_small:.3f} s"
