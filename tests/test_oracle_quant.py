@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
-import io
 import json
 import os
 import sys
@@ -477,7 +476,7 @@ def f32_source(model: str) -> quality.Source:
     the shipped GGUF holds exactly the values the gguf package decodes: tests/quality.py's F32 GGUF, which
     test_quant quantizes too), or the synthetic model's. The test checks its tensors' digest."""
     if model == "synth":
-        return quality.Source(synthetic_f32_gguf(), "synth")
+        return quality.gguf_source(synthetic_f32_gguf())
     return quality.f32_gguf_source(quality.gguf_source(source_gguf(model)))
 
 
@@ -486,18 +485,13 @@ SHARED_WITH_TEST_QUANT = ("q8_0", "q4_1")
 
 
 def export_dtype(export, model: str, src: quality.Source, dtype: str) -> tuple[Path, bool]:
-    """export.py SRC --dtype DTYPE in this process -> (the file, whether it is test_quant's to keep)."""
-    if model == "smollm2" and dtype in SHARED_WITH_TEST_QUANT:
-        try:
-            return quality.export(src, dtype, "f32gguf", export.main), True
-        except RuntimeError as e:
-            raise AssertionError(str(e))
-    out = WORK / f"mix-{model}-{dtype}.bin"
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        rc = export.main([str(src.path), str(out), "--dtype", dtype])
-    assert rc == 0, f"export.py --dtype {dtype} failed: {err.getvalue()[-600:]}"
-    return out, False
+    """export.py SRC --dtype DTYPE in this process (quality.export) -> (the file, whether it is test_quant's to
+    keep; the others are the caller's to delete)."""
+    shared = model == "smollm2" and dtype in SHARED_WITH_TEST_QUANT
+    try:
+        return quality.export(src, dtype, "f32gguf" if shared else f"mix-{model}", export.main), shared
+    except RuntimeError as e:
+        raise AssertionError(str(e))
 
 
 def test_dtypes_give_llama_quantize_types_and_bytes():
