@@ -2047,6 +2047,7 @@ typedef struct {
 typedef struct {
     int n_predict;      /* -n: tokens to generate at most */
     int lookup;         /* --lookup N: longest draft of lookup decoding (0 = off) */
+    int lookup_fixed;   /* --lookup-fixed: drafts planned on fixed pass costs (PassCost) */
     int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
@@ -2334,6 +2335,8 @@ typedef struct {
 typedef struct {
     double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
     double tok_ms;               /* the least time per token of any pass of several */
+    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
+                  memory alone, so the drafts depend on the text only: the same on every machine and load */
 } PassCost;
 
 typedef struct {
@@ -2580,7 +2583,7 @@ static int decode_next(Gen *g, int token, int *why)
    the TTFT nor a run cut short by its reader (`| head`) goes without. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Request *r)
 {
-    Gen g = {.m = m, .s = s, .sm = sm, .o = o, .r = r, .lk = {.max = o->lookup, .src = -1},
+    Gen g = {.m = m, .s = s, .sm = sm, .o = o, .r = r, .lk = {.max = o->lookup, .src = -1, .cost.fixed = o->lookup_fixed},
              .cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate))};
     Logprobs lp = {.want = o->logprobs};
     sm->report = o->logprobs >= 0 ? &lp : NULL;
@@ -2802,12 +2805,13 @@ typedef struct {
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
-    const char *kernels; /* --kernels NAME (NULL: the best set this CPU runs) */
+    const char *kernels; /* --kernels NAME (NULL: $KERNELS_ENV, else the best set this CPU runs) */
     int json;            /* --json */
     const char *json_schema; /* --json-schema FILE */
     GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
     BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
+#define KERNELS_ENV "RUN_KERNELS" /* the environment's default for --kernels */
 
 
 /* Part II's entry points that main calls: the command line, the kernel set,
@@ -2817,7 +2821,7 @@ static void reserve_std_fds(void);
 static void parse_args(Args *a, int argc, char **argv);
 static int usable_cpus(void);
 static void select_kernels(int set);
-static int kernel_set_named(const char *v);
+static int kernel_set_named(const char *v, const char *what);
 static int best_kernel_set(void);
 static void watch_model_file(const Model *m, const char *path);
 static const char *kernel_set_name(void);
@@ -2841,7 +2845,10 @@ int main(int argc, char **argv)
     Args a;
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
-    select_kernels(a.kernels ? kernel_set_named(a.kernels) : best_kernel_set());
+    /* RUN_KERNELS in the environment: the default of --kernels, so that a script (the test suite) can pin
+       every run it starts to one set without passing the flag to each */
+    const char *kernels = a.kernels ? a.kernels : getenv(KERNELS_ENV);
+    select_kernels(kernels && *kernels ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     JsonConstraint *jcp = build_json_constraint(a.json, a.json_schema);
     double t0 = now_ms();
@@ -6572,6 +6579,7 @@ static void keep_every_position(RunState *s, const Config *c)
    chunks counts as chunks of CHUNK_TOKENS). */
 static void lookup_time(PassCost *pc, int m, double ms)
 {
+    if (pc->fixed) return;
     if (m > CHUNK_TOKENS) ms *= (double)CHUNK_TOKENS / m, m = CHUNK_TOKENS;
     pc->ms[m] = pc->ms[m] > 0 ? pc->ms[m] + LOOKUP_EMA * (fmin(ms, LOOKUP_SPIKE * pc->ms[m]) - pc->ms[m]) : ms;
     if (m > 1) pc->tok_ms = pc->tok_ms > 0 ? fmin(pc->tok_ms, ms / m) : ms / m;
@@ -6584,6 +6592,7 @@ static void lookup_time(PassCost *pc, int m, double ms)
    timing it again). */
 static double lookup_cost(const PassCost *pc, int m)
 {
+    if (pc->fixed) return 1;
     double t = pc->ms[m] > 0 ? pc->ms[m] : m * pc->tok_ms;
     for (int j = 1; j < m; j++) t = fmax(t, pc->ms[j]);
     for (int j = m + 1; j <= CHUNK_TOKENS; j++)
@@ -6654,7 +6663,7 @@ static void lookup_adapt(Lookup *lk, const int *ids, int n)
    the time the drafts must beat. Sets k[i]; returns the pass's tokens. */
 static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost *pc, int max_rows, int *k)
 {
-    double odds[BATCH_MAX], yield = n, best_rate = pc->ms[n] > 0 ? n / lookup_cost(pc, n) * (1 + LOOKUP_MARGIN) : INFINITY;
+    double odds[BATCH_MAX], yield = n, best_rate = pc->fixed || pc->ms[n] > 0 ? n / lookup_cost(pc, n) * (1 + LOOKUP_MARGIN) : INFINITY;
     int pick[BATCH_MAX], best_rows = n;
     for (int i = 0; i < n; i++) {
         k[i] = 0;
@@ -7656,7 +7665,7 @@ static void report_batch(Batch *b)
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo)
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
-               .out = {.first = 1}};
+               .out = {.first = 1}, .cost.fixed = o->lookup_fixed};
     int on_stdin = !strcmp(bo->path, "-");
     b.in.fd = on_stdin ? STDIN_FILENO : open(bo->path, O_RDONLY);
     b.in.name = on_stdin ? "the --batch input on stdin" : bo->path;
@@ -7911,6 +7920,8 @@ static void usage(FILE *f)
         "                 context and check them in one pass, as many as the passes'\n"
         "                 measured costs make worth it; 0 turns it off (default 15).\n"
         "                 The output is the same as without it (with -s, the same text)\n"
+        "  --lookup-fixed plan the guesses as if every pass cost one decode step, not by\n"
+        "                 measured times: the same guesses on any machine and load\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
         "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
         "                 p90 inter-token latency\n"
@@ -7944,7 +7955,7 @@ static void usage(FILE *f)
         "                 checking), avx2, avxvnni (x86-64 with AVX-VNNI) or avx512 (with\n"
         "                 AVX-512 VNNI), neon or neon-dot (aarch64 with sdot), of those\n"
         "                 this CPU runs\n"
-        "                 (default: the best; -v names it)\n"
+        "                 (default: $RUN_KERNELS if set, else the best; -v names it)\n"
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
@@ -8024,9 +8035,9 @@ static int kv_type_named(const char *v)
     usage_error("--kv expects one of %s, got '%s'", names, v);
 }
 
-/* The kernel set --kernels names; one this CPU cannot run, or an unknown
-   name, is a usage error listing the sets it can. */
-static int kernel_set_named(const char *v)
+/* The kernel set that `what` (--kernels or RUN_KERNELS) names; one this CPU
+   cannot run, or an unknown name, is a usage error listing the sets it can. */
+static int kernel_set_named(const char *v, const char *what)
 {
     char names[MSG_BYTES] = "";
     for (int k = 0; k < N_KSETS; k++) {
@@ -8034,7 +8045,7 @@ static int kernel_set_named(const char *v)
         if (!strcmp(v, SETS[k]->op.name)) return k;
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", SETS[k]->op.name);
     }
-    usage_error("--kernels %s is not a kernel set this build runs on this CPU (available: %s)", v, names);
+    usage_error("%s %s is not a kernel set this build runs on this CPU (available: %s)", what, v, names);
 }
 
 /* --stop STR: STR with the escapes \n, \t and \\ decoded, as one more stop
@@ -8119,6 +8130,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
         else if (!strcmp(f, "--probe")) a->probe = 1;
         else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
+        else if (!strcmp(f, "--lookup-fixed")) a->gen.lookup_fixed = 1;
         else if (!strcmp(f, "--batch")) a->batch.path = v;
         else if (!strcmp(f, "--parallel")) a->batch.parallel = parse_long(f, v, 1, BATCH_MAX);
         else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);

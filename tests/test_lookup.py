@@ -109,6 +109,10 @@ def lookup_stats(stderr: bytes) -> tuple[int, int]:
 
 
 def test_greedy_text_identical_with_and_without_lookup():
+    """Greedy text with lookup equals plain decoding's. The drafts that the passes' measured costs choose vary with
+    the machine and its load (a session on another CPU saw 23 stand where this one sees ~60), so the runs whose
+    drafts are counted plan them on fixed costs (--lookup-fixed: the same drafts on any machine); one run per
+    prompt keeps the measured plan, for the identity alone."""
     m = model()
     accepted_total = 0
     cases = [(COPY, ["-c"], "f16", ("8", "15", "1")), (SUMMARY, ["-c"], "f16", ("8",)), (CODE, ["-c"], "q8", ("8",)),
@@ -116,17 +120,17 @@ def test_greedy_text_identical_with_and_without_lookup():
     for prompt, args, kv, lookups in cases:
         base = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", "0", "-i", prompt, *args])
         assert base.returncode == 0, base.stderr.decode(errors="replace")
-        for n in lookups:
-            p = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", n, "-v", "-i", prompt, *args])
+        for n, plan in [(n, "--lookup-fixed") for n in lookups] + [("15", "-v")]:
+            p = run([m, "-t", "0", "-n", "64", "--kv", kv, "--lookup", n, plan, "-v", "-i", prompt, *args])
             assert p.returncode == 0, p.stderr.decode(errors="replace")
             assert p.stdout == base.stdout, (f"--lookup {n} --kv {kv} {args} changed the greedy text:\n"
                                              f"without: {base.stdout!r}\nwith:    {p.stdout!r}")
-            accepted_total += lookup_stats(p.stderr)[1]
+            accepted_total += lookup_stats(p.stderr)[1] if plan == "--lookup-fixed" else 0
     assert accepted_total > 30, f"only {accepted_total} drafts stood over the copy prompts: lookup hardly ran"
     # chat mode: the whole conversation is the lookup source
     msgs = f"{COPY}\nNow repeat it once more.\n".encode()
     base = run([m, "-m", "chat", "-t", "0", "-n", "48", "--lookup", "0"], stdin=msgs)
-    p = run([m, "-m", "chat", "-t", "0", "-n", "48", "-v"], stdin=msgs)
+    p = run([m, "-m", "chat", "-t", "0", "-n", "48", "-v", "--lookup-fixed"], stdin=msgs)
     assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
     assert p.stdout == base.stdout, f"chat with lookup differs:\n{base.stdout!r}\n{p.stdout!r}"
     assert lookup_stats(p.stderr)[1] > 0, "chat: no draft stood"
@@ -134,18 +138,18 @@ def test_greedy_text_identical_with_and_without_lookup():
 
 def test_sampled_text_identical_with_and_without_lookup():
     """A draft stands when the token drawn as plain decoding draws it equals the draft: one seed, one text,
-    whatever number of drafts the pass costs measured here made worth it."""
+    whatever number of drafts the plan makes (drafts counted on the fixed plan; the measured one for seed 1)."""
     m = model()
     accepted = 0
     for prompt, args in ((COPY, ["-c"]), (CODE, ["-c"]), (STORY, [])):
         for seed in ("1", "2", "3"):
             common = [m, "-t", "0.8", "-s", seed, "-n", "48", "-i", prompt, *args]
             base = run([*common, "--lookup", "0"])
-            p = run([*common, "-v"])
+            p = run([*common, "-v", *(["--lookup-fixed"] if seed != "1" else [])])
             assert base.returncode == 0 and p.returncode == 0, p.stderr.decode(errors="replace")
             assert p.stdout == base.stdout, (f"-s {seed}: lookup changed the sampled text:\n"
                                              f"without: {base.stdout!r}\nwith:    {p.stdout!r}")
-            accepted += lookup_stats(p.stderr)[1]
+            accepted += lookup_stats(p.stderr)[1] if seed != "1" else 0
     assert accepted > 10, f"only {accepted} drafts stood: the sampled verification path hardly ran"
 
 
@@ -204,7 +208,7 @@ def sample_counts(temperature: str, lookup: str, runs: int = RUNS) -> tuple[list
     drafted = accepted = 0
     for seed in range(runs):
         p = run([concentrated_model(), "-i", "xyzzy", "-n", "8", "-t", temperature, "-k", "3", "-p", "1", "-s", str(seed),
-                 "--lookup", lookup, "-v", "--threads", "1"])
+                 "--lookup", lookup, "--lookup-fixed", "-v", "--threads", "1"])
         assert p.returncode == 0, p.stderr.decode(errors="replace")
         text = p.stdout.decode(errors="replace")
         assert len(text) == 8 and set(text) <= set(FAVOURITES), f"unexpected text {text!r}: the model is not as designed"
