@@ -4468,6 +4468,21 @@ static long status_kb(const char *field)
     return kb;
 }
 
+/* Bytes of the model file's mapping that are in memory (mincore: its pages
+   in the page cache, which every process mapping the file shares), or -1.
+   /proc's RssFile would count every mapped file, the binary and libc too. */
+static double model_resident_bytes(const Model *m)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return -1;
+    size_t n = (m->map_size + page - 1) / page, in = 0;
+    unsigned char *vec = malloc(n);
+    if (!vec || mincore((void *)m->map, m->map_size, vec) != 0) { free(vec); return -1; }
+    for (size_t i = 0; i < n; i++) in += vec[i] & 1;
+    free(vec);
+    return fmin((double)in * page, (double)m->map_size); /* the last page is counted whole */
+}
+
 /* -v's last lines: how long loading took and when the first byte of text
    left (from the start of main, so what a script waiting on the output
    sees, but exec and the dynamic loader); and memory, split into what is
@@ -4478,11 +4493,12 @@ static void report_process(const Model *m, double load_ms)
 {
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
     if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
-    long anon = status_kb("RssAnon:"), file = status_kb("RssFile:"), peak = status_kb("VmHWM:");
+    long anon = status_kb("RssAnon:"), peak = status_kb("VmHWM:");
+    double file = model_resident_bytes(m);
     if (anon >= 0 && file >= 0)
         fprintf(stderr, "\nmemory: %.1f MB private (activations, KV cache), %.1f MB of the %.1f MB model file resident "
-                "(mapped, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1024.0, m->map_size / 1048576.0,
-                peak / 1024.0);
+                "(in the page cache, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1048576.0,
+                m->map_size / 1048576.0, peak / 1024.0);
     fputc('\n', stderr);
 }
 
