@@ -3317,15 +3317,15 @@ static int check_packed_padding(const Tensor *t, char *err)
     const PackForm *f = packed_form(t->type);
     size_t group = packed_group_bytes(f, t->cols), rec = packed_record_bytes(f);
     size_t used = (size_t)(t->cols / packed_block(f)) * rec, z;
-    int live = t->rows - (t->rows - 1) / PACK_ROWS * PACK_ROWS; /* rows of the last group that are the matrix's */
+    int first = (t->rows - 1) / PACK_ROWS * PACK_ROWS, live = t->rows - first; /* the last group's rows, and the matrix's of them */
     const uint8_t *last = (const uint8_t *)t->data + tensor_bytes(t) - group;
     if ((z = used + nonzero_at(last + used, group - used)) < group)
         LOAD_FAIL("tensor %s: padding byte %zu of its last group is 0x%02x, not zero", t->name, z, last[z]);
     for (size_t o = 0; o < used && live < PACK_ROWS; o++) {
         int r = packed_byte_row(f, o % rec);
         if (r >= live && last[o] != packed_zero_byte(f, o % rec))
-            LOAD_FAIL("tensor %s: padding row %d of its last group (after its %d rows) has byte 0x%02x at %zu, "
-                      "not a zero block's", t->name, r, t->rows, last[o], o);
+            LOAD_FAIL("tensor %s: padding row %d (after its %d rows) has byte 0x%02x at byte %zu of its last group, "
+                      "not a zero block's", t->name, first + r, t->rows, last[o], o);
     }
     return 0;
 }

@@ -576,7 +576,7 @@ def test_packed_padding_rows_and_padding_are_zero():
             path = with_emb(f"row-{at}", at)
             msg = expect_error([path, "--tokenize", "-i", "hi"], 1, "tensor tok_embeddings", "padding row",
                                f"after its {rows} rows", "not a zero block")
-            assert f"byte 0x{packed[at] ^ 1:02x} at {at - last}" in msg, msg
+            assert f"byte 0x{packed[at] ^ 1:02x} at byte {at - last} of its last group" in msg, msg
         if last + records < len(packed):        # the types whose records do not fill whole cache lines
             path = with_emb("group-pad", last + records)
             expect_error([path, "--tokenize", "-i", "hi"], 1, "tensor tok_embeddings",
