@@ -34,45 +34,34 @@ UNUSUAL_EXIT = "exit status {rc} (a signal or a sanitizer abort?)"
 # ---------------------------------------------------------------------------------------------
 # Fixtures
 
-def tiny_model() -> Path:
-    """A valid 1-layer model (dim 32, vocab 300, ctx 64, head_dim 16, Q8_0, ChatML), rebuilt when
-    export.py or make_synthetic.py change."""
+def exported(out_name: str, config, src_name: str, *flags: str) -> Path:
+    """The synthetic model of shape `config` (tests/make_synthetic.py) exported by export.py with `flags`, rebuilt
+    when export.py, make_synthetic.py or the shapes (tests/fuzz/make_seeds.py) change."""
     import make_synthetic as ms
-    out = WORK / "tiny.q8_0.bin"
+    out = WORK / out_name
     inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
     if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
         return out
-    src = ms.make_all(WORK / "src", TINY_TIED, gguf_types=("f32",), hf=False)["gguf-f32"]
-    r = python([ROOT / "export.py", src, out, "--dtype", "q8_0"])
-    assert r.returncode == 0, f"export of the tiny model failed:\n{r.stderr.decode()}"
+    src = ms.make_all(WORK / src_name, config, gguf_types=("f32",), hf=False)["gguf-f32"]
+    r = python([ROOT / "export.py", src, out, *flags])
+    assert r.returncode == 0, f"export of {out_name} failed:\n{r.stderr.decode()}"
     return out
+
+
+def tiny_model() -> Path:
+    """A valid 1-layer model (dim 32, vocab 300, ctx 64, head_dim 16, Q8_0, ChatML)."""
+    return exported("tiny.q8_0.bin", TINY_TIED, "src", "--dtype", "q8_0")
 
 
 def two_layer_model() -> Path:
-    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32), rebuilt like tiny_model()."""
-    import make_synthetic as ms
-    out = WORK / "tiny-untied.f32.bin"
-    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
-    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
-        return out
-    src = ms.make_all(WORK / "src-untied", TINY_UNTIED, gguf_types=("f32",), hf=False)["gguf-f32"]
-    r = python([ROOT / "export.py", src, out])
-    assert r.returncode == 0, f"export of the 2-layer model failed:\n{r.stderr.decode()}"
-    return out
+    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32)."""
+    return exported("tiny-untied.f32.bin", TINY_UNTIED, "src-untied")
 
 
 def wide_model() -> Path:
     """A valid tied 1-layer model whose rows are 256 wide (tests/fuzz/make_seeds.py TINY_K, F32: 260 x 256 embedding,
-    so its last group has 4 rows and 12 padding rows), rebuilt like tiny_model(): every weight type fits its rows."""
-    import make_synthetic as ms
-    out = WORK / "tiny-wide.f32.bin"
-    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
-    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
-        return out
-    src = ms.make_all(WORK / "src-wide", TINY_K, gguf_types=("f32",), hf=False)["gguf-f32"]
-    r = python([ROOT / "export.py", src, out])
-    assert r.returncode == 0, f"export of the 256-wide model failed:\n{r.stderr.decode()}"
-    return out
+    so its last group has 4 rows and 12 padding rows): every weight type fits its rows."""
+    return exported("tiny-wide.f32.bin", TINY_K, "src-wide")
 
 
 def split_model(wv_type: int | None = None) -> Path:

@@ -198,8 +198,9 @@ def problems(buf: bytes) -> list[str]:
     """What makes buf an invalid model file by README.md ("The model file")'s layout rules (empty list: none).
 
     Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts, the sections and
-    tensors following each other exactly, reserved and padding bytes zero), the rules every file
-    export.py writes must satisfy whatever its input was."""
+    tensors following each other exactly, reserved and padding bytes zero: between sections, tensors and
+    tokenizer arrays, after a name's NUL, in a packed matrix's last group; no unknown tokenizer flag bit),
+    the rules every file export.py writes must satisfy whatever its input was."""
     out: list[str] = []
     if len(buf) < HEADER_BYTES or buf[:4] != b"LLMF":
         return ["no LLMF header"]
