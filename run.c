@@ -3309,7 +3309,7 @@ static int check_name(const uint8_t *field, uint32_t i, char *err)
    read 128), and the bytes after its records zero. Only the last group: it
    is one place per matrix, where the padding rows are. Every group ends in
    such padding when its records do not fill whole cache lines (an odd count
-   of q4_0, q5_0, q8_0 or q6_k blocks, or of f16 elements, in a row), but the
+   of q4_0, q5_0, q8_0 or q6_k blocks, or of f16/bf16 elements, in a row), but the
    other groups' padding is not read here: that would touch every page of
    the matrix at load, and loading is mapping. No kernel reads it. */
 static int check_packed_padding(const Tensor *t, char *err)
