@@ -45,6 +45,12 @@ reference ones (ggml-quants.c, quantize_row_*_ref).
 --tokenizer-only writes a valid file holding the header and the tokenizer
 section but no tensors (n_tensors = 0); it works for any architecture in the
 family table (llama, qwen2, qwen3, gemma3), e.g. to test Gemma 3's tokenizer.
+
+-v (--verbose) also prints the warnings that only say what llama.cpp's rules
+did with a type the user did not ask for: the K-type fallback on rows that are
+not a multiple of 256 (a q4_1 export's output head, Q6_K by llama.cpp's rule,
+becomes Q8_0) is shown without -v only when --dtype names a K type (q4_k,
+q5_k, q6_k, q4_k_m, q5_k_m).
 """
 from __future__ import annotations
 
@@ -1770,10 +1776,11 @@ def split_plan(plan: list[OutTensor], mixed: dict[str, list[int]]) -> list[OutTe
 
 
 def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str], from_gguf: bool,
-               dtype: str, ignored: tuple[str, ...]) -> list[OutTensor]:
+               dtype: str, ignored: tuple[str, ...], verbose: bool = False) -> list[OutTensor]:
     """The output tensors, in file order. When a fused projection's parts get different types (--dtype keep: the
     source's; another --dtype: llama.cpp's rules), every layer's projections are written split and FLAG_SPLIT is
-    set in hp.flags."""
+    set in hp.flags. The K-type fallback is warned about when `dtype` is a K type or with `verbose`: otherwise
+    the K type came from llama.cpp's rules, not from the user."""
     used: set[str] = set()
     plan = []
     notes = TypeNotes()
@@ -1817,8 +1824,9 @@ def build_plan(hp: Hyper, tensors: dict[str, SourceTensor], names: dict[str, str
         raise ExportError(f"unexpected tensor '{show(name)}' ({hp.family.name} models with it are not supported)")
     warn_list(notes.unblockable, "matrices have a row length that is not a multiple of 32 and are written as F16 "
                                  "(llama.cpp's last fallback)")
-    warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
-                              "fallback for the K type")
+    if verbose or DTYPE_DEFAULT.get(dtype) in K_FALLBACK:
+        warn_list(notes.fallback, "matrices have a row length that is not a multiple of 256 and take llama.cpp's "
+                                  "fallback for the K type")
     warn_list(notes.promoted, "fused tensors have parts of different types that the engine cannot run from one "
                               "activation format: parts of the finest type are copied, the others re-quantized to it")
     if notes.split:
@@ -2685,7 +2693,7 @@ def export(args: argparse.Namespace) -> None:
                 name = fam.hf_names["rope_freqs"]
                 data = hp.rope_freqs.astype("<f4").tobytes()
                 tensors[name] = SourceTensor(name, F32, "F32", hp.rope_freqs.shape, data, 0, len(data), "config.json")
-            plan = build_plan(hp, tensors, fam.hf_names, False, dtype, fam.hf_ignored)
+            plan = build_plan(hp, tensors, fam.hf_names, False, dtype, fam.hf_ignored, args.verbose)
     else:
         if same_file(out, src):
             raise ExportError(f"output {out} is the same file as the input")
@@ -2694,7 +2702,7 @@ def export(args: argparse.Namespace) -> None:
         fam = family_for_gguf(g.get("general.architecture", str), args.tokenizer_only)
         hp = hparams_from_gguf(g, fam, strict=not args.tokenizer_only)
         vocab = vocab_from_gguf(g, fam)
-        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, dtype, ())
+        plan = [] if args.tokenizer_only else build_plan(hp, g.tensors, fam.gguf_names, True, dtype, (), args.verbose)
         check_rope_freqs_tensor(plan, str(src))
 
     size = write_model(out, hp, vocab, plan)
@@ -2714,6 +2722,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          "directory); see 'Output types' above")
     ap.add_argument("--tokenizer-only", action="store_true",
                     help="write the header and tokenizer section only (no tensors); any architecture in the table")
+    ap.add_argument("-v", "--verbose", action="store_true",
+                    help="also warn about what llama.cpp's rules did with types not asked for (see -v above)")
     return ap.parse_args(argv)
 
 

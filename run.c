@@ -257,8 +257,9 @@ enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_LAYOUT = 6
 enum { LAYOUT_ROWS, LAYOUT_PACKED, N_LAYOUTS }; /* a tensor's layout: the forward pass multiplies by packed ones */
 /* ... of the tokenizer section's header: the counts that size its arrays
    (tokenizer.c reads the rest), and its reserved bytes */
-enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44, TOKS_RESERVED = 48,
-       TOKS_HEADER_BYTES = 64 };
+enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_FLAGS = 32, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44,
+       TOKS_RESERVED = 48, TOKS_HEADER_BYTES = 64 };
+#define TOKS_N_FLAGS 3      /* the tokenizer flags' bits this build knows: add BOS, add EOS, space prefix */
 #define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
 #define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
 
@@ -419,6 +420,7 @@ static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *er
 static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8]);
 static const char *section_at(uint64_t off, uint64_t tok_end);
 static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err);
+static int check_name(const uint8_t *field, uint32_t i, char *err);
 static int check_layout(const Tensor *t, int matmul, char *err);
 
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -493,6 +495,15 @@ static int read_config(Model *m, char *err)
     return 0;
 }
 
+/* The lowest bit of flags at or above n_known (a bit this build does not
+   know), or -1. */
+static int unknown_bit(uint32_t flags, int n_known)
+{
+    for (int bit = n_known; bit < 32; bit++)
+        if (flags >> bit & 1) return bit;
+    return -1;
+}
+
 /* The header flags' names, by bit (README, "The model file"). */
 static const char *const FLAG_NAME[N_FLAGS] = {"tied", "qkv_bias", "qk_norm", "post_norms", "rope_freqs", "split"};
 
@@ -506,13 +517,13 @@ static int read_family(Model *m, char *err)
     uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
     float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
     float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
-    for (int bit = N_FLAGS; bit < 32; bit++)
-        if (flags >> bit & 1) {
-            char known[ERR_BYTES / 2] = "";  /* the names take ~60 bytes; the sentence around them fits beside */
-            for (int b = 0; b < N_FLAGS; b++)
-                snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
-            LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
-        }
+    int bit = unknown_bit(flags, N_FLAGS);
+    if (bit >= 0) {
+        char known[ERR_BYTES / 2] = "";  /* the names take ~60 bytes; the sentence around them fits beside */
+        for (int b = 0; b < N_FLAGS; b++)
+            snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
+        LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
+    }
     c->flags = flags;
     c->tied = !!(flags & FLAG_TIED_EMBEDDINGS);
     c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
@@ -539,17 +550,29 @@ static int read_family(Model *m, char *err)
     return 0;
 }
 
+/* The tokenizer section's arrays, in order, for messages. */
+static const char *const TOKS_ARRAY[] = {"text offsets", "token types", "scores", "merges", "default system prompt",
+                                         "text blob"};
+
 /* Where the tokenizer section's last array ends (README.md, "Tokenizer
    section"): text offsets, types, scores, merges, default system prompt,
    text blob, each from a 4-byte boundary. Called once tok_create has
-   checked that they fit; it does not check that nothing follows them. */
-static size_t tok_section_end(const uint8_t *sec)
+   checked that they fit; it does not check that nothing follows them.
+   *pad: the first nonzero padding byte between two arrays (0: none), and
+   *after: the array that it follows. */
+static size_t tok_section_end(const uint8_t *sec, size_t *pad, int *after)
 {
     size_t n = rd_u32(sec + TOKS_N_VOCAB);
     size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
                       rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
+    _Static_assert(sizeof bytes / sizeof *bytes == sizeof TOKS_ARRAY / sizeof *TOKS_ARRAY, "a name per array");
     size_t end = TOKS_HEADER_BYTES;
-    for (size_t i = 0; i < sizeof bytes / sizeof *bytes; i++) end = align_up(end, TOKS_ALIGN) + bytes[i];
+    *pad = 0;
+    for (int i = 0; i < (int)(sizeof bytes / sizeof *bytes); i++) {
+        size_t start = align_up(end, TOKS_ALIGN), z = end + nonzero_at(sec + end, start - end);
+        if (z < start && !*pad) *pad = z, *after = i - 1; /* the header ends on a boundary: i > 0 here */
+        end = start + bytes[i];
+    }
     return end;
 }
 
@@ -564,11 +587,17 @@ static int read_tokenizer(Model *m, char *err)
     const uint8_t *sec = m->map + off;
     char why[ERR_BYTES];
     if (tok_create(&m->tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
-    if (tok_section_end(sec) != size)
-        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu",
-                  (unsigned long long)size, tok_section_end(sec));
+    size_t pad;
+    int after = 0;
+    size_t end = tok_section_end(sec, &pad, &after);
+    if (end != size)
+        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu", (unsigned long long)size, end);
     size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
     if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
+    if (pad) LOAD_FAIL("tokenizer section: padding byte %zu after the %s is 0x%02x, not zero", pad, TOKS_ARRAY[after], sec[pad]);
+    int bit = unknown_bit(rd_u32(sec + TOKS_FLAGS), TOKS_N_FLAGS);
+    if (bit >= 0) LOAD_FAIL("tokenizer section: unknown flag bit %d (this build knows bits 0-%d: add BOS, add EOS, space prefix)",
+                            bit, TOKS_N_FLAGS - 1);
     if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
         LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
     return 0;
@@ -674,11 +703,8 @@ static int read_tensor_table(const Model *m, Tensor **out, char *err)
     uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
     for (uint32_t i = 0; i < n; i++) {
         const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (memchr(e + ENT_NAME, 0, TENSOR_NAME_BYTES) == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
-        for (const uint8_t *p = e + ENT_NAME; *p; p++)
-            if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+        if (check_name(e + ENT_NAME, i, err)) return -1;
         const char *name = (const char *)e + ENT_NAME;
-        if (!*name) LOAD_FAIL("tensor %u has an empty name", i);
         int type = rd_u32(e + ENT_TYPE);
         uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), layout = rd_u32(e + ENT_LAYOUT);
         uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
@@ -971,6 +997,8 @@ static void quantize_act_k_scalar(void *blocks, const float *x, int n)
 #define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains (integer
                          adds: the same result in any order) */
 #define STRETCH 32    /* elements per run of packed integers */
+#define PACK_VECTOR 64 /* bytes of one vector of packed integers ... */
+#define PACK_LANE 4   /* ... of which each row has one lane */
 _Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel calls");
 
 /* The packed product: out[t * PACK_ROWS + r] = row r of the group . token t
@@ -2139,8 +2167,13 @@ static const char *chat_problem(Chat *ch, const Model *m)
 {
     memset(ch, 0, sizeof *ch);
     ch->kind = tok_get_info(m->tok)->chat_template;
-    if (ch->kind <= TOK_CHAT_NONE || ch->kind >= (int)(sizeof TEMPLATES / sizeof *TEMPLATES))
-        return "this model file has no chat template (export it from a GGUF/HF model that has one)";
+    if (ch->kind == TOK_CHAT_NONE) return "this model file has no chat template (export it from a GGUF/HF model that has one)";
+    if (ch->kind < TOK_CHAT_NONE || ch->kind >= (int)(sizeof TEMPLATES / sizeof *TEMPLATES)) {
+        static char unknown[ERR_BYTES]; /* one model per process: the text outlives the call (batch keeps it) */
+        snprintf(unknown, sizeof unknown, "this model file's chat template id %u is unknown (this build knows "
+                 "1 ChatML, 2 Gemma, 3 Llama 3)", (unsigned)ch->kind);
+        return unknown;
+    }
     ch->start = special_id(m, TEMPLATES[ch->kind].start);
     ch->end = special_id(m, TEMPLATES[ch->kind].end);
     ch->header_end = TEMPLATES[ch->kind].header_end ? special_id(m, TEMPLATES[ch->kind].header_end) : -2;
@@ -3189,6 +3222,13 @@ static void watch_model_file(const Model *m, const char *path)
    What build_model rejects beyond sizes: tensors a flag requires or forbids,
    padding that is not zero, matrices not in the packed layout. */
 
+/* From "the packed layout" below: a record's bytes and elements, and which
+   row owns byte o of a record and what that byte holds in a zero block. */
+static size_t packed_record_bytes(const PackForm *f);
+static int packed_block(const PackForm *f);
+static int packed_byte_row(const PackForm *f, size_t o);
+static int packed_zero_byte(const PackForm *f, size_t o);
+
 /* Index of the first nonzero byte of p[0..n), or n when all are zero. */
 static size_t nonzero_at(const uint8_t *p, size_t n)
 {
@@ -3254,6 +3294,49 @@ static int check_padding(const Model *m, uint64_t from, uint64_t to, const char 
     return 0;
 }
 
+/* A tensor table entry's name field (entry i): a printable ASCII name,
+   then NUL up to the field's end, so that the bytes after the name carry
+   nothing a reader of the name would miss. */
+static int check_name(const uint8_t *field, uint32_t i, char *err)
+{
+    const uint8_t *nul = memchr(field, 0, TENSOR_NAME_BYTES);
+    if (nul == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+    for (const uint8_t *p = field; *p; p++)
+        if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+    if (nul == field) LOAD_FAIL("tensor %u has an empty name", i);
+    size_t after = (size_t)(nul - field), z = after + nonzero_at(nul, TENSOR_NAME_BYTES - after);
+    if (z < TENSOR_NAME_BYTES)
+        LOAD_FAIL("tensor %s: byte %zu of its name field is 0x%02x, after the name's NUL, not zero", (const char *)field,
+                  z, field[z]);
+    return 0;
+}
+
+/* The last group of packed matrix t: its rows past t->rows must be those of
+   zero blocks (ggml's bytes all zero, so q8_0's integers, stored as q + 128,
+   read 128), and the bytes after its records zero. Only the last group: it
+   is one place per matrix, where the padding rows are. Every group ends in
+   such padding when its records do not fill whole cache lines (an odd count
+   of q4_0, q5_0, q8_0 or q6_k blocks, or of f16/bf16 elements, in a row), but the
+   other groups' padding is not read here: that would touch every page of
+   the matrix at load, and loading is mapping. No kernel reads it. */
+static int check_packed_padding(const Tensor *t, char *err)
+{
+    const PackForm *f = packed_form(t->type);
+    size_t group = packed_group_bytes(f, t->cols), rec = packed_record_bytes(f);
+    size_t used = (size_t)(t->cols / packed_block(f)) * rec, z;
+    int first = (t->rows - 1) / PACK_ROWS * PACK_ROWS, live = t->rows - first; /* the last group's rows, and the matrix's of them */
+    const uint8_t *last = (const uint8_t *)t->data + tensor_bytes(t) - group;
+    if ((z = used + nonzero_at(last + used, group - used)) < group)
+        LOAD_FAIL("tensor %s: padding byte %zu of its last group is 0x%02x, not zero", t->name, z, last[z]);
+    for (size_t o = 0; o < used && live < PACK_ROWS; o++) {
+        int r = packed_byte_row(f, o % rec);
+        if (r >= live && last[o] != packed_zero_byte(f, o % rec))
+            LOAD_FAIL("tensor %s: padding row %d (after its %d rows) has byte 0x%02x at byte %zu of its last group, "
+                      "not a zero block's", t->name, first + r, t->rows, last[o], o);
+    }
+    return 0;
+}
+
 /* The forward pass multiplies by the matrices, which must be packed, and
    reads every other tensor (norms, biases, an untied embedding) by rows. */
 static int check_layout(const Tensor *t, int matmul, char *err)
@@ -3262,7 +3345,7 @@ static int check_layout(const Tensor *t, int matmul, char *err)
         LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
                   "with this version's export.py", t->name);
     if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
-    return 0;
+    return matmul ? check_packed_padding(t, err) : 0;
 }
 
 /* ----- row conversions: one row of n elements to and from floats ----------
@@ -3542,6 +3625,32 @@ static size_t packed_record_bytes(const PackForm *f)
 static size_t packed_group_bytes(const PackForm *f, int n)
 {
     return align_up(n / packed_block(f) * packed_record_bytes(f), PACK_ALIGN);
+}
+
+/* Bytes of a record's fp16 planes (d, then m or dmin): the start of the
+   K types' one-byte scale planes. */
+static size_t packed_half_bytes(const PackForm *f)
+{
+    return PACK_ROWS * sizeof(uint16_t) * (1 + f->has_min);
+}
+
+/* The row that owns byte o of a record: the fp16 planes hold 2 bytes a row,
+   the K types' scale planes 1, every 64-byte vector of integers 4, and a
+   float record one element a row. */
+static int packed_byte_row(const PackForm *f, size_t o)
+{
+    if (f->kind == PACK_FLOAT) return (int)(o / (f->bits / 8));
+    size_t halves = packed_half_bytes(f), head = packed_head_bytes(f);
+    if (o < halves) return (int)(o % (PACK_ROWS * sizeof(uint16_t)) / sizeof(uint16_t));
+    if (o < head) return (int)((o - halves) % PACK_ROWS);
+    return (int)((o - head) % PACK_VECTOR / PACK_LANE);
+}
+
+/* Byte o of a record of zero blocks: 0, but q8_0's integers, which are
+   signed in ggml's block and stored as q + offset (128). */
+static int packed_zero_byte(const PackForm *f, size_t o)
+{
+    return f->kind == PACK_BLOCK32 && f->bits == 8 && o >= packed_head_bytes(f) ? f->offset : 0;
 }
 
 /* Row r's unsigned integers of a stretch of packed integers of `bits`
@@ -4366,6 +4475,21 @@ static long status_kb(const char *field)
     return kb;
 }
 
+/* Bytes of the model file's mapping that are in memory (mincore: its pages
+   in the page cache, which every process mapping the file shares), or -1.
+   /proc's RssFile would count every mapped file, the binary and libc too. */
+static double model_resident_bytes(const Model *m)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return -1;
+    size_t n = (m->map_size + page - 1) / page, in = 0;
+    unsigned char *vec = malloc(n);
+    if (!vec || mincore((void *)m->map, m->map_size, vec) != 0) { free(vec); return -1; }
+    for (size_t i = 0; i < n; i++) in += vec[i] & 1;
+    free(vec);
+    return fmin((double)in * page, (double)m->map_size); /* the last page is counted whole */
+}
+
 /* -v's last lines: how long loading took and when the first byte of text
    left (from the start of main, so what a script waiting on the output
    sees, but exec and the dynamic loader); and memory, split into what is
@@ -4376,11 +4500,12 @@ static void report_process(const Model *m, double load_ms)
 {
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
     if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
-    long anon = status_kb("RssAnon:"), file = status_kb("RssFile:"), peak = status_kb("VmHWM:");
+    long anon = status_kb("RssAnon:"), peak = status_kb("VmHWM:");
+    double file = model_resident_bytes(m);
     if (anon >= 0 && file >= 0)
         fprintf(stderr, "\nmemory: %.1f MB private (activations, KV cache), %.1f MB of the %.1f MB model file resident "
-                "(mapped, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1024.0, m->map_size / 1048576.0,
-                peak / 1024.0);
+                "(in the page cache, shared between processes), peak RSS %.1f MB", anon / 1024.0, file / 1048576.0,
+                m->map_size / 1048576.0, peak / 1024.0);
     fputc('\n', stderr);
 }
 

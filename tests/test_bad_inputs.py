@@ -24,7 +24,7 @@ from pathlib import Path
 from common import DEFAULT_MODEL, ROOT, RUN, SCRATCH, TESTS, python, require, run
 
 from fuzz import modelfile as mf
-from fuzz.make_seeds import TINY_TIED, TINY_UNTIED
+from fuzz.make_seeds import TINY_K, TINY_TIED, TINY_UNTIED
 
 WORK = SCRATCH / "bad_inputs"
 WORK.mkdir(parents=True, exist_ok=True)
@@ -34,31 +34,34 @@ UNUSUAL_EXIT = "exit status {rc} (a signal or a sanitizer abort?)"
 # ---------------------------------------------------------------------------------------------
 # Fixtures
 
-def tiny_model() -> Path:
-    """A valid 1-layer model (dim 32, vocab 300, ctx 64, head_dim 16, Q8_0, ChatML), rebuilt when
-    export.py or make_synthetic.py change."""
+def exported(out_name: str, config, src_name: str, *flags: str) -> Path:
+    """The synthetic model of shape `config` (tests/make_synthetic.py) exported by export.py with `flags`, rebuilt
+    when export.py, make_synthetic.py or the shapes (tests/fuzz/make_seeds.py) change."""
     import make_synthetic as ms
-    out = WORK / "tiny.q8_0.bin"
+    out = WORK / out_name
     inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
     if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
         return out
-    src = ms.make_all(WORK / "src", TINY_TIED, gguf_types=("f32",), hf=False)["gguf-f32"]
-    r = python([ROOT / "export.py", src, out, "--dtype", "q8_0"])
-    assert r.returncode == 0, f"export of the tiny model failed:\n{r.stderr.decode()}"
+    src = ms.make_all(WORK / src_name, config, gguf_types=("f32",), hf=False)["gguf-f32"]
+    r = python([ROOT / "export.py", src, out, *flags])
+    assert r.returncode == 0, f"export of {out_name} failed:\n{r.stderr.decode()}"
     return out
+
+
+def tiny_model() -> Path:
+    """A valid 1-layer model (dim 32, vocab 300, ctx 64, head_dim 16, Q8_0, ChatML)."""
+    return exported("tiny.q8_0.bin", TINY_TIED, "src", "--dtype", "q8_0")
 
 
 def two_layer_model() -> Path:
-    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32), rebuilt like tiny_model()."""
-    import make_synthetic as ms
-    out = WORK / "tiny-untied.f32.bin"
-    inputs = [ROOT / "export.py", TESTS / "make_synthetic.py", TESTS / "fuzz" / "make_seeds.py"]
-    if out.exists() and all(out.stat().st_mtime >= p.stat().st_mtime for p in inputs):
-        return out
-    src = ms.make_all(WORK / "src-untied", TINY_UNTIED, gguf_types=("f32",), hf=False)["gguf-f32"]
-    r = python([ROOT / "export.py", src, out])
-    assert r.returncode == 0, f"export of the 2-layer model failed:\n{r.stderr.decode()}"
-    return out
+    """A valid untied 2-layer model (tests/fuzz/make_seeds.py TINY_UNTIED, F32)."""
+    return exported("tiny-untied.f32.bin", TINY_UNTIED, "src-untied")
+
+
+def wide_model() -> Path:
+    """A valid tied 1-layer model whose rows are 256 wide (tests/fuzz/make_seeds.py TINY_K, F32: 260 x 256 embedding,
+    so its last group has 4 rows and 12 padding rows): every weight type fits its rows."""
+    return exported("tiny-wide.f32.bin", TINY_K, "src-wide")
 
 
 def split_model(wv_type: int | None = None) -> Path:
@@ -470,6 +473,104 @@ def test_reserved_and_padding_bytes_are_zero():
     def padding(b):
         b[tok_end] = 1
     expect_file_error(padding, f"padding byte {tok_end}", "tensor table", name="padding")
+
+
+def test_tensor_name_bytes_after_its_nul():
+    """The name field is the name, then NUL padding: a byte after the NUL (here 'norm\\0x') is refused."""
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "name", b"norm\0x"), "norm", "byte 5 of its name field",
+                      "0x78", name="tensor-name-after-nul")
+    expect_file_error(lambda b: mf.entry_put(b, "norm", "name", b"norm" + bytes(mf.NAME_BYTES - 5) + b"\x01"),
+                      "byte 47 of its name field", "0x01", name="tensor-name-last-byte")
+
+
+def test_tokenizer_padding_between_arrays():
+    """The arrays of the tokenizer section start on 4-byte boundaries; the bytes between them are zero. The tiny
+    model's arrays all end on boundaries, so these files are made with a 17-byte default system prompt (3 bytes of
+    padding before the text blob): with zeros there it chats; a nonzero padding byte is refused."""
+    prompt = b"You are a helper!"
+    with_prompt = mf.with_default_system(tiny_model().read_bytes(), prompt)
+    assert not mf.problems(with_prompt), mf.problems(with_prompt)
+    ok = variant("tok-system-17", lambda b: mf.with_default_system(b, prompt))
+    expect_ok([ok, "-c", "-i", "hi", "-n", "1"])
+    name, off, size = [a for a in mf.tok_arrays(with_prompt) if a[0] == "default_system"][0]
+    assert size == len(prompt) and (off + size) % 4, "the test needs padding after the system prompt"
+    for at in (off + size, off + size + 2):
+        def after_system(b, at=at):
+            b = mf.with_default_system(b, prompt)
+            b[at] = 0x20
+            return b
+        expect_file_error(after_system, "tokenizer section", f"padding byte {at - mf.get(with_prompt, 'tok_offset')}",
+                          "after the default system prompt", "0x20", name=f"tok-system-pad-{at}")
+
+
+def test_tokenizer_unknown_flag_bits():
+    """Tokenizer flags: bits 0-2 (add BOS, add EOS, space prefix); an unknown bit is refused by its number."""
+    for bit in (3, 31):
+        expect_file_error(lambda b, bit=bit: mf.tok_put(b, "flags", mf.tok_get(b, "flags") | 1 << bit),
+                          "tokenizer section", f"unknown flag bit {bit}", "add BOS, add EOS, space prefix",
+                          name=f"tok-flag-{bit}")
+
+
+def test_chat_template_unknown_id_is_named():
+    """An unknown chat template id (4, 2^32-1) is named; it is not 'no chat template'. Generating without the
+    template still runs."""
+    for value in (4, 2**32 - 1):
+        path = variant(f"chat-template-{value}", lambda b, v=value: mf.tok_put(b, "chat_template", v))
+        msg = expect_error([path, "-c", "-i", "hi"], 1, f"chat template id {value} is unknown", "1 ChatML")
+        assert "no chat template" not in msg, msg
+        expect_ok([path, "-i", "hi", "-n", "2"])
+
+
+PACKED_TYPES = (0, 1, 30, 2, 3, 6, 7, 8, 12, 13, 14)   # F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K..Q6_K
+
+
+def test_packed_padding_rows_and_padding_are_zero():
+    """A packed matrix's last group: its padding rows hold zero blocks and the bytes after its records are zero
+    (README.md, "Packed matrices"). For each weight type, the 256-wide model's tied embedding (260 rows: 4 in the
+    last group) is replaced by random blocks packed by tests/fuzz/modelfile.py; which bytes belong to the padding
+    rows is found there too (the bytes that change when the padding rows are packed as 0xFF blocks instead of
+    zero ones). The file loads; a byte of a padding row changed is refused, naming the row; a byte of a live row
+    is not; nor, as README.md says, the padding at the end of a group other than the last."""
+    import numpy as np
+    base = wide_model().read_bytes()
+    emb = mf.tensor(base, "tok_embeddings")
+    rows, cols, live = emb.rows, emb.cols, (emb.rows - 1) % mf.PACK_ROWS + 1
+    pad_rows = mf.PACK_ROWS - live
+    assert emb.layout == mf.LAYOUT_PACKED and pad_rows, "the test needs a packed embedding with padding rows"
+    rng = np.random.default_rng(35)
+    for ttype in PACKED_TYPES:
+        elems, nbytes = mf.BLOCK[ttype]
+        row_bytes = cols // elems * nbytes
+        data = rng.integers(0, 256, rows * row_bytes, dtype=np.uint8).tobytes()
+        packed = mf.pack(ttype, rows, cols, data)
+        marked = mf.pack(ttype, rows + pad_rows, cols, data + b"\xff" * (pad_rows * row_bytes))
+        group = mf.group_bytes(ttype, cols)
+        last = len(packed) - group
+        records = cols // elems * nbytes * mf.PACK_ROWS
+        own = [i for i in range(last, len(packed)) if packed[i] != marked[i]]
+        assert len(own) == pad_rows * row_bytes, (ttype, len(own))
+        live_byte = next(i for i in range(last, last + records) if i not in set(own))
+
+        def with_emb(name, at=None):
+            body = bytearray(packed)
+            if at is not None:
+                body[at] ^= 1
+            return variant(f"pad-{ttype}-{name}", lambda b: mf.relayout(b, [
+                (t.name, ttype, rows, cols, bytes(body), t.layout) if t.name == "tok_embeddings"
+                else (t.name, t.type, t.rows, t.cols, b[t.offset:t.offset + t.size], t.layout) for t in mf.tensors(b)]),
+                base=wide_model())
+        expect_ok([with_emb("ok"), "--tokenize", "-i", "hi"])
+        expect_ok([with_emb("live", live_byte), "--tokenize", "-i", "hi"])
+        for at in (own[0], own[len(own) // 2], own[-1]):
+            path = with_emb(f"row-{at}", at)
+            msg = expect_error([path, "--tokenize", "-i", "hi"], 1, "tensor tok_embeddings", "padding row",
+                               f"after its {rows} rows", "not a zero block")
+            assert f"byte 0x{packed[at] ^ 1:02x} at byte {at - last} of its last group" in msg, msg
+        if last + records < len(packed):        # the types whose records do not fill whole cache lines
+            path = with_emb("group-pad", last + records)
+            expect_error([path, "--tokenize", "-i", "hi"], 1, "tensor tok_embeddings",
+                         f"padding byte {records} of its last group is 0x01")
+            expect_ok([with_emb("first-group-pad", records), "--tokenize", "-i", "hi"])
 
 
 def test_nan_weights_give_an_error_not_garbage():

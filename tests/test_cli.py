@@ -215,6 +215,22 @@ def test_verbose_only_on_stderr():
     assert len(dec) == 1 and 1 <= int(dec[0].group(1)) <= 8, f"decode line: {lines}"
 
 
+MEMORY_RE = re.compile(r"^memory: [\d.]+ MB private .*, ([\d.]+) MB of the ([\d.]+) MB model file resident", re.M)
+
+
+def test_verbose_memory_line_counts_the_model_file_only():
+    """-v's memory line: the MB of the model file in memory is at most the file's size, taken from the file system
+    (it once counted every mapped file: "101.7 MB of the 93.4 MB model file"), and after a token that read every
+    weight, most of it."""
+    p = run([model(), "-i", PROMPT, "-n", "1", "-v"], timeout=120)
+    assert p.returncode == 0, text(p.stderr)
+    m = MEMORY_RE.search(text(p.stderr))
+    assert m, text(p.stderr)
+    resident, size = float(m.group(1)), float(m.group(2))
+    assert size == round(os.path.getsize(model()) / 2**20, 1), (size, os.path.getsize(model()))
+    assert 0.5 * size <= resident <= size, m.group(0)
+
+
 # ----- --probe ---------------------------------------------------------------------------
 
 ROOFLINE_RE = re.compile(r"^roofline: .*; decode at \d+% of (\S+) bandwidth \([\d.]+ MB/token at [\d.]+ GB/s(.*)\); "

@@ -668,6 +668,26 @@ def test_k_type_row_not_a_multiple_of_256() -> None:
                        "not a multiple", "256")
 
 
+def test_k_fallback_warning_only_for_a_k_dtype_or_with_v() -> None:
+    """The tiny GGUF's rows are 64 wide, so llama.cpp's rules give its output head Q6_K and the fallback makes it
+    Q8_0, under every quantized --dtype. The warning about that fallback alarmed `make demo` users who asked for
+    q4_1: it is printed for a K --dtype (q4_k_m, q6_k) or with -v, not for q4_1 or q8_0 alone."""
+    src = good_gguf()
+    out = WORK / "fallback.bin"
+    warning = "not a multiple of 256 and take llama.cpp's fallback for the K type"
+    for extra, shown in ((["--dtype", "q4_1"], False), (["--dtype", "q8_0"], False), (["--dtype", "q4_1", "-v"], True),
+                         (["--dtype", "q4_1", "--verbose"], True), (["--dtype", "q4_k_m"], True),
+                         (["--dtype", "q6_k"], True)):
+        _clean(out)
+        r = python([EXPORT, src, out, *extra], timeout=120)
+        err = r.stderr.decode("utf-8", "replace")
+        assert r.returncode == 0, f"{extra}: exit {r.returncode}: {err[-600:]}"
+        assert (warning in err) == shown, f"{extra}: the fallback warning {'missing' if shown else 'printed'}: {err}"
+        if shown and "q4_1" in extra:   # the one matrix that falls back: the head
+            assert "output (64: Q6_K -> Q8_0)" in err or "tok_embeddings (64: Q6_K -> Q8_0)" in err, err
+    _clean(out)
+
+
 def test_truncated_synthetic_gguf_everywhere() -> None:
     """Cut points in the header, every metadata region, the tensor infos and the data (in-process, fast)."""
     data = gguf_bytes(gguf_kvs(), gguf_tensors(hf_weights()))

@@ -101,7 +101,7 @@ class Harness:
         out = self.tmp / "out.bin"
         out.unlink(missing_ok=True)
         args = argparse.Namespace(input=str(src), output=str(out), dtype=DTYPES[len(data) % len(DTYPES)],
-                                  tokenizer_only=self.target == "gguf" and len(data) % 7 == 0)
+                                  tokenizer_only=self.target == "gguf" and len(data) % 7 == 0, verbose=False)
         before = hashlib.sha256(data).digest()
         failed = None
         with contextlib.redirect_stderr(io.StringIO()):

@@ -81,7 +81,7 @@ def tensors(buf: bytes) -> list[Tensor]:
     for i in range(get(buf, "n_tensors")):
         e = base + i * TABLE_ENTRY
         name, ttype, rows, cols, layout, off, size = struct.unpack_from("<48sIIIIQQ", buf, e)
-        out.append(Tensor(i, name.rstrip(b"\0").decode(), ttype, rows, cols, off, size, layout))
+        out.append(Tensor(i, name.split(b"\0")[0].decode(), ttype, rows, cols, off, size, layout))
     return out
 
 
@@ -121,6 +121,39 @@ def relayout(buf: bytes, tensors: list[tuple]) -> bytearray:
         out += data
     put(out, "n_tensors", len(tensors))
     return put(out, "file_size", len(out))
+
+
+TOK_ARRAYS = ("text_offset", "type", "score", "merge", "default_system", "blob")   # in section order
+TOK_FLAG_BITS = 3   # tokenizer flags: bit 0 add BOS, bit 1 add EOS, bit 2 space prefix; higher bits unknown
+
+
+def tok_arrays(buf: bytes) -> list[tuple[str, int, int]]:
+    """The tokenizer section's arrays (README.md, "Tokenizer section") as (name, file offset, bytes), in order,
+    each from a 4-byte boundary after the 64-byte section header."""
+    n = tok_get(buf, "n_vocab")
+    sizes = [4 * (n + 1), n, 4 * n, 12 * tok_get(buf, "n_merges"), tok_get(buf, "system_len"), tok_get(buf, "blob_len")]
+    out, at = [], 64
+    for name, size in zip(TOK_ARRAYS, sizes):
+        at += -at % 4
+        out.append((name, get(buf, "tok_offset") + at, size))
+        at += size
+    return out
+
+
+def with_default_system(buf: bytes, text: bytes) -> bytearray:
+    """buf with its tokenizer section rewritten around a new default system prompt (its padding zero), the
+    table and the tensors moved after it."""
+    sec = bytearray(buf[get(buf, "tok_offset"):get(buf, "tok_offset") + 64])
+    for name, off, size in tok_arrays(buf):
+        sec += bytes(-len(sec) % 4)
+        sec += text if name == "default_system" else buf[off:off + size]
+    struct.pack_into(TOKENIZER["system_len"][1], sec, TOKENIZER["system_len"][0], len(text))
+    head = bytearray(buf[:HEADER_BYTES]) + sec
+    put(head, "tok_size", len(sec))
+    put(head, "table_offset", align64(len(head)))
+    head += bytes(-len(head) % 64)
+    return relayout(head, [(t.name, t.type, t.rows, t.cols, buf[t.offset:t.offset + t.size], t.layout)
+                           for t in tensors(buf)])
 
 
 FLAG_SPLIT = 32   # header flag bit 5: the projections' parts stored as tensors of their own
@@ -165,8 +198,9 @@ def problems(buf: bytes) -> list[str]:
     """What makes buf an invalid model file by README.md ("The model file")'s layout rules (empty list: none).
 
     Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts, the sections and
-    tensors following each other exactly, reserved and padding bytes zero), the rules every file
-    export.py writes must satisfy whatever its input was."""
+    tensors following each other exactly, reserved and padding bytes zero: between sections, tensors and
+    tokenizer arrays, after a name's NUL, in a packed matrix's last group; no unknown tokenizer flag bit),
+    the rules every file export.py writes must satisfy whatever its input was."""
     out: list[str] = []
     if len(buf) < HEADER_BYTES or buf[:4] != b"LLMF":
         return ["no LLMF header"]
@@ -181,11 +215,16 @@ def problems(buf: bytes) -> list[str]:
         out.append("tokenizer section misplaced")
     elif any(buf[tok_off + 48:tok_off + 64]):
         out.append("nonzero reserved tokenizer header bytes")
+    else:
+        out += tok_problems(buf)
     table, n = get(buf, "table_offset"), get(buf, "n_tensors")
     if table != align64(tok_off + tok_size) or table + n * TABLE_ENTRY > len(buf):
         return out + ["tensor table misplaced"]
     end = table + n * TABLE_ENTRY
     for t in tensors(buf):
+        name_field = buf[table + t.index * TABLE_ENTRY:table + t.index * TABLE_ENTRY + NAME_BYTES]
+        if any(name_field.partition(b"\0")[2]):
+            out.append(f"{t.name}: nonzero bytes after the name's NUL")
         if t.type not in BLOCK:
             out.append(f"{t.name}: unknown type {t.type}")
             continue
@@ -199,10 +238,35 @@ def problems(buf: bytes) -> list[str]:
             out.append(f"{t.name}: data misplaced (at {t.offset}, expected {align64(end)})")
         elif any(buf[end:t.offset]):
             out.append(f"nonzero padding before {t.name}")
+        elif t.layout == LAYOUT_PACKED and t.size == want and last_group_padding_dirty(buf, t):
+            out.append(f"{t.name}: nonzero padding rows or padding in its last group")
         end = t.offset + t.size
     if n and end != len(buf):
         out.append(f"{len(buf) - end} bytes after the last tensor")
     return out
+
+
+def tok_problems(buf: bytes) -> list[str]:
+    """The tokenizer section's padding between its arrays and its flags (README.md, "Tokenizer section")."""
+    out, end = [], None
+    arrays = tok_arrays(buf)
+    if arrays[-1][1] + arrays[-1][2] > len(buf):
+        return ["tokenizer arrays run past the end of the file"]
+    for name, off, size in arrays:
+        if end is not None and any(buf[end:off]):
+            out.append(f"nonzero tokenizer padding before its {name} array")
+        end = off + size
+    if tok_get(buf, "flags") >> TOK_FLAG_BITS:
+        out.append(f"unknown tokenizer flag bits {tok_get(buf, 'flags'):#x}")
+    return out
+
+
+def last_group_padding_dirty(buf: bytes, t: Tensor) -> bool:
+    """Whether packed tensor t's last group differs from its rows packed again: its padding rows (those of zero
+    blocks) or the zeros after its records are not what pack() writes. The last group only, as ./run checks."""
+    rows = (t.rows - 1) % PACK_ROWS + 1
+    group = buf[t.offset + t.size - group_bytes(t.type, t.cols):t.offset + t.size]
+    return pack(t.type, rows, t.cols, unpack(t.type, rows, t.cols, group)) != group
 
 
 # ---------------------------------------------------------------------------------------------------------------
