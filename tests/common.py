@@ -81,9 +81,19 @@ def keep_freed_memory() -> None:
 keep_freed_memory()
 
 
-def run(args: list[str], stdin: bytes | None = None, timeout: float = 300, binary: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the engine with `args`; returns the completed process (bytes stdout/stderr)."""
-    return subprocess.run([str(binary or RUN), *map(str, args)], input=stdin, capture_output=True, timeout=timeout)
+# The environment variable that pins every run of the engine to one kernel set (run.c; `RUN_KERNELS=avx2 make test`)
+KERNELS_ENV = "RUN_KERNELS"
+
+
+def run(args: list[str], stdin: bytes | None = None, timeout: float = 300, binary: Path | None = None,
+        env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """Run the engine with `args`; returns the completed process (bytes stdout/stderr). `env`: variables set
+    (None: removed) over this process's environment."""
+    full = None
+    if env is not None:
+        full = {**os.environ, **env}
+        full = {k: v for k, v in full.items() if v is not None}
+    return subprocess.run([str(binary or RUN), *map(str, args)], input=stdin, capture_output=True, timeout=timeout, env=full)
 
 
 # Flags of the ASan/UBSan builds of code that includes run.c. -O1, as AddressSanitizer's documentation advises:

@@ -5,7 +5,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from common import DEFAULT_MODEL, ROOT, SANITIZE, SCRATCH, require, run
+from common import DEFAULT_MODEL, KERNELS_ENV, ROOT, SANITIZE, SCRATCH, require, run
 
 
 def build(name: str, flags: list[str], compiler: str = "cc") -> Path:
@@ -63,21 +63,27 @@ def test_simd_kernels_match_scalar():
 
 
 def test_portable_engine_uses_the_best_set():
-    """`make portable` (no -march): the engine still picks the best set this CPU runs, and runs every
-    one of them when asked; an unavailable or unknown set is a usage error listing the available ones."""
+    """`make portable` (no -march): the engine still picks the best set this CPU runs (RUN_KERNELS unset, as a
+    forced suite run sets it), and runs every one of them when asked, by --kernels or by RUN_KERNELS (--kernels
+    wins); an unavailable or unknown set is a usage error listing the available ones, naming where it came from."""
     require(DEFAULT_MODEL, "run `make model`")
     build = subprocess.run(["make", "-C", str(ROOT), "portable"], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr
     exe = ROOT / "run-portable"
-    r = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is"], binary=exe)
+    gen = [DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is"]
+    r = run(gen, binary=exe, env={KERNELS_ENV: None})
     assert r.returncode == 0 and f"{best_set()} kernels" in r.stderr.decode(), r.stderr.decode()
+    other = cpu_sets()[0] if best_set() != cpu_sets()[0] else cpu_sets()[-1]
     for k in cpu_sets():
-        forced = run([DEFAULT_MODEL, "-v", "-n", "4", "-t", "0", "-i", "The capital of France is", "--kernels", k], binary=exe)
-        assert forced.returncode == 0 and f"{k} kernels" in forced.stderr.decode(), forced.stderr.decode()
-        assert forced.stdout.strip(), f"{k}: no text"
-    bad = run([DEFAULT_MODEL, "--kernels", "sse9"], binary=exe)
-    err = bad.stderr.decode()
-    assert bad.returncode == 2 and f"available: {', '.join(cpu_sets())})" in err and len(err.splitlines()) <= 2, err
+        for how, env in ((["--kernels", k], {KERNELS_ENV: other}), ([], {KERNELS_ENV: k})):
+            forced = run(gen + how, binary=exe, env=env)
+            assert forced.returncode == 0 and f"{k} kernels" in forced.stderr.decode(), (how, env, forced.stderr.decode())
+            assert forced.stdout.strip(), f"{k}: no text"
+    for how, env, named in ((["--kernels", "sse9"], {KERNELS_ENV: None}, "--kernels sse9"), ([], {KERNELS_ENV: "sse9"}, f"{KERNELS_ENV} sse9")):
+        bad = run([DEFAULT_MODEL, "-i", "x", *how], binary=exe, env=env)
+        err = bad.stderr.decode()
+        assert bad.returncode == 2 and f"run: {named} is not a kernel set" in err, err
+        assert f"available: {', '.join(cpu_sets())})" in err and len(err.splitlines()) <= 2, err
 
 
 def check_avxvnni_twin() -> None:
