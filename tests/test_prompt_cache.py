@@ -633,3 +633,24 @@ def test_empty_and_too_long_cache_names_are_errors_before_any_work():
     long_path = WORK / "/".join(["d" * 200] * 22) / "x.cache"
     one_line_error(run([m, "-i", "hi", "-n", "4", "--prompt-cache", long_path]), 1, "name too long", "temporary name")
     assert not long_name.exists()
+
+
+def test_a_text_file_put_in_the_caches_place_during_chat_is_left_as_it_is():
+    """-m chat whose cache holds only the first turn: after the first answer the file is replaced by a text file, so
+    the second turn's conversation (not held) would be written there. The text file stays byte-identical, one warning
+    line says why, and the answers are those without the cache (the text was replaced)."""
+    m = model()
+    msgs = [b"Hello there\n", b"What is two plus two?\n"]
+    chat = ["-m", "chat", "-t", "0", "-n", "8", "--stop", "\n"]
+    cache = fresh("replaced-by-text.cache")
+    engine([m, *chat, "--prompt-cache", cache], stdin=msgs[0])
+    text = b"my notes: do not overwrite\n"
+
+    def put_text() -> None:
+        cache.unlink()
+        cache.write_bytes(text)
+    out, status, err = fed_line_by_line([m, *chat, "--prompt-cache", cache], msgs, put_text)
+    assert status == 0 and out == engine([m, *chat], stdin=b"".join(msgs)).stdout, f"exit {status}: {out!r} {err}"
+    assert cache.read_bytes() == text, "the text file put in the cache's place was replaced"
+    lines = err.splitlines()
+    assert len(lines) == 1 and "not a prompt cache" in lines[0] and str(cache) in lines[0], lines
