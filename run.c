@@ -407,6 +407,8 @@ typedef struct {
     tok_tokenizer *tok;
     const uint8_t *map;    /* the whole file, read-only */
     size_t map_size;
+    dev_t dev;             /* the file's identity: --prompt-cache must never name it */
+    ino_t ino;
     double n_params;
     double matmul_params;  /* weights multiplied per token: layer matrices + output head */
     double weight_bytes;   /* bytes of those weights: what decode streams per token */
@@ -888,6 +890,7 @@ static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
     if (p == MAP_FAILED) LOAD_FAIL("cannot map: %s", strerror(errno));
     m->map = p;
     m->map_size = st.st_size;
+    m->dev = st.st_dev, m->ino = st.st_ino;
     Tensor *tab = NULL;
     m->tokenizer_only = tokenizer_only && m->map_size >= HEADER_BYTES && rd_u32(m->map + HDR_N_TENSORS) == 0;
     int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
@@ -6295,7 +6298,12 @@ static void free_json_constraint(JsonConstraint *jc)
    the KV type in use. The data after the header has a checksum: XXH64
    chained over PCACHE_BLOCK-byte blocks (the seed of each is the sum of
    the blocks before it). A file whose size, sums or identity do not fit is
-   ignored (refused with --prompt-cache-ro): never read as K and V. */
+   ignored (refused with --prompt-cache-ro): never read as K and V. It is
+   read once, at the start, into memory the run owns and checked there, so
+   a file changed, cut short or replaced during a chat or batch run is
+   never read again (it stays mapped nowhere: no SIGBUS). A path holding
+   anything but a prompt cache (text, the model file) is refused, never
+   replaced. */
 
 #define PCACHE_MAGIC "LLMC"
 #define PCACHE_VERSION 1
@@ -6303,6 +6311,7 @@ static void free_json_constraint(JsonConstraint *jc)
 #define PCACHE_ALIGN 64
 #define PCACHE_BLOCK 65536     /* the data checksum's unit, and the writer's buffer */
 #define PCACHE_KERNELS 16      /* bytes for the kernel set's name */
+#define PCACHE_TEMP_SUFFIX ".tmp-" /* + the PID: the name the file is written under, next to it */
 #define MODEL_SAMPLE_STRIDE (256 << 10) /* the model's identity: 64 bytes of every 256 KiB of its tensors ... */
 #define MODEL_SAMPLE_BYTES 64  /* ... (and all of its header, tokenizer and tensor table) */
 
@@ -6372,8 +6381,10 @@ typedef struct PromptCache {
     int read_only;      /* --prompt-cache-ro: never written, and a file that cannot be used is an error */
     int verbose;
     uint8_t head[PCACHE_HEADER]; /* this run's identity fields: a file must carry the same */
-    uint8_t *map;       /* the file read at the start, while its tokens may still be loaded (NULL: none) */
-    size_t map_size;
+    uint8_t *data;      /* the file as read and checked at the start, the run's own copy, while its tokens may
+                           still be loaded (NULL: none) */
+    size_t data_size;
+    struct stat file;   /* the file read: its device, inode, size and time, to tell whether it changed since */
     const int32_t *ids; /* its tokens, n of them */
     int n;
     int saved;          /* batch mode: the first line's prompt has been written */
@@ -6443,15 +6454,70 @@ static void pcache_unusable(const PromptCache *pc, const char *why)
     if (pc->verbose) fprintf(stderr, "prompt cache: %s ignored: %s\n", pc->path, why);
 }
 
-/* Opens --prompt-cache path for this run (s sized and typed as it will
-   run): a file that fits is mapped, its checksums verified, and its tokens
-   become loadable. Something other than a regular file at path (a
-   directory, a FIFO, a device; with write access, a symlink, which the
-   new file would replace) is an error, before any work. */
-static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, const char *path, int read_only, int verbose)
+/* Why the regular file at path must not be replaced by a prompt cache, or
+   NULL: bytes that do not open one (text, a model: anything the rename
+   would destroy), or a file that cannot be read to tell. An empty file, or
+   one that begins with the magic however damaged or cut short after it,
+   is a cache and may be replaced. */
+static const char *holds_other_data(const char *path, char *why, size_t why_len)
+{
+    uint8_t head[sizeof PCACHE_MAGIC - 1];
+    int fd = open(path, O_RDONLY | O_NONBLOCK);
+    ssize_t k = fd < 0 ? -1 : pread(fd, head, sizeof head, 0);
+    int e = errno;
+    if (fd >= 0) close(fd);
+    if (k < 0 && e == ENOENT) return NULL; /* gone since: nothing to destroy */
+    if (k < 0) {
+        snprintf(why, why_len, "cannot be read to check that it is a prompt cache (%s): not replaced", strerror(e));
+        return why;
+    }
+    return k > 0 && memcmp(head, PCACHE_MAGIC, k) ? "exists and is not a prompt cache (it does not begin with " PCACHE_MAGIC
+                                                    "): not replaced"
+                                                  : NULL;
+}
+
+/* The file is written as path + ".tmp-PID" first: a name whose temporary
+   name the file system or temp_path cannot hold is an error now, not a
+   warning after the prompt's prefill. */
+static void check_temp_name(const char *path)
+{
+    long pid = (long)getpid();
+    const char *slash = strrchr(path, '/');
+    size_t whole = (size_t)snprintf(NULL, 0, "%s" PCACHE_TEMP_SUFFIX "%ld", path, pid), added = whole - strlen(path);
+    size_t last = strlen(slash ? slash + 1 : path) + added;
+    if (last > NAME_MAX)
+        die(EXIT_RUNTIME, "--prompt-cache %s: name too long: its temporary name (the name + \"" PCACHE_TEMP_SUFFIX "%ld\") would be"
+            " %zu bytes, more than a file name holds (%d)", path, pid, last, NAME_MAX);
+    if (whole >= sizeof temp_path)
+        die(EXIT_RUNTIME, "--prompt-cache: name too long: its temporary name (the path + \"" PCACHE_TEMP_SUFFIX "%ld\") would be"
+            " %zu bytes, more than this build holds (%zu): %s", pid, whole, sizeof temp_path - 1, path); /* the path last: cut short */
+}
+
+/* What is at path, before any work: something other than a regular file
+   (a directory, a FIFO, a device; with write access, a symlink, which the
+   new file would replace), the model file itself, and with write access a
+   file that is not a prompt cache or whose temporary name is too long,
+   are errors. */
+static void check_cache_path(const Model *m, const char *path, int read_only)
+{
+    struct stat st;
+    char why[MSG_BYTES];
+    const char *problem;
+    if ((read_only ? stat(path, &st) : lstat(path, &st)) == 0) {
+        if (!S_ISREG(st.st_mode))
+            die(EXIT_RUNTIME, "--prompt-cache %s: not a regular file (a directory, FIFO, device%s is neither read nor replaced)", path,
+                read_only ? "" : " or symlink");
+        if (st.st_dev == m->dev && st.st_ino == m->ino)
+            die(EXIT_RUNTIME, "--prompt-cache %s: this is the model file, not a prompt cache: it is neither read nor replaced", path);
+        if (!read_only && (problem = holds_other_data(path, why, sizeof why))) die(EXIT_RUNTIME, "--prompt-cache %s: %s", path, problem);
+    }
+    if (!read_only) check_temp_name(path);
+}
+
+/* This run's identity fields, which a file must carry: pc->head. */
+static void pcache_identity(PromptCache *pc, const Model *m, const RunState *s)
 {
     const Config *c = &m->c;
-    *pc = (PromptCache){.path = path, .read_only = read_only, .verbose = verbose};
     uint8_t *h = pc->head;
     memcpy(h + PC_MAGIC, PCACHE_MAGIC, 4);
     put_u32(h + PC_VERSION, PCACHE_VERSION), put_u32(h + PC_FILE_VERSION, FILE_VERSION), put_u32(h + PC_KV_TYPE, s->kv_type);
@@ -6459,10 +6525,102 @@ static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, cons
     put_u32(h + PC_CTX, s->seq_len), put_u32(h + PC_LAYERS, c->n_layers), put_u32(h + PC_KV_HEADS, c->n_kv_heads);
     put_u32(h + PC_HEAD_DIM, c->head_dim), put_u32(h + PC_ROW, s->kv_row);
     strncpy((char *)h + PC_KERNELS, K.op.name, PCACHE_KERNELS - 1);
+}
+
+/* Reads n bytes of fd from offset off into buf: 0, or an errno (EIO: the
+   file ended sooner). */
+static int read_exactly(int fd, uint8_t *buf, size_t n, off_t off)
+{
+    for (size_t at = 0; at < n;) {
+        ssize_t k = pread(fd, buf + at, n - at, off + at);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return k < 0 ? errno : EIO;
+        at += k;
+    }
+    return 0;
+}
+
+/* Memory for the file's copy (NULL: none to be had), in huge pages where
+   the system gives them: with 4 KiB pages (30,000 faults for a 125 MB
+   file) reading and checking it took 140-220 ms, with huge pages 65-145
+   (a loaded 2-core machine). */
+static uint8_t *alloc_copy(size_t size)
+{
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return NULL;
+#ifdef MADV_HUGEPAGE
+    madvise(p, size, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
+#endif
+    return p;
+}
+
+/* Reads the data after the header (size bytes in all) into f, block by
+   block, each summed while it is still in the CPU's cache (one pass over
+   memory, not two): 0 with the data checksum in *sum, or an errno. */
+static int read_and_sum(int fd, uint8_t *f, size_t size, uint64_t *sum)
+{
+    *sum = 0;
+    for (size_t at = PCACHE_HEADER; at < size; at += PCACHE_BLOCK) {
+        size_t len = size - at < PCACHE_BLOCK ? size - at : PCACHE_BLOCK;
+        int e = read_exactly(fd, f + at, len, at);
+        if (e) return e;
+        *sum = xxh64(f + at, len, *sum);
+    }
+    return 0;
+}
+
+/* Why the file's copy f (its header the one checked, sum its data's
+   checksum) cannot be loaded, or NULL. */
+static const char *pcache_verify(const Config *c, const uint8_t *f, uint64_t sum)
+{
+    if (sum != rd_u64(f + PC_DATA_SUM)) return "damaged (its data's checksum does not match)";
+    const int32_t *ids = (const int32_t *)(f + PCACHE_HEADER); /* 4-byte aligned: the copy is page-aligned */
+    for (uint32_t i = 0, n = rd_u32(f + PC_TOKENS); i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->vocab_size) return "damaged (a token id outside the vocabulary)";
+    return NULL;
+}
+
+/* Reads the open file fd into memory the run owns and checks that copy:
+   the header first (only a file of the right size is read whole), then
+   the data. Every later read is of the copy, so the file changing, shrinking
+   or being replaced on disk during the run can neither fault (SIGBUS) nor
+   mix another file's bytes into what was checked. Returns why it cannot be
+   used, or NULL with pc->data set. */
+static const char *pcache_read(PromptCache *pc, const Config *c, const RunState *s, int fd, char *why, size_t why_len)
+{
     struct stat st;
-    if ((read_only ? stat(path, &st) : lstat(path, &st)) == 0 && !S_ISREG(st.st_mode))
-        die(EXIT_RUNTIME, "--prompt-cache %s: not a regular file (a directory, FIFO, device%s is neither read nor replaced)", path,
-            read_only ? "" : " or symlink");
+    uint8_t head[PCACHE_HEADER];
+    const char *problem;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return "not a regular file";
+    if (st.st_size < PCACHE_HEADER || read_exactly(fd, head, PCACHE_HEADER, 0))
+        return "not a prompt cache file (shorter than its header)";
+    if ((problem = pcache_mismatch(pc, c, s, head, st.st_size, why, why_len))) return problem;
+    uint8_t *f = alloc_copy(st.st_size);
+    if (!f) return strerror(ENOMEM);
+    memcpy(f, head, PCACHE_HEADER); /* the header checked is the copy's: the data's sum and count are taken from it */
+    uint64_t sum;
+    int e = read_and_sum(fd, f, st.st_size, &sum);
+    if (e == EIO) problem = "changed while it was read (it shrank)";
+    else if (e) problem = strerror(e);
+    else problem = pcache_verify(c, f, sum);
+    if (problem) {
+        munmap(f, st.st_size);
+        return problem;
+    }
+    pc->data = f, pc->data_size = st.st_size, pc->file = st;
+    pc->ids = (const int32_t *)(f + PCACHE_HEADER), pc->n = (int)rd_u32(f + PC_TOKENS);
+    return NULL;
+}
+
+/* Opens --prompt-cache path for this run (s sized and typed as it will
+   run): the path is checked before any work (check_cache_path), and a
+   file that fits is read, its checksums verified, and its tokens become
+   loadable. */
+static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, const char *path, int read_only, int verbose)
+{
+    *pc = (PromptCache){.path = path, .read_only = read_only, .verbose = verbose};
+    pcache_identity(pc, m, s);
+    check_cache_path(m, path, read_only);
     double t0 = now_ms();
     int fd = open(path, O_RDONLY | O_NONBLOCK); /* O_NONBLOCK: a FIFO put there since the check must not hang the run */
     if (fd < 0) {
@@ -6472,46 +6630,38 @@ static void pcache_open(PromptCache *pc, const Model *m, const RunState *s, cons
         return;
     }
     char why[MSG_BYTES];
-    const char *problem = NULL;
-    uint8_t *map = NULL, head[PCACHE_HEADER];
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) problem = "not a regular file";
-    else if (st.st_size < PCACHE_HEADER || pread(fd, head, PCACHE_HEADER, 0) != PCACHE_HEADER)
-        problem = "not a prompt cache file (shorter than its header)";
-    else if (!(problem = pcache_mismatch(pc, c, s, head, st.st_size, why, sizeof why)) && /* the header first: ... */
-             (map = mmap(NULL, st.st_size, PROT_READ, MAP_PRIVATE | MAP_POPULATE, fd, 0)) == MAP_FAILED)
-        map = NULL, problem = strerror(errno); /* ... only a file of the right size is read whole */
+    const char *problem = pcache_read(pc, &m->c, s, fd, why, sizeof why);
     close(fd);
-    if (!problem && memcmp(map, head, PCACHE_HEADER)) problem = "changed while it was read";
-    uint64_t sum = 0;
-    for (size_t at = PCACHE_HEADER, size = st.st_size; !problem && at < size; at += PCACHE_BLOCK)
-        sum = xxh64(map + at, size - at < PCACHE_BLOCK ? size - at : PCACHE_BLOCK, sum);
-    if (!problem && sum != rd_u64(map + PC_DATA_SUM)) problem = "damaged (its data's checksum does not match)";
-    int n = problem ? 0 : (int)rd_u32(map + PC_TOKENS);
-    const int32_t *ids = (const int32_t *)(map + PCACHE_HEADER); /* 4-byte aligned: the mapping is page-aligned */
-    for (int i = 0; i < n && !problem; i++)
-        if (ids[i] < 0 || ids[i] >= c->vocab_size) problem = "damaged (a token id outside the vocabulary)";
     if (problem) {
-        if (map) munmap(map, st.st_size);
         pcache_unusable(pc, problem);
         return;
     }
-    pc->map = map, pc->map_size = st.st_size, pc->ids = ids, pc->n = n;
-    double ms = now_ms() - t0;
+    double ms = now_ms() - t0, mb = pc->data_size / 1e6;
     if (verbose)
-        fprintf(stderr, "prompt cache: %s holds %d tokens (%.1f MB), read and checked in %.1f ms (%.2f GB/s)\n", path, n,
-                st.st_size / 1e6, ms, st.st_size / 1e6 / (ms > 0 ? ms : 1e-3));
+        fprintf(stderr, "prompt cache: %s holds %d tokens (%.1f MB), read and checked in %.1f ms (%.2f GB/s)\n", path, pc->n, mb,
+                ms, mb / (ms > 0 ? ms : 1e-3));
 }
 
 static void pcache_close(PromptCache *pc)
 {
-    if (pc->map) munmap(pc->map, pc->map_size);
-    pc->map = NULL, pc->n = 0;
+    if (pc->data) munmap(pc->data, pc->data_size);
+    pc->data = NULL, pc->n = 0;
+}
+
+/* The file at pc->path is no longer the one read (replaced, rewritten,
+   truncated, removed): what the copy holds says nothing of it. */
+static int pcache_file_changed(const PromptCache *pc)
+{
+    struct stat st;
+    const struct stat *was = &pc->file;
+    return stat(pc->path, &st) != 0 || st.st_dev != was->st_dev || st.st_ino != was->st_ino || st.st_size != was->st_size ||
+           st.st_mtim.tv_sec != was->st_mtim.tv_sec || st.st_mtim.tv_nsec != was->st_mtim.tv_nsec;
 }
 
 /* Positions [0, n) of ids are in the file. */
 static int pcache_holds(const PromptCache *pc, const int *ids, int n)
 {
-    return pc->map && n <= pc->n && !memcmp(pc->ids, ids, n * sizeof *ids);
+    return pc->data && n <= pc->n && !memcmp(pc->ids, ids, n * sizeof *ids);
 }
 
 /* Loads into the cache of the sequence with pages pt (NULL: the single
@@ -6521,7 +6671,7 @@ static int pcache_holds(const PromptCache *pc, const int *ids, int n)
    prefilled, for its logits. Returns the positions now cached. */
 static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n, int from)
 {
-    if (!pc || !pc->map) return from;
+    if (!pc || !pc->data) return from;
     const Config *c = &m->c;
     int L = 0;
     while (L < pc->n && L < n - 1 && pc->ids[L] == ids[L]) L++;
@@ -6530,7 +6680,7 @@ static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageT
         return from;
     }
     double t0 = now_ms();
-    const uint8_t *kv = pc->map + pcache_kv_at(pc->n);
+    const uint8_t *kv = pc->data + pcache_kv_at(pc->n);
     size_t seg = (size_t)pc->n * s->kv_row; /* one KV head's rows of one layer, K or V */
     for (int l = 0; l < c->n_layers; l++)
         for (int v = 0; v < 2; v++)
@@ -6617,22 +6767,13 @@ static void sync_dir_of(const char *path)
     }
 }
 
-/* After prefill: the K and V rows of ids[0, n), cached for the sequence with
-   pages pt (NULL: the single cache), become the file, unless it holds them
-   already (or is read-only). Written under a temporary name in the same
-   directory, synced and renamed over it: the file is the old one or the
-   new one, whole, whatever happens (a full disk, a signal: temp_path is
-   removed). A failure is a warning: the answer does not need the file. */
-static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+/* Writes the file under its temporary name, synced, and renames it over
+   pc->path: 0, or an errno (temp_path removed). */
+static int pcache_replace(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
 {
-    if (!pc || pc->read_only || n < 1) return;
-    if (pcache_holds(pc, ids, n)) {
-        if (pc->verbose) fprintf(stderr, "prompt cache: %s holds this prompt already: not rewritten\n", pc->path);
-        return;
-    }
-    double t0 = now_ms();
     int e = 0;
-    if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", pc->path, (long)getpid()) >= (int)sizeof temp_path) e = ENAMETOOLONG;
+    if (snprintf(temp_path, sizeof temp_path, "%s" PCACHE_TEMP_SUFFIX "%ld", pc->path, (long)getpid()) >= (int)sizeof temp_path)
+        e = ENAMETOOLONG;
     CacheWriter w = {.fd = e ? -1 : open(temp_path, O_WRONLY | O_CREAT | O_EXCL, 0666)};
     if (!e && w.fd < 0) e = errno;
     else if (!e) {
@@ -6644,9 +6785,35 @@ static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const Page
         if (e) unlink(temp_path);
     }
     temp_path[0] = 0;
-    if (e) {
+    return e;
+}
+
+/* After prefill: the K and V rows of ids[0, n), cached for the sequence with
+   pages pt (NULL: the single cache), become the file, unless the file read
+   at the start holds them already and is still there unchanged (or the
+   cache is read-only). Written under a temporary name in the same
+   directory, synced and renamed over it: the file is the old one or the
+   new one, whole, whatever happens (a full disk, a signal: temp_path is
+   removed). A file put at the path since the start that is not a prompt
+   cache is left as it is. A failure is a warning: the answer does not
+   need the file. */
+static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n)
+{
+    if (!pc || pc->read_only || n < 1) return;
+    int changed = pc->data && pcache_file_changed(pc);
+    if (pcache_holds(pc, ids, n) && !changed) {
+        if (pc->verbose) fprintf(stderr, "prompt cache: %s holds this prompt already: not rewritten\n", pc->path);
+        return;
+    }
+    if (changed && pc->verbose) fprintf(stderr, "prompt cache: %s changed on disk since it was read: rewritten\n", pc->path);
+    double t0 = now_ms();
+    char why[MSG_BYTES];
+    const char *problem = holds_other_data(pc->path, why, sizeof why);
+    int e = problem ? 0 : pcache_replace(pc, m, s, pt, ids, n);
+    if (problem || e) {
         char msg[LINE_BYTES];
-        format_line(msg, "warning: cannot write the prompt cache %s: %s (the answer goes on without it)", pc->path, strerror(e));
+        format_line(msg, "warning: cannot write the prompt cache %s: %s (the answer goes on without it)", pc->path,
+                    problem ? problem : strerror(e));
         fputs(msg, stderr);
         return;
     }
@@ -8056,7 +8223,8 @@ static void usage(FILE *f)
         "                 prompt's there (chat: the conversation at each turn; batch:\n"
         "                 every line starts from FILE, the first line's prompt is\n"
         "                 stored). A FILE made with another model, --kv, --ctx or\n"
-        "                 kernel set, or damaged, is ignored (-v says why) and replaced\n"
+        "                 kernel set, or damaged, is ignored (-v says why) and replaced;\n"
+        "                 a FILE that is not a prompt cache (or the model) is an error\n"
         "  --prompt-cache-ro  with --prompt-cache: never write FILE, and a FILE that\n"
         "                 cannot be used is an error\n"
         "  --probe        measure this machine's DRAM and last-level cache read bandwidth\n"
@@ -8266,6 +8434,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
+    if (a->prompt_cache && !a->prompt_cache[0]) usage_error("%s", "--prompt-cache expects a file name, got ''");
     if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
     int chat = !strcmp(a->mode, "chat");
     /* pairs where one option would be ignored, or contradicts the other */

@@ -18,9 +18,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -495,3 +497,161 @@ def test_readme_prompt_cache_examples_run():
         assert (Path(tmp) / "readme.cache").exists()
         m = re.search(rb"prompt cache: (\d+) of the prompt's (\d+) tokens loaded", p.stdout)
         assert m and int(m.group(2)) - int(m.group(1)) < 20, f"the second command printed {p.stdout[-400:]!r}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# A file that changes during the run, and paths that must not be replaced (issue 35)
+
+
+def fed_line_by_line(args: list, lines: list[bytes], between) -> tuple[bytes, int, str]:
+    """Runs ./run ARGS with stdin a pipe fed one line at a time: after each line but the last it reads one line of
+    stdout (that line's answer or record: no timing involved) and calls between(). Returns stdout, the exit status
+    (negative: the signal that ended it) and stderr."""
+    err_path = WORK / "fed.stderr"
+    with open(err_path, "wb") as err:
+        p = subprocess.Popen([str(RUN), *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err)
+        watchdog = threading.Timer(600, p.kill)
+        watchdog.start()
+        out = b""
+        try:
+            for i, line in enumerate(lines):
+                p.stdin.write(line)
+                p.stdin.flush()
+                if i + 1 < len(lines):
+                    out += p.stdout.readline()
+                    between()
+            p.stdin.close()
+        except BrokenPipeError:
+            pass  # it ended early: its status says how
+        out += p.stdout.read()
+        status = p.wait()
+        watchdog.cancel()
+    return out, status, err_path.read_text(errors="replace")
+
+
+def records(out: bytes) -> list[dict]:
+    """Batch records without their timings."""
+    return [{k: v for k, v in json.loads(line).items() if not k.endswith("_ms")} for line in out.decode().splitlines()]
+
+
+def check_fed(m: str, args: list, lines: list[bytes], between, what: str) -> None:
+    """The run fed line by line (between() after each line's output) gives the output without the cache."""
+    want = engine([m, *args], stdin=b"".join(lines)).stdout
+    for ro in ([], ["--prompt-cache-ro"]):
+        prepare = between.prepare()
+        out, status, err = fed_line_by_line([m, *args, "--prompt-cache", prepare, *ro], lines, between)
+        label = f"{what}{' with --prompt-cache-ro' if ro else ''}"
+        assert status == 0, f"{label}: exit {status} ({'signal ' + signal.Signals(-status).name if status < 0 else err[-400:]})"
+        same = records(out) == records(want) if "--batch" in args else out == want
+        assert same, f"{label}: the output differs from the run without the cache:\nwithout: {want[:400]!r}\nwith:    {out[:400]!r}"
+
+
+class Truncate:
+    """Makes a cache that holds the run's first prompt, and cuts it to 4096 bytes when called (between lines)."""
+    def __init__(self, m: str, name: str, make: list, stdin: bytes | None = None):
+        self.m, self.cache, self.make, self.stdin = m, WORK / name, make, stdin
+
+    def prepare(self) -> Path:
+        fresh(self.cache.name)
+        engine([self.m, *self.make, "--prompt-cache", self.cache], stdin=self.stdin)
+        assert self.cache.stat().st_size > 4096
+        return self.cache
+
+    def __call__(self) -> None:
+        os.truncate(self.cache, 4096)
+
+
+def test_a_cache_that_shrinks_during_chat_or_batch_never_ends_the_run():
+    """-m chat and --batch, with and without --prompt-cache-ro, the file holding the first turn or line's prompt,
+    cut to 4096 bytes after the first answer or record (stdin fed line by line): the run goes on to the end
+    (it died of SIGBUS, the later answers and records lost), with the output of the run without the cache."""
+    m = model()
+    msgs = [b"Hello there\n", b"What is two plus two?\n"]
+    chat = ["-m", "chat", "-t", "0", "-n", "8", "--stop", "\n"]  # --stop: each answer exactly one line
+    check_fed(m, chat, msgs, Truncate(m, "shrinks-chat.cache", chat, b"".join(msgs)), "-m chat")
+    lines = [json.dumps({"prompt": p, "n": 6}).encode() + b"\n" for p in (SHORT, SHORT + " 1870, and")]
+    batch = ["--batch", "-", "-t", "0"]
+    check_fed(m, batch, lines, Truncate(m, "shrinks-batch.cache", ["-i", SHORT, "-n", "1"]), "--batch")
+
+
+class RewriteInPlace:
+    """Makes a cache of SHORT (the first line's prompt), and when called writes another prompt's cache (the second
+    line's prefix, more tokens) over its bytes in the same file: another header, ids and K and V."""
+    OTHER = DOCUMENT[:200]
+
+    def __init__(self, m: str):
+        self.m, self.cache = m, WORK / "rewritten.cache"
+        other = made_for(m, [], "rewritten-other.cache", self.OTHER)
+        self.other = other.read_bytes()
+
+    def prepare(self) -> Path:
+        return made_for(self.m, [], self.cache.name)
+
+    def __call__(self) -> None:
+        with open(self.cache, "r+b") as f:
+            f.write(self.other)
+            f.truncate()
+
+
+def test_a_cache_rewritten_in_place_between_batch_lines_never_changes_the_answers():
+    """--batch with and without --prompt-cache-ro: the file holds the first line's prompt; after its record another
+    prompt's cache is written over the file's bytes, and the second line begins with that other prompt. Its
+    record is the one without the cache (it was garbage, exit 0: the old header's count and offsets read with the
+    new file's ids and K and V)."""
+    m = model()
+    rewrite = RewriteInPlace(m)
+    lines = [json.dumps({"prompt": p, "n": 8}).encode() + b"\n" for p in (SHORT, rewrite.OTHER + " In short,")]
+    check_fed(m, ["--batch", "-", "-t", "0"], lines, rewrite, "--batch, the file rewritten in place")
+
+
+def test_a_path_that_is_not_a_prompt_cache_is_refused_and_left_as_it_is():
+    """--prompt-cache naming a text file, or the model file itself (a copy here: the engine before the fix replaced
+    it), is refused before any work: exit 1, one line naming the path and why, the file byte-identical; with
+    --prompt-cache-ro the model file is refused too. An empty file, or one that begins with the cache's magic
+    however damaged, is still a cache to replace (test_a_damaged_or_truncated_cache_is_ignored_or_refused)."""
+    m = model()
+    notes = WORK / "notes.txt"
+    notes.write_bytes(b"my notes: do not overwrite\n")
+    one_line_error(run([m, "-i", "hi", "-n", "4", "--prompt-cache", notes]), 1, str(notes), "not a prompt cache")
+    assert notes.read_bytes() == b"my notes: do not overwrite\n", "the text file was changed"
+    copy = WORK / "model-copy.bin"
+    shutil.copyfile(m, copy)
+    before = copy.read_bytes()
+    for ro in ([], ["--prompt-cache-ro"]):
+        one_line_error(run([copy, "-i", "hi", "-n", "4", "--prompt-cache", copy, *ro]), 1, str(copy), "the model file")
+        assert copy.read_bytes() == before, f"the model file was changed {ro}"
+    assert not list(WORK.glob("*.tmp-*")), "a temporary file was left"
+
+
+def test_empty_and_too_long_cache_names_are_errors_before_any_work():
+    """--prompt-cache "" is a usage error (exit 2; it was a warning, exit 0). A name whose temporary name (the
+    name + ".tmp-PID") is longer than a file name can be (255 bytes), or a path longer than the engine holds (4199),
+    is an error before any work (exit 1, nothing generated): it was a warning after the answer."""
+    m = model()
+    one_line_error(run([m, "-i", "hi", "-n", "4", "--prompt-cache", ""]), 2, "--prompt-cache", "file name")
+    long_name = WORK / ("c" * 250)
+    one_line_error(run([m, "-i", "hi", "-n", "4", "--prompt-cache", long_name]), 1, "name too long", "255")
+    long_path = WORK / "/".join(["d" * 200] * 22) / "x.cache"
+    one_line_error(run([m, "-i", "hi", "-n", "4", "--prompt-cache", long_path]), 1, "name too long", "temporary name")
+    assert not long_name.exists()
+
+
+def test_a_text_file_put_in_the_caches_place_during_chat_is_left_as_it_is():
+    """-m chat whose cache holds only the first turn: after the first answer the file is replaced by a text file, so
+    the second turn's conversation (not held) would be written there. The text file stays byte-identical, one warning
+    line says why, and the answers are those without the cache (the text was replaced)."""
+    m = model()
+    msgs = [b"Hello there\n", b"What is two plus two?\n"]
+    chat = ["-m", "chat", "-t", "0", "-n", "8", "--stop", "\n"]
+    cache = fresh("replaced-by-text.cache")
+    engine([m, *chat, "--prompt-cache", cache], stdin=msgs[0])
+    text = b"my notes: do not overwrite\n"
+
+    def put_text() -> None:
+        cache.unlink()
+        cache.write_bytes(text)
+    out, status, err = fed_line_by_line([m, *chat, "--prompt-cache", cache], msgs, put_text)
+    assert status == 0 and out == engine([m, *chat], stdin=b"".join(msgs)).stdout, f"exit {status}: {out!r} {err}"
+    assert cache.read_bytes() == text, "the text file put in the cache's place was replaced"
+    lines = err.splitlines()
+    assert len(lines) == 1 and "not a prompt cache" in lines[0] and str(cache) in lines[0], lines
