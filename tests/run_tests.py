@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import shutil
 import subprocess
@@ -163,7 +164,9 @@ def main() -> int:
     if args.jobs < 1:
         ap.error(f"-j {args.jobs}: at least 1")
     check = {m for m, _ in CHECK}
-    from common import SCRATCH   # the scratch folder chosen here, once: the children find it in TEST_SCRATCH
+    from common import KERNELS_ENV, SCRATCH   # the scratch folder chosen here, once: the children find it in TEST_SCRATCH
+    if args.module is None and os.environ.get(KERNELS_ENV):
+        print(f"every ./run of this run uses the {os.environ[KERNELS_ENV]} kernel set ({KERNELS_ENV})", flush=True)
 
     paths = {p: ks for p, ks in select(args.modules, args.k).items()
              if (not args.check or p.stem in check) and (args.module is None or p.stem == args.module)}

@@ -358,14 +358,28 @@ def test_keep_copies_gemma3_q4_k_m_bit_for_bit():
     assert not modelfile.problems(out.read_bytes()), modelfile.problems(out.read_bytes())[:3]
 
 
+GEMMA_PPL_TEXT = 6000     # bytes of Genesis: 635 tokens scored at --ctx 256
+GEMMA_PPL_BOUND = 0.05    # |keep - q8_0| / q8_0
+
+
 def test_gemma3_split_file_runs_like_the_fused_q8_0_one():
     """The split Gemma 3 file (the GGUF's own blocks) generates, and its perplexity on the start of Genesis
-    (which the model knows well: ~1.9) is within 3 % of the fused --dtype q8_0 export of the same GGUF (every
-    matrix re-quantized to 8 bits: close to the same weights, through the fused path). A part computed from the
-    wrong rows or with another part's kernels moves it far more (a broken model scores in the thousands)."""
+    (which the model knows well: ~2.1) is within 5 % of the fused --dtype q8_0 export of the same GGUF (every
+    matrix re-quantized to 8 bits: close to the same weights, through the fused path), both run with the same
+    kernel set. A part computed from the wrong rows or with another part's kernels moves it far more (a broken
+    model scores in the thousands).
+
+    The bound is set from the spread measured across the kernel sets, which round int8 activations
+    differently. On 3,000 bytes (254 tokens scored) keep/q8_0 were 1.8967/1.9555 with avx512 (3.0 % apart),
+    1.9502/1.9501 with avx2 and avxvnni; keep alone moved 2.8 % between sets (scalar 1.9168): too small a
+    sample for a 3 % bound. On 6,000 bytes (635 tokens): avx512 2.1235/2.1552 (1.5 %), avx2 and avxvnni
+    2.1564/2.1550 (0.06 %); keep moved 1.5 % between sets. On 12,000 bytes (1,397 tokens): avx512 2.6449/2.6313
+    (0.5 %), avx2 and avxvnni 2.6693/2.6378 (1.2 %). So 6,000 bytes and 5 %: over three times the largest
+    difference measured at this size, and still far below what a broken part does (Intel Xeon with AMX,
+    2 cores, 2026-12-05)."""
     gguf = require(GEMMA3_GGUF, "the Gemma 3 GGUF (make models)")
-    text = WORK / "genesis-3k.txt"
-    text.write_bytes(require(ROOT / "tests" / "data" / "kjv-genesis.txt", "the Genesis text").read_bytes()[:3000])
+    text = WORK / "genesis-6k.txt"
+    text.write_bytes(require(ROOT / "tests" / "data" / "kjv-genesis.txt", "the Genesis text").read_bytes()[:GEMMA_PPL_TEXT])
     ppl = {}
     for dtype in ("keep", "q8_0"):
         model = gemma3_keep() if dtype == "keep" else export_ok(gguf, WORK / f"gemma3_{dtype}_run.bin", "--dtype", dtype)
@@ -373,7 +387,7 @@ def test_gemma3_split_file_runs_like_the_fused_q8_0_one():
         assert r.returncode == 0, r.stderr.decode(errors="replace")[-600:]
         assert r.stdout.startswith(b"perplexity: "), r.stdout[:200]
         ppl[dtype] = float(r.stdout.split()[1])   # "perplexity: P over N tokens ..."
-    assert ppl["keep"] < 3 and abs(ppl["keep"] - ppl["q8_0"]) < 0.03 * ppl["q8_0"], ppl
+    assert ppl["keep"] < 3 and abs(ppl["keep"] - ppl["q8_0"]) < GEMMA_PPL_BOUND * ppl["q8_0"], ppl
     r = run([gemma3_keep(), "-t", "0", "-n", "30", "-i", "The capital of France is"], timeout=300)
     words = r.stdout.decode(errors="replace").split()
     assert r.returncode == 0 and len(words) >= 10, (r.returncode, r.stdout, r.stderr[-400:])
