@@ -1768,6 +1768,11 @@ typedef struct {
 
 #define TEMP_MAX 100    /* -t: the highest temperature */
 #define PENALTY_MAX 100 /* the highest repetition, presence and frequency penalties */
+/* The lowest repetition penalty: dividing by less would scale a repeated
+   token's logit by more than PENALTY_MAX, and a tiny one (1e-38)
+   overflowed it to inf, then NaN log-probabilities and draws of control
+   tokens. */
+#define REPEAT_PENALTY_MIN (1.0 / PENALTY_MAX)
 /* -t, -p, -k, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty
    and --frequency-penalty when not given: the sampler of earlier versions
    (min-p and the penalties off, so a seed gives the text it gave), with
@@ -1892,8 +1897,11 @@ static void apply_penalties(const Sampler *sm, float *logits, const int *hist, i
         int t = hist[i], c = cand[t].id;
         if (!c) continue; /* counted and penalized already */
         cand[t].id = 0;
-        logits[t] = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
-        logits[t] -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+        float x = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
+        x -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+        /* held finite: a huge logit (damaged weights) times a penalty in range may still overflow, and an
+           inf one makes the softmax's logit - max NaN */
+        logits[t] = fminf(fmaxf(x, -FLT_MAX), FLT_MAX);
     }
 }
 
@@ -4463,10 +4471,14 @@ static void json_put_string(Buf *b, const char *s, size_t n)
 }
 
 /* A finite double as a JSON number that reads back as the same double:
-   integers below 2^53 as plain digits, anything else with %.17g. */
+   integers below 2^53 as plain digits, anything else with %.17g. A
+   non-finite one (which the sampling parameters' ranges are chosen to
+   prevent) is null: JSON has no inf or NaN, and a record must stay valid
+   JSON whatever it holds. */
 static void json_put_number(Buf *b, double x)
 {
-    if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
+    if (!isfinite(x)) buf_put(b, "null", 4);
+    else if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
     else buf_printf(b, "%.17g", x);
 }
 
@@ -7206,7 +7218,7 @@ typedef struct {
 static const SamplingField SAMPLING_FIELDS[] = {
     {"t", offsetof(Sampler, temperature), 0, TEMP_MAX, 0, 0},
     {"min_p", offsetof(Sampler, min_p), 0, 1, 0, 0},
-    {"repeat_penalty", offsetof(Sampler, repeat), 0, PENALTY_MAX, 1, 0},
+    {"repeat_penalty", offsetof(Sampler, repeat), REPEAT_PENALTY_MIN, PENALTY_MAX, 0, 0},
     {"repeat_last_n", offsetof(Sampler, repeat_last_n), 0, MAX_SEQ, 0, 1},
     {"presence_penalty", offsetof(Sampler, presence), 0, PENALTY_MAX, 0, 0},
     {"frequency_penalty", offsetof(Sampler, frequency), 0, PENALTY_MAX, 0, 0},
@@ -7843,18 +7855,19 @@ static void usage(FILE *f)
         "                 in the vocabulary, is an error)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
-        "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
+        "  -t TEMP        temperature, in [0, 100]; 0 = greedy (default 0.8)\n"
         "  -p TOPP        top-p nucleus, in (0, 1] (default 0.95)\n"
         "  -k TOPK        top-k, >= 0; 0 = off (default 40)\n"
         "  --min-p P      keep the tokens whose probability is at least P x the most\n"
         "                 likely one's, P in [0, 1] (default 0: off)\n"
         "  --repeat-penalty R  each token among the last N of the context (the\n"
         "                 prompt's included) has its logit divided by R (multiplied\n"
-        "                 when it is not positive), R > 0 (default 1: off)\n"
+        "                 when it is not positive), R in [0.01, 100] (default 1: off)\n"
         "  --repeat-last-n N  the penalties' window, N >= 0; 0 = no penalties (default 64)\n"
         "  --presence-penalty X  lowers the logit of each token in that window by X,\n"
-        "                 X >= 0 (default 0)\n"
-        "  --frequency-penalty X  ... and by X times its count there, X >= 0 (default 0)\n"
+        "                 X in [0, 100] (default 0)\n"
+        "  --frequency-penalty X  ... and by X times its count there, X in [0, 100]\n"
+        "                 (default 0)\n"
         "                 The chain: penalties, then -t, then -k, -p and --min-p\n"
         "                 (README \"Sampling\")\n"
         "  -s SEED        random seed, >= 0 (default: from the clock)\n"
@@ -8092,7 +8105,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
         else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
         else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
-        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, 0, PENALTY_MAX, 1);
+        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, REPEAT_PENALTY_MIN, PENALTY_MAX, 0);
         else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
         else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
         else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
