@@ -6070,16 +6070,19 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
 }
 
 /* --json-schema FILE: reads and compiles the schema in FILE into g;
-   returns its node. Every problem is a usage error naming the file. */
+   returns its node. A FILE that cannot be opened or read is a runtime
+   error, as for every file a flag names (the model's, --ppl's,
+   --batch's); what the schema says is the flag's value, and a problem
+   there is a usage error naming the file. */
 static int compile_schema_file(JsonGrammar *g, const char *path)
 {
     FILE *f = fopen(path, "rb");
-    if (!f) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(errno));
+    if (!f) die(EXIT_RUNTIME, "--json-schema %s: %s", path, strerror(errno));
     char *text = xmalloc(SCHEMA_MAX_BYTES + 1);
     size_t len = fread(text, 1, SCHEMA_MAX_BYTES + 1, f);
     int failed = ferror(f), e = errno;
     fclose(f);
-    if (failed) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(e ? e : EIO));
+    if (failed) die(EXIT_RUNTIME, "--json-schema %s: %s", path, strerror(e ? e : EIO));
     if (len > SCHEMA_MAX_BYTES) die(EXIT_USAGE, "--json-schema %s: longer than %u bytes", path, SCHEMA_MAX_BYTES);
     Json v;
     char err[MSG_BYTES];
@@ -7975,8 +7978,9 @@ static void usage(FILE *f)
         "  -h, --help     this help; --version prints the version\n"
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
-        "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
-        "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
+        "1 runtime error (damaged model file, prompt longer than the context, a\n"
+        "file that cannot be opened or read, for any flag that names one, or\n"
+        "cannot be written, ...), 2 usage error (a bad flag or flag value),\n"
         "130 interrupted at the chat prompt or in batch mode.\n", STOP_MAX, STOP_MAX_BYTES);
 }
 

@@ -192,6 +192,27 @@ def test_runtime_errors_exit_1():
     assert p.returncode == 1 and b"context" in p.stderr, f"prompt longer than --ctx: {text(p.stderr)!r}"
 
 
+def test_files_that_cannot_be_read_exit_1():
+    """Issue 35: one rule for every flag that names a file: one that cannot be opened or read (missing, a
+    directory) is a runtime error, exit 1, one line naming it; so is an output that cannot be written.
+    `--json-schema /nonexistent` exited 2 while the others exited 1."""
+    m = model()
+    missing, folder = SCRATCH / "no-such-file", SCRATCH
+    cases = []
+    for path in (missing, folder):
+        cases += [([path, "-i", "hi"], str(path)),
+                  ([m, "--ppl", path], str(path)),
+                  ([m, "--batch", path], str(path)),
+                  ([m, "-i", "hi", "--json-schema", path], f"--json-schema {path}"),
+                  ([m, "-i", "hi", "-n", "1", "--prompt-cache", path, "--prompt-cache-ro"], str(path))]
+    cases.append(([m, "-i", "hi", "--dump-logits", missing / "logits.bin"], str(missing / "logits.bin")))
+    for args, words in cases:
+        p = run(args, timeout=60)
+        err = text(p.stderr).splitlines()
+        assert p.returncode == 1, f"{args[1:]}: exit {p.returncode}, {err}"
+        assert len(err) == 1 and err[0].startswith("run: ") and words in err[0] and not p.stdout, f"{args[1:]}: {err}"
+
+
 # ----- -v --------------------------------------------------------------------------------
 
 PREFILL_RE = re.compile(r"^prefill: (\d+) tokens in [\d.]+ ms, [\d.]+ tok/s, TTFT [\d.]+ ms")
