@@ -2717,6 +2717,19 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
     return (size_t)ctx * longest;
 }
 
+/* The tokens every message's turn takes besides its text: the opening
+   (BOS, the system turn) and an empty user turn, the assistant's opening
+   after it (with the system text when the template folds it into the first
+   message). */
+static int chat_least_tokens(const Chat *ch, const Model *m, const Tokens *opening)
+{
+    Chat c = *ch;
+    Tokens t = {0};
+    chat_user_turn(&c, m, &t, "", 0);
+    free(t.ids);
+    return opening->n + t.n;
+}
+
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
@@ -2736,6 +2749,11 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
+    int least = chat_least_tokens(&ch, m, &conv);
+    if (least + reserve > s->seq_len) /* every message would be refused: an error, as -c's prompt is */
+        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
+            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
+            least + reserve, s->seq_len);
     while (1) {
         if (tty) fputs("> ", stderr);
         char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
@@ -7912,8 +7930,9 @@ static void usage(FILE *f)
         "overflow the context, the oldest exchanges are dropped (the system turn is\n"
         "kept) until it fills at most half the context, and the rest is prefilled\n"
         "again. A message too long to fit alone is refused (stderr) and answered with\n"
-        "an empty line; a line longer than the context could ever hold, or a read\n"
-        "error, ends the chat with an error.\n"
+        "an empty line; a system prompt (-y) that leaves no room for any message, a\n"
+        "line longer than the context could ever hold, or a read error, ends the chat\n"
+        "with an error (exit 1).\n"
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"

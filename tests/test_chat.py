@@ -364,3 +364,15 @@ def test_tty_ctrl_c_at_prompt_exits_130():
     except BaseException:
         t.kill()
         raise
+
+
+def test_chat_system_prompt_that_fills_the_context_is_an_error():
+    """Issue 35: a system prompt that leaves no room for any message beside it (40 words, --ctx 16) ends chat
+    with one line and exit 1, as -c's prompt does; it answered every message with an empty line and exited 0."""
+    system = "word " * 40
+    p = run([model(), "-m", "chat", "--ctx", "16", "-n", "4", "-y", system], stdin=b"hi\nthere\n", timeout=60)
+    err = p.stderr.decode(errors="replace").splitlines()
+    assert p.returncode == 1 and p.stdout == b"", f"exit {p.returncode}, stdout {p.stdout!r}, {err}"
+    assert len(err) == 1 and err[0].startswith("run: ") and "system prompt" in err[0] and "16" in err[0], err
+    p = run([model(), "-c", "-i", "hi", "--ctx", "16", "-n", "4", "-y", system], timeout=60)
+    assert p.returncode == 1 and p.stdout == b"", f"-c: exit {p.returncode}"
