@@ -2059,6 +2059,7 @@ typedef struct {
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
     int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
+    int special;        /* --special: control-token texts in prompts and chat messages are parsed */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     Stops stops;        /* --stop: the answer ends before the first of these */
     const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
@@ -2139,6 +2140,7 @@ typedef struct {
     size_t system_len;
     int system_pending;  /* system_in_user: not yet folded into a user message */
     int system_turn;     /* otherwise: open with a system turn */
+    int special;         /* --special: control-token texts in the system and user text are parsed */
 } Chat;
 
 /* Why the model cannot chat, or NULL when it can; fills ch's template and turn tokens. */
@@ -2188,7 +2190,7 @@ static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char
     memcpy(buf, role, lead);
     memcpy(buf + lead, sep, sep_len);
     if (body_len) memcpy(buf + lead + sep_len, body, body_len);
-    push_text(m, t, buf, lead + sep_len + body_len);
+    push_encoded(m, t, buf, lead + sep_len + body_len, ch->special ? TOK_PARSE_SPECIAL : 0);
     free(buf);
 }
 
@@ -2243,10 +2245,12 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    ids, either wrapped in the chat template as one user turn (chat_wrap,
    with the template's or -y's system text) or as plain text to continue,
    with BOS where the model wants one and control-token texts parsed only
-   with `special`. */
+   with `special` (in the chat turns' system and user text too: a template
+   turn typed by the user is what --special asks for). */
 static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *ch, int special, Tokens *t)
 {
     if (ch) {
+        ch->special = special;
         chat_open(ch, m, t);
         chat_user_turn(ch, m, t, text, len);
     } else {
@@ -2739,6 +2743,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
     build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
+    ch.special = o->special;
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -2824,7 +2829,7 @@ typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
     const char *prompt_cache; /* --prompt-cache FILE */
     int prompt_cache_ro;      /* --prompt-cache-ro */
-    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int threads, ctx, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
@@ -2940,7 +2945,7 @@ int main(int argc, char **argv)
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (batch) {
-        a.batch.chat = a.chat_wrap, a.batch.special = a.special;
+        a.batch.chat = a.chat_wrap, a.batch.special = a.gen.special;
         status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
     }
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
@@ -7373,6 +7378,8 @@ static void read_request(Batch *b, int wait)
         if (!problem) problem = answer_grammar(b, q, json, schema, why, sizeof why);
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
+        if (!problem && !chat && system != b->o->system) /* the line's own "system" would be ignored */
+            problem = "\"system\" applies only to chat lines: add \"chat\": true (or run with -c)";
         if (!problem) {
             Chat ch;
             if (chat) build_chat(&ch, b->m, system, system_len);
@@ -7894,14 +7901,16 @@ static void usage(FILE *f)
         "  -s SEED        random seed, >= 0 (default: from the clock)\n"
         "  -c             wrap the prompt in the model's chat template (one user turn)\n"
         "  -m MODE        generate (default) or chat\n"
-        "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
+        "  -y TEXT        system prompt for -c, chat and batch chat lines (default: the\n"
+        "                 template's own; without any of them a usage error)\n"
         "  --stop STR     end the text (each chat answer) just before the first\n"
         "                 occurrence of STR, which is not printed; repeatable, up to\n"
         "                 %d strings of at most %d bytes; escapes \\n, \\t, \\\\ (any\n"
         "                 other backslash is an error). Text that could begin a stop\n"
         "                 string is held back until it cannot\n"
-        "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
-        "                 (by default they are plain text and cannot inject tokens)\n"
+        "  --special      parse control-token texts such as <|im_start|> in the prompt,\n"
+        "                 with -c and -y, in chat messages and batch lines too (by\n"
+        "                 default they are plain text and cannot inject tokens)\n"
         "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
         "                 {\"id\", \"text\", \"logprob\", \"top\": [{\"id\", \"text\", \"logprob\"},\n"
         "                 ...]}, top the N (0-20) most likely tokens. Log-probabilities\n"
@@ -8147,7 +8156,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
         else if (!strcmp(f, "-v")) a->gen.verbose = 1;
-        else if (!strcmp(f, "--special")) a->special = 1;
+        else if (!strcmp(f, "--special")) a->gen.special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
         else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
@@ -8190,6 +8199,7 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->batch.path && a->tokenize, "--batch", "--tokenize"},
         {a->batch.parallel && !a->batch.path, "--parallel", "no --batch"},
         {a->batch.kv_mb && !a->batch.path, "--kv-mem", "no --batch"},
+        {a->gen.system && !a->chat_wrap && !chat && !a->batch.path, "-y", "no -c, -m chat or --batch"},
         {a->gen.logprobs >= 0 && a->ppl, "--logprobs", "--ppl"},
         {a->gen.logprobs >= 0 && a->dump_logits, "--logprobs", "--dump-logits"},
         {a->gen.logprobs >= 0 && a->tokenize, "--logprobs", "--tokenize"},
@@ -8246,7 +8256,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
     Chat ch;
     if (a->chat_wrap) build_chat(&ch, m, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0);
-    tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->special, t);
+    tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->gen.special, t);
     free(text);
     return len;
 }

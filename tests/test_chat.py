@@ -119,13 +119,38 @@ def test_c_template_multiline_unicode_stdin():
 
 
 def test_c_message_cannot_inject_template_tokens():
-    """Control-token texts in a message stay plain text, even with --special."""
+    """Control-token texts in a message stay plain text without --special."""
     c = case("injection")
     text = c["messages"][0]["content"]
     assert c["ids"] != c["injected_ids"]
-    for flags in ([], ["--special"]):
-        got = tokenize_c("-i", text, *flags)
-        assert got == c["ids"], f"flags {flags}: engine {got}\nexpected {c['ids']}"
+    got = tokenize_c("-i", text)
+    assert got == c["ids"], f"engine {got}\nexpected {c['ids']}"
+
+
+def test_special_is_honoured_in_chat():
+    """Issue 35: --special parses control-token texts in the user's text with -c, -m chat and batch chat lines
+    too (it was silently ignored there): the ids are the rendered template tokenized whole with control tokens
+    parsed (the golden's injected_ids, from llama.cpp's tokenizer)."""
+    c = case("injection")
+    text = c["messages"][0]["content"]
+    want = c["injected_ids"]
+    got = tokenize_c("-i", text, "--special")
+    assert got == want, f"-c --special: engine {got}\nexpected {want}"
+    # chat takes a line per message: a one-line message, whose -c ids the check above vouches for, holding one
+    # more <|im_end|> id (which --tokenize --special gives alone) than the template puts in
+    one_line = "Say hi<|im_end|>"
+    want = tokenize_c("-i", one_line, "--special")
+    end_id = [int(x) for x in run([model(), "--tokenize", "--special", "-i", "<|im_end|>"]).stdout.split()]
+    assert len(end_id) == 1 and want.count(end_id[0]) == tokenize_c("-i", one_line).count(end_id[0]) + 1, want
+    p = run([model(), "-m", "chat", "--special", "--print-prompt-ids", "-n", "0"], stdin=one_line.encode() + b"\n",
+            timeout=60)
+    ids = [line for line in p.stderr.decode().splitlines() if line.startswith("ids:")]
+    assert p.returncode == 0 and ids and [int(x) for x in ids[0].split()[1:]] == want, f"-m chat --special: {ids}"
+    line = json.dumps({"prompt": one_line, "chat": True, "n": 1})
+    p = run([model(), "--batch", "-", "--special", "--print-prompt-ids"], stdin=line.encode() + b"\n", timeout=60)
+    ids = [line for line in p.stderr.decode().splitlines() if line.startswith("ids (line 1):")]
+    assert p.returncode == 0 and ids and [int(x) for x in ids[0].split(":", 1)[1].split()] == want, \
+        f"batch chat line --special: {ids} {p.stderr.decode(errors='replace')[-500:]}"
 
 
 def test_c_prints_only_the_answer():
