@@ -2098,6 +2098,37 @@ static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t l
     return n;
 }
 
+#define BYTE_VALUES 256
+
+/* Whether text[0..len) holds a byte the vocabulary has no token for, and
+   if so the reason, naming `what`, the byte and its offset, in why. A
+   byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
+   that UTF-8 never uses, e.g. 0xff); tok_encode drops them, as llama.cpp
+   does, so the model would read another text than the one given: every
+   prompt text (-i, stdin, -y, chat messages, batch lines) is refused
+   instead, in --tokenize too. A byte value has no token when it alone
+   encodes to nothing; only the values the text holds are tried. */
+static int has_untokenizable_byte(const Model *m, const char *what, const char *text, size_t len, char *why, size_t why_len)
+{
+    uint8_t seen[BYTE_VALUES] = {0}, lacks[BYTE_VALUES] = {0};
+    const unsigned char *u = (const unsigned char *)text;
+    for (size_t i = 0; i < len; i++) {
+        if (!seen[u[i]]) {
+            int *ids;
+            size_t n;
+            if (tok_encode(m->tok, text + i, 1, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+            free(ids);
+            seen[u[i]] = 1, lacks[u[i]] = n == 0;
+        }
+        if (lacks[u[i]]) {
+            snprintf(why, why_len, "%s has a byte 0x%02x (at offset %zu) that no token of this model's vocabulary holds "
+                     "(is the text UTF-8?)", what, u[i], i);
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
 static void push_text(const Model *m, Tokens *t, const char *text, size_t len) { push_encoded(m, t, text, len, 0); }
 
@@ -2247,6 +2278,14 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    with BOS where the model wants one and control-token texts parsed only
    with `special` (in the chat turns' system and user text too: a template
    turn typed by the user is what --special asks for). */
+/* Whether the prompt text, or with ch its system text, has a byte without
+   a token (why gets the reason). */
+static int prompt_text_problem(const Model *m, const char *text, size_t len, const Chat *ch, char *why, size_t why_len)
+{
+    return has_untokenizable_byte(m, "the prompt", text, len, why, why_len) ||
+           (ch && has_untokenizable_byte(m, "the system prompt", ch->system, ch->system_len, why, why_len));
+}
+
 static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *ch, int special, Tokens *t)
 {
     if (ch) {
@@ -2721,6 +2760,15 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
     return (size_t)ctx * longest;
 }
 
+/* A refused chat message (line: its text, freed) gets an empty answer,
+   which keeps answers and messages line for line. */
+static void refuse_message(char *line)
+{
+    free(line);
+    fputc('\n', stdout);
+    check_stdout();
+}
+
 /* The tokens every message's turn takes besides its text: the opening
    (BOS, the system turn) and an empty user turn, the assistant's opening
    after it (with the system text when the template folds it into the first
@@ -2754,6 +2802,8 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
+    char why[ERR_BYTES];
+    if (has_untokenizable_byte(m, "the system prompt", ch.system, ch.system_len, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
     int least = chat_least_tokens(&ch, m, &conv);
     if (least + reserve > s->seq_len) /* every message would be refused: an error, as -c's prompt is */
         die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
@@ -2765,6 +2815,11 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         if (!line) break;
         while (len && line[len - 1] == '\r') line[--len] = 0;
         if (!len) { free(line); continue; }
+        if (has_untokenizable_byte(m, "message refused: it", line, len, why, sizeof why)) {
+            fprintf(stderr, "run: %s\n", why);
+            refuse_message(line);
+            continue;
+        }
         int before = conv.n, system_pending = ch.system_pending;
         push(&exch, conv.n);
         chat_user_turn(&ch, m, &conv, line, len);
@@ -2776,8 +2831,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
             conv.n = before;
             exch.n--;
             ch.system_pending = system_pending;
-            fputc('\n', stdout); /* an empty answer keeps answers and messages line for line */
-            check_stdout();
+            refuse_message(NULL);
             continue;
         }
         pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
@@ -7383,10 +7437,10 @@ static void read_request(Batch *b, int wait)
         if (!problem) {
             Chat ch;
             if (chat) build_chat(&ch, b->m, system, system_len);
-            tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
+            if (prompt_text_problem(b->m, text, text_len, chat ? &ch : NULL, why, sizeof why)) problem = why;
+            else tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
             q->n_prompt = q->toks.n;
-            if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
-            else if (q->n_prompt > b->s->seq_len)
+            if (!problem && q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
@@ -7879,8 +7933,9 @@ static void usage(FILE *f)
         "errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
-        "  -i PROMPT      prompt text (an empty prompt, or one whose bytes have no token\n"
-        "                 in the vocabulary, is an error)\n"
+        "  -i PROMPT      prompt text (an empty prompt is an error; so is a byte that no\n"
+        "                 token of the vocabulary holds, in any prompt text: -i, stdin,\n"
+        "                 -y, chat messages, batch lines; --tokenize too)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
         "  -t TEMP        temperature, in [0, 100]; 0 = greedy (default 0.8)\n"
@@ -8256,6 +8311,8 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
     Chat ch;
     if (a->chat_wrap) build_chat(&ch, m, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0);
+    char why[ERR_BYTES];
+    if (prompt_text_problem(m, text, len, a->chat_wrap ? &ch : NULL, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
     tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->gen.special, t);
     free(text);
     return len;
