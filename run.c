@@ -7440,7 +7440,8 @@ static void read_request(Batch *b, int wait)
             if (prompt_text_problem(b->m, text, text_len, chat ? &ch : NULL, why, sizeof why)) problem = why;
             else tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
             q->n_prompt = q->toks.n;
-            if (!problem && q->n_prompt > b->s->seq_len)
+            if (!problem && !q->n_prompt) problem = "the prompt tokenizes to no token"; /* a sequence needs one to start */
+            else if (!problem && q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
