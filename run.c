@@ -2769,17 +2769,22 @@ static void refuse_message(char *line)
     check_stdout();
 }
 
-/* The tokens every message's turn takes besides its text: the opening
-   (BOS, the system turn) and an empty user turn, the assistant's opening
-   after it (with the system text when the template folds it into the first
-   message). */
-static int chat_least_tokens(const Chat *ch, const Model *m, const Tokens *opening)
+/* After a message did not fit: when not even an empty one would (the
+   opening's n_open tokens, an empty user turn and the assistant's opening,
+   with the system text when the template folds it into the message, and
+   the answer's room), every message would be refused, so the chat ends
+   with an error, as -c does with such a system prompt. */
+static void check_room_for_a_message(const Chat *ch, const Model *m, int n_open, int reserve, int seq_len)
 {
     Chat c = *ch;
     Tokens t = {0};
     chat_user_turn(&c, m, &t, "", 0);
+    int least = n_open + t.n;
     free(t.ids);
-    return opening->n + t.n;
+    if (least + reserve > seq_len)
+        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
+            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
+            least + reserve, seq_len);
 }
 
 /* The conversation: one user message per line of stdin (a terminal shows a
@@ -2804,11 +2809,6 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
     char why[ERR_BYTES];
     if (has_untokenizable_byte(m, "the system prompt", ch.system, ch.system_len, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
-    int least = chat_least_tokens(&ch, m, &conv);
-    if (least + reserve > s->seq_len) /* every message would be refused: an error, as -c's prompt is */
-        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
-            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
-            least + reserve, s->seq_len);
     while (1) {
         if (tty) fputs("> ", stderr);
         char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
@@ -2826,11 +2826,12 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         free(line);
         if (!chat_fit(&conv, &pos, &exch, n_open, reserve, s->seq_len)) {
             int msg = conv.n - before;
-            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
-                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             conv.n = before;
             exch.n--;
             ch.system_pending = system_pending;
+            check_room_for_a_message(&ch, m, n_open, reserve, s->seq_len);
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             refuse_message(NULL);
             continue;
         }
