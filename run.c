@@ -1799,6 +1799,11 @@ typedef struct {
 
 #define TEMP_MAX 100    /* -t: the highest temperature */
 #define PENALTY_MAX 100 /* the highest repetition, presence and frequency penalties */
+/* The lowest repetition penalty: dividing by less would scale a repeated
+   token's logit by more than PENALTY_MAX, and a tiny one (1e-38)
+   overflowed it to inf, then NaN log-probabilities and draws of control
+   tokens. */
+#define REPEAT_PENALTY_MIN (1.0 / PENALTY_MAX)
 /* -t, -p, -k, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty
    and --frequency-penalty when not given: the sampler of earlier versions
    (min-p and the penalties off, so a seed gives the text it gave), with
@@ -1923,8 +1928,11 @@ static void apply_penalties(const Sampler *sm, float *logits, const int *hist, i
         int t = hist[i], c = cand[t].id;
         if (!c) continue; /* counted and penalized already */
         cand[t].id = 0;
-        logits[t] = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
-        logits[t] -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+        float x = logits[t] <= 0 ? logits[t] * sm->repeat : logits[t] / sm->repeat;
+        x -= (float)c * sm->frequency + (float)(c > 0) * sm->presence;
+        /* held finite: a huge logit (damaged weights) times a penalty in range may still overflow, and an
+           inf one makes the softmax's logit - max NaN */
+        logits[t] = fminf(fmaxf(x, -FLT_MAX), FLT_MAX);
     }
 }
 
@@ -2083,6 +2091,7 @@ typedef struct {
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
     int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
+    int special;        /* --special: control-token texts in prompts and chat messages are parsed */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     Stops stops;        /* --stop: the answer ends before the first of these */
     const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
@@ -2119,6 +2128,37 @@ static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t l
     for (size_t i = 0; i < n; i++) push(t, ids[i]);
     free(ids);
     return n;
+}
+
+#define BYTE_VALUES 256
+
+/* Whether text[0..len) holds a byte the vocabulary has no token for, and
+   if so the reason, naming `what`, the byte and its offset, in why. A
+   byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
+   that UTF-8 never uses, e.g. 0xff); tok_encode drops them, as llama.cpp
+   does, so the model would read another text than the one given: every
+   prompt text (-i, stdin, -y, chat messages, batch lines) is refused
+   instead, in --tokenize too. A byte value has no token when it alone
+   encodes to nothing; only the values the text holds are tried. */
+static int has_untokenizable_byte(const Model *m, const char *what, const char *text, size_t len, char *why, size_t why_len)
+{
+    uint8_t seen[BYTE_VALUES] = {0}, lacks[BYTE_VALUES] = {0};
+    const unsigned char *u = (const unsigned char *)text;
+    for (size_t i = 0; i < len; i++) {
+        if (!seen[u[i]]) {
+            int *ids;
+            size_t n;
+            if (tok_encode(m->tok, text + i, 1, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+            free(ids);
+            seen[u[i]] = 1, lacks[u[i]] = n == 0;
+        }
+        if (lacks[u[i]]) {
+            snprintf(why, why_len, "%s has a byte 0x%02x (at offset %zu) that no token of this model's vocabulary holds "
+                     "(is the text UTF-8?)", what, u[i], i);
+            return 1;
+        }
+    }
+    return 0;
 }
 
 /* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
@@ -2163,6 +2203,7 @@ typedef struct {
     size_t system_len;
     int system_pending;  /* system_in_user: not yet folded into a user message */
     int system_turn;     /* otherwise: open with a system turn */
+    int special;         /* --special: control-token texts in the system and user text are parsed */
 } Chat;
 
 /* Why the model cannot chat, or NULL when it can; fills ch's template and turn tokens. */
@@ -2217,7 +2258,7 @@ static void chat_turn_open(const Chat *ch, const Model *m, Tokens *t, const char
     memcpy(buf, role, lead);
     memcpy(buf + lead, sep, sep_len);
     if (body_len) memcpy(buf + lead + sep_len, body, body_len);
-    push_text(m, t, buf, lead + sep_len + body_len);
+    push_encoded(m, t, buf, lead + sep_len + body_len, ch->special ? TOK_PARSE_SPECIAL : 0);
     free(buf);
 }
 
@@ -2272,10 +2313,20 @@ static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int 
    ids, either wrapped in the chat template as one user turn (chat_wrap,
    with the template's or -y's system text) or as plain text to continue,
    with BOS where the model wants one and control-token texts parsed only
-   with `special`. */
+   with `special` (in the chat turns' system and user text too: a template
+   turn typed by the user is what --special asks for). */
+/* Whether the prompt text, or with ch its system text, has a byte without
+   a token (why gets the reason). */
+static int prompt_text_problem(const Model *m, const char *text, size_t len, const Chat *ch, char *why, size_t why_len)
+{
+    return has_untokenizable_byte(m, "the prompt", text, len, why, why_len) ||
+           (ch && has_untokenizable_byte(m, "the system prompt", ch->system, ch->system_len, why, why_len));
+}
+
 static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *ch, int special, Tokens *t)
 {
     if (ch) {
+        ch->special = special;
         chat_open(ch, m, t);
         chat_user_turn(ch, m, t, text, len);
     } else {
@@ -2748,6 +2799,33 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
     return (size_t)ctx * longest;
 }
 
+/* A refused chat message (line: its text, freed) gets an empty answer,
+   which keeps answers and messages line for line. */
+static void refuse_message(char *line)
+{
+    free(line);
+    fputc('\n', stdout);
+    check_stdout();
+}
+
+/* After a message did not fit: when not even an empty one would (the
+   opening's n_open tokens, an empty user turn and the assistant's opening,
+   with the system text when the template folds it into the message, and
+   the answer's room), every message would be refused, so the chat ends
+   with an error, as -c does with such a system prompt. */
+static void check_room_for_a_message(const Chat *ch, const Model *m, int n_open, int reserve, int seq_len)
+{
+    Chat c = *ch;
+    Tokens t = {0};
+    chat_user_turn(&c, m, &t, "", 0);
+    int least = n_open + t.n;
+    free(t.ids);
+    if (least + reserve > seq_len)
+        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
+            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
+            least + reserve, seq_len);
+}
+
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
@@ -2757,6 +2835,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
     build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
+    ch.special = o->special;
     Tokens conv = {0};
     chat_open(&ch, m, &conv);
     int n_open = conv.n, pos = 0, tty = isatty(STDIN_FILENO), turn = 0;
@@ -2767,25 +2846,32 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     sa.sa_handler = on_sigint;
     sigaction(SIGINT, &sa, NULL);
     int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
+    char why[ERR_BYTES];
+    if (has_untokenizable_byte(m, "the system prompt", ch.system, ch.system_len, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
     while (1) {
         if (tty) fputs("> ", stderr);
         char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
         if (!line) break;
         while (len && line[len - 1] == '\r') line[--len] = 0;
         if (!len) { free(line); continue; }
+        if (has_untokenizable_byte(m, "message refused: it", line, len, why, sizeof why)) {
+            fprintf(stderr, "run: %s\n", why);
+            refuse_message(line);
+            continue;
+        }
         int before = conv.n, system_pending = ch.system_pending;
         push(&exch, conv.n);
         chat_user_turn(&ch, m, &conv, line, len);
         free(line);
         if (!chat_fit(&conv, &pos, &exch, n_open, reserve, s->seq_len)) {
             int msg = conv.n - before;
-            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
-                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             conv.n = before;
             exch.n--;
             ch.system_pending = system_pending;
-            fputc('\n', stdout); /* an empty answer keeps answers and messages line for line */
-            check_stdout();
+            check_room_for_a_message(&ch, m, n_open, reserve, s->seq_len);
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
+            refuse_message(NULL);
             continue;
         }
         pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
@@ -2837,7 +2923,7 @@ typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
     const char *prompt_cache; /* --prompt-cache FILE */
     int prompt_cache_ro;      /* --prompt-cache-ro */
-    int threads, ctx, special, tokenize, seed_set, chat_wrap, kv_type, probe;
+    int threads, ctx, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
@@ -2957,7 +3043,7 @@ int main(int argc, char **argv)
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (batch) {
-        a.batch.chat = a.chat_wrap, a.batch.special = a.special;
+        a.batch.chat = a.chat_wrap, a.batch.special = a.gen.special;
         status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
     }
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
@@ -4598,10 +4684,14 @@ static void json_put_string(Buf *b, const char *s, size_t n)
 }
 
 /* A finite double as a JSON number that reads back as the same double:
-   integers below 2^53 as plain digits, anything else with %.17g. */
+   integers below 2^53 as plain digits, anything else with %.17g. A
+   non-finite one (which the sampling parameters' ranges are chosen to
+   prevent) is null: JSON has no inf or NaN, and a record must stay valid
+   JSON whatever it holds. */
 static void json_put_number(Buf *b, double x)
 {
-    if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
+    if (!isfinite(x)) buf_put(b, "null", 4);
+    else if (x == floor(x) && fabs(x) < JSON_EXACT_INT) buf_printf(b, "%.0f", x);
     else buf_printf(b, "%.17g", x);
 }
 
@@ -6193,16 +6283,19 @@ static int compile_schema(const SchemaCtx *cx, const Json *v, const char *path, 
 }
 
 /* --json-schema FILE: reads and compiles the schema in FILE into g;
-   returns its node. Every problem is a usage error naming the file. */
+   returns its node. A FILE that cannot be opened or read is a runtime
+   error, as for every file a flag names (the model's, --ppl's,
+   --batch's); what the schema says is the flag's value, and a problem
+   there is a usage error naming the file. */
 static int compile_schema_file(JsonGrammar *g, const char *path)
 {
     FILE *f = fopen(path, "rb");
-    if (!f) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(errno));
+    if (!f) die(EXIT_RUNTIME, "--json-schema %s: %s", path, strerror(errno));
     char *text = xmalloc(SCHEMA_MAX_BYTES + 1);
     size_t len = fread(text, 1, SCHEMA_MAX_BYTES + 1, f);
     int failed = ferror(f), e = errno;
     fclose(f);
-    if (failed) die(EXIT_USAGE, "--json-schema %s: %s", path, strerror(e ? e : EIO));
+    if (failed) die(EXIT_RUNTIME, "--json-schema %s: %s", path, strerror(e ? e : EIO));
     if (len > SCHEMA_MAX_BYTES) die(EXIT_USAGE, "--json-schema %s: longer than %u bytes", path, SCHEMA_MAX_BYTES);
     Json v;
     char err[MSG_BYTES];
@@ -7507,7 +7600,7 @@ typedef struct {
 static const SamplingField SAMPLING_FIELDS[] = {
     {"t", offsetof(Sampler, temperature), 0, TEMP_MAX, 0, 0},
     {"min_p", offsetof(Sampler, min_p), 0, 1, 0, 0},
-    {"repeat_penalty", offsetof(Sampler, repeat), 0, PENALTY_MAX, 1, 0},
+    {"repeat_penalty", offsetof(Sampler, repeat), REPEAT_PENALTY_MIN, PENALTY_MAX, 0, 0},
     {"repeat_last_n", offsetof(Sampler, repeat_last_n), 0, MAX_SEQ, 0, 1},
     {"presence_penalty", offsetof(Sampler, presence), 0, PENALTY_MAX, 0, 0},
     {"frequency_penalty", offsetof(Sampler, frequency), 0, PENALTY_MAX, 0, 0},
@@ -7641,13 +7734,16 @@ static void read_request(Batch *b, int wait)
         if (!problem) problem = answer_grammar(b, q, json, schema, why, sizeof why);
         if (!problem && !text_len) problem = "the prompt is empty";
         if (!problem && chat) problem = b->no_chat;
+        if (!problem && !chat && system != b->o->system) /* the line's own "system" would be ignored */
+            problem = "\"system\" applies only to chat lines: add \"chat\": true (or run with -c)";
         if (!problem) {
             Chat ch;
             if (chat) build_chat(&ch, b->m, system, system_len);
-            tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
+            if (prompt_text_problem(b->m, text, text_len, chat ? &ch : NULL, why, sizeof why)) problem = why;
+            else tokenize_prompt(b->m, text, text_len, chat ? &ch : NULL, b->special, &q->toks);
             q->n_prompt = q->toks.n;
-            if (!q->n_prompt) problem = "the prompt's bytes have no token in this model's vocabulary";
-            else if (q->n_prompt > b->s->seq_len)
+            if (!problem && !q->n_prompt) problem = "the prompt tokenizes to no token"; /* a sequence needs one to start */
+            else if (!problem && q->n_prompt > b->s->seq_len)
                 snprintf(why, sizeof why, "the prompt has %d tokens but the context holds %d", q->n_prompt, b->s->seq_len),
                     problem = why;
         }
@@ -8140,35 +8236,39 @@ static void usage(FILE *f)
         "errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
-        "  -i PROMPT      prompt text (an empty prompt, or one whose bytes have no token\n"
-        "                 in the vocabulary, is an error)\n"
+        "  -i PROMPT      prompt text (an empty prompt is an error; so is a byte that no\n"
+        "                 token of the vocabulary holds, in any prompt text: -i, stdin,\n"
+        "                 -y, chat messages, batch lines; --tokenize too)\n"
         "  -n N           tokens to generate, >= 0 (default 256; stops earlier at the\n"
         "                 end-of-turn token or the end of the context)\n"
-        "  -t TEMP        temperature, >= 0; 0 = greedy (default 0.8)\n"
+        "  -t TEMP        temperature, in [0, 100]; 0 = greedy (default 0.8)\n"
         "  -p TOPP        top-p nucleus, in (0, 1] (default 0.95)\n"
         "  -k TOPK        top-k, >= 0; 0 = off (default 40)\n"
         "  --min-p P      keep the tokens whose probability is at least P x the most\n"
         "                 likely one's, P in [0, 1] (default 0: off)\n"
         "  --repeat-penalty R  each token among the last N of the context (the\n"
         "                 prompt's included) has its logit divided by R (multiplied\n"
-        "                 when it is not positive), R > 0 (default 1: off)\n"
+        "                 when it is not positive), R in [0.01, 100] (default 1: off)\n"
         "  --repeat-last-n N  the penalties' window, N >= 0; 0 = no penalties (default 64)\n"
         "  --presence-penalty X  lowers the logit of each token in that window by X,\n"
-        "                 X >= 0 (default 0)\n"
-        "  --frequency-penalty X  ... and by X times its count there, X >= 0 (default 0)\n"
+        "                 X in [0, 100] (default 0)\n"
+        "  --frequency-penalty X  ... and by X times its count there, X in [0, 100]\n"
+        "                 (default 0)\n"
         "                 The chain: penalties, then -t, then -k, -p and --min-p\n"
         "                 (README \"Sampling\")\n"
         "  -s SEED        random seed, >= 0 (default: from the clock)\n"
         "  -c             wrap the prompt in the model's chat template (one user turn)\n"
         "  -m MODE        generate (default) or chat\n"
-        "  -y TEXT        system prompt for -c and chat (default: the template's own)\n"
+        "  -y TEXT        system prompt for -c, chat and batch chat lines (default: the\n"
+        "                 template's own; without any of them a usage error)\n"
         "  --stop STR     end the text (each chat answer) just before the first\n"
         "                 occurrence of STR, which is not printed; repeatable, up to\n"
         "                 %d strings of at most %d bytes; escapes \\n, \\t, \\\\ (any\n"
         "                 other backslash is an error). Text that could begin a stop\n"
         "                 string is held back until it cannot\n"
-        "  --special      parse control-token texts such as <|im_start|> in the prompt\n"
-        "                 (by default they are plain text and cannot inject tokens)\n"
+        "  --special      parse control-token texts such as <|im_start|> in the prompt,\n"
+        "                 with -c and -y, in chat messages and batch lines too (by\n"
+        "                 default they are plain text and cannot inject tokens)\n"
         "  --logprobs N   stdout becomes JSON Lines, one record per generated token:\n"
         "                 {\"id\", \"text\", \"logprob\", \"top\": [{\"id\", \"text\", \"logprob\"},\n"
         "                 ...]}, top the N (0-20) most likely tokens. Log-probabilities\n"
@@ -8197,8 +8297,9 @@ static void usage(FILE *f)
         "overflow the context, the oldest exchanges are dropped (the system turn is\n"
         "kept) until it fills at most half the context, and the rest is prefilled\n"
         "again. A message too long to fit alone is refused (stderr) and answered with\n"
-        "an empty line; a line longer than the context could ever hold, or a read\n"
-        "error, ends the chat with an error.\n"
+        "an empty line; a system prompt (-y) that leaves no room for any message, a\n"
+        "line longer than the context could ever hold, or a read error, ends the chat\n"
+        "with an error (exit 1).\n"
         "Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D exits.\n"
         "\n"
         "Engine\n"
@@ -8266,8 +8367,9 @@ static void usage(FILE *f)
         "  -h, --help     this help; --version prints the version\n"
         "\n"
         "Exit status: 0 success (also when the reader of stdout goes away early),\n"
-        "1 runtime error (unreadable or damaged model file, prompt longer than the\n"
-        "context, stdout or a file that cannot be written, ...), 2 usage error,\n"
+        "1 runtime error (damaged model file, prompt longer than the context, a\n"
+        "file that cannot be opened or read, for any flag that names one, or\n"
+        "cannot be written, ...), 2 usage error (a bad flag or flag value),\n"
         "130 interrupted at the chat prompt or in batch mode.\n", STOP_MAX, STOP_MAX_BYTES);
 }
 
@@ -8396,7 +8498,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
         else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
         else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
-        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, 0, PENALTY_MAX, 1);
+        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, REPEAT_PENALTY_MIN, PENALTY_MAX, 0);
         else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
         else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
         else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
@@ -8415,7 +8517,7 @@ static void parse_args(Args *a, int argc, char **argv)
         else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
         else if (!strcmp(f, "-c")) a->chat_wrap = 1;
         else if (!strcmp(f, "-v")) a->gen.verbose = 1;
-        else if (!strcmp(f, "--special")) a->special = 1;
+        else if (!strcmp(f, "--special")) a->gen.special = 1;
         else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
         else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
         else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
@@ -8460,6 +8562,7 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->batch.path && a->tokenize, "--batch", "--tokenize"},
         {a->batch.parallel && !a->batch.path, "--parallel", "no --batch"},
         {a->batch.kv_mb && !a->batch.path, "--kv-mem", "no --batch"},
+        {a->gen.system && !a->chat_wrap && !chat && !a->batch.path, "-y", "no -c, -m chat or --batch"},
         {a->gen.logprobs >= 0 && a->ppl, "--logprobs", "--ppl"},
         {a->gen.logprobs >= 0 && a->dump_logits, "--logprobs", "--dump-logits"},
         {a->gen.logprobs >= 0 && a->tokenize, "--logprobs", "--tokenize"},
@@ -8516,7 +8619,9 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     if (!len && a->chat_wrap) die(EXIT_RUNTIME, "the prompt is empty");
     Chat ch;
     if (a->chat_wrap) build_chat(&ch, m, a->gen.system, a->gen.system ? strlen(a->gen.system) : 0);
-    tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->special, t);
+    char why[ERR_BYTES];
+    if (prompt_text_problem(m, text, len, a->chat_wrap ? &ch : NULL, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
+    tokenize_prompt(m, text, len, a->chat_wrap ? &ch : NULL, a->gen.special, t);
     free(text);
     return len;
 }

@@ -645,3 +645,23 @@ def test_one_json_line_takes_a_bounded_multiple_of_its_bytes():
     assert rise < 20 * big.stat().st_size, f"peak RSS rose by {rise / big.stat().st_size:.1f} bytes per byte of the line"
     print(f"a {big.stat().st_size / 1e6:.1f} MB line raised peak RSS by {rise / 1e6:.1f} MB "
           f"({rise / big.stat().st_size:.1f} bytes per byte)")
+
+
+def test_system_without_chat_and_y_without_a_template_are_errors():
+    """Issue 35: options that were silently ignored say so. A batch line's "system" without "chat": true (nor -c)
+    gets an error record naming the field, the other lines run; `-y` without -c, -m chat or --batch is a usage
+    error naming it."""
+    lines = ['{"prompt": "hi", "system": "Be brief.", "n": 1}', '{"system": "Be brief.", "prompt": "hi", "chat": false, "n": 1}',
+             '{"prompt": "hi", "system": "Be brief.", "chat": true, "n": 1}', "hello"]
+    p = run([model(), "--batch", "-", "-t", "0", "-n", "1"], stdin=("\n".join(lines) + "\n").encode())
+    recs = [json.loads(x) for x in p.stdout.decode().splitlines()]
+    assert p.returncode == 1 and len(recs) == 4, f"exit {p.returncode}: {recs}"
+    for r in recs[:2]:
+        assert '"system"' in r.get("error", "") and "chat" in r["error"], r
+    assert "text" in recs[2] and "text" in recs[3], recs
+    p = run([model(), "-c", "--batch", "-", "-t", "0", "-n", "1"], stdin=(lines[0] + "\n").encode())
+    assert p.returncode == 0 and "text" in json.loads(p.stdout), "with -c every line is a chat line"
+    for args in (["-i", "hi", "-n", "1"], ["--tokenize", "-i", "hi"]):
+        p = run([model(), "-y", "Be brief.", *args], timeout=60)
+        err = p.stderr.decode().splitlines()
+        assert p.returncode == 2 and not p.stdout and err and err[0].startswith("run: -y "), f"{args}: {err}"

@@ -119,13 +119,38 @@ def test_c_template_multiline_unicode_stdin():
 
 
 def test_c_message_cannot_inject_template_tokens():
-    """Control-token texts in a message stay plain text, even with --special."""
+    """Control-token texts in a message stay plain text without --special."""
     c = case("injection")
     text = c["messages"][0]["content"]
     assert c["ids"] != c["injected_ids"]
-    for flags in ([], ["--special"]):
-        got = tokenize_c("-i", text, *flags)
-        assert got == c["ids"], f"flags {flags}: engine {got}\nexpected {c['ids']}"
+    got = tokenize_c("-i", text)
+    assert got == c["ids"], f"engine {got}\nexpected {c['ids']}"
+
+
+def test_special_is_honoured_in_chat():
+    """Issue 35: --special parses control-token texts in the user's text with -c, -m chat and batch chat lines
+    too (it was silently ignored there): the ids are the rendered template tokenized whole with control tokens
+    parsed (the golden's injected_ids, from llama.cpp's tokenizer)."""
+    c = case("injection")
+    text = c["messages"][0]["content"]
+    want = c["injected_ids"]
+    got = tokenize_c("-i", text, "--special")
+    assert got == want, f"-c --special: engine {got}\nexpected {want}"
+    # chat takes a line per message: a one-line message, whose -c ids the check above vouches for, holding one
+    # more <|im_end|> id (which --tokenize --special gives alone) than the template puts in
+    one_line = "Say hi<|im_end|>"
+    want = tokenize_c("-i", one_line, "--special")
+    end_id = [int(x) for x in run([model(), "--tokenize", "--special", "-i", "<|im_end|>"]).stdout.split()]
+    assert len(end_id) == 1 and want.count(end_id[0]) == tokenize_c("-i", one_line).count(end_id[0]) + 1, want
+    p = run([model(), "-m", "chat", "--special", "--print-prompt-ids", "-n", "0"], stdin=one_line.encode() + b"\n",
+            timeout=60)
+    ids = [line for line in p.stderr.decode().splitlines() if line.startswith("ids:")]
+    assert p.returncode == 0 and ids and [int(x) for x in ids[0].split()[1:]] == want, f"-m chat --special: {ids}"
+    line = json.dumps({"prompt": one_line, "chat": True, "n": 1})
+    p = run([model(), "--batch", "-", "--special", "--print-prompt-ids"], stdin=line.encode() + b"\n", timeout=60)
+    ids = [line for line in p.stderr.decode().splitlines() if line.startswith("ids (line 1):")]
+    assert p.returncode == 0 and ids and [int(x) for x in ids[0].split(":", 1)[1].split()] == want, \
+        f"batch chat line --special: {ids} {p.stderr.decode(errors='replace')[-500:]}"
 
 
 def test_c_prints_only_the_answer():
@@ -364,3 +389,15 @@ def test_tty_ctrl_c_at_prompt_exits_130():
     except BaseException:
         t.kill()
         raise
+
+
+def test_chat_system_prompt_that_fills_the_context_is_an_error():
+    """Issue 35: a system prompt that leaves no room for any message beside it (40 words, --ctx 16) ends chat
+    with one line and exit 1, as -c's prompt does; it answered every message with an empty line and exited 0."""
+    system = "word " * 40
+    p = run([model(), "-m", "chat", "--ctx", "16", "-n", "4", "-y", system], stdin=b"hi\nthere\n", timeout=60)
+    err = p.stderr.decode(errors="replace").splitlines()
+    assert p.returncode == 1 and p.stdout == b"", f"exit {p.returncode}, stdout {p.stdout!r}, {err}"
+    assert len(err) == 1 and err[0].startswith("run: ") and "system prompt" in err[0] and "16" in err[0], err
+    p = run([model(), "-c", "-i", "hi", "--ctx", "16", "-n", "4", "-y", system], timeout=60)
+    assert p.returncode == 1 and p.stdout == b"", f"-c: exit {p.returncode}"

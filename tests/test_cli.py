@@ -7,6 +7,7 @@ Expected values come from the issue's wording, the GGUF's own metadata
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -190,6 +191,62 @@ def test_runtime_errors_exit_1():
     assert p.returncode == 1 and p.stderr.startswith(b"run: ") and not p.stdout, text(p.stderr)
     p = run([model(), "-i", "hi " * 40, "--ctx", "8", "-n", "1"], timeout=60)
     assert p.returncode == 1 and b"context" in p.stderr, f"prompt longer than --ctx: {text(p.stderr)!r}"
+
+
+def test_files_that_cannot_be_read_exit_1():
+    """Issue 35: one rule for every flag that names a file: one that cannot be opened or read (missing, a
+    directory) is a runtime error, exit 1, one line naming it; so is an output that cannot be written.
+    `--json-schema /nonexistent` exited 2 while the others exited 1."""
+    m = model()
+    missing, folder = SCRATCH / "no-such-file", SCRATCH
+    cases = []
+    for path in (missing, folder):
+        cases += [([path, "-i", "hi"], str(path)),
+                  ([m, "--ppl", path], str(path)),
+                  ([m, "--batch", path], str(path)),
+                  ([m, "-i", "hi", "--json-schema", path], f"--json-schema {path}"),
+                  ([m, "-i", "hi", "-n", "1", "--prompt-cache", path, "--prompt-cache-ro"], str(path))]
+    cases.append(([m, "-i", "hi", "--dump-logits", missing / "logits.bin"], str(missing / "logits.bin")))
+    for args, words in cases:
+        p = run(args, timeout=60)
+        err = text(p.stderr).splitlines()
+        assert p.returncode == 1, f"{args[1:]}: exit {p.returncode}, {err}"
+        assert len(err) == 1 and err[0].startswith("run: ") and words in err[0] and not p.stdout, f"{args[1:]}: {err}"
+
+
+# SmolLM2's vocabulary holds no token for these byte values (test_tokenizer.SMOLLM2_UNCOVERED, checked there
+# against the model file's single-byte tokens)
+SMOLLM2_UNCOVERED = bytes([0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, *range(0xF5, 0x100)])
+
+
+def test_prompt_bytes_without_a_token_are_one_error_everywhere():
+    """Issue 35: a prompt byte with no token in the vocabulary is an error naming it, in every mode: --tokenize
+    (it printed an empty line, or the ids of the other bytes), generation, -c, -y, a chat message (refused with
+    an empty answer, the chat goes on) and a batch line (its error record). Every other byte value is taken."""
+    m = model()
+    for b in SMOLLM2_UNCOVERED:
+        p = run([m, "--tokenize"], stdin=b"a" + bytes([b]) + b"z")
+        err = text(p.stderr).splitlines()
+        assert p.returncode == 1 and not p.stdout and len(err) == 1 and f"byte 0x{b:02x} (at offset 1)" in err[0], \
+            f"0x{b:02x}: exit {p.returncode}, {p.stdout!r}, {err}"
+    covered = bytes(b for b in range(1, 256) if b not in SMOLLM2_UNCOVERED)
+    p = run([m, "--tokenize"], stdin=covered + b"z")
+    assert p.returncode == 0 and p.stdout.split() and not p.stderr, text(p.stderr)
+    bad = os.fsdecode(b"a\xffz")
+    for args, words in ((["-i", bad, "-n", "1"], "the prompt has a byte 0xff"),
+                        (["-c", "-i", bad, "-n", "1"], "the prompt has a byte 0xff"),
+                        (["-c", "-i", "hi", "-y", bad, "-n", "1"], "the system prompt has a byte 0xff")):
+        p = run([m, *args], timeout=60)
+        err = text(p.stderr).splitlines()
+        assert p.returncode == 1 and not p.stdout and len(err) == 1 and words in err[0], f"{args}: {err}"
+    p = run([m, "-m", "chat", "-t", "0", "-n", "2"], stdin=b"a\xffz\nhi\n", timeout=60)
+    err = text(p.stderr).splitlines()
+    answers = p.stdout.decode(errors="replace").split("\n")
+    assert p.returncode == 0 and answers[0] == "" and answers[1], f"chat: {answers}"
+    assert len(err) == 1 and "byte 0xff" in err[0], f"chat: {err}"
+    p = run([m, "--batch", "-", "-t", "0", "-n", "1"], stdin=b"a\xffz\nhi\n", timeout=60)
+    recs = [json.loads(x) for x in p.stdout.decode().splitlines()]
+    assert p.returncode == 1 and "byte 0xff" in recs[0].get("error", "") and "text" in recs[1], recs
 
 
 # ----- -v --------------------------------------------------------------------------------

@@ -376,7 +376,8 @@ def test_sampled_outputs_valid_gemma3() -> None:
 # ----- the command line -------------------------------------------------------------------------------------------
 
 def test_bad_schema_inputs() -> None:
-    """Each exit 2 with one line naming the problem."""
+    """Each exit 2 with one line naming the problem (a file that cannot be opened or read exits 1: issue 35's rule
+    for every file a flag names, test_cli.test_files_that_cannot_be_read_exit_1)."""
     bad = SCRATCH / "schema_bad"
     bad.mkdir(exist_ok=True)
     (bad / "list.json").write_text("[1, 2]")
@@ -385,8 +386,6 @@ def test_bad_schema_inputs() -> None:
     (bad / "broken.json").write_text('{"type": ')
     (bad / "bounds.json").write_text('{"minItems": 3, "maxItems": 2}')
     cases = [
-        (["--json-schema", bad / "missing.json"], "missing.json: No such file or directory"),
-        (["--json-schema", bad], "Is a directory"),
         (["--json-schema", bad / "list.json"], "list.json: the schema must be a JSON object"),
         (["--json-schema", bad / "minimum.json"], "minimum.json: $.properties.age.minimum: keyword not supported"),
         (["--json-schema", bad / "items.json"], 'items.json: $.items.properties["a b"].pattern: keyword not supported'),

@@ -13,9 +13,10 @@ verification passes are checked too: each of their rows must be penalized with i
 from __future__ import annotations
 
 import json
+import math
 import re
 
-from common import dumped_logits, exported, model, run
+from common import SCRATCH, dumped_logits, exported, model, run
 from sampling_ref import Chain, kept
 
 PROMPTS = ("The list of the numbers from one to twenty: one, two, three, four,",
@@ -216,8 +217,8 @@ def test_bad_sampling_values_are_usage_errors():
         assert lines and lines[0].startswith("run: ") and extra[0] in lines[0], f"{extra}: {lines}"
         assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("usage: ")), f"{extra}: {lines}"
     bad = [('"min_p": 2', '"min_p" must be a number in [0, 1]'),
-           ('"repeat_penalty": 0', '"repeat_penalty" must be a number in (0, 100]'),
-           ('"repeat_penalty": 1e-50', '"repeat_penalty" must be a number in (0, 100]'),
+           ('"repeat_penalty": 0', '"repeat_penalty" must be a number in [0.01, 100]'),
+           ('"repeat_penalty": 1e-50', '"repeat_penalty" must be a number in [0.01, 100]'),
            ('"repeat_last_n": -1', '"repeat_last_n" must be an integer in [0, 1048576]'),
            ('"repeat_last_n": 2.5', '"repeat_last_n" must be an integer'),
            ('"presence_penalty": "x"', '"presence_penalty" must be a number'),
@@ -229,3 +230,82 @@ def test_bad_sampling_values_are_usage_errors():
     assert len(recs) == len(bad) + 1 and "text" in recs[-1], recs[-1]
     for (field, words), r in zip(bad, recs):
         assert words in r.get("error", ""), f"{field}: {r}"
+
+
+# Issue 35: the extremes every numeric flag and batch field is run through.
+EXTREMES = ("0", "5e-324", "1e-38", "1e38", "-1e38", "inf", "-inf", "nan", "-0")
+NOT_JSON = ("inf", "-inf", "nan")   # no JSON number: such a batch line is refused as JSON, before its fields
+GEN_FLAGS = ("-n", "-t", "-p", "-k", "-s", "--min-p", "--repeat-penalty", "--repeat-last-n", "--presence-penalty",
+             "--frequency-penalty", "--logprobs", "--lookup", "--threads", "--ctx")
+BATCH_FIELDS = ("n", "t", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+                "logprobs", "id")
+REPEATS = "hello hello hello hello"   # repeated tokens in the penalties' window
+
+
+def finite_json(line: str, where: str):
+    """The line parsed as strict JSON (RFC 8259: no NaN/Infinity, no number beyond the double range)."""
+    def constant(c):
+        raise AssertionError(f"{where}: non-finite number {c} in {line[:200]!r}")
+
+    def number(text):
+        x = float(text)
+        assert math.isfinite(x), f"{where}: number {text} is not finite as a double in {line[:200]!r}"
+        return x
+    try:
+        return json.loads(line, parse_constant=constant, parse_float=number)
+    except ValueError as e:
+        raise AssertionError(f"{where}: not valid JSON ({e}): {line[:200]!r}") from None
+
+
+def check_flag_outcome(p, flag: str, where: str) -> None:
+    """Exit 0 with stdout of valid JSON records with finite numbers, or exit 2 with one line naming the flag."""
+    err = p.stderr.decode(errors="replace").splitlines()
+    if p.returncode == 2:
+        assert p.stdout == b"" and err and err[0].startswith("run: ") and flag in err[0], f"{where}: {err}"
+        assert len(err) == 1 or (len(err) == 2 and err[1].startswith("usage: ")), f"{where}: {err}"
+        return
+    assert p.returncode == 0 and not err, f"{where}: exit {p.returncode}, stderr {err}"
+    for line in p.stdout.decode().splitlines():
+        finite_json(line, where)
+
+
+def test_every_numeric_flag_at_its_extremes():
+    """Each numeric flag at 0, a double's denormal, 1e-38 (a float's), +-1e38, +-inf, nan and -0: either a run
+    whose --logprobs records (or batch records) are valid JSON with finite numbers, or exit 2 with one line
+    naming the flag. `--repeat-penalty 1e-38` printed "logprob":-nan (its penalized logits overflowed)."""
+    m = model()
+    dump = SCRATCH / "extremes.logits"
+    for flag in GEN_FLAGS + ("--exact-batch", "--parallel", "--kv-mem"):
+        for v in EXTREMES:
+            if flag == "--exact-batch":
+                p = run([m, "-i", "hi", "--dump-logits", dump, flag, v], timeout=60)
+            elif flag in ("--parallel", "--kv-mem"):
+                p = run([m, "--batch", "-", "-n", "2", flag, v], stdin=b"hi\n", timeout=60)
+            else:   # greedy (the full softmax is reported) and sampled
+                for t in ("0", "0.8"):
+                    p = run([m, "-i", REPEATS, "-n", "4", "-s", "1", "--logprobs", "2", "-t", t, flag, v], timeout=60)
+                    check_flag_outcome(p, flag, f"-t {t} {flag} {v}")
+                continue
+            check_flag_outcome(p, flag, f"{flag} {v}")
+    dump.unlink(missing_ok=True)
+
+
+def test_every_numeric_batch_field_at_its_extremes():
+    """The same extremes in each numeric batch field: a record whose numbers are all finite, or an error record
+    naming the field ("not valid JSON" for inf and nan, which JSON has no number for); one line never stops the
+    others. `"repeat_penalty": 1e-40` printed "logprob":-nan."""
+    m = model()
+    cases = [(f, v, t) for f in BATCH_FIELDS for v in EXTREMES + ("1e-40",) for t in (0, 0.8) if f != "t" or t]
+    lines = "".join('{"prompt": "%s", "n": 4, "logprobs": 2, "t": %s, "%s": %s}\n' % (REPEATS, t, f, v) if f != "t" else
+                    '{"prompt": "%s", "n": 4, "logprobs": 2, "t": %s}\n' % (REPEATS, v) for f, v, t in cases)
+    p = run([m, "--batch", "-", "-s", "1"], stdin=lines.encode(), timeout=300)
+    assert p.returncode == 1, f"exit {p.returncode}: {p.stderr.decode(errors='replace')[-2000:]}"
+    out = p.stdout.decode().splitlines()
+    assert len(out) == len(cases), f"{len(out)} records for {len(cases)} lines"
+    for (field, v, _), line in zip(cases, out):
+        r = finite_json(line, f'"{field}": {v}')
+        if "error" in r:
+            named = "not valid JSON" if v in NOT_JSON else f'"{field}"'
+            assert named in r["error"], f'"{field}": {v}: {r["error"]}'
+        else:
+            assert v not in NOT_JSON and "text" in r, f'"{field}": {v}: {r}'
