@@ -208,7 +208,7 @@ def sample_counts(temperature: str, lookup: str, runs: int = RUNS) -> tuple[list
     drafted = accepted = 0
     for seed in range(runs):
         p = run([concentrated_model(), "-i", "xyzzy", "-n", "8", "-t", temperature, "-k", "3", "-p", "1", "-s", str(seed),
-                 "--lookup", lookup, "--lookup-fixed", "-v", "--threads", "1"])
+                 "--lookup", lookup, "-v", "--threads", "1"])
         assert p.returncode == 0, p.stderr.decode(errors="replace")
         text = p.stdout.decode(errors="replace")
         assert len(text) == 8 and set(text) <= set(FAVOURITES), f"unexpected text {text!r}: the model is not as designed"
