@@ -1197,41 +1197,19 @@ static int plain_attention(void);
    3. FORWARD PASS
    ========================================================================= */
 
-typedef struct {
-    atomic_int arrived;
-    atomic_int phase;
-    atomic_long long_wait_us; /* time spent in waits that outlasted SPINS_BEFORE_YIELD, since adapt_team looked */
-} Barrier;
-
-static int min_i(int a, int b) { return a < b ? a : b; }
-static int max_i(int a, int b) { return a > b ? a : b; }
-
-/* Thread me's share [*lo, *hi) of n items, cut in whole units so that
-   every thread gets the same number of units, give or take one. */
-static void split(int n, int unit, int me, int nth, int *lo, int *hi)
-{
-    long units = (n + unit - 1) / unit;
-    *lo = min_i(n, (int)(units * me / nth) * unit);
-    *hi = min_i(n, (int)(units * (me + 1) / nth) * unit);
-}
-
-/* ----- the forward pass ----------------------------------------------------- */
-
 enum { ROPE_GLOBAL, ROPE_LOCAL, N_ROPE }; /* RoPE tables: global layers', local (sliding-window) layers' */
 
+/* Part II's share of a run: the thread pool's counters, attention's chunk
+   scratch and batch mode's page tables. The forward pass never looks inside. */
+typedef struct Machinery Machinery;
 typedef struct PageTable PageTable; /* batch mode's pages of a sequence (Part II) */
 
-/* Activations for one batch of up to CHUNK_TOKENS tokens, and the KV cache. */
+/* The state of a run: the activations of one pass of up to CHUNK_TOKENS
+   tokens (a prefill chunk, or one decode token), and the KV cache. */
 typedef struct {
-    int n_threads;  /* the full team */
-    int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
-    int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
-    int warm;       /* a forward pass has run: the mapped weights' pages are in the page tables */
-    int contended;  /* passes in a row that waited long */
-    Barrier bar;
+    const Config *c; /* the model's shape */
     int seq_len;    /* positions the KV cache holds */
     int kv_type;    /* a type with a kv_name (f32, f16, q8_0, q4_0) */
-    int scattered;  /* the pass's tokens are not consecutive positions of one sequence (decode_batch) */
     size_t kv_row;  /* bytes of one cached head_dim row */
     float *x;       /* [chunk, dim] residual stream */
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
@@ -1246,201 +1224,91 @@ typedef struct {
     int *kv_cap;    /* [n_layers] positions a layer's cache holds: seq_len, or for a local layer
                        a ring of window + CHUNK_TOKENS (a batch stores its rows before attending) */
     size_t *kv_off; /* [n_layers] the row where a layer's cache starts */
-    float *plain_scores; /* [n_threads, seq_len] attend_plain's scores, then weights */
-    float *partial; /* partial softmaxes (attend_in_chunks): one token at a time, [tokens, n_kv_heads,
-                       seq_len/ATT_CHUNK + 1, group, PARTIAL_HEAD + head_dim] per chunk, then
-                       [n_threads, group, ...] running ones; a tile of tokens, [n_threads, 2, ATT_QTILE * group, ...]:
-                       a running one and the chunk's per query */
-    float *vrow;    /* [n_threads, head_dim] a K or V row as floats (attend_plain) */
-    float *kblock;  /* [n_threads, ATT_KTILE, head_dim] a block of K as floats (caches of other types than f32, f16) */
-    float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
-    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] the queries of attend_chunk, gathered */
-    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] their scores, then weights */
-    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes]; paged: [page, layer, kv_head, PAGE_TOKENS, kv_row] */
+    uint8_t *key_cache;   /* [layer, kv_head, kv_cap[layer], kv_row bytes], read through cache_row */
     uint8_t *value_cache; /* the same for V */
     int *tok_pos;   /* [chunk] the position of each token of the pass */
-    const PageTable **tok_pages; /* [chunk] each token's sequence's KV pages, when paged */
-    int paged;      /* the cache is a pool of pages (batch mode), else one sequence's (kv_off, kv_cap) */
-    const Config *c; /* the model's shape */
     float *logits;  /* [chunk, vocab] */
+    Machinery *mx;  /* Part II's share (build_machinery) */
 } RunState;
 
-/* A thread's place in the team that runs a forward pass: thread me of
-   nth, and the barrier where they all wait for each other between steps. */
-typedef struct {
-    int me, nth;
-    Barrier *bar;
-} Team;
-
-/* Part II's entry points that the forward pass calls: the thread team,
-   attention in chunks (the fast form of attend_plain) and batch mode's
-   paged KV cache. */
-static int thread_id(void);
-static int thread_count(void);
-static void barrier(const Team *tm);
-static void adapt_team(RunState *s, double pass_ms);
-static void attend_in_chunks(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm);
-static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos);
-
-/* Where a matmul writes: token t's output row at p + t * stride, added to
-   what is there with accumulate (a residual connection), else stored. */
-typedef struct {
-    float *p;
-    int stride;
-    int accumulate;
-} Out;
-
 /* A matmul's input rows as its weights read them: floats, or int8 blocks
-   for integer weights. stride is in bytes. */
+   for integer weights (quantized once per matmul, then read by every
+   weight row). stride is in bytes. */
 typedef struct {
     const uint8_t *rows;
     size_t stride;
 } Act;
 
-/* The activation format W reads: its first part's, which all its parts share (join_parts). */
-static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
+/* Part II's side of the forward pass: the parallel-for below, the matmuls
+   (one call through the kernel table each, split over the threads inside),
+   a row converted into the form a matrix reads, attention in chunks (what
+   the SIMD sets run instead of attend) and batch mode's paged cache. */
+typedef struct {
+    int lo, hi, open;
+} Share;
+static Share share_begin(int n, int unit);
+static int share_end(void);
+static void forward_on_pool(const Model *m, RunState *s, const int *tokens, int n, int first_logit);
+static void matmul(float *out, const Matrix *w, Act in, int n);
+static void matmul_add(float *out, const Matrix *w, Act in, int n);
+static void matmul_rows(float *out, int stride, const Matrix *w, Act in, int n, int r0, int r1);
+static void to_input(const Matrix *w, uint8_t *q, const float *row, int t, int i0, int i1);
+static Act input_of(const Matrix *w, const float *f, int f_cols, const uint8_t *q);
+static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo);
+static float *thread_scratch(const RunState *s);
+static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos);
 
-/* W's input from float rows f ([n, f_cols]) or, when W reads another
-   activation format, from the same rows converted into q. */
-static Act act_for(const Matrix *w, const float *f, int f_cols, const uint8_t *q)
-{
-    int fmt = matrix_act(w);
-    if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
-    return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
-}
+/* PARALLEL_FOR(i, n, unit) { body } runs body for every i in [0, n), read
+   it as a plain for loop. A forward pass runs on every thread of the pool
+   at once (forward_on_pool), each executing the same function; each
+   thread runs the body for its own share of the i's (whole multiples of
+   unit), and at the end waits for the others, so the next step sees every
+   result. Which thread computes an i never changes its result. The body
+   must not break out or return. Without OpenMP there is one thread. */
+#define PARALLEL_FOR(i, n, unit) \
+    for (Share sh_ = share_begin(n, unit); sh_.open; sh_.open = share_end()) \
+        for (int i = sh_.lo; i < sh_.hi; i++)
 
-/* The usual input: s->xb and s->xq, rows packed W.cols apart. */
-static Act act_xb(const RunState *s, const Matrix *w) { return act_for(w, s->xb, w->cols, s->xq); }
-
-/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
-   n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
-   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
-   byte from memory once per batch and decode once per token. Every token
-   takes the same operations whatever the batch, so prefill, decode and
-   verification agree bit for bit. */
-static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
-{
-    PackedFn fn = packed_kernel(w->type);
-    size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
-    float v[PACK_TOKS * PACK_ROWS];
-    for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
-        int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        for (int t = 0; t < n_tok; t += PACK_TOKS) {
-            int toks = min_i(PACK_TOKS, n_tok - t);
-            fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
-            for (int j = 0; j < toks; j++) {
-                float *o = out.p + (size_t)(t + j) * out.stride + a;
-                const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
-                if (out.accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
-                else memcpy(o, vj, (b - a) * sizeof(float));
-            }
-        }
-    }
-}
-
-/* The same for matrix W: each part computes the rows of [r0, r1) that fall
-   in it, with its own type's kernels, into the output columns of those
-   rows (a part's row i is the matrix's row base + i). */
-static void matmul_rows(Out out, const Matrix *w, Act in, int n_tok, int r0, int r1)
-{
-    for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
-        int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
-        if (a < b) tensor_rows((Out){out.p + base, out.stride, out.accumulate}, &w->part[i], in, n_tok, a - base, b - base);
-    }
-}
-
-/* Thread me's share of a matmul over all of W's rows. */
-static void matmul_part(Out out, const Matrix *w, Act in, int n_tok, const Team *tm)
-{
-    int r0, r1;
-    split(w->rows, PACK_ROWS, tm->me, tm->nth, &r0, &r1);
-    matmul_rows(out, w, in, n_tok, r0, r1);
-}
-
-/* Quantizes rows [t0, t1) of s->xb ([n, cols]) into s->xq when W wants int8
-   activations: done once per matmul, then read by every weight row. */
-static void prepare_act(RunState *s, const Matrix *w, int t0, int t1)
-{
-    int fmt = matrix_act(w), cols = w->cols;
-    if (fmt == ACT_F32) return;
-    for (int t = t0; t < t1; t++) quantize_act(fmt, s->xq + t * act_bytes(fmt, cols), s->xb + (size_t)t * cols, cols);
-}
-
-/* Normalizes rows [t0, t1) of the residual stream s->x into s->xb, ready for W. */
-static void norm_rows(RunState *s, const Config *c, const Tensor *norm, const Matrix *w, int t0, int t1)
-{
-    int dim = c->dim;
-    for (int t = t0; t < t1; t++) rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)t * dim, norm->data, dim, c->norm_eps);
-    prepare_act(s, w, t0, t1);
-}
-
-/* Cached row of layer l, KV head h, position pos of the sequence that
-   token t of the pass belongs to. One sequence's cache is laid out
-   [layer][kv_head][pos][head_dim]: a head's positions are contiguous, so
-   attention streams them in order. A local layer keeps the last kv_cap
-   positions only, as a ring: position pos lives in slot pos % kv_cap. In
-   batch mode a slab holds one layer's [kv_head][PAGE_TOKENS][head_dim]:
-   runs of PAGE_TOKENS positions are still contiguous. */
+/* The cached K or V row (cache: s->key_cache or s->value_cache) of layer
+   l, KV head h, position pos of token t's sequence. One sequence's cache
+   is laid out [layer][kv_head][pos][head_dim]: a head's positions are
+   contiguous, so attention streams them in order. A local layer keeps the
+   last kv_cap positions only, as a ring: position pos lives in slot
+   pos % kv_cap. Batch mode keeps every sequence's rows in pages of
+   PAGE_TOKENS positions (paged_row, Part II). */
 static uint8_t *cache_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos)
 {
-    if (s->paged) return paged_row(s, cache, t, l, h, pos);
+    uint8_t *paged = paged_row(s, cache, t, l, h, pos);
+    if (paged) return paged;
     return cache + (s->kv_off[l] + (size_t)h * s->kv_cap[l] + pos % s->kv_cap[l]) * s->kv_row;
 }
 
-/* Stores one head_dim row of K or V at the cache's precision. */
-static void kv_store(const RunState *s, uint8_t *dst, const float *x, int n) { from_float(dst, x, s->kv_type, n); }
-
-/* The QKV step, thread me's share: Wqkv's rows (Q heads, then K heads,
-   then V heads) for some tokens, plus their biases (qkv_bias), RMSNorm of
-   each Q and K head (qk_norm), RoPE on the Q and K heads, and the K and V
-   rows stored in the cache at each token's position. A batch is split
-   by tokens, in whole register tiles so that no result depends on the
-   thread count: the rows split by heads would leave one thread a head
-   more than the other (15 heads for SmolLM2). One token is split by heads. */
-static void qkv_part(const Model *m, RunState *s, int l, int n, const Team *tm)
+/* RMSNorm of each of the n rows of x ([n, dim]) into xb, and xb in the
+   form W, the matrix it feeds, reads. */
+static Act rmsnorm_each(RunState *s, const float *x, const Tensor *norm, const Matrix *w, int n)
 {
-    const Config *c = &m->c;
-    const Matrix *w = &m->layers[l].wqkv;
-    int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads, h0 = 0, h1 = heads, t0 = 0, t1 = n;
-    Act in = act_xb(s, w);
-    int unit = PACK_TOKS;
-    if (!s->scattered && n >= tm->nth * unit) {
-        split(n, unit, tm->me, tm->nth, &t0, &t1);
-        in.rows += t0 * in.stride;
-    } else {
-        split(heads, 1, tm->me, tm->nth, &h0, &h1);
+    const Config *c = s->c;
+    PARALLEL_FOR(t, n, 1) {
+        float *row = s->xb + (size_t)t * c->dim;
+        rmsnorm(row, x + (size_t)t * c->dim, norm->data, c->dim, c->norm_eps);
+        to_input(w, s->xq, row, t, 0, c->dim);
     }
-    matmul_rows((Out){s->qkv + (size_t)t0 * w->rows, w->rows, 0}, w, in, t1 - t0, h0 * hd, h1 * hd);
-    const Layer *L = &m->layers[l];
-    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
-    for (int t = t0; t < t1; t++)
-        for (int h = h0; h < h1; h++) {
-            float *x = s->qkv + (size_t)t * w->rows + h * hd;
-            int kv = h - c->n_heads; /* K heads: 0..n_kv-1, V heads: n_kv.. */
-            if (c->qkv_bias)
-                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
-            if (c->qk_norm && kv < c->n_kv_heads) rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
-            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
-            int pos = s->tok_pos[t];
-            if (kv >= 0 && kv < c->n_kv_heads) kv_store(s, cache_row(s, s->key_cache, t, l, kv, pos), x, hd);
-            if (kv >= c->n_kv_heads) kv_store(s, cache_row(s, s->value_cache, t, l, kv - c->n_kv_heads, pos), x, hd);
-        }
+    return input_of(w, s->xb, c->dim, s->xq);
 }
 
-/* Attention as its definition states it: for one query head of token t,
-   the three plain loops over the cached positions it sees (its own and
-   the ones before it; on a local layer the last `window` only): scores
+/* Attention as its definition states it: for query head h of token t, the
+   three plain loops over the cached positions it sees (its own and the
+   ones before it; on a local layer the last `window` only): scores
    q . k_j * scale, their softmax, and the weighted sum of the values.
-   The scalar set computes attention this way in every path; the other
-   sets compute the same sum in chunks (attend_chunk below), which the
-   kernel tests hold to this. out gets head_dim values. */
-static void attend_plain(const RunState *s, int l, int t, int h, float *out, int me)
+   scratch holds seq_len scores and a head_dim row. out gets head_dim
+   values. */
+static void attend(const RunState *s, int l, int t, int h, float *out, float *scratch)
 {
     const Config *c = s->c;
     int hd = c->head_dim, g = h / (c->n_heads / c->n_kv_heads), pos = s->tok_pos[t];
-    int lo = is_local(c, l) ? max_i(0, pos - c->window + 1) : 0, n = pos + 1 - lo;
+    int lo = is_local(c, l) && pos >= c->window ? pos - c->window + 1 : 0, n = pos + 1 - lo;
     const float *q = s->qkv + (size_t)t * (c->n_heads + 2 * c->n_kv_heads) * hd + (size_t)h * hd;
-    float *sc = s->plain_scores + (size_t)me * s->seq_len, *row = s->vrow + (size_t)me * hd;
+    float *sc = scratch, *row = scratch + s->seq_len;
     for (int j = 0; j < n; j++) { /* 1: scores */
         to_float(row, cache_row(s, s->key_cache, t, l, g, lo + j), s->kv_type, hd);
         float dot = 0;
@@ -1455,186 +1323,140 @@ static void attend_plain(const RunState *s, int l, int t, int h, float *out, int
     }
 }
 
-/* The attention step of a layer for the pass's n tokens, thread me's
-   share: with the scalar set, attend_plain per (token, query head), the
-   outputs then converted for Wo (fmt); with any other set, attention in
-   chunks of the cache (attend_in_chunks, Part II), which computes the same
-   function faster. */
-static void attention_part(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm)
+/* Layer l's attention for the pass's n tokens, every query head of every
+   token, into xb ([n, q_dim]) in the form Wo reads. The scalar set runs
+   attend itself; the others compute the same sums in chunks of the cache
+   (attend_in_chunks, Part II), which tests/test_kernels.c holds to attend. */
+static Act attention(RunState *s, int l, int n, const Matrix *wo)
 {
-    if (!plain_attention()) {
-        attend_in_chunks(s, c, l, n, fmt, tm);
+    const Config *c = s->c;
+    int hd = c->head_dim, q_dim = c->n_heads * hd;
+    if (!plain_attention()) return attend_in_chunks(s, l, n, wo);
+    PARALLEL_FOR(job, n * c->n_heads, 1) {
+        int t = job / c->n_heads, h = job % c->n_heads;
+        attend(s, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, thread_scratch(s));
+    }
+    PARALLEL_FOR(t, n, 1) to_input(wo, s->xq, s->xb + (size_t)t * q_dim, t, 0, q_dim);
+    return input_of(wo, s->xb, q_dim, s->xq);
+}
+
+/* The feed-forward's first half: gate and up rows of W13 (one matrix, the
+   two halves stacked) for the input in, then act(gate) * up written over
+   the gate half, act SiLU (SwiGLU) or GELU (GeGLU), in the form W2 reads.
+   The hidden units go a whole block of W2's activation format at a time:
+   whoever computes a block converts it, with no wait between the steps. */
+static Act glu_each(RunState *s, const Layer *L, Act in, int n)
+{
+    const Config *c = s->c;
+    int hid = c->hidden_dim, unit = ACT_FORMATS[act_format(L->w2.part[0].type)].block;
+    unit = unit > QK ? unit : QK;
+    PARALLEL_FOR(b, (hid + unit - 1) / unit, 1) {
+        int i0 = b * unit, i1 = i0 + unit < hid ? i0 + unit : hid;
+        matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1);
+        matmul_rows(s->hb, 2 * hid, &L->w13, in, n, hid + i0, hid + i1);
+        for (int t = 0; t < n; t++) {
+            float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
+            if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
+            else swiglu(gate + i0, up + i0, i1 - i0);
+            to_input(&L->w2, s->hq, gate, t, i0, i1);
+        }
+    }
+    return input_of(&L->w2, s->hb, 2 * hid, s->hq);
+}
+
+/* A block's output, W . in, added to the residual stream x; with
+   post_norms (Gemma 3) RMSNormed first. */
+static void residual(RunState *s, const Matrix *w, Act in, const Tensor *post_norm, int n)
+{
+    const Config *c = s->c;
+    if (!c->post_norms) {
+        matmul_add(s->x, w, in, n);
         return;
     }
-    int me = tm->me, nth = tm->nth;
-    int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, q_dim = c->n_heads * hd;
-    for (int job = me; job < n * c->n_heads; job += nth) {
-        int t = job / c->n_heads, h = job % c->n_heads;
-        attend_plain(s, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, me);
-    }
-    barrier(tm);
-    for (int job = me; job < n * c->n_kv_heads && fmt != ACT_F32; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
-        quantize_act(fmt, s->xq + t * act_bytes(fmt, q_dim) + act_bytes(fmt, g * group * hd), s->xb + (size_t)t * q_dim + g * group * hd, group * hd);
-    }
-}
-
-/* The feed-forward's first half for hidden units [i0, i1), i0 a multiple
-   of W2's activation block: the gate and up rows of those units (one matrix W13, the two
-   halves stacked), then, as the epilogue of the same step, SwiGLU
-   silu(gate) * up written over the gate half and quantized for W2. A
-   thread owns whole int8 blocks of the result, so no barrier separates
-   the matmul, the activation and the quantization. */
-static void ffn_up_part(RunState *s, const Config *c, const Layer *L, int n, int i0, int i1)
-{
-    int fmt = matrix_act(&L->w2), hid = c->hidden_dim;
-    Act in = act_xb(s, &L->w13);
-    Out hb = {s->hb, 2 * hid, 0};
-    matmul_rows(hb, &L->w13, in, n, i0, i1);
-    matmul_rows(hb, &L->w13, in, n, hid + i0, hid + i1);
-    for (int t = 0; t < n && i0 < i1; t++) {
-        float *gate = s->hb + (size_t)t * 2 * hid, *up = gate + hid;
-        if (c->gate == GATE_GELU) geglu(gate + i0, up + i0, i1 - i0);
-        else swiglu(gate + i0, up + i0, i1 - i0);
-        if (fmt != ACT_F32) quantize_act(fmt, s->hq + t * act_bytes(fmt, hid) + act_bytes(fmt, i0), gate + i0, i1 - i0);
-    }
-}
-
-/* Where a block's output goes: added to the residual stream x, or with
-   post_norms into s->xo, for post_norm to norm and add. */
-static Out residual(RunState *s, const Config *c)
-{
-    return c->post_norms ? (Out){s->xo, c->dim, 0} : (Out){s->x, c->dim, 1};
-}
-
-/* With post_norms, x += RMSNorm(out) * post for the tokens [t0, t1) of
-   this thread (the norm needs whole output rows: the matmul wrote s->xo
-   and the team met at a barrier); then the team meets again. */
-static void post_norm(RunState *s, const Config *c, const Tensor *post, int t0, int t1, const Team *tm)
-{
-    if (!c->post_norms) return;
-    for (int t = t0; t < t1; t++) {
+    matmul(s->xo, w, in, n);
+    PARALLEL_FOR(t, n, 1) {
         float *o = s->xo + (size_t)t * c->dim, *x = s->x + (size_t)t * c->dim;
-        rmsnorm(o, o, post->data, c->dim, c->norm_eps);
+        rmsnorm(o, o, post_norm->data, c->dim, c->norm_eps);
         for (int i = 0; i < c->dim; i++) x[i] += o[i];
     }
-    barrier(tm);
 }
 
-/* One transformer block for n tokens, run by every thread of the team. */
-static void layer_forward(const Model *m, RunState *s, int l, int n, const Team *tm)
+/* The forward pass: the n (<= CHUNK_TOKENS) tokens at positions
+   s->tok_pos through every layer, appending their K and V to the cache,
+   then the output head for the tokens [first_logit, n) into s->logits
+   rows 0.. (none when first_logit == n). The same function runs a prefill
+   chunk and one decode token. Every thread of the pool runs it
+   (forward_on_pool); each PARALLEL_FOR step shares its work among them. */
+static void forward(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
 {
     const Config *c = &m->c;
-    const Layer *L = &m->layers[l];
-    int hid = c->hidden_dim, group = c->n_heads / c->n_kv_heads, t0, t1, i0, i1;
-    /* attention converts its output for Wo itself when its slices are whole blocks */
-    int wo_fmt = matrix_act(&L->wo), att_fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
-    split(n, 1, tm->me, tm->nth, &t0, &t1);
-    /* attention block: x += Wo . attention(q, k, v), with q|k|v = Wqkv . norm(x) (+ bias),
-       q and k RMSNormed per head (qk_norm) and rotated by RoPE; Wo's output post-normed (post_norms) */
-    norm_rows(s, c, &L->attn_norm, &L->wqkv, t0, t1);
-    barrier(tm);
-    qkv_part(m, s, l, n, tm);
-    barrier(tm);
-    attention_part(s, c, l, n, att_fmt, tm);
-    barrier(tm);
-    if (att_fmt != wo_fmt) {
-        prepare_act(s, &L->wo, t0, t1);
-        barrier(tm);
-    }
-    matmul_part(residual(s, c), &L->wo, act_xb(s, &L->wo), n, tm);
-    barrier(tm);
-    post_norm(s, c, &L->post_attn_norm, t0, t1, tm);
-    /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = norm(x), act SiLU or
-       GELU; W2's output post-normed (post_norms) */
-    norm_rows(s, c, &L->ffn_norm, &L->w13, t0, t1);
-    barrier(tm);
-    /* whole blocks of W2's activations per thread, so the gate's epilogue can convert them */
-    split(hid, max_i(QK, ACT_FORMATS[matrix_act(&L->w2)].block), tm->me, tm->nth, &i0, &i1);
-    ffn_up_part(s, c, L, n, i0, i1);
-    barrier(tm);
-    matmul_part(residual(s, c), &L->w2, act_for(&L->w2, s->hb, 2 * hid, s->hq), n, tm);
-    barrier(tm);
-    post_norm(s, c, &L->post_ffn_norm, t0, t1, tm);
-}
-
-/* The embedding step for the batch's tokens [t0, t1): each token id
-   selects its row of the embedding table, which starts the residual
-   stream (scaled by embed_scale). Positions enter later, through RoPE on
-   the queries and keys: here each position's rotation angles
-   pos * theta^(-2i/rope_dim) are computed once for every layer (for each
-   RoPE base the model's layers use). */
-static void embed(const Model *m, RunState *s, const int *tokens, int t0, int t1)
-{
-    const Config *c = &m->c;
-    int dim = c->dim, half = c->rope_dim / 2, kinds = c->window ? N_ROPE : ROPE_GLOBAL + 1;
-    for (int t = t0; t < t1; t++) {
+    int dim = c->dim, hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads;
+    /* embedding: each token id selects its row of the table, which starts
+       the residual stream. Positions enter through RoPE on the queries and
+       keys: each position's angles pos * theta^(-2i/rope_dim) are computed
+       once here for every layer, for each RoPE base the layers use. */
+    PARALLEL_FOR(t, n, 1) {
         float *x = s->x + (size_t)t * dim;
         tensor_row_to_float(x, &m->tok_embeddings, tokens[t]);
         if (c->embed_scale != 1)
             for (int i = 0; i < dim; i++) x[i] *= c->embed_scale;
-        for (int k = 0; k < kinds; k++)
+        for (int k = 0; k < (c->window ? N_ROPE : ROPE_GLOBAL + 1); k++)
             for (int i = 0; i < half; i++) {
                 double angle = (double)s->tok_pos[t] * s->inv_freq[k][i];
                 s->rope_cos[k][t * half + i] = (float)cos(angle);
                 s->rope_sin[k][t * half + i] = (float)sin(angle);
             }
     }
-}
-
-/* Runs the pass's n (<= CHUNK_TOKENS) tokens, placed by the caller in
-   s->tok_pos (and s->tok_pages when paged), through every layer, appending
-   their K and V to the cache, then the output head for the rows
-   [first_logit, n) into s->logits rows 0.. (none when first_logit == n). */
-static void forward_pass(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
-{
-    const Config *c = &m->c;
-    int dim = c->dim;
-    double t0 = now_ms();
-    #pragma omp parallel num_threads(s->team)
-    {
-        Team team = {thread_id(), thread_count(), &s->bar}, *tm = &team;
-        int t0, t1;
-        split(n, 1, tm->me, tm->nth, &t0, &t1);
-        embed(m, s, tokens, t0, t1);
-        barrier(tm);
-        for (int l = 0; l < c->n_layers; l++) layer_forward(m, s, l, n, tm);
-        if (first_logit < n) {
-            /* only the rows that need logits are normed, packed from xb row 0 */
-            split(n - first_logit, 1, tm->me, tm->nth, &t0, &t1);
-            for (int t = t0; t < t1; t++)
-                rmsnorm(s->xb + (size_t)t * dim, s->x + (size_t)(first_logit + t) * dim, m->norm.data, dim, c->norm_eps);
-            prepare_act(s, &m->output, t0, t1);
-            barrier(tm);
-            matmul_part((Out){s->logits, m->output.rows, 0}, &m->output, act_xb(s, &m->output), n - first_logit, tm);
+    for (int l = 0; l < c->n_layers; l++) {
+        const Layer *L = &m->layers[l];
+        int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
+        /* attention block: x += Wo . attention(q, k, v), q|k|v = Wqkv . RMSNorm(x) */
+        Act in = rmsnorm_each(s, s->x, &L->attn_norm, &L->wqkv, n);
+        matmul(s->qkv, &L->wqkv, in, n);
+        PARALLEL_FOR(job, n * heads, 1) { /* each Q, K and V head of each token */
+            int t = job / heads, h = job % heads, kv = h - c->n_heads; /* K heads: kv 0..n_kv-1, V heads: n_kv.. */
+            float *x = s->qkv + (size_t)t * heads * hd + (size_t)h * hd;
+            if (c->qkv_bias) /* Qwen 2 */
+                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
+            if (c->qk_norm && kv < c->n_kv_heads) /* Qwen 3, Gemma 3: RMSNorm of each Q and K head */
+                rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
+            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
+            if (kv >= 0) /* K and V go into the cache at the token's position */
+                from_float(cache_row(s, kv < c->n_kv_heads ? s->key_cache : s->value_cache, t, l, kv % c->n_kv_heads, s->tok_pos[t]),
+                           x, s->kv_type, hd);
         }
+        in = attention(s, l, n, &L->wo);
+        residual(s, &L->wo, in, &L->post_attn_norm, n);
+        /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = RMSNorm(x) */
+        in = rmsnorm_each(s, s->x, &L->ffn_norm, &L->w13, n);
+        in = glu_each(s, L, in, n);
+        residual(s, &L->w2, in, &L->post_ffn_norm, n);
     }
-    adapt_team(s, now_ms() - t0);
+    if (first_logit < n) { /* the output head: final norm, then logits = Wout . x */
+        Act in = rmsnorm_each(s, s->x + (size_t)first_logit * dim, &m->norm, &m->output, n - first_logit);
+        matmul(s->logits, &m->output, in, n - first_logit);
+    }
 }
 
-/* n tokens at positions pos0.. of one sequence: the single cache (pt
-   NULL) or the pages of pt. */
-static void forward_chunk(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
+/* n tokens at positions pos0.. of the one sequence in the cache. */
+static void forward_at(const Model *m, RunState *s, const int *tokens, int n, int pos0, int first_logit)
 {
-    s->paged = 0;
     for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t;
-    forward_pass(m, s, tokens, n, first_logit);
+    forward_on_pool(m, s, tokens, n, first_logit);
 }
 
 /* Prefill: the prompt goes through the layers CHUNK_TOKENS at a time as a
-   batch, filling the KV cache (pt's pages in batch mode) from position
-   pos0. The output head (a vocab x dim matmul, the largest single one)
-   runs only for the last position, or, when all_logits is set
-   (perplexity, tests), for every position: then n <= CHUNK_TOKENS and
-   s->logits receives n rows. Chunks start at multiples of CHUNK_TOKENS
-   from pos0, so a prompt whose first pages came from another sequence
-   (batch mode's shared prefixes, whole pages of PAGE_TOKENS) is cut into
-   the same chunks, and computed bit for bit, as when prefilled alone. */
+   batch, filling the KV cache from position pos0. The output head (a
+   vocab x dim matmul, the largest single one) runs only for the last
+   position, or, when all_logits is set (perplexity, tests), for every
+   position: then n <= CHUNK_TOKENS and s->logits receives n rows. Chunks
+   start at multiples of CHUNK_TOKENS from pos0. Prefill is bound by
+   arithmetic: each weight read from memory serves the whole chunk. */
 static void prefill(const Model *m, RunState *s, const int *tokens, int n, int pos0, int all_logits)
 {
     for (int done = 0; done < n; done += CHUNK_TOKENS) {
-        int k = min_i(n - done, CHUNK_TOKENS);
-        forward_chunk(m, s, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
+        int k = n - done < CHUNK_TOKENS ? n - done : CHUNK_TOKENS;
+        forward_at(m, s, tokens + done, k, pos0 + done, all_logits ? 0 : done + k == n ? k - 1 : k);
     }
 }
 
@@ -1644,21 +1466,24 @@ static void prefill(const Model *m, RunState *s, const int *tokens, int n, int p
    each weight read for CHUNK_TOKENS tokens, is bound by arithmetic. */
 static void decode_step(const Model *m, RunState *s, int token, int pos)
 {
-    forward_chunk(m, s, &token, 1, pos, 0);
+    forward_at(m, s, &token, 1, pos, 0);
 }
 
 /* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
    positions pos0.. in one pass, with the logits of every one in
    s->logits. Every token goes through the same operations in any pass
-   (the packed kernels, attend_chunk), so its logits are bit for bit those
-   of a decode step; the weights are still read once for all of them,
+   (the packed kernels, attention's chunks), so its logits are bit for bit
+   those of a decode step; the weights are still read once for all of them,
    which is what makes checking k drafts cost about one decode step. */
 static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
 {
-    forward_chunk(m, s, tokens, n, pos0, 0);
+    forward_at(m, s, tokens, n, pos0, 0);
 }
 
 /* --- the state of a run: activations of one pass, the KV cache ---------- */
+
+static int min_i(int a, int b) { return a < b ? a : b; }
+static int max_i(int a, int b) { return a > b ? a : b; }
 
 /* Positions layer l's cache holds for a context of seq_len. */
 static int kv_positions(const Config *c, int l, int seq_len)
@@ -1686,15 +1511,16 @@ static size_t act_room(int cols)
     return most;
 }
 
+static Machinery *build_machinery(const Config *c, int seq_len, int n_threads);
+static void free_machinery(Machinery *mx);
+
 static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type)
 {
     const Config *c = &m->c;
     memset(s, 0, sizeof *s);
     s->c = c;
     int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
-    int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim), group = c->n_heads / c->n_kv_heads;
-    s->n_threads = s->team = n_threads;
-    s->backoff = TEAM_RETRY;
+    int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim);
     s->seq_len = seq_len;
     s->kv_type = kv_type;
     s->kv_row = row_bytes(kv_type, c->head_dim);
@@ -1717,14 +1543,6 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
             s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
         }
     }
-    s->plain_scores = xcalloc((size_t)n_threads * seq_len, sizeof(float));
-    size_t one_at_a_time = (size_t)BATCH_MAX * c->n_kv_heads * (seq_len / ATT_CHUNK + 1) + n_threads;
-    s->partial = xcalloc(max_i(one_at_a_time, 2 * n_threads * ATT_QTILE) * group * (PARTIAL_HEAD + c->head_dim), sizeof(float));
-    s->vrow = xcalloc((size_t)n_threads * c->head_dim, sizeof(float));
-    s->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
-    s->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
-    s->qblock = xcalloc((size_t)n_threads * ATT_QTILE * group * c->head_dim, sizeof(float));
-    s->pblock = xcalloc((size_t)n_threads * ATT_QTILE * group * ATT_KTILE, sizeof(float));
     /* calloc of a large block maps zero pages lazily: memory is committed
        only as positions are written. */
     s->kv_cap = xcalloc(c->n_layers, sizeof(int));
@@ -1737,16 +1555,16 @@ static void build_state(RunState *s, const Model *m, int seq_len, int n_threads,
     s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
     s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
     s->tok_pos = xcalloc(T, sizeof(int));
-    s->tok_pages = xcalloc(T, sizeof *s->tok_pages);
+    s->mx = build_machinery(c, seq_len, n_threads);
 }
 
 static void free_state(RunState *s)
 {
     free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
     for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
-    free(s->xo); free(s->kv_cap); free(s->kv_off); free(s->plain_scores); free(s->partial); free(s->vrow);
-    free(s->kblock); free(s->vblock); free(s->qblock); free(s->pblock);
-    free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos); free(s->tok_pages);
+    free(s->xo); free(s->kv_cap); free(s->kv_off);
+    free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos);
+    free_machinery(s->mx);
 }
 
 /* ============================================================================
@@ -3170,10 +2988,11 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #endif
 /* ----- threads --------------------------------------------------------------
    One team of threads runs a whole forward pass (one OpenMP parallel region
-   per chunk or token). Every step splits its work by thread index and ends
-   at a barrier. Waiting threads spin: a sleep and wake-up costs tens of
+   per chunk or token, forward_on_pool): every thread runs forward(), and
+   each PARALLEL_FOR step splits its work by thread index and ends at a
+   barrier. Waiting threads spin: a sleep and wake-up costs tens of
    microseconds, while a decoded token of a small model takes a few
-   milliseconds spread over ~200 steps. Without OpenMP the team is one
+   milliseconds spread over ~250 steps. Without OpenMP the team is one
    thread and the barrier does nothing. */
 
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
@@ -3181,35 +3000,44 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
 #define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 
+typedef struct {
+    atomic_int arrived;
+    atomic_int phase;
+    atomic_long long_wait_us; /* time spent in waits that outlasted SPINS_BEFORE_YIELD, since adapt_team looked */
+} Barrier;
+
+/* Where the team's threads meet: the program has one pool of threads
+   (OpenMP's), and one team of it runs at a time. */
+static Barrier pool_barrier;
+
+/* Part II's share of a run (RunState.mx): the team's size and how it
+   adapts, attention's chunk scratch, and batch mode's pages. */
+struct Machinery {
+    int n_threads;  /* the full team */
+    int team;       /* threads of the next forward pass: n_threads, fewer while the cores are contended */
+    int retry_in, backoff; /* passes until the full team is tried again; the wait after the next failed try */
+    int warm;       /* a forward pass has run: the mapped weights' pages are in the page tables */
+    int contended;  /* passes in a row that waited long */
+    int scattered;  /* the pass's tokens are not consecutive positions of one sequence (decode_batch) */
+    int paged;      /* the cache is a pool of pages (batch mode), else one sequence's (kv_off, kv_cap) */
+    const PageTable **tok_pages; /* [chunk] each token's sequence's KV pages, when paged */
+    float *scratch; /* [n_threads, seq_len + head_dim] attend's scores and a K or V row as floats */
+    float *partial; /* partial softmaxes (attend_in_chunks): one token at a time, [tokens, n_kv_heads,
+                       seq_len/ATT_CHUNK + 1, group, PARTIAL_HEAD + head_dim] per chunk, then
+                       [n_threads, group, ...] running ones; a tile of tokens, [n_threads, 2, ATT_QTILE * group, ...]:
+                       a running one and the chunk's per query */
+    float *kblock;  /* [n_threads, ATT_KTILE, head_dim] a block of K as floats (caches of other types than f32, f16) */
+    float *vblock;  /* [n_threads, ATT_KTILE, head_dim] the same block of V */
+    float *qblock;  /* [n_threads, ATT_QTILE * group, head_dim] the queries of attend_chunk, gathered */
+    float *pblock;  /* [n_threads, ATT_QTILE * group, ATT_KTILE] their scores, then weights */
+    size_t scratch_row; /* seq_len + head_dim */
+};
+
 static void cpu_relax(void)
 {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_pause();
 #endif
-}
-
-static void barrier(const Team *tm)
-{
-    Barrier *b = tm->bar;
-    int nth = tm->nth;
-    if (nth == 1) return;
-    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
-    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
-        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
-    } else {
-        /* spin; if the wait is long the cores are oversubscribed (another
-           program is running), and yielding lets the late thread run */
-        long spins = 0;
-        double long_since = 0;
-        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
-            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
-            else {
-                if (!long_since) long_since = now_ms();
-                sched_yield();
-            }
-        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
-    }
 }
 
 static int thread_id(void)
@@ -3230,13 +3058,61 @@ static int thread_count(void)
 #endif
 }
 
+static void barrier(void)
+{
+    Barrier *b = &pool_barrier;
+    int nth = thread_count();
+    if (nth == 1) return;
+    int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, phase + 1, memory_order_release);
+    } else {
+        /* spin; if the wait is long the cores are oversubscribed (another
+           program is running), and yielding lets the late thread run */
+        long spins = 0;
+        double long_since = 0;
+        while (atomic_load_explicit(&b->phase, memory_order_acquire) == phase)
+            if (spins++ < SPINS_BEFORE_YIELD) cpu_relax();
+            else {
+                if (!long_since) long_since = now_ms();
+                sched_yield();
+            }
+        if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
+    }
+}
+
+/* Thread me's share [*lo, *hi) of n items, cut in whole units so that
+   every thread gets the same number of units, give or take one. */
+static void split(int n, int unit, int me, int nth, int *lo, int *hi)
+{
+    long units = (n + unit - 1) / unit;
+    *lo = min_i(n, (int)(units * me / nth) * unit);
+    *hi = min_i(n, (int)(units * (me + 1) / nth) * unit);
+}
+
+/* PARALLEL_FOR's two ends: this thread's share of [0, n), then the wait
+   for the team. */
+static Share share_begin(int n, int unit)
+{
+    Share sh = {0, 0, 1};
+    split(n, unit, thread_id(), thread_count(), &sh.lo, &sh.hi);
+    return sh;
+}
+
+static int share_end(void)
+{
+    barrier();
+    return 0;
+}
+
 /* Sizes the team of the next forward pass. When other programs take the
    cores, a thread of the team is descheduled for whole timeslices and every
    barrier waits for it: two 2-thread runs on 2 cores each decoded 4x slower
    than with one thread. A pass (pass_ms long) whose threads spent more than
    1/CONTENDED_SHARE of their time in long waits, CONTENDED_PASSES times in
    a row, halves the team; the full team is tried again
-   after s->backoff passes, which doubles while the retries find the cores
+   after mx->backoff passes, which doubles while the retries find the cores
    still contended. On cores of its own a pass waits long rarely, and
    briefly (a prefill step's uneven split). The first pass is not judged:
    it takes the page faults of the mapped weights (a minor fault per page
@@ -3244,24 +3120,155 @@ static int thread_count(void)
    quiet machine it looked contended (30 of 75 ms in waits on the 1.5B)
    and its first 64 decode steps ran on one core. Results do not depend on
    the team size (see split), so it may change between passes. */
-static void adapt_team(RunState *s, double pass_ms)
+static void adapt_team(Machinery *mx, double pass_ms)
 {
-    double waited_ms = atomic_exchange_explicit(&s->bar.long_wait_us, 0, memory_order_relaxed) / 1e3;
-    if (!s->warm) {
-        s->warm = 1;
+    double waited_ms = atomic_exchange_explicit(&pool_barrier.long_wait_us, 0, memory_order_relaxed) / 1e3;
+    if (!mx->warm) {
+        mx->warm = 1;
         return;
     }
-    s->contended = waited_ms * CONTENDED_SHARE > pass_ms * s->team ? s->contended + 1 : 0;
-    if (s->team > 1 && s->contended >= CONTENDED_PASSES) {
-        s->contended = 0;
-        s->team /= 2;
-        s->retry_in = s->backoff;
-        s->backoff = min_i(2 * s->backoff, TEAM_RETRY_MAX);
-    } else if (s->team > 1 && s->team == s->n_threads && !s->contended) {
-        s->backoff = TEAM_RETRY; /* the full team ran uncontended */
-    } else if (s->team < s->n_threads && --s->retry_in <= 0) {
-        s->team = s->n_threads;
+    mx->contended = waited_ms * CONTENDED_SHARE > pass_ms * mx->team ? mx->contended + 1 : 0;
+    if (mx->team > 1 && mx->contended >= CONTENDED_PASSES) {
+        mx->contended = 0;
+        mx->team /= 2;
+        mx->retry_in = mx->backoff;
+        mx->backoff = min_i(2 * mx->backoff, TEAM_RETRY_MAX);
+    } else if (mx->team > 1 && mx->team == mx->n_threads && !mx->contended) {
+        mx->backoff = TEAM_RETRY; /* the full team ran uncontended */
+    } else if (mx->team < mx->n_threads && --mx->retry_in <= 0) {
+        mx->team = mx->n_threads;
     }
+}
+
+/* Runs forward() on every thread of the team, and sizes the next team. */
+static void forward_on_pool(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
+{
+    double t0 = now_ms();
+    #pragma omp parallel num_threads(s->mx->team)
+    forward(m, s, tokens, n, first_logit);
+    adapt_team(s->mx, now_ms() - t0);
+}
+
+static Machinery *build_machinery(const Config *c, int seq_len, int n_threads)
+{
+    Machinery *mx = xcalloc(1, sizeof *mx);
+    int group = c->n_heads / c->n_kv_heads;
+    mx->n_threads = mx->team = n_threads;
+    mx->backoff = TEAM_RETRY;
+    mx->scratch_row = (size_t)seq_len + c->head_dim;
+    mx->scratch = xcalloc((size_t)n_threads * mx->scratch_row, sizeof(float));
+    size_t one_at_a_time = (size_t)BATCH_MAX * c->n_kv_heads * (seq_len / ATT_CHUNK + 1) + n_threads;
+    mx->partial = xcalloc(max_i(one_at_a_time, 2 * n_threads * ATT_QTILE) * group * (PARTIAL_HEAD + c->head_dim), sizeof(float));
+    mx->kblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
+    mx->vblock = xcalloc((size_t)n_threads * c->head_dim * ATT_KTILE, sizeof(float));
+    mx->qblock = xcalloc((size_t)n_threads * ATT_QTILE * group * c->head_dim, sizeof(float));
+    mx->pblock = xcalloc((size_t)n_threads * ATT_QTILE * group * ATT_KTILE, sizeof(float));
+    mx->tok_pages = xcalloc(CHUNK_TOKENS, sizeof *mx->tok_pages);
+    return mx;
+}
+
+static void free_machinery(Machinery *mx)
+{
+    if (!mx) return;
+    free(mx->scratch); free(mx->partial); free(mx->kblock); free(mx->vblock); free(mx->qblock); free(mx->pblock);
+    free(mx->tok_pages);
+    free(mx);
+}
+
+/* This thread's scratch for attend: seq_len scores, then a head_dim row. */
+static float *thread_scratch(const RunState *s)
+{
+    return s->mx->scratch + (size_t)thread_id() * s->mx->scratch_row;
+}
+
+/* ----- matrix products on the team -------------------------------------------- */
+
+/* Where a matmul writes: token t's output row at p + t * stride, added to
+   what is there with accumulate (a residual connection), else stored. */
+typedef struct {
+    float *p;
+    int stride;
+    int accumulate;
+} Out;
+
+/* The activation format W reads: its first part's, which all its parts share (join_parts). */
+static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
+
+/* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
+   n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
+   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
+   byte from memory once per batch and decode once per token. Every token
+   takes the same operations whatever the batch, so prefill, decode and
+   verification agree bit for bit. */
+static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
+{
+    PackedFn fn = packed_kernel(w->type);
+    size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
+    float v[PACK_TOKS * PACK_ROWS];
+    for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
+        int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
+        for (int t = 0; t < n_tok; t += PACK_TOKS) {
+            int toks = min_i(PACK_TOKS, n_tok - t);
+            fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
+            for (int j = 0; j < toks; j++) {
+                float *o = out.p + (size_t)(t + j) * out.stride + a;
+                const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
+                if (out.accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
+                else memcpy(o, vj, (b - a) * sizeof(float));
+            }
+        }
+    }
+}
+
+/* The same for matrix W: each part computes the rows of [r0, r1) that fall
+   in it, with its own type's kernels, into the output columns of those
+   rows (a part's row i is the matrix's row base + i). */
+static void matrix_rows(Out out, const Matrix *w, Act in, int n_tok, int r0, int r1)
+{
+    for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
+        int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
+        if (a < b) tensor_rows((Out){out.p + base, out.stride, out.accumulate}, &w->part[i], in, n_tok, a - base, b - base);
+    }
+}
+
+/* out = W . in for n tokens ([n, W.rows]), the rows shared by the team. */
+static void matmul(float *out, const Matrix *w, Act in, int n)
+{
+    Share sh = share_begin(w->rows, PACK_ROWS);
+    matrix_rows((Out){out, w->rows, 0}, w, in, n, sh.lo, sh.hi);
+    share_end();
+}
+
+/* out += W . in: a residual connection. */
+static void matmul_add(float *out, const Matrix *w, Act in, int n)
+{
+    Share sh = share_begin(w->rows, PACK_ROWS);
+    matrix_rows((Out){out, w->rows, 1}, w, in, n, sh.lo, sh.hi);
+    share_end();
+}
+
+/* Rows [r0, r1) of W . in, by this thread alone, into out (token t's row at out + t * stride). */
+static void matmul_rows(float *out, int stride, const Matrix *w, Act in, int n, int r0, int r1)
+{
+    matrix_rows((Out){out, stride, 0}, w, in, n, r0, r1);
+}
+
+/* Elements [i0, i1) of token t's input row to W (row: its floats), in the
+   form W reads, into q's row t: nothing for float weights, int8 blocks for
+   integer weights. Done once per matmul, then read by every weight row. */
+static void to_input(const Matrix *w, uint8_t *q, const float *row, int t, int i0, int i1)
+{
+    int fmt = matrix_act(w);
+    if (fmt != ACT_F32) quantize_act(fmt, q + t * act_bytes(fmt, w->cols) + act_bytes(fmt, i0), row + i0, i1 - i0);
+}
+
+/* W's input from float rows f ([n, f_cols]) or, when W reads another
+   activation format, from the same rows converted into q (to_input). */
+static Act input_of(const Matrix *w, const float *f, int f_cols, const uint8_t *q)
+{
+    int fmt = matrix_act(w);
+    if (fmt != ACT_F32) return (Act){q, act_bytes(fmt, w->cols)};
+    return (Act){(const uint8_t *)f, f_cols * sizeof(float)};
 }
 
 /* ----- a model file that changes while mapped -------------------------------- */
@@ -3985,8 +3992,9 @@ static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, nq = (t1 - t0) * group, pos0 = s->tok_pos[t0] - t0;
     int qkv_dim = (c->n_heads + 2 * c->n_kv_heads) * hd, last = min_i(j_hi, pos0 + t1) - 1, ps = PARTIAL_HEAD + hd;
     int native = s->kv_type == T_F32 || s->kv_type == T_F16, type = native ? s->kv_type : T_F32;
-    float *kb = s->kblock + (size_t)me * hd * ATT_KTILE, *vb = s->vblock + (size_t)me * hd * ATT_KTILE;
-    float *q = s->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = s->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
+    const Machinery *mx = s->mx;
+    float *kb = mx->kblock + (size_t)me * hd * ATT_KTILE, *vb = mx->vblock + (size_t)me * hd * ATT_KTILE;
+    float *q = mx->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = mx->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
     const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
     int window = is_local(c, l) ? c->window : 0;
     for (int k = 0; k < nq; k++) {
@@ -4064,14 +4072,15 @@ static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k
    long context is spread over every thread, then folds each token's
    chunks in order. Both compute a query's output by the same steps, and no
    job depends on the thread count. */
-static void attend_in_chunks(RunState *s, const Config *c, int l, int n, int fmt, const Team *tm)
+static void attend_chunks(RunState *s, int l, int n, int fmt)
 {
-    int me = tm->me, nth = tm->nth;
+    const Config *c = s->c;
+    int me = thread_id(), nth = thread_count();
     int hd = c->head_dim, group = c->n_heads / c->n_kv_heads, ps = PARTIAL_HEAD + hd;
     int part = group * ps, max_chunks = s->seq_len / ATT_CHUNK + 1;
-    if (n > 1 && !s->scattered) {
+    if (n > 1 && !s->mx->scattered) {
         int tiles = (n + ATT_QTILE - 1) / ATT_QTILE;
-        float *acc = s->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
+        float *acc = s->mx->partial + (size_t)me * 2 * ATT_QTILE * part, *cur = acc + (size_t)ATT_QTILE * part;
         for (int job = me; job < tiles * c->n_kv_heads; job += nth) {
             int g = job % c->n_kv_heads, t0 = job / c->n_kv_heads * ATT_QTILE, t1 = min_i(t0 + ATT_QTILE, n), k0, k1, unused;
             chunk_range(s, c, l, t0, &k0, &unused);
@@ -4091,21 +4100,37 @@ static void attend_in_chunks(RunState *s, const Config *c, int l, int n, int fmt
         for (int g = 0; g < c->n_kv_heads; g++)
             for (int k = k0; k < k1; k++, job++) {
                 if (job % nth != me) continue;
-                float *dst = s->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
+                float *dst = s->mx->partial + (((size_t)t * c->n_kv_heads + g) * max_chunks + (k - k0)) * part;
                 attend_chunk(s, c, l, g, t, t + 1, k * ATT_CHUNK, (k + 1) * ATT_CHUNK, dst, me);
             }
     }
-    barrier(tm);
-    float *acc = s->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
+    barrier();
+    float *acc = s->mx->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
     for (int job = me; job < n * c->n_kv_heads; job += nth) {
         int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
         chunk_range(s, c, l, t, &k0, &k1);
-        const float *chunks = s->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
+        const float *chunks = s->mx->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
         for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
         for (int ch = 0; ch < k1 - k0; ch++)
             for (int k = 0; k < group; k++) partial_fold(acc + (size_t)k * ps, chunks + (size_t)ch * part + (size_t)k * ps, hd);
         attention_out(s, c, acc, g, t, fmt);
     }
+}
+
+/* Part I's attention() for every set but the scalar one: layer l's
+   attention for the pass's n tokens in chunks of the cache, into s->xb in
+   the form Wo reads. attention_out converts each KV head's slice of the
+   output when the slices are whole blocks of Wo's format (sparing Wo a
+   pass and a wait); otherwise whole rows are converted afterwards. */
+static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo)
+{
+    const Config *c = s->c;
+    int q_dim = c->n_heads * c->head_dim, group = c->n_heads / c->n_kv_heads, wo_fmt = matrix_act(wo);
+    int fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
+    attend_chunks(s, l, n, fmt);
+    barrier();
+    if (fmt != wo_fmt) PARALLEL_FOR(t, n, 1) to_input(wo, s->xq, s->xb + (size_t)t * q_dim, t, 0, q_dim);
+    return input_of(wo, s->xb, q_dim, s->xq);
 }
 
 /* ----- the kernel tables -----------------------------------------------------
@@ -6496,8 +6521,8 @@ static size_t pcache_kv_at(size_t n) { return PCACHE_HEADER + align_up(n * sizeo
    first, and their count in *len. */
 static uint8_t *kv_rows(RunState *s, const PageTable *pt, int v, int l, int h, int pos, int end, int *len)
 {
-    s->paged = pt != NULL;
-    s->tok_pages[0] = pt; /* cache_row finds a paged token's pages there: set before every pass, so free between them */
+    s->mx->paged = pt != NULL;
+    s->mx->tok_pages[0] = pt; /* cache_row finds a paged token's pages there: set before every pass, so free between them */
     int run = pt ? PAGE_TOKENS - pos % PAGE_TOKENS : s->kv_cap[l] - pos % s->kv_cap[l];
     *len = min_i(end - pos, run);
     return cache_row(s, v ? s->value_cache : s->key_cache, 0, l, h, pos);
@@ -7122,7 +7147,8 @@ typedef struct PageTable {
 static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos)
 {
     const Config *c = s->c;
-    size_t slab = s->tok_pages[t]->slab[(size_t)(pos / PAGE_TOKENS) * c->n_layers + l];
+    if (!s->mx->paged) return NULL;
+    size_t slab = s->mx->tok_pages[t]->slab[(size_t)(pos / PAGE_TOKENS) * c->n_layers + l];
     return cache + ((slab * c->n_kv_heads + h) * PAGE_TOKENS + pos % PAGE_TOKENS) * s->kv_row;
 }
 
@@ -7138,12 +7164,12 @@ static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h
 _Static_assert(BATCH_MAX <= CHUNK_TOKENS, "one decode step of every sequence in flight is one pass");
 
 /* n tokens at positions pos0.. of the sequence whose KV pages are pt: a
-   prefill chunk of batch mode (forward_chunk's twin for a paged cache). */
+   prefill chunk of batch mode (forward_at's twin for a paged cache). */
 static void forward_pages(const Model *m, RunState *s, const PageTable *pt, const int *tokens, int n, int pos0, int first_logit)
 {
-    s->paged = 1;
-    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t, s->tok_pages[t] = pt;
-    forward_pass(m, s, tokens, n, first_logit);
+    s->mx->paged = 1;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos0 + t, s->mx->tok_pages[t] = pt;
+    forward_on_pool(m, s, tokens, n, first_logit);
 }
 
 /* Batch mode's decode step: one token of each of n sequences (token t at
@@ -7153,11 +7179,11 @@ static void forward_pages(const Model *m, RunState *s, const PageTable *pt, cons
    depend on what else is in the batch; the weights are read once for all n. */
 static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n)
 {
-    s->paged = 1;
-    for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->tok_pages[t] = pages[t];
-    s->scattered = 1;
-    forward_pass(m, s, tokens, n, 0);
-    s->scattered = 0;
+    s->mx->paged = 1;
+    for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->mx->tok_pages[t] = pages[t];
+    s->mx->scattered = 1;
+    forward_on_pool(m, s, tokens, n, 0);
+    s->mx->scattered = 0;
 }
 
 /* The KV cache's slabs: free ones, and how many page tables hold each.
