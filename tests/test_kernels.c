@@ -416,10 +416,10 @@ static void test_attention_tile_independent(void)
     check(same, what);
 }
 
-/* Attention of a whole pass (attention_part) on a synthetic cache: the
+/* Attention of a whole pass (attention) on a synthetic cache: the
    pass of N consecutive tokens (prefill's path, query tiles) against the
    same tokens one pass each (decode's path, chunks of ATT_CHUNK folded in
-   order): bit for bit equal in every set; and against attend_plain, the
+   order): bit for bit equal in every set; and against attend, the
    definition, within float rounding. Grouped heads, a sliding window over
    a ring-buffer cache, contexts that cross ATT_CHUNK boundaries, each
    cache type. */
@@ -433,21 +433,18 @@ static void test_attention_paths(void)
     double worst = 0;
     int same = 1;
     for (size_t ci = 0; ci < sizeof CASES / sizeof *CASES; ci++) {
-        int hd = CASES[ci].hd, group = CASES[ci].heads / CASES[ci].kv_heads, total = CASES[ci].prev + N;
+        int hd = CASES[ci].hd, total = CASES[ci].prev + N;
         Config c = {.head_dim = hd, .n_heads = CASES[ci].heads, .n_kv_heads = CASES[ci].kv_heads, .n_layers = 1,
                     .window = CASES[ci].window, .att_scale = 1 / sqrtf((float)hd)};
         /* a local layer's ring holds window + CHUNK_TOKENS positions: a pass's own rows never evict one it reads */
         int cap = c.window ? c.window + CHUNK_TOKENS : total, qkv_dim = (c.n_heads + 2 * c.n_kv_heads) * hd, q_dim = c.n_heads * hd;
-        size_t off = 0, ps = PARTIAL_HEAD + hd;
+        size_t off = 0;
         RunState s = {.kv_type = CASES[ci].type, .kv_row = row_bytes(CASES[ci].type, hd), .kv_cap = &cap, .kv_off = &off,
-                      .seq_len = total + 1, .n_threads = 1, .c = &c};
-        Team one = {0, 1, &s.bar}; /* a team of one thread */
+                      .seq_len = total + 1, .c = &c};
+        s.mx = build_machinery(&c, s.seq_len, 1); /* a team of one thread */
+        Matrix wo = {.part = {{.type = T_F32}}, .n_parts = 1, .cols = q_dim}; /* reads floats: attention's output unconverted */
         s.key_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row), s.value_cache = calloc((size_t)c.n_kv_heads * cap, s.kv_row);
         s.qkv = calloc((size_t)N * qkv_dim, sizeof(float)), s.tok_pos = calloc(N, sizeof(int)), s.xb = calloc((size_t)N * q_dim, sizeof(float));
-        s.plain_scores = calloc(s.seq_len, sizeof(float)), s.vrow = calloc(hd, sizeof(float));
-        s.kblock = calloc((size_t)hd * ATT_KTILE, sizeof(float)), s.vblock = calloc((size_t)hd * ATT_KTILE, sizeof(float));
-        s.qblock = calloc((size_t)ATT_QTILE * group * hd, sizeof(float)), s.pblock = calloc((size_t)ATT_QTILE * group * ATT_KTILE, sizeof(float));
-        s.partial = calloc(((size_t)BATCH_MAX * c.n_kv_heads * (s.seq_len / ATT_CHUNK + 1) + 2 * ATT_QTILE) * group * ps, sizeof(float));
         float *row = calloc(hd, sizeof(float)), *batched = calloc((size_t)N * q_dim, sizeof(float)), *plain = calloc(hd, sizeof(float));
         float *qkv = calloc((size_t)N * qkv_dim, sizeof(float));
         for (size_t i = 0; i < (size_t)N * qkv_dim; i++) qkv[i] = frand() * 2;
@@ -459,25 +456,25 @@ static void test_attention_paths(void)
                 }
         memcpy(s.qkv, qkv, (size_t)N * qkv_dim * sizeof(float));
         for (int t = 0; t < N; t++) s.tok_pos[t] = CASES[ci].prev + t;
-        attention_part(&s, &c, 0, N, ACT_F32, &one);
+        attention(&s, 0, N, &wo);
         memcpy(batched, s.xb, (size_t)N * q_dim * sizeof(float));
         for (int t = 0; t < N; t++) {
             memcpy(s.qkv, qkv + (size_t)t * qkv_dim, qkv_dim * sizeof(float));
             s.tok_pos[0] = CASES[ci].prev + t;
-            attention_part(&s, &c, 0, 1, ACT_F32, &one);
+            attention(&s, 0, 1, &wo);
             same &= memcmp(s.xb, batched + (size_t)t * q_dim, q_dim * sizeof(float)) == 0;
             for (int h = 0; h < c.n_heads; h++) {
-                attend_plain(&s, 0, 0, h, plain, 0);
+                attend(&s, 0, 0, h, plain, thread_scratch(&s));
                 for (int i = 0; i < hd; i++) worst = fmax(worst, fabs(plain[i] - s.xb[h * hd + i]));
             }
         }
-        free(s.key_cache), free(s.value_cache), free(s.qkv), free(s.tok_pos), free(s.xb), free(s.plain_scores), free(s.vrow);
-        free(s.kblock), free(s.vblock), free(s.qblock), free(s.pblock), free(s.partial), free(row), free(batched), free(plain), free(qkv);
+        free(s.key_cache), free(s.value_cache), free(s.qkv), free(s.tok_pos), free(s.xb), free_machinery(s.mx);
+        free(row), free(batched), free(plain), free(qkv);
     }
     char what[200];
     snprintf(what, sizeof what, "%s attention: a pass of %d tokens equals %d one-token passes bit for bit", K.op.name, N, N);
     check(same, what);
-    snprintf(what, sizeof what, "%s attention vs its definition (attend_plain): worst |diff| of an output %.2e", K.op.name, worst);
+    snprintf(what, sizeof what, "%s attention vs its definition (attend): worst |diff| of an output %.2e", K.op.name, worst);
     check(worst < 1e-5, what);
 }
 
