@@ -359,7 +359,7 @@ DTYPE_DEFAULT = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_
 PURE_DTYPES = ("q4_k", "q5_k")          # no per-tensor rules
 MORE_BITS_DTYPES = ("q4_k_m", "q5_k_m")  # attn_v and ffn_down Q6_K on use_more_bits layers
 DTYPE_CHOICES = ["keep", *DTYPE_DEFAULT]
-# The weight types the engine runs as they are (README.md, "The model file"), and the activations its matrix
+# The weight types the engine runs as they are (the manual above, "The model file"), and the activations its matrix
 # products read for each (run.c's weight-type table, field act): floats, int8 per 32, int8 per 256 with the sums
 # of each 16. The parts of one projection in a split file must read the same.
 ACTIVATION = {F32: "f32", F16: "f32", BF16: "f32", Q4_0: "q8", Q4_1: "q8", Q5_0: "q8", Q5_1: "q8", Q8_0: "q8",
@@ -817,7 +817,7 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# The packed layout of the matrices (README.md, "Packed matrices"): the engine multiplies straight from
+# The packed layout of the matrices (the manual above, "Packed matrices"): the engine multiplies straight from
 # the mapped file, so each weight matrix is stored the way its kernels read it. Rows go in groups of
 # PACK_ROWS, one row per 32-bit lane of a 512-bit vector (two 256-bit or four 128-bit ones); a group is
 # one record per block (per element for the float types), and a record holds the block of each of the
@@ -1341,7 +1341,7 @@ class HFCheckpoint:
 
 
 # ---------------------------------------------------------------------------------------------
-# Architecture families: one table of names per family, and the flags (README "The model file",
+# Architecture families: one table of names per family, and the flags (the manual above, "The model file",
 # header offset 56) that say which extra tensors every model of the family has.
 
 FLAG_TIED, FLAG_QKV_BIAS, FLAG_QK_NORM, FLAG_POST_NORMS, FLAG_ROPE_FREQS, FLAG_SPLIT = 1, 2, 4, 8, 16, 32
@@ -1399,7 +1399,7 @@ GEMMA3_HF_NAMES = {**LLAMA_HF_NAMES, **QK_NORM_HF_NAMES,
 
 
 def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
-    """(output name, [(part key, rows, cols)]) in file order (the README's tensor table).
+    """(output name, [(part key, rows, cols)]) in file order (the manual's tensor table).
 
     Every family shares this layout; the flags add their tensors. A vector made of several
     parts (bqkv) concatenates them. A generator, so a corrupt layer count fails at the first
@@ -1500,7 +1500,7 @@ class Hyper:
     norm_eps: float
     rope_dim: int
     tied: bool
-    # The model-family fields (README "The model file"); 0 means "not used" as in the header.
+    # The model-family fields (the manual above, "The model file"); 0 means "not used" as in the header.
     flags: int = 0                # FLAG_QKV_BIAS | FLAG_QK_NORM | FLAG_POST_NORMS | FLAG_ROPE_FREQS (not FLAG_TIED)
     activation: int = ACT_SILU
     embed_scale: float = 0.0      # each embedding row times this (0: 1)
@@ -1992,7 +1992,7 @@ def warn_list(items: list[str], what: str) -> None:
         warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
-# The split form's tensors for each fused projection (README.md, flag bit 5), in the order of the fused rows.
+# The split form's tensors for each fused projection (the manual above, flag bit 5), in the order of the fused rows.
 SPLIT_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
 
 
@@ -2081,7 +2081,7 @@ def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
 CHUNK_ELEMENTS = 1 << 16   # rows are converted in chunks of about this many values to bound memory
 
 
-# The tensors the engine multiplies by (README.md, "Packed matrices"), by the last part of their name; the
+# The tensors the engine multiplies by (the manual above, "Packed matrices"), by the last part of their name; the
 # token embedding is one of them when it is also the output head.
 MATMUL_NAMES = ("wqkv", "wq", "wk", "wv", "wo", "w13", "w1", "w3", "w2", "output")
 PACK_CHUNK_ROWS = 64 * PACK_ROWS   # rows packed at a time: bounds export.py's memory on large matrices
@@ -2133,7 +2133,7 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: GGUF's tokenizer.ggml.* keys (docs/gguf.md) or Hugging Face's tokenizer.json, written
-# as README.md's tokenizer section ("The model file" / "Tokenizer section").
+# as the manual's "Tokenizer section" above lays it out.
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
