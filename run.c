@@ -1873,8 +1873,9 @@ static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *c
     mask_logits(logits, n, allowed);
 }
 
-/* The next token after the context hist[0..n_hist) (the ids fed so far,
-   the prompt's included; NULL: no penalties), from its logits. */
+/* The next token after the context hist (the ids fed so far, the
+   prompt's included: the penalties look at them), from its logits;
+   allowed, when not NULL, masks the tokens the JSON grammar forbids. */
 static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const Tokens *hist)
 {
     prepare_logits(sm, logits, n, cand, allowed, hist);
