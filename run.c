@@ -21,10 +21,12 @@
      2. math         the definitions: int8 activations, each weight type's
                      dot product (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k
                      q5_k q6_k), SwiGLU/GeGLU, softmax, RMSNorm, RoPE.
-     3. forward      embed -> layers (attention over the KV cache as three
-                     plain loops, attend_plain; the feed-forward) -> logits;
-                     prefill takes the prompt in batches, decode_step one
-                     token.
+     3. forward      one function, forward(): embed -> every layer (norm,
+                     QKV, RoPE, the KV cache, attention as three plain
+                     loops in attend, the feed-forward) -> logits; its
+                     steps share their work among the threads themselves
+                     (PARALLEL_FOR). prefill takes the prompt in chunks,
+                     decode_step one token.
      4. sampling     penalties, then greedy, or temperature, top-k, top-p,
                      min-p and a seeded RNG.
      5. generation   tokenize -> prefill -> decode loop -> text streamed to
@@ -32,7 +34,7 @@
      6. main
      Part II, the machinery Part I calls by name: the thread team, the
      packed layout, the kernel tables and sets, attention in chunks (what
-     the SIMD sets run instead of attend_plain, with the same results),
+     the SIMD sets run instead of attend, with the same results),
      measurement, stop strings, JSON (--json, --logprobs), the prompt cache,
      lookup decoding, batch mode, perplexity and the command line; then one
      appendix per instruction set (AVX2, AVX-VNNI, AVX-512, NEON), each
