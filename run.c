@@ -2098,7 +2098,7 @@ typedef struct {
     struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
 
-/* Why an answer ended (generate's result). */
+/* Why an answer ended (generate's result; batch mode's records name it with FINISH). */
 enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING,
        STOP_JSON_DONE /* --json: the value is complete (its last token was text) */ };
 
@@ -7181,8 +7181,9 @@ typedef struct {
 } PagePool;
 
 enum { SEQ_IDLE, SEQ_PREFILL, SEQ_DECODE };
-enum { FIN_STOP, FIN_LENGTH, FIN_CONTEXT, FIN_INTERRUPTED };
-static const char *const FINISH[] = {"stop", "length", "context", "interrupted"};
+/* A record's "finish", by STOP_*: an end token, a stop string and a complete JSON value are all "stop". */
+static const char *const FINISH[] = {[STOP_END] = "stop", [STOP_LIMIT] = "length", [STOP_CONTEXT] = "context",
+                                     [STOP_INTERRUPT] = "interrupted", [STOP_STRING] = "stop", [STOP_JSON_DONE] = "stop"};
 
 /* One request: a line of input, then a sequence in flight. */
 typedef struct {
@@ -7426,7 +7427,7 @@ static void record_answer(Batch *b, const Seq *q, int finish, double now)
     buf_printf(r, "{\"id\": %s, \"text\": ", q->id.p);
     json_put_string(r, q->text.p ? q->text.p : "", q->text.len);
     buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f",
-               q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == FIN_STOP ? q->t_first - q->t_admit : 0.0,
+               q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == STOP_END ? q->t_first - q->t_admit : 0.0,
                now - q->t_admit);
     if (q->json_incomplete) buf_printf(r, ", \"json_complete\": false");
     if (q->lp.want >= 0) buf_printf(r, ", \"logprobs\": [%s]", q->logprobs.p ? q->logprobs.p : "");
@@ -7757,7 +7758,7 @@ static void read_request(Batch *b, int wait)
         else if (q->n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
             q->json_incomplete = q->jc != NULL;
             b->failed |= q->json_incomplete;
-            q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+            q->t_admit = now_ms(), record_answer(b, q, STOP_LIMIT, q->t_admit);
         }
         json_free(&v);
         free(line);
@@ -7884,19 +7885,20 @@ static void seq_take(Batch *b, Seq *q, int token)
         if (q->logprobs.len) buf_put(&q->logprobs, ", ", 2);
         logprobs_record(&q->logprobs, b->m, token, &q->lp);
     }
-    if (tok_is_eog(b->m->tok, token) && (!b->o->ignore_eos || q->jc)) { finish_seq(b, q, FIN_STOP); return; }
+    if (tok_is_eog(b->m->tok, token) && (!b->o->ignore_eos || q->jc)) { finish_seq(b, q, STOP_END); return; }
     size_t len;
     const char *piece = tok_piece(b->m->tok, token, &len);
     int text = piece && !tok_is_control(b->m->tok, token);
     if (q->jc && !grammar_mask_take(&q->jm, piece, text ? len : 0))
         die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && grammar_mask_done(&q->jm));
+    int stopped = text && text_put(&q->out, piece, len);
     b->gen_tokens++;
     q->n_gen++;
-    if (stopped) finish_seq(b, q, FIN_STOP);
-    else if (q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? FIN_CONTEXT : FIN_LENGTH);
-    else if (q->pos >= b->s->seq_len) finish_seq(b, q, FIN_CONTEXT);
-    else if (interrupted) finish_seq(b, q, FIN_INTERRUPTED);
+    if (stopped) finish_seq(b, q, STOP_STRING);
+    else if (q->jc && grammar_mask_done(&q->jm)) finish_seq(b, q, STOP_JSON_DONE);
+    else if (q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? STOP_CONTEXT : STOP_LIMIT);
+    else if (q->pos >= b->s->seq_len) finish_seq(b, q, STOP_CONTEXT);
+    else if (interrupted) finish_seq(b, q, STOP_INTERRUPT);
 }
 
 /* One chunk of the prompt of the sequence admitted first among those
@@ -8091,11 +8093,11 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     while (1) {
         if (interrupted) { /* Ctrl-C: what is in flight ends as it stands, a line read and waiting is not begun */
             for (int i = 0; i < b.parallel; i++)
-                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
+                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], STOP_INTERRUPT);
             if (b.pending.line) {
                 b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
                 b.pending.t_admit = now_ms();
-                record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
+                record_answer(&b, &b.pending, STOP_INTERRUPT, b.pending.t_admit);
                 drop_request(&b.pending);
             }
         }
