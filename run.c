@@ -2085,8 +2085,7 @@ typedef struct {
 /* What the generation loop takes from the command line. */
 typedef struct {
     int n_predict;      /* -n: tokens to generate at most */
-    int lookup;         /* --lookup N: longest draft of lookup decoding (0 = off) */
-    int lookup_fixed;   /* --lookup-fixed: drafts planned on fixed pass costs (PassCost) */
+    int lookup, lookup_fixed; /* --lookup N: longest draft of lookup decoding (0 = off); --lookup-fixed: see PassCost */
     int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
@@ -2334,42 +2333,6 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *
     }
 }
 
-typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
-
-/* Room for n more bytes and the NUL. */
-static void buf_reserve(Buf *b, size_t n)
-{
-    if (b->p && n < b->cap - b->len) return;
-    if (n > SIZE_MAX / 4 - b->len) die(EXIT_RUNTIME, "out of memory");
-    size_t cap = b->cap ? b->cap : 64;
-    while (cap - b->len <= n) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) die(EXIT_RUNTIME, "out of memory");
-    b->p = p, b->cap = cap;
-}
-
-static void buf_put(Buf *b, const char *s, size_t n)
-{
-    buf_reserve(b, n);
-    if (n) memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void buf_printf(Buf *b, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (n < 0) die(EXIT_RUNTIME, "cannot format '%s'", fmt);
-    buf_reserve(b, (size_t)n);
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-}
-
 /* Per-request numbers for -v: what the user waits for before the first
    token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
    memory bandwidth in decode). */
@@ -2380,9 +2343,7 @@ typedef struct {
     double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
     int n_itl;
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
-    int json_incomplete;           /* --json: generation stopped before the value was complete */
-    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
-    double json_walk_ms;           /* --json: the time computing them took */
+    int json_incomplete; long json_walks, json_hits; double json_walk_ms; /* --json: see grammar_mask_end */
 } Stats;
 
 typedef struct {
@@ -2402,45 +2363,14 @@ typedef struct {
     int hit; /* 1 + the index of the stop string found; 0 while none */
 } StopMatch;
 
-#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
-#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
-#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
-#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
-#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
-#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
-#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
-#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
-
-/* What forward passes cost here, measured: the time of a pass of m
-   tokens, per m. It is not proportional to m. A decode step's time goes to
-   reading every weight once, which a few more tokens share at little cost
-   while decode waits on memory; past that every token adds its arithmetic,
-   in steps of the kernels' token tiles (on AVX2 a third token costs about
-   what a fourth does). A size not timed yet is taken to cost what the
-   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
-   a hopeful guess, which its first timing then corrects. */
-typedef struct {
-    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
-    double tok_ms;               /* the least time per token of any pass of several */
-    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
-                  memory alone, so the drafts depend on the text only: the same on every machine and load */
-} PassCost;
-
-typedef struct {
-    int max;      /* --lookup: longest draft (0 = off) */
-    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
-    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
-    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
-} Lookup;
-
-/* Part II's entry points that the generation loop calls: stop strings, the
-   JSON grammar's mask, lookup decoding's drafts, the prompt cache, the
-   --logprobs records and -v's report. */
-typedef struct JsonMask JsonMask;
-typedef struct JsonConstraint JsonConstraint;
-typedef struct PromptCache PromptCache;
+/* Part II's entry points that the generation loop calls: the hooks that
+   bring its features into the loop (hooks_open makes a single request's
+   from GenOpts), the matcher inside text_put, the byte strings of a
+   buffered answer, -v's report. */
+typedef struct Buf Buf;
 typedef struct Request Request;
 typedef struct Hooks Hooks;
+static void buf_put(Buf *b, const char *s, size_t n);
 static int stop_step(StopMatch *m, char c, char *out);
 static void hooks_open(Request *r, const Model *m, RunState *s, Sampler *sm, const GenOpts *o);
 static const uint8_t *hook_allowed(Request *r);
@@ -2450,8 +2380,8 @@ static int hook_decode(Request *r, int *why, int *yielded);
 static void hook_prefilled(Request *r, int n, double ms);
 static void hook_prompt(Request *r, int n);
 static void hooks_close(Request *r, int why);
-static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n,
-                       int from);
+static int answer_incomplete(const Request *r, int why, int fatal);
+static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos);
 static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st);
 /* ----- streaming --------------------------------------------------------------- */
 
@@ -2661,19 +2591,6 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
-/* What ended an answer whose JSON value is incomplete (generate's why),
-   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
-   string, e.g. "stop string 2 (',')". */
-static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
-{
-    if (why == STOP_STRING) {
-        int k = out->stop.hit - 1;
-        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
-        return buf;
-    }
-    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
-}
-
 /* When the conversation plus room for an answer no longer fits, drops the
    oldest exchanges (keeping the opening: BOS and system turn) until it fits
    in half the context, or at least fits, so that the next turns can reuse
@@ -2820,7 +2737,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
             refuse_message(NULL);
             continue;
         }
-        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
+        pos = cached_prefix(o, m, s, &conv, pos); /* what an earlier run's conversation holds */
         if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         interrupted = 0;
@@ -2834,13 +2751,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (r.st.json_incomplete) {
-            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
-            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
-                        stop_cause(why, &out, cause, sizeof cause));
-            fputs(msg, stderr);
-            incomplete++;
-        }
+        incomplete += answer_incomplete(&r, why, 0);
         if (o->verbose) report_stats(m, s, mc, &r.st);
         free(r.st.itl);
         chat_close_answer(&ch, m, &conv, why, r.last);
@@ -2876,7 +2787,7 @@ typedef struct {
     const char *kernels; /* --kernels NAME (NULL: $KERNELS_ENV, else the best set this CPU runs) */
     int json;            /* --json */
     const char *json_schema; /* --json-schema FILE */
-    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+    GenOpts gen;      /* what the generation loop takes (see GenOpts) */
     BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
 #define KERNELS_ENV "RUN_KERNELS" /* the environment's default for --kernels */
@@ -2885,6 +2796,8 @@ typedef struct {
 /* Part II's entry points that main calls: the command line, the kernel set,
    the JSON grammar, the prompt cache, the machine probe, and the modes
    other than generation (batch, perplexity, logits). */
+typedef struct JsonConstraint JsonConstraint;
+typedef struct PromptCache PromptCache;
 static void reserve_std_fds(void);
 static void parse_args(Args *a, int argc, char **argv);
 static int usable_cpus(void);
@@ -3003,7 +2916,7 @@ int main(int argc, char **argv)
         TextOut out;
         text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
         Request r = {.conv = &prompt, .n_predict = a.gen.n_predict, .out = &out};
-        r.pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
+        r.pos = cached_prefix(&a.gen, &m, &s, &prompt, 0);
         if (r.n_predict > seq_len - prompt.n + 1) {
             r.n_predict = seq_len - prompt.n + 1;
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, r.n_predict, seq_len, prompt.n);
@@ -3011,9 +2924,7 @@ int main(int argc, char **argv)
         int why = generate(&m, &s, &sm, &a.gen, &r);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &r.st);
         free(r.st.itl);
-        char cause[STOP_MAX_BYTES + 32];
-        if (r.st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, &out, cause, sizeof cause));
+        answer_incomplete(&r, why, 1);
     }
     if (a.gen.cache) close_prompt_cache(a.gen.cache);
     if (a.gen.verbose) report_process(&m, load_ms);
@@ -4545,10 +4456,46 @@ static void report_process(const Model *m, double load_ms)
 }
 
 /* ----- JSON -------------------------------------------------------------------
-   Reading and writing it (a record is written into a Buf, section 5's
-   growable byte string). The JSON reader takes exactly
+   Reading and writing it (a record is written into a Buf, the growable
+   byte string below). The JSON reader takes exactly
    RFC 8259 and nothing more (a script's input should mean one thing); the
    writer escapes any bytes into valid JSON and valid UTF-8. */
+
+typedef struct Buf { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
+
+/* Room for n more bytes and the NUL. */
+static void buf_reserve(Buf *b, size_t n)
+{
+    if (b->p && n < b->cap - b->len) return;
+    if (n > SIZE_MAX / 4 - b->len) die(EXIT_RUNTIME, "out of memory");
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap - b->len <= n) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) die(EXIT_RUNTIME, "out of memory");
+    b->p = p, b->cap = cap;
+}
+
+static void buf_put(Buf *b, const char *s, size_t n)
+{
+    buf_reserve(b, n);
+    if (n) memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+static void buf_printf(Buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) die(EXIT_RUNTIME, "cannot format '%s'", fmt);
+    buf_reserve(b, (size_t)n);
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
 
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
 #define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
@@ -6285,7 +6232,8 @@ static int grammar_mask_take(JsonMask *jm, const char *text, size_t len) { retur
 static int grammar_mask_done(const JsonMask *jm) { return jm->state.mode == JM_DONE; }
 
 /* Ends a request's mask: whether its value was left unfinished, and the
-   mask's statistics, into st; frees it. */
+   mask's statistics (allowed sets walked over the vocabulary, sets taken
+   from the cache, the time walking took), into st; frees it. */
 static void grammar_mask_end(JsonMask *jm, Stats *st)
 {
     st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
@@ -6896,7 +6844,7 @@ static void keep_every_position(RunState *s, const Config *c)
    search starts from the text as it now ends. Greedy output stays byte for
    byte what plain decoding gives, because the verification pass computes
    each position exactly as a decode step; sampled output is drawn exactly
-   as without lookup (see decode_next).
+   as without lookup (see accept_drafts).
 
    How many to guess is a trade: a pass of m tokens costs more than a decode
    step wherever decode is not purely bound by memory (lookup_cost), and a
@@ -6905,6 +6853,37 @@ static void keep_every_position(RunState *s, const Config *c)
    from the passes' own times, the odds from every token that met a
    pointer, drafted or not; lookup_plan then picks the guesses that give
    the most tokens per unit of time. */
+
+#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
+#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
+#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
+#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
+#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
+#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
+#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
+#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
+
+/* What forward passes cost here, measured: the time of a pass of m
+   tokens, per m. It is not proportional to m. A decode step's time goes to
+   reading every weight once, which a few more tokens share at little cost
+   while decode waits on memory; past that every token adds its arithmetic,
+   in steps of the kernels' token tiles (on AVX2 a third token costs about
+   what a fourth does). A size not timed yet is taken to cost what the
+   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
+   a hopeful guess, which its first timing then corrects. */
+typedef struct {
+    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
+    double tok_ms;               /* the least time per token of any pass of several */
+    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
+                  memory alone, so the drafts depend on the text only: the same on every machine and load */
+} PassCost;
+
+typedef struct {
+    int max;      /* --lookup: longest draft (0 = off) */
+    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
+    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
+    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
+} Lookup;
 
 /* Takes the time of a pass of m tokens into pc (a prefill of several
    chunks counts as chunks of CHUNK_TOKENS). */
@@ -7143,6 +7122,39 @@ static void hook_prefilled(Request *r, int n, double ms)
 static void hook_prompt(Request *r, int n)
 {
     if (r->h->cache) pcache_save(r->h->cache, r->m, r->s, NULL, r->conv->ids, n);
+}
+
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
+/* After a single request: whether its JSON value was left incomplete
+   (what stopped generation then goes to stderr, as a warning, or with
+   fatal as the run's error). */
+static int answer_incomplete(const Request *r, int why, int fatal)
+{
+    if (!r->st.json_incomplete) return 0;
+    char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+    if (fatal) die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
+    format_line(msg, "this answer is not a complete JSON value: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
+    fputs(msg, stderr);
+    return 1;
+}
+
+/* Before a single request's prefill: how many of t's first tokens the KV
+   cache holds, pos or, from --prompt-cache, more. */
+static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos)
+{
+    return pcache_load(o->cache, m, s, NULL, t->ids, t->n, pos);
 }
 
 /* The end of a single request: the JSON mask's verdict and statistics go
