@@ -1906,8 +1906,7 @@ typedef struct {
 /* What the generation loop takes from the command line. */
 typedef struct {
     int n_predict;      /* -n: tokens to generate at most */
-    int lookup;         /* --lookup N: longest draft of lookup decoding (0 = off) */
-    int lookup_fixed;   /* --lookup-fixed: drafts planned on fixed pass costs (PassCost) */
+    int lookup, lookup_fixed; /* --lookup N: longest draft of lookup decoding (0 = off); --lookup-fixed: see PassCost */
     int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
@@ -1919,7 +1918,7 @@ typedef struct {
     struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
 
-/* Why an answer ended (generate's result). */
+/* Why an answer ended (generate's result; batch mode's records name it with FINISH). */
 enum { STOP_END, STOP_LIMIT, STOP_CONTEXT, STOP_INTERRUPT, STOP_STRING,
        STOP_JSON_DONE /* --json: the value is complete (its last token was text) */ };
 
@@ -2155,42 +2154,6 @@ static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *
     }
 }
 
-typedef struct { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
-
-/* Room for n more bytes and the NUL. */
-static void buf_reserve(Buf *b, size_t n)
-{
-    if (b->p && n < b->cap - b->len) return;
-    if (n > SIZE_MAX / 4 - b->len) die(EXIT_RUNTIME, "out of memory");
-    size_t cap = b->cap ? b->cap : 64;
-    while (cap - b->len <= n) cap *= 2;
-    char *p = realloc(b->p, cap);
-    if (!p) die(EXIT_RUNTIME, "out of memory");
-    b->p = p, b->cap = cap;
-}
-
-static void buf_put(Buf *b, const char *s, size_t n)
-{
-    buf_reserve(b, n);
-    if (n) memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = 0;
-}
-
-static void buf_printf(Buf *b, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (n < 0) die(EXIT_RUNTIME, "cannot format '%s'", fmt);
-    buf_reserve(b, (size_t)n);
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-}
-
 /* Per-request numbers for -v: what the user waits for before the first
    token (TTFT, bound by prefill compute) and between tokens (ITL, bound by
    memory bandwidth in decode). */
@@ -2201,9 +2164,7 @@ typedef struct {
     double *itl;    /* [n_itl] gaps between sampled tokens, ms (a pass that yields several shares its time) */
     int n_itl;
     int passes, drafted, accepted; /* lookup decoding: forward passes after the prefill, drafts checked, drafts kept */
-    int json_incomplete;           /* --json: generation stopped before the value was complete */
-    long json_walks, json_hits;    /* --json: allowed sets computed, and taken from the cache */
-    double json_walk_ms;           /* --json: the time computing them took */
+    int json_incomplete; long json_walks, json_hits; double json_walk_ms; /* --json: see grammar_mask_end */
 } Stats;
 
 typedef struct {
@@ -2223,57 +2184,25 @@ typedef struct {
     int hit; /* 1 + the index of the stop string found; 0 while none */
 } StopMatch;
 
-#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
-#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
-#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
-#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
-#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
-#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
-#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
-#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
-
-/* What forward passes cost here, measured: the time of a pass of m
-   tokens, per m. It is not proportional to m. A decode step's time goes to
-   reading every weight once, which a few more tokens share at little cost
-   while decode waits on memory; past that every token adds its arithmetic,
-   in steps of the kernels' token tiles (on AVX2 a third token costs about
-   what a fourth does). A size not timed yet is taken to cost what the
-   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
-   a hopeful guess, which its first timing then corrects. */
-typedef struct {
-    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
-    double tok_ms;               /* the least time per token of any pass of several */
-    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
-                  memory alone, so the drafts depend on the text only: the same on every machine and load */
-} PassCost;
-
-typedef struct {
-    int max;      /* --lookup: longest draft (0 = off) */
-    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
-    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
-    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
-} Lookup;
-
-/* Part II's entry points that the generation loop calls: stop strings, the
-   JSON grammar's mask, lookup decoding's drafts, the prompt cache, the
-   --logprobs records and -v's report. */
-typedef struct JsonMask JsonMask;
-typedef struct JsonConstraint JsonConstraint;
-typedef struct PromptCache PromptCache;
+/* Part II's entry points that the generation loop calls: the hooks that
+   bring its features into the loop (hooks_open makes a single request's
+   from GenOpts), the matcher inside text_put, the byte strings of a
+   buffered answer, -v's report. */
+typedef struct Buf Buf;
+typedef struct Request Request;
+typedef struct Hooks Hooks;
+static void buf_put(Buf *b, const char *s, size_t n);
 static int stop_step(StopMatch *m, char c, char *out);
-static JsonMask *grammar_mask_new(const JsonConstraint *jc, int vocab);
-static const uint8_t *grammar_mask_allowed(JsonMask *jm);
-static int grammar_mask_take(JsonMask *jm, const char *text, size_t len);
-static int grammar_mask_done(const JsonMask *jm);
-static void grammar_mask_end(JsonMask *jm, Stats *st);
-static void lookup_time(PassCost *pc, int m, double ms);
-static void lookup_adapt(Lookup *lk, const int *ids, int n);
-static int lookup_room(const Lookup *lk, const Tokens *t, int limit);
-static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost *pc, int max_rows, int *k);
-static void pcache_save(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n);
-static int pcache_load(PromptCache *pc, const Model *m, RunState *s, const PageTable *pt, const int *ids, int n,
-                       int from);
-static void put_logprobs_line(const Model *m, int token, const Logprobs *lp);
+static void hooks_open(Request *r, const Model *m, RunState *s, Sampler *sm, const GenOpts *o);
+static const uint8_t *hook_allowed(Request *r);
+static void hook_logprobs(Request *r, int token);
+static int hook_text(Request *r, int token, const char *text, size_t len);
+static int hook_decode(Request *r, int *why, int *yielded);
+static void hook_prefilled(Request *r, int n, double ms);
+static void hook_prompt(Request *r, int n);
+static void hooks_close(Request *r, int why);
+static int answer_incomplete(const Request *r, int why, int fatal);
+static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos);
 static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st);
 /* ----- streaming --------------------------------------------------------------- */
 
@@ -2368,134 +2297,87 @@ static void text_end(TextOut *o)
     if (o->f) check_stdout();
 }
 
-/* One answer: what the caller gives generate, and what it gets back. */
-typedef struct {
-    Tokens *conv;  /* the conversation: every token fed is appended, so conv->n == pos on return */
+/* One answer in the making: what the caller gives generate (conv, pos,
+   n_predict, out), what it gets back (st, last), and what the loop's steps
+   share. Batch mode keeps one per sequence and takes its tokens with the
+   same steps. */
+struct Request {
+    Tokens *conv;  /* the conversation: every token fed is appended, so conv->n == pos after each step */
     int pos;       /* tokens of conv in the KV cache */
     int n_predict; /* tokens to generate at most */
+    int capped;    /* n_predict was cut to what the context holds: reaching it is STOP_CONTEXT */
     TextOut *out;  /* where the answer's text goes */
     Stats st;      /* what it measured (st.itl: the caller frees it) */
-    int last;      /* the last token sampled (not fed; -1 when n_predict is 0) */
-} Request;
-
-/* generate's working set for one answer. */
-typedef struct {
+    int last;      /* the last token sampled and taken, not fed (-1 when n_predict is 0) */
+    /* the rest is set by hooks_open (batch mode: admit) */
     const Model *m;
     RunState *s;
     Sampler *sm;
-    const GenOpts *o;
-    Request *r;
-    JsonMask *jm;    /* --json: the grammar's mask (NULL: free text) */
-    Lookup lk;       /* lookup decoding's pointer into the context */
     Candidate *cand; /* [vocab] the sampler's scratch */
-} Gen;
+    int ignore_eos;  /* an end token does not end the answer (--ignore-eos, unless a hook needs the end) */
+    Hooks *h;        /* Part II's features on this answer */
+};
 
-/* The next token from a row of logits, under the JSON mask and with the
-   conversation so far as the penalties' history. */
-static int sample_next(const Gen *g, float *logits)
+/* The next token from a row of logits, under the hooks' mask of allowed
+   tokens and with the conversation so far as the penalties' history. */
+static int sample_next(Request *r, float *logits)
 {
-    return sample(g->sm, logits, g->m->c.vocab_size, g->cand, g->jm ? grammar_mask_allowed(g->jm) : NULL, g->r->conv);
+    return sample(r->sm, logits, r->m->c.vocab_size, r->cand, hook_allowed(r), r->conv);
 }
 
-/* Takes the sampled token: an end token stops (never printed, never fed
-   back); otherwise it is streamed and counted, and the limits are checked
-   (a stop string in its text, -n, the context at position pos, Ctrl-C).
-   With g->jm (--json) the token moves the automaton, and a complete value
-   stops (an end token, which the mask allows only then, stops even with
-   --ignore-eos). Returns STOP_* or -1 to go on. With the sampler's report (--logprobs) the token's record is printed instead of its text (which
-   still goes through out's stop matcher), the stopping end token's too:
-   the records then cover every token the model chose, and their
-   log-probabilities add up to the likelihood of the whole answer, its end
-   included. */
-static int take_token(Gen *g, int token, int pos)
+/* Takes a sampled token, in every mode: an end token stops (never printed,
+   never fed back); otherwise its text goes out (hook_text, which may end
+   the answer) and it is counted, and the limits are checked (-n, the
+   context at position r->pos, Ctrl-C). Returns STOP_* or -1 to go on.
+   With the sampler's report (--logprobs) the token's record is written
+   instead of its text, the stopping end token's too: the records then
+   cover every token the model chose, and their log-probabilities add up to
+   the likelihood of the whole answer, its end included. */
+static int take_token(Request *r, int token)
 {
-    const Model *m = g->m;
-    Request *r = g->r;
-    if (g->sm->report) put_logprobs_line(m, token, g->sm->report);
-    if (tok_is_eog(m->tok, token) && (!g->o->ignore_eos || g->jm)) return STOP_END;
+    const Model *m = r->m;
+    r->last = token;
+    if (r->sm->report) hook_logprobs(r, token);
+    if (tok_is_eog(m->tok, token) && !r->ignore_eos) return STOP_END;
     size_t len;
     const char *piece = tok_piece(m->tok, token, &len);
-    if (g->jm && !grammar_mask_take(g->jm, piece, piece && !tok_is_control(m->tok, token) ? len : 0))
-        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = piece && !tok_is_control(m->tok, token) && text_put(r->out, piece, len);
+    const char *text = piece && !tok_is_control(m->tok, token) ? piece : NULL;
+    int why = hook_text(r, token, text, text ? len : 0);
     r->st.n_gen++;
-    if (stopped) return STOP_STRING;
-    if (g->jm && grammar_mask_done(g->jm)) return STOP_JSON_DONE;
-    if (r->st.n_gen >= r->n_predict) return STOP_LIMIT;
-    if (pos >= g->s->seq_len) return STOP_CONTEXT;
+    if (why >= 0) return why;
+    if (r->st.n_gen >= r->n_predict) return r->capped ? STOP_CONTEXT : STOP_LIMIT;
+    if (r->pos >= r->s->seq_len) return STOP_CONTEXT;
     if (interrupted) return STOP_INTERRUPT;
     return -1;
 }
 
-/* One step of the decode loop: feeds `token` (taken, at position r->pos) and
-   returns the next sampled token. With lookup, the pointer's guesses (as
-   many as lookup_plan finds worth their cost) follow it in one
-   verification pass; each that stands is taken on the spot (and may stop
-   generation: then *why is set). Every row is sampled as a decode step's
-   would be, the same draw from the same generator, and a guess stands
-   when the draw equals it. For a guess of one token that is exact
-   speculative sampling: it stands with probability p(d), and when it
-   falls the token is distributed as p without d, renormalized. And since
-   the draws are those of plain decoding, a seed gives the same text with
-   or without lookup, whatever number of guesses the measured costs chose.
-   r->conv receives every token fed, so r->conv->n == r->pos after the step. */
-static int decode_next(Gen *g, int token, int *why)
+/* One step of the decode loop: feeds the last token taken (at position
+   r->pos), then samples and takes the next. A hook may instead feed more
+   tokens in one pass and take several (hook_decode). Returns STOP_* or -1
+   to go on; *yielded gets the number of tokens taken. */
+static int decode_next(Request *r, int *yielded)
 {
-    const Model *m = g->m;
-    RunState *s = g->s;
-    Request *r = g->r;
-    Tokens *conv = r->conv;
-    Lookup *lk = &g->lk;
-    int vocab = m->c.vocab_size, batch[VERIFY_MAX_TOKENS], k;
-    push(conv, token);
-    lookup_adapt(lk, conv->ids, conv->n);
-    int room = lookup_room(lk, conv, min_i(s->seq_len - r->pos - 1, r->n_predict - r->st.n_gen));
-    lookup_plan(&lk, &room, 1, &lk->cost, VERIFY_MAX_TOKENS, &k);
+    push(r->conv, r->last);
     r->st.passes++;
-    double t0 = now_ms();
-    if (k == 0) {
-        decode_step(m, s, token, r->pos++);
-        lookup_time(&lk->cost, 1, now_ms() - t0);
-        return sample_next(g, s->logits);
-    }
-    batch[0] = token;
-    memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch);
-    verify_step(m, s, batch, k + 1, r->pos);
-    lookup_time(&lk->cost, k + 1, now_ms() - t0);
-    r->st.drafted += k;
-    int i = 0, kept = 0, next;
-    for (;; i++) { /* row i holds the logits after batch[0..i], which conv ends with; jm's state is after them too (drafts stood) */
-        next = sample_next(g, s->logits + (size_t)i * vocab);
-        if (i == k || next != batch[i + 1]) break;
-        kept++;
-        if ((*why = take_token(g, next, r->pos + i + 1)) >= 0) break;
-        push(conv, next);
-        lookup_adapt(lk, conv->ids, conv->n);
-    }
-    r->st.accepted += kept;
-    r->pos += i + 1; /* batch[0..i] were fed; the rest of the pass's cache rows are overwritten later */
-    return next;
+    int why;
+    if (hook_decode(r, &why, yielded)) return why;
+    decode_step(r->m, r->s, r->last, r->pos++);
+    *yielded = 1;
+    return take_token(r, sample_next(r, r->s->logits));
 }
 
 /* Prefills the tokens of r->conv not yet cached (from r->pos), then samples,
-   streams into out and decodes until an end token (never printed, never
-   fed back), a stop string, n_predict tokens, the end of the context or
+   streams into r->out and decodes until an end token (never printed, never
+   fed back), the hooks' end, n_predict tokens, the end of the context or
    Ctrl-C. Every token fed to the model is appended to conv, so conv->n ==
-   *pos on return. Returns why it stopped and, in *last, the last token
+   r->pos on return. Returns why it stopped; r->last is the last token
    sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
-   printed). With --logprobs the request's draws report into lp while it
-   runs. With o->json every token is sampled under the grammar's mask;
-   st->json_incomplete tells whether the value was left unfinished. With
-   o->cache, the prompt's rows (conv's first *pos tokens after the
-   prefill) are saved there once the first token is out, so that neither
-   the TTFT nor a run cut short by its reader (`| head`) goes without. */
+   printed). hook_prompt is told when the prompt's first token is out (or
+   at the end), so that neither the TTFT nor a run cut short by its reader
+   (`| head`) waits for what it does. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Request *r)
 {
-    Gen g = {.m = m, .s = s, .sm = sm, .o = o, .r = r, .lk = {.max = o->lookup, .src = -1, .cost.fixed = o->lookup_fixed},
-             .cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate))};
-    Logprobs lp = {.want = o->logprobs};
-    sm->report = o->logprobs >= 0 ? &lp : NULL;
-    g.jm = o->json ? grammar_mask_new(o->json, m->c.vocab_size) : NULL;
+    hooks_open(r, m, s, sm, o);
     Tokens *conv = r->conv;
     Stats *st = &r->st;
     int n = conv->n - r->pos, why = STOP_LIMIT;
@@ -2508,45 +2390,26 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     double t0 = now_ms();
     prefill(m, s, conv->ids + r->pos, n, r->pos, 0);
     r->pos += n;
-    int n_cached = r->pos, saved = !o->cache; /* the prompt's rows go to --prompt-cache once its first token is out */
-    int token = r->n_predict > 0 ? sample_next(&g, s->logits) : -1;
+    int n_prompt = r->pos, told = 0;
+    int token = r->n_predict > 0 ? sample_next(r, s->logits) : -1;
     double t_prev = now_ms();
     st->prefill_ms = t_prev - t0;
-    if (n > 0) lookup_time(&g.lk.cost, n, st->prefill_ms); /* the per-token cost of a large pass */
+    hook_prefilled(r, n, st->prefill_ms);
     r->last = token;
-    while (r->n_predict > 0) {
-        if ((why = take_token(&g, token, r->pos)) >= 0) break;
-        if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached), saved = 1;
-        int before = st->n_gen, stop = -1;
-        token = decode_next(&g, token, &stop);
-        r->last = token;
-        /* the pass yielded the drafts taken and the new token: they share its time */
+    if (r->n_predict > 0) why = take_token(r, token);
+    while (r->n_predict > 0 && why < 0) {
+        if (!told) hook_prompt(r, n_prompt), told = 1;
+        int yielded;
+        why = decode_next(r, &yielded);
+        /* the pass yielded the tokens taken: they share its time */
         double t = now_ms();
-        int yielded = st->n_gen - before + 1;
         for (int i = 0; i < yielded && st->n_itl <= r->n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
         t_prev = t;
-        if (stop >= 0) { why = stop; break; }
     }
     text_end(r->out);
-    if (!saved) pcache_save(o->cache, m, s, NULL, conv->ids, n_cached); /* the decode steps wrote only positions after it */
-    sm->report = NULL;
-    if (o->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", r->out->stop.hit);
-    if (g.jm) grammar_mask_end(g.jm, st);
-    free(g.cand);
+    if (!told) hook_prompt(r, n_prompt); /* the decode steps wrote only positions after it */
+    hooks_close(r, why);
     return why;
-}
-
-/* What ended an answer whose JSON value is incomplete (generate's why),
-   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
-   string, e.g. "stop string 2 (',')". */
-static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
-{
-    if (why == STOP_STRING) {
-        int k = out->stop.hit - 1;
-        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
-        return buf;
-    }
-    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
 }
 
 /* When the conversation plus room for an answer no longer fits, drops the
@@ -2695,7 +2558,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
             refuse_message(NULL);
             continue;
         }
-        pos = pcache_load(o->cache, m, s, NULL, conv.ids, conv.n, pos); /* what an earlier run's conversation holds */
+        pos = cached_prefix(o, m, s, &conv, pos); /* what an earlier run's conversation holds */
         if (o->verbose)
             fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
         interrupted = 0;
@@ -2709,13 +2572,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        if (r.st.json_incomplete) {
-            char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
-            format_line(msg, "this answer is not a complete JSON value: generation stopped at %s",
-                        stop_cause(why, &out, cause, sizeof cause));
-            fputs(msg, stderr);
-            incomplete++;
-        }
+        incomplete += answer_incomplete(&r, why, 0);
         if (o->verbose) report_stats(m, s, mc, &r.st);
         free(r.st.itl);
         chat_close_answer(&ch, m, &conv, why, r.last);
@@ -2751,7 +2608,7 @@ typedef struct {
     const char *kernels; /* --kernels NAME (NULL: $KERNELS_ENV, else the best set this CPU runs) */
     int json;            /* --json */
     const char *json_schema; /* --json-schema FILE */
-    GenOpts gen;      /* -n, --lookup, --ignore-eos, --print-prompt-ids, -v, -y */
+    GenOpts gen;      /* what the generation loop takes (see GenOpts) */
     BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
 #define KERNELS_ENV "RUN_KERNELS" /* the environment's default for --kernels */
@@ -2760,6 +2617,8 @@ typedef struct {
 /* Part II's entry points that main calls: the command line, the kernel set,
    the JSON grammar, the prompt cache, the machine probe, and the modes
    other than generation (batch, perplexity, logits). */
+typedef struct JsonConstraint JsonConstraint;
+typedef struct PromptCache PromptCache;
 static void reserve_std_fds(void);
 static void parse_args(Args *a, int argc, char **argv);
 static int usable_cpus(void);
@@ -2878,7 +2737,7 @@ int main(int argc, char **argv)
         TextOut out;
         text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
         Request r = {.conv = &prompt, .n_predict = a.gen.n_predict, .out = &out};
-        r.pos = pcache_load(a.gen.cache, &m, &s, NULL, prompt.ids, prompt.n, 0);
+        r.pos = cached_prefix(&a.gen, &m, &s, &prompt, 0);
         if (r.n_predict > seq_len - prompt.n + 1) {
             r.n_predict = seq_len - prompt.n + 1;
             if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, r.n_predict, seq_len, prompt.n);
@@ -2886,9 +2745,7 @@ int main(int argc, char **argv)
         int why = generate(&m, &s, &sm, &a.gen, &r);
         if (a.gen.verbose) report_stats(&m, &s, mcp, &r.st);
         free(r.st.itl);
-        char cause[STOP_MAX_BYTES + 32];
-        if (r.st.json_incomplete)
-            die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, &out, cause, sizeof cause));
+        answer_incomplete(&r, why, 1);
     }
     if (a.gen.cache) close_prompt_cache(a.gen.cache);
     if (a.gen.verbose) report_process(&m, load_ms);
@@ -4627,10 +4484,46 @@ static void report_process(const Model *m, double load_ms)
 }
 
 /* ----- JSON -------------------------------------------------------------------
-   Reading and writing it (a record is written into a Buf, section 5's
-   growable byte string). The JSON reader takes exactly
+   Reading and writing it (a record is written into a Buf, the growable
+   byte string below). The JSON reader takes exactly
    RFC 8259 and nothing more (a script's input should mean one thing); the
    writer escapes any bytes into valid JSON and valid UTF-8. */
+
+typedef struct Buf { char *p; size_t len, cap; } Buf; /* a growable byte string, NUL-terminated */
+
+/* Room for n more bytes and the NUL. */
+static void buf_reserve(Buf *b, size_t n)
+{
+    if (b->p && n < b->cap - b->len) return;
+    if (n > SIZE_MAX / 4 - b->len) die(EXIT_RUNTIME, "out of memory");
+    size_t cap = b->cap ? b->cap : 64;
+    while (cap - b->len <= n) cap *= 2;
+    char *p = realloc(b->p, cap);
+    if (!p) die(EXIT_RUNTIME, "out of memory");
+    b->p = p, b->cap = cap;
+}
+
+static void buf_put(Buf *b, const char *s, size_t n)
+{
+    buf_reserve(b, n);
+    if (n) memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = 0;
+}
+
+static void buf_printf(Buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0) die(EXIT_RUNTIME, "cannot format '%s'", fmt);
+    buf_reserve(b, (size_t)n);
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
 
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
 #define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
@@ -6352,8 +6245,8 @@ static int compile_schema_value(JsonConstraint *jc, const Json *v, const VocabTr
     return 0;
 }
 
-/* The generation loop's handles on a request's mask (a heap object, so
-   that the loop needs no more of this section than these names). */
+/* The generation loop's hooks' handles on a request's mask (a heap object,
+   so that they need no more of this section than these names). */
 static JsonMask *grammar_mask_new(const JsonConstraint *jc, int vocab)
 {
     JsonMask *jm = xmalloc(sizeof *jm);
@@ -6367,7 +6260,8 @@ static int grammar_mask_take(JsonMask *jm, const char *text, size_t len) { retur
 static int grammar_mask_done(const JsonMask *jm) { return jm->state.mode == JM_DONE; }
 
 /* Ends a request's mask: whether its value was left unfinished, and the
-   mask's statistics, into st; frees it. */
+   mask's statistics (allowed sets walked over the vocabulary, sets taken
+   from the cache, the time walking took), into st; frees it. */
 static void grammar_mask_end(JsonMask *jm, Stats *st)
 {
     st->json_incomplete = !json_complete(&jm->jc->g, &jm->state);
@@ -6978,7 +6872,7 @@ static void keep_every_position(RunState *s, const Config *c)
    search starts from the text as it now ends. Greedy output stays byte for
    byte what plain decoding gives, because the verification pass computes
    each position exactly as a decode step; sampled output is drawn exactly
-   as without lookup (see decode_next).
+   as without lookup (see accept_drafts).
 
    How many to guess is a trade: a pass of m tokens costs more than a decode
    step wherever decode is not purely bound by memory (lookup_cost), and a
@@ -6987,6 +6881,37 @@ static void keep_every_position(RunState *s, const Config *c)
    from the passes' own times, the odds from every token that met a
    pointer, drafted or not; lookup_plan then picks the guesses that give
    the most tokens per unit of time. */
+
+#define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
+#define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
+#define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
+#define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
+#define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
+#define LOOKUP_SPIKE 2.0    /* ... which count a pass at most this many times their average (a descheduled thread) */
+#define LOOKUP_MARGIN 0.05  /* drafts must promise this much more speed than none: smaller gains drown in the costs' noise */
+#define LOOKUP_DEFAULT (VERIFY_MAX_TOKENS - 1) /* --lookup: the longest draft */
+
+/* What forward passes cost here, measured: the time of a pass of m
+   tokens, per m. It is not proportional to m. A decode step's time goes to
+   reading every weight once, which a few more tokens share at little cost
+   while decode waits on memory; past that every token adds its arithmetic,
+   in steps of the kernels' token tiles (on AVX2 a third token costs about
+   what a fourth does). A size not timed yet is taken to cost what the
+   cheapest token seen so far (a prefill chunk's, usually) would cost in it:
+   a hopeful guess, which its first timing then corrects. */
+typedef struct {
+    double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
+    double tok_ms;               /* the least time per token of any pass of several */
+    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
+                  memory alone, so the drafts depend on the text only: the same on every machine and load */
+} PassCost;
+
+typedef struct {
+    int max;      /* --lookup: longest draft (0 = off) */
+    int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
+    double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
+    PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
+} Lookup;
 
 /* Takes the time of a pass of m tokens into pc (a prefill of several
    chunks counts as chunks of CHUNK_TOKENS). */
@@ -7104,6 +7029,175 @@ static int lookup_room(const Lookup *lk, const Tokens *t, int limit)
     return lk->src >= 0 ? max_i(0, min_i(min_i(lk->max, limit), t->n - lk->src)) : 0;
 }
 
+/* ----- the generation loop's hooks ------------------------------------------------
+   How the features above enter Part I's generation loop (take_token,
+   decode_next, generate), which batch mode runs too: the JSON mask on the
+   draws and on the text, lookup decoding's passes, the prompt cache after
+   the prompt, the --logprobs records. Each pointer is NULL when its
+   feature is off. */
+struct Hooks {
+    JsonMask *jm;       /* --json: the grammar's mask (NULL: free text) */
+    Lookup *lk;         /* lookup decoding's pointer into the context (NULL: off; batch mode plans its own passes) */
+    PromptCache *cache; /* --prompt-cache: where the prompt's K and V go once prefilled (NULL: nowhere) */
+    Buf *records;       /* --logprobs: the records, comma-separated (NULL: each a line of stdout) */
+    int verbose;        /* -v */
+    Lookup own_lk;      /* single-request mode's: lk points here */
+    Logprobs lp;        /* single-request mode's: the draws report here */
+};
+
+/* A single request's hooks, from the command line, and r's share of the
+   loop's state. */
+static void hooks_open(Request *r, const Model *m, RunState *s, Sampler *sm, const GenOpts *o)
+{
+    Hooks *h = xcalloc(1, sizeof *h);
+    h->lp = (Logprobs){.want = o->logprobs};
+    sm->report = o->logprobs >= 0 ? &h->lp : NULL;
+    h->jm = o->json ? grammar_mask_new(o->json, m->c.vocab_size) : NULL;
+    h->own_lk = (Lookup){.max = o->lookup, .src = -1, .cost.fixed = o->lookup_fixed};
+    h->lk = o->lookup ? &h->own_lk : NULL;
+    h->cache = o->cache, h->verbose = o->verbose;
+    r->m = m, r->s = s, r->sm = sm, r->h = h;
+    r->cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate));
+    r->ignore_eos = o->ignore_eos && !h->jm; /* the mask allows an end token only once the value is complete */
+}
+
+/* The tokens the next draw may take: the JSON mask's, or NULL for all. */
+static const uint8_t *hook_allowed(Request *r) { return r->h->jm ? grammar_mask_allowed(r->h->jm) : NULL; }
+
+/* A token's --logprobs record: a line of stdout, or into the records. */
+static void hook_logprobs(Request *r, int token)
+{
+    Buf *b = r->h->records;
+    if (!b) { put_logprobs_line(r->m, token, r->sm->report); return; }
+    if (b->len) buf_put(b, ", ", 2);
+    logprobs_record(b, r->m, token, r->sm->report);
+}
+
+/* A token taken: its text (NULL for an end or control token: no text)
+   moves the JSON automaton and goes out through the stop matcher. Returns
+   STOP_STRING or STOP_JSON_DONE when that ends the answer, else -1. */
+static int hook_text(Request *r, int token, const char *text, size_t len)
+{
+    JsonMask *jm = r->h->jm;
+    if (jm && !grammar_mask_take(jm, text, len))
+        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
+    if (text && text_put(r->out, text, len)) return STOP_STRING;
+    if (jm && grammar_mask_done(jm)) return STOP_JSON_DONE;
+    return -1;
+}
+
+/* The draft-acceptance loop, in both modes: after a pass that fed r's last
+   token (at r->pos) and k drafts after it, logits holding the k + 1 rows,
+   each row is sampled as a decode step's would be, the same draw from the
+   same generator, and the token drawn is taken; a draft stands when the
+   draw equals it, and then the next row follows. For a draft of one token
+   that is exact speculative sampling: it stands with probability p(d),
+   and when it falls the token is distributed as p without d,
+   renormalized. And since the draws are those of plain decoding, a seed
+   gives the same text with or without lookup, whatever number of drafts
+   the plan chose. The cache rows of drafts that fell lie past r->pos, and
+   the next pass writes them again before any query reads them. Returns
+   STOP_* or -1; *taken gets the number of tokens taken. */
+static int accept_drafts(Request *r, float *logits, const int *drafts, int k, int *taken)
+{
+    int vocab = r->m->c.vocab_size;
+    r->pos++;
+    for (int i = 0;; i++) {
+        int next = sample_next(r, logits + (size_t)i * vocab);
+        int stood = i < k && next == drafts[i];
+        r->st.accepted += stood;
+        *taken = i + 1;
+        int why = take_token(r, next);
+        if (!stood || why >= 0) return why;
+        push(r->conv, next);
+        r->pos++;
+        lookup_adapt(r->h->lk, r->conv->ids, r->conv->n);
+    }
+}
+
+/* Single-request mode's decode step with lookup decoding (returns 0 when
+   it is off: the plain step runs): after the token fed, the pointer's
+   drafts, as many as lookup_plan finds worth their cost, in one
+   verification pass, and accept_drafts takes the tokens. */
+static int hook_decode(Request *r, int *why, int *yielded)
+{
+    Lookup *lk = r->h->lk;
+    if (!lk) return 0;
+    Tokens *conv = r->conv;
+    int batch[VERIFY_MAX_TOKENS], k;
+    lookup_adapt(lk, conv->ids, conv->n);
+    int room = lookup_room(lk, conv, min_i(r->s->seq_len - r->pos - 1, r->n_predict - r->st.n_gen));
+    lookup_plan(&lk, &room, 1, &lk->cost, VERIFY_MAX_TOKENS, &k);
+    double t0 = now_ms();
+    batch[0] = r->last;
+    if (k == 0) decode_step(r->m, r->s, r->last, r->pos);
+    else memcpy(batch + 1, conv->ids + lk->src, k * sizeof *batch), verify_step(r->m, r->s, batch, k + 1, r->pos);
+    lookup_time(&lk->cost, k + 1, now_ms() - t0);
+    r->st.drafted += k;
+    *why = accept_drafts(r, r->s->logits, batch + 1, k, yielded);
+    return 1;
+}
+
+/* After the prefill of n tokens: its time per token is lookup's guess at
+   the cost of a large pass. */
+static void hook_prefilled(Request *r, int n, double ms)
+{
+    if (r->h->lk && n > 0) lookup_time(&r->h->lk->cost, n, ms);
+}
+
+/* The prompt's first n tokens are cached (and its first token is out):
+   their K and V go to --prompt-cache. */
+static void hook_prompt(Request *r, int n)
+{
+    if (r->h->cache) pcache_save(r->h->cache, r->m, r->s, NULL, r->conv->ids, n);
+}
+
+/* What ended an answer whose JSON value is incomplete (generate's why),
+   for the message: "-n", "the end of the context", "Ctrl-C" or the stop
+   string, e.g. "stop string 2 (',')". */
+static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
+{
+    if (why == STOP_STRING) {
+        int k = out->stop.hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        return buf;
+    }
+    return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
+}
+
+/* After a single request: whether its JSON value was left incomplete
+   (what stopped generation then goes to stderr, as a warning, or with
+   fatal as the run's error). */
+static int answer_incomplete(const Request *r, int why, int fatal)
+{
+    if (!r->st.json_incomplete) return 0;
+    char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
+    if (fatal) die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
+    format_line(msg, "this answer is not a complete JSON value: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
+    fputs(msg, stderr);
+    return 1;
+}
+
+/* Before a single request's prefill: how many of t's first tokens the KV
+   cache holds, pos or, from --prompt-cache, more. */
+static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos)
+{
+    return pcache_load(o->cache, m, s, NULL, t->ids, t->n, pos);
+}
+
+/* The end of a single request: the JSON mask's verdict and statistics go
+   into r->st; the hooks are freed. */
+static void hooks_close(Request *r, int why)
+{
+    Hooks *h = r->h;
+    r->sm->report = NULL;
+    if (h->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", r->out->stop.hit);
+    if (h->jm) grammar_mask_end(h->jm, &r->st);
+    free(r->cand);
+    free(h);
+    r->h = NULL;
+}
+
 /* ----- batch mode ---------------------------------------------------------------
    --batch FILE: one request per input line, answered as one JSON record per
    line, in input order. Decode reads every weight once per token; one
@@ -7210,8 +7304,9 @@ typedef struct {
 } PagePool;
 
 enum { SEQ_IDLE, SEQ_PREFILL, SEQ_DECODE };
-enum { FIN_STOP, FIN_LENGTH, FIN_CONTEXT, FIN_INTERRUPTED };
-static const char *const FINISH[] = {"stop", "length", "context", "interrupted"};
+/* A record's "finish", by STOP_*: an end token, a stop string and a complete JSON value are all "stop". */
+static const char *const FINISH[] = {[STOP_END] = "stop", [STOP_LIMIT] = "length", [STOP_CONTEXT] = "context",
+                                     [STOP_INTERRUPT] = "interrupted", [STOP_STRING] = "stop", [STOP_JSON_DONE] = "stop"};
 
 /* One request: a line of input, then a sequence in flight. */
 typedef struct {
@@ -7220,11 +7315,11 @@ typedef struct {
     long order;        /* admission order: prompts are prefilled first come, first served */
     Buf id;            /* the record's "id" as JSON text */
     Tokens toks;       /* the prompt, then every token fed */
-    int n_prompt, pos; /* prompt tokens; positions cached */
-    int n_predict;     /* tokens to generate at most */
-    int capped;        /* n_predict was cut to what the context or the pool holds */
+    int n_prompt;      /* prompt tokens */
+    Request r;         /* the answer: r.pos positions cached, r.n_predict (r.capped: cut to what the context or the
+                          pool holds), r.last the token sampled and not yet fed, r.st.n_gen tokens generated */
+    Hooks hk;          /* r's hooks: into jm, lk, logprobs */
     int json_incomplete; /* with jc: the answer ended before its value was complete */
-    int token, n_gen;  /* the token sampled and not yet fed; tokens generated */
     Sampler sm;
     Logprobs lp;       /* the last draw's log-probabilities, with lp.want >= 0 ("logprobs") */
     Buf logprobs;      /* the records of every token drawn, comma-separated */
@@ -7455,7 +7550,7 @@ static void record_answer(Batch *b, const Seq *q, int finish, double now)
     buf_printf(r, "{\"id\": %s, \"text\": ", q->id.p);
     json_put_string(r, q->text.p ? q->text.p : "", q->text.len);
     buf_printf(r, ", \"prompt_tokens\": %d, \"tokens\": %d, \"finish\": \"%s\", \"ttft_ms\": %.1f, \"total_ms\": %.1f",
-               q->n_prompt, q->n_gen, FINISH[finish], q->n_gen || finish == FIN_STOP ? q->t_first - q->t_admit : 0.0,
+               q->n_prompt, q->r.st.n_gen, FINISH[finish], q->r.st.n_gen || finish == STOP_END ? q->t_first - q->t_admit : 0.0,
                now - q->t_admit);
     if (q->json_incomplete) buf_printf(r, ", \"json_complete\": false");
     if (q->lp.want >= 0) buf_printf(r, ", \"logprobs\": [%s]", q->logprobs.p ? q->logprobs.p : "");
@@ -7686,7 +7781,7 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             } else buf_put(&q->id, x->str, x->len); /* a number exactly as written */
         } else if (!strcmp(k, "n")) {
             if (json_int(x, 0, MAX_SEQ, &n)) { snprintf(why, why_len, "\"n\" must be an integer in [0, %d]", MAX_SEQ); return why; }
-            q->n_predict = (int)n;
+            q->r.n_predict = (int)n;
         } else if (sampling_field(k, x, &q->sm, why, why_len)) {
             if (*why) return why;
         } else if (!strcmp(k, "chat")) {
@@ -7743,7 +7838,7 @@ static void read_request(Batch *b, int wait)
         Seq *q = &b->pending;
         Buf id = {0};
         buf_printf(&id, "%ld", no);
-        *q = (Seq){.line = no, .id = id, .n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs},
+        *q = (Seq){.line = no, .id = id, .r.n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs},
                    .stops = b->o->stops};
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
@@ -7783,14 +7878,14 @@ static void read_request(Batch *b, int wait)
             fputc('\n', stderr);
         }
         if (problem) record_error(b, no, &q->id, "%s", problem);
-        else if (q->n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
+        else if (q->r.n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
             q->json_incomplete = q->jc != NULL;
             b->failed |= q->json_incomplete;
-            q->t_admit = now_ms(), record_answer(b, q, FIN_LENGTH, q->t_admit);
+            q->t_admit = now_ms(), record_answer(b, q, STOP_LIMIT, q->t_admit);
         }
         json_free(&v);
         free(line);
-        if (problem || q->n_predict == 0) drop_request(q);
+        if (problem || q->r.n_predict == 0) drop_request(q);
     }
 }
 
@@ -7846,8 +7941,8 @@ static int admit(Batch *b, Seq *slot)
 {
     Seq *q = &b->pending;
     int seq_len = b->s->seq_len;
-    if (q->n_predict > seq_len - q->n_prompt + 1) q->n_predict = seq_len - q->n_prompt + 1, q->capped = 1;
-    int shared, need = (q->n_prompt + q->n_predict - 1 + PAGE_TOKENS - 1) / PAGE_TOKENS;
+    if (q->r.n_predict > seq_len - q->n_prompt + 1) q->r.n_predict = seq_len - q->n_prompt + 1, q->r.capped = 1;
+    int shared, need = (q->n_prompt + q->r.n_predict - 1 + PAGE_TOKENS - 1) / PAGE_TOKENS;
     const Config *c = &b->m->c;
     PagePool *p = &b->pool;
     Seq *donor = prefix_donor(b, q, &shared);
@@ -7861,13 +7956,13 @@ static int admit(Batch *b, Seq *slot)
             drop_request(q);
             return 0;
         }
-        q->n_predict = most * PAGE_TOKENS - q->n_prompt + 1, q->capped = 1;
+        q->r.n_predict = most * PAGE_TOKENS - q->n_prompt + 1, q->r.capped = 1;
         need = most;
     }
     *slot = *q;
     q->line = 0;
     page_admit(p, c, &slot->pt, need, donor ? &donor->pt : NULL, shared);
-    slot->pos = pcache_load(b->o->cache, b->m, b->s, &slot->pt, slot->toks.ids, slot->n_prompt, shared * PAGE_TOKENS);
+    slot->r.pos = pcache_load(b->o->cache, b->m, b->s, &slot->pt, slot->toks.ids, slot->n_prompt, shared * PAGE_TOKENS);
     slot->state = SEQ_PREFILL;
     slot->order = b->admitted++;
     /* each line its own stream of random numbers, from -s and the line number */
@@ -7876,6 +7971,10 @@ static int admit(Batch *b, Seq *slot)
     slot->lk = (Lookup){.max = b->o->lookup, .src = -1};
     text_open(&slot->out, NULL, &slot->text, &slot->stops);
     if (slot->jc) json_mask_init(&slot->jm, slot->jc, b->m->c.vocab_size);
+    slot->hk = (Hooks){.jm = slot->jc ? &slot->jm : NULL, .lk = &slot->lk, .records = slot->sm.report ? &slot->logprobs : NULL};
+    Request *r = &slot->r;
+    r->conv = &slot->toks, r->out = &slot->out, r->m = b->m, r->s = b->s, r->sm = &slot->sm, r->cand = b->cand, r->h = &slot->hk;
+    r->ignore_eos = b->o->ignore_eos && !slot->jc; /* the mask allows an end token only once the value is complete */
     slot->t_admit = now_ms();
     b->in_flight++;
     return 1;
@@ -7902,32 +8001,6 @@ static void finish_seq(Batch *b, Seq *q, int finish)
     b->in_flight--;
 }
 
-/* Takes q's sampled token as take_token does for a single request, into
-   q's text; the sequence ends on an end token, at its -n, at the end of
-   the context or on Ctrl-C. */
-static void seq_take(Batch *b, Seq *q, int token)
-{
-    if (q->n_gen == 0) q->t_first = q->t_prev = now_ms();
-    q->token = token;
-    if (q->sm.report) { /* every token drawn, the end token included, as in the single-request mode */
-        if (q->logprobs.len) buf_put(&q->logprobs, ", ", 2);
-        logprobs_record(&q->logprobs, b->m, token, &q->lp);
-    }
-    if (tok_is_eog(b->m->tok, token) && (!b->o->ignore_eos || q->jc)) { finish_seq(b, q, FIN_STOP); return; }
-    size_t len;
-    const char *piece = tok_piece(b->m->tok, token, &len);
-    int text = piece && !tok_is_control(b->m->tok, token);
-    if (q->jc && !grammar_mask_take(&q->jm, piece, text ? len : 0))
-        die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    int stopped = (text && text_put(&q->out, piece, len)) || (q->jc && grammar_mask_done(&q->jm));
-    b->gen_tokens++;
-    q->n_gen++;
-    if (stopped) finish_seq(b, q, FIN_STOP);
-    else if (q->n_gen >= q->n_predict) finish_seq(b, q, q->capped ? FIN_CONTEXT : FIN_LENGTH);
-    else if (q->pos >= b->s->seq_len) finish_seq(b, q, FIN_CONTEXT);
-    else if (interrupted) finish_seq(b, q, FIN_INTERRUPTED);
-}
-
 /* One chunk of the prompt of the sequence admitted first among those
    still prefilling; after its last chunk the first token is sampled. */
 static void prefill_some(Batch *b)
@@ -7936,22 +8009,25 @@ static void prefill_some(Batch *b)
     for (int i = 0; i < b->parallel; i++)
         if (b->seq[i].state == SEQ_PREFILL && (!q || b->seq[i].order < q->order)) q = &b->seq[i];
     if (!q) return;
-    int k = min_i(q->n_prompt - q->pos, CHUNK_TOKENS), last = q->pos + k == q->n_prompt;
-    page_window(&b->pool, &b->m->c, &q->pt, q->pos, k);
+    int k = min_i(q->n_prompt - q->r.pos, CHUNK_TOKENS), last = q->r.pos + k == q->n_prompt;
+    page_window(&b->pool, &b->m->c, &q->pt, q->r.pos, k);
     double t0 = now_ms();
-    forward_pages(b->m, b->s, &q->pt, q->toks.ids + q->pos, k, q->pos, last ? k - 1 : k);
+    forward_pages(b->m, b->s, &q->pt, q->toks.ids + q->r.pos, k, q->r.pos, last ? k - 1 : k);
     lookup_time(&b->cost, k, now_ms() - t0);
     b->prefill_ms += now_ms() - t0;
     b->prefill_tokens += k;
-    q->pos += k;
+    q->r.pos += k;
     if (!last) return;
     if (b->o->cache && !b->o->cache->saved) { /* the first prompt prefilled goes to --prompt-cache */
         pcache_save(b->o->cache, b->m, b->s, &q->pt, q->toks.ids, q->n_prompt);
         b->o->cache->saved = 1;
     }
     q->state = SEQ_DECODE;
-    seq_take(b, q, sample(&q->sm, b->s->logits, b->m->c.vocab_size, b->cand, q->jc ? grammar_mask_allowed(&q->jm) : NULL,
-                          &q->toks));
+    int token = sample_next(&q->r, b->s->logits);
+    q->t_first = q->t_prev = now_ms();
+    int why = take_token(&q->r, token);
+    b->gen_tokens += q->r.st.n_gen;
+    if (why >= 0) finish_seq(b, q, why);
 }
 
 /* One token's latency, for the -v percentiles. */
@@ -7965,11 +8041,10 @@ static void add_latency(Batch *b, double ms)
 /* One decode step: the last sampled token of every decoding sequence, and
    after it the guesses of lookup decoding that lookup_plan finds worth
    their rows, fed in one pass (a sequence's rows at consecutive positions
-   of its own pages). Each sequence then checks its rows as decode_next
-   does: a guess stands when the token sampled before it equals it, and is
-   taken; the first that does not is replaced by that token. The cache rows
-   of guesses that fell lie past the sequence's position, and its next pass
-   writes them again before any query reads them. Guesses stay before the
+   of its own pages). Each sequence then takes its rows with accept_drafts,
+   as a single request does: a guess stands when the token sampled before
+   it equals it, and is taken; the first that does not is replaced by that
+   token. Guesses stay before the
    position of the last answer token (never fed), so they fall in pages
    the sequence reserved. A token's latency is the time since the
    sequence's previous step, shared by the tokens this step gave it. */
@@ -7982,18 +8057,18 @@ static void decode_some(Batch *b)
     for (int i = 0; i < b->parallel; i++) {
         Seq *q = &b->seq[i];
         if (q->state != SEQ_DECODE) continue;
-        push(&q->toks, q->token);
+        push(&q->toks, q->r.last);
         lookup_adapt(&q->lk, q->toks.ids, q->toks.n);
-        room[n] = lookup_room(&q->lk, &q->toks, min_i(b->s->seq_len - q->pos - 1, q->n_predict - q->n_gen - 1));
+        room[n] = lookup_room(&q->lk, &q->toks, min_i(b->s->seq_len - q->r.pos - 1, q->r.n_predict - q->r.st.n_gen - 1));
         lks[n] = &q->lk, who[n++] = q;
     }
     if (!n) return;
     int rows = lookup_plan(lks, room, n, &b->cost, BATCH_MAX, k);
     for (int t = 0, r = 0; t < n; t++) {
-        page_window(&b->pool, &b->m->c, &who[t]->pt, who[t]->pos, k[t] + 1);
+        page_window(&b->pool, &b->m->c, &who[t]->pt, who[t]->r.pos, k[t] + 1);
         for (int j = 0; j <= k[t]; j++, r++) {
-            tokens[r] = j ? who[t]->toks.ids[who[t]->lk.src + j - 1] : who[t]->token;
-            pos[r] = who[t]->pos + j, pages[r] = &who[t]->pt;
+            tokens[r] = j ? who[t]->toks.ids[who[t]->lk.src + j - 1] : who[t]->r.last;
+            pos[r] = who[t]->r.pos + j, pages[r] = &who[t]->pt;
         }
     }
     double t0 = now_ms();
@@ -8004,22 +8079,14 @@ static void decode_some(Batch *b)
     for (int t = 0, r = 0; t < n; r += k[t++] + 1) {
         Seq *q = who[t];
         double prev = q->t_prev;
-        int taken = 0;
-        q->pos++;
-        for (int i = 0;; i++) { /* row r + i: the logits after the sequence's token and its first i guesses */
-            int next = sample(&q->sm, b->s->logits + (size_t)(r + i) * vocab, vocab, b->cand, q->jc ? grammar_mask_allowed(&q->jm) : NULL,
-                              &q->toks);
-            int stood = i < k[t] && next == tokens[r + i + 1];
-            taken++;
-            b->accepted += stood;
-            seq_take(b, q, next);
-            if (!stood || q->state != SEQ_DECODE) break;
-            push(&q->toks, next);
-            q->pos++;
-            lookup_adapt(&q->lk, q->toks.ids, q->toks.n);
-        }
+        int taken, n_gen = q->r.st.n_gen, accepted = q->r.st.accepted;
+        /* row r + i: the logits after the sequence's token and its first i guesses */
+        int why = accept_drafts(&q->r, b->s->logits + (size_t)r * vocab, tokens + r + 1, k[t], &taken);
+        b->accepted += q->r.st.accepted - accepted;
+        b->gen_tokens += q->r.st.n_gen - n_gen;
         for (int i = 0; i < taken; i++) add_latency(b, (t1 - prev) / taken);
-        if (q->state == SEQ_DECODE) q->t_prev = t1;
+        if (why >= 0) finish_seq(b, q, why);
+        else q->t_prev = t1;
     }
 }
 
@@ -8120,11 +8187,11 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     while (1) {
         if (interrupted) { /* Ctrl-C: what is in flight ends as it stands, a line read and waiting is not begun */
             for (int i = 0; i < b.parallel; i++)
-                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], FIN_INTERRUPTED);
+                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], STOP_INTERRUPT);
             if (b.pending.line) {
                 b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
                 b.pending.t_admit = now_ms();
-                record_answer(&b, &b.pending, FIN_INTERRUPTED, b.pending.t_admit);
+                record_answer(&b, &b.pending, STOP_INTERRUPT, b.pending.t_admit);
                 drop_request(&b.pending);
             }
         }
