@@ -18,9 +18,9 @@
      1. model file   mmap the file, read the header into Config and point the
                      weight structs into the mapping (no copy); the header
                      says which optional steps the model's family takes.
-     2. math         the definitions: int8 activations, each weight type's
-                     dot product (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k
-                     q5_k q6_k), SwiGLU/GeGLU, softmax, RMSNorm, RoPE.
+     2. math         the definitions: RMSNorm, softmax, RoPE, SwiGLU/GeGLU,
+                     int8 activations, each weight type's dot product (f32
+                     f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k).
      3. forward      embed -> layers (attention over the KV cache as three
                      plain loops, attend_plain; the feed-forward) -> logits;
                      prefill takes the prompt in batches, decode_step one
@@ -273,6 +273,7 @@ enum {
    rows, cols (elements a row), layout; u64 offset of the data in the file, and its size */
 enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_LAYOUT = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
 enum { LAYOUT_ROWS, LAYOUT_PACKED, N_LAYOUTS }; /* a tensor's layout: the forward pass multiplies by packed ones */
+
 typedef struct {
     const char *name;
     int type;
@@ -488,9 +489,8 @@ static int check_model_file(const Model *m, tok_tokenizer **tok, char *err);
 static void count_weights(Model *m, const Tensor *tab);
 
 /* build_model, or with tokenizer_only (--tokenize) also a file of the
-   header and tokenizer section alone (n_tensors 0, laid out and checked
-   as any other file): m->tokenizer_only is then set and no weights are
-   bound. */
+   header and tokenizer section alone (n_tensors 0, checked as any other
+   file): m->tokenizer_only is then set and no weights are bound. */
 static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
 {
     memset(m, 0, sizeof *m);
@@ -538,6 +538,75 @@ static void free_model(Model *m)
    Part II's appendices, one chosen at start-up for the CPU
    (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
+
+/* out = x / sqrt(mean(x^2) + eps) * w */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
+{
+    float ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+static void softmax(float *x, int n)
+{
+    float max = x[0], sum = 0;
+    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
+/* Rotates pairs (x[i], x[i + rope_dim/2]) of one head by the position's
+   angles (half-split convention; cos/sin hold rope_dim/2 values). */
+static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
+{
+    int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos_t[i] - b * sin_t[i];
+        x[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+}
+
+/* --- SwiGLU, the feed-forward's activation -----------------------------
+   g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
+static void swiglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
+   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+static void geglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) {
+        float x = g[i];
+        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
+    }
+}
+
+/* --- the online softmax --------------------------------------------------
+   Attention in chunks (Part II) and the sampler's exponentials take the
+   softmax a block at a time: */
+
+/* One step of the online softmax for a query and a block of n scores:
+   scales them, raises the running maximum *m to cover them, and replaces
+   each by exp(score - *m); returns their sum. */
+static float att_softmax_scalar(float *sc, int n, float scale, float *m)
+{
+    float mx = *m, sum = 0;
+    for (int j = 0; j < n; j++) {
+        sc[j] *= scale;
+        mx = sc[j] > mx ? sc[j] : mx; /* not fmaxf: a libm call per score */
+    }
+    for (int j = 0; j < n; j++) sum += sc[j] = expf(sc[j] - mx);
+    *m = mx;
+    return sum;
+}
+
+/* --- int8 activations ------------------------------------------------------ */
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
    with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
@@ -774,73 +843,6 @@ static float dot_float(int type, int bits, const uint8_t *group, int r, const fl
     float acc = 0;
     for (int e = 0; e < n; e++) acc = fmaf(weight_float(bits, type, group, e, r), a[e], acc);
     return acc;
-}
-
-/* --- SwiGLU, the feed-forward's activation -----------------------------
-   g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
-static void swiglu_scalar(float *g, const float *u, int n)
-{
-    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
-   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
-#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
-#define GELU_A 0.044715f
-static void geglu_scalar(float *g, const float *u, int n)
-{
-    for (int i = 0; i < n; i++) {
-        float x = g[i];
-        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
-    }
-}
-
-/* --- the online softmax --------------------------------------------------
-   Attention in chunks (Part II) and the sampler's exponentials take the
-   softmax a block at a time: */
-
-/* One step of the online softmax for a query and a block of n scores:
-   scales them, raises the running maximum *m to cover them, and replaces
-   each by exp(score - *m); returns their sum. */
-static float att_softmax_scalar(float *sc, int n, float scale, float *m)
-{
-    float mx = *m, sum = 0;
-    for (int j = 0; j < n; j++) {
-        sc[j] *= scale;
-        mx = sc[j] > mx ? sc[j] : mx; /* not fmaxf: a libm call per score */
-    }
-    for (int j = 0; j < n; j++) sum += sc[j] = expf(sc[j] - mx);
-    *m = mx;
-    return sum;
-}
-
-/* out = x / sqrt(mean(x^2) + eps) * w */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
-{
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = 1.0f / sqrtf(ss / n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
-}
-
-/* Rotates pairs (x[i], x[i + rope_dim/2]) of one head by the position's
-   angles (half-split convention; cos/sin hold rope_dim/2 values). */
-static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
-{
-    int half = rope_dim / 2;
-    for (int i = 0; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        x[i] = a * cos_t[i] - b * sin_t[i];
-        x[i + half] = a * sin_t[i] + b * cos_t[i];
-    }
-}
-
-static void softmax(float *x, int n)
-{
-    float max = x[0], sum = 0;
-    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
-    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
-    for (int i = 0; i < n; i++) x[i] /= sum;
 }
 
 /* Activation formats: what a matrix product reads as its input rows. */
