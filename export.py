@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Convert a GGUF file or a Hugging Face model directory into our model file.
 
-The output format is specified in README.md ("The model file"). Only the Python standard
+The output format is specified at the end of this text ("The model file": this
+docstring is the format's manual; -h prints the part before it). Only the Python standard
 library and numpy are used: GGUF and safetensors are parsed here, and every
 ggml block type found in real model files is dequantized here.
 
@@ -51,6 +52,241 @@ did with a type the user did not ask for: the K-type fallback on rows that are
 not a multiple of 256 (a q4_1 export's output head, Q6_K by llama.cpp's rule,
 becomes Q8_0) is shown without -v only when --dtype names a K type (q4_k,
 q5_k, q6_k, q4_k_m, q5_k_m).
+
+
+The model file
+==============
+
+Version 2. One little-endian file, written by `export.py`, memory-mapped by
+`run.c`, which computes from the mapping in place: nothing is copied or
+converted at load. Every section starts on a 64-byte boundary, so every
+tensor is SIMD-aligned in the mapping, and every weight matrix is stored in
+the layout its kernels read ("Packed matrices" below). A version 1 file
+(matrices stored as rows) is refused with a line that says to re-export it.
+
+    [ header: 256 bytes ][ tokenizer section ][ tensor table ][ tensor data ... ]
+
+The parts follow each other with nothing between them but zero padding: the
+tokenizer section starts right after the header (offset 256), the tensor
+table at the first 64-byte boundary after the tokenizer section's last byte,
+and the tensors' data, in table order, each at the first 64-byte boundary
+after the end of the table or of the previous tensor; the file ends with the
+last tensor. The table lists exactly the tensors the header's shape implies
+(see "Tensor table"), each once. `run` refuses a file that breaks one of
+these rules or has a nonzero reserved or padding byte, so a damaged offset
+or count is never read as weights: the header's reserved bytes, the padding
+between the sections, between tensors and between the tokenizer's arrays,
+the bytes after a tensor name's NUL, a flag bit (header or tokenizer) it
+does not know, and a packed matrix's padding rows and the padding after its
+last group's records. Every group of a packed matrix ends in padding when
+its records do not fill whole cache lines (rows of an odd number of q4_0,
+q5_0, q8_0 or q6_k blocks or of f16/bf16 elements); that padding is not
+checked in the groups before the last: that would read a cache line in
+every group, faulting in every page of the matrix at load, where loading is
+otherwise mapping and nothing reads the weights before the first token; and
+no kernel reads that padding. SmolLM2's and Gemma 3 270M's files have none;
+Qwen2.5-Coder-1.5B's Q6_K `w2` (rows of 35 blocks) has 32 bytes per group.
+
+Header (offset 0, 256 bytes; unused bytes are zero)
+---------------------------------------------------
+
+| offset | type | field | SmolLM2-135M |
+|---|---|---|---|
+| 0 | char[4] | magic `LLMF` | |
+| 4 | u32 | version = 2 | |
+| 8 | u32 | header size in bytes (256, the only size version 1 has) | |
+| 12 | u32 | architecture: 1 llama, 2 qwen2, 3 qwen3, 4 gemma3 — informational (`-v`); behaviour comes from the flags and fields below | 1 |
+| 16 | u32 | dim (hidden size) | 576 |
+| 20 | u32 | hidden_dim (FFN inner size) | 1536 |
+| 24 | u32 | n_layers | 30 |
+| 28 | u32 | n_heads | 9 |
+| 32 | u32 | n_kv_heads | 3 |
+| 36 | u32 | head_dim | 64 |
+| 40 | u32 | vocab_size (rows of the embedding) | 49152 |
+| 44 | u32 | max_seq_len (training context) | 8192 |
+| 48 | f32 | rope_theta | 100000 |
+| 52 | f32 | norm_eps (RMSNorm) | 1e-5 |
+| 56 | u32 | flags (see below); a bit this build does not know is refused with its name | 1 |
+| 60 | u32 | activation of the FFN gate: 0 SiLU (SwiGLU), 1 tanh-approximated GELU (GeGLU) | 0 |
+| 64 | u32 | rope_dim (dimensions rotated per head) | 64 |
+| 68 | u32 | n_tensors | 182 |
+| 72 | u64 | tokenizer section offset (256: right after the header) | |
+| 80 | u64 | tokenizer section size (exact, up to the last blob byte) | |
+| 88 | u64 | tensor table offset (the first 64-byte boundary after the tokenizer section) | |
+| 96 | u64 | file size (the whole file; a truncated file is refused) | |
+| 104 | f32 | embedding scale: each embedding row is multiplied by it before layer 0 (0 = 1) | 0 |
+| 108 | f32 | attention scale: q·k is multiplied by it (0 = 1/sqrt(head_dim)) | 0 |
+| 112 | u32 | sliding window: a query on a local layer sees keys with query_pos − key_pos < window (0 = no local layers) | 0 |
+| 116 | u32 | sliding-window pattern: layer l is global when pattern > 0 and (l + 1) % pattern == 0, else local (only when window > 0; 0 = every layer local) | 0 |
+| 120 | f32 | rope_theta of local layers (0 = rope_theta) | 0 |
+| 124 | f32 | linear RoPE scaling of global layers: positions divided by it (0 = 1) | 0 |
+| 128..255 | | reserved, zero | |
+
+Old files (all of 104..127 zero, flags bit 0 only) load with the same meaning.
+A tensor that the flags leave out (a `bqkv` without bit 1, a `wqkv` with bit 5)
+is refused by name.
+rope_theta (offset 48) is the global layers' base. The family fields by model:
+
+| field | Gemma 3 270M | Qwen 2/2.5 | Qwen 3 | Llama 3.x |
+|---|---|---|---|---|
+| architecture | 4 | 2 | 3 | 1 |
+| activation | 1 | 0 | 0 | 0 |
+| embedding scale | sqrt(dim) as f32 (llama.cpp) | 0 | 0 | 0 |
+| attention scale | 0 (= 1/16); the 27B: 1/sqrt(dim/n_heads) (GGUF, llama.cpp) or query_pre_attn_scalar^-0.5 (HF) | 0 | 0 | 0 |
+| sliding window | 512 | 0 | 0 | 0 |
+| pattern | 6 | 0 | 0 | 0 |
+| local rope_theta | 10000 | 0 | 0 | 0 |
+| global linear RoPE scaling | 0 (files with linear scaling: the factor) | 0 | 0 | 0 |
+| flags | tied, qk_norm, post_norms (and split: the Q4_K_M GGUF mixes Q5_0 and Q8_0 in Q/K/V) | (tied), qkv_bias | (tied), qk_norm | (tied), rope_freqs when scaled |
+
+Flags (offset 56):
+
+| bit | name | meaning | tensors it adds (all F32) |
+|---|---|---|---|
+| 0 | tied | output head = token embedding | (no `output`) |
+| 1 | qkv_bias | Q, K, V projections add a bias (Qwen 2) | `layers.N.bqkv` |
+| 2 | qk_norm | per-head RMSNorm of Q and K (weight length head_dim, eps norm_eps) after the projection, before RoPE (Qwen 3, Gemma 3) | `layers.N.q_norm`, `layers.N.k_norm` |
+| 3 | post_norms | RMSNorm of the attention output and of the FFN output before each residual add (Gemma 3 "sandwich") | `layers.N.post_attn_norm`, `layers.N.post_ffn_norm` |
+| 4 | rope_freqs | per-pair RoPE frequency factors: pair i's frequency theta^(−2i/rope_dim) is divided by factor i, on every layer (Llama 3.x "llama3" RoPE scaling) | `rope_freqs` |
+| 5 | split | every layer stores Q, K, V and gate, up as tensors of their own instead of fused, each in its own type (a GGUF whose `attn_v` type differs from `attn_q`'s, copied as it is). The parts of one projection must read one activation format: int8 per 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), int8 per 256 (Q4_K, Q5_K, Q6_K) or floats (F32, F16, BF16); `run` refuses other mixes, naming the tensors | `layers.N.wq`, `wk`, `wv` in place of `wqkv`, and `layers.N.w1`, `w3` in place of `w13` (any matrix type) |
+
+Norm weights are stored as the multiplier the engine applies: `x_hat * w`.
+Gemma's GGUF norms already include the +1; a Gemma Hugging Face checkpoint
+stores w and computes `x_hat * (1 + w)`, so `export.py` adds 1 to every Gemma
+norm weight (input, post-attention, pre-FFN, post-FFN, q_norm, k_norm, final).
+head_dim comes from the file (Gemma 3 270M: 256 while dim / n_heads = 160;
+Qwen 3: `key_length` / `head_dim`).
+
+RoPE convention: **half-split** (NEOX / Hugging Face `rotate_half`): pair `i`
+of a head is `(x[i], x[i + rope_dim/2])`, angle `pos * theta^(-2i/rope_dim)`.
+Q and K rows are stored in Hugging Face order; `export.py` undoes the row
+permutation that llama.cpp's converter applies to llama-architecture GGUF
+files, so both sources produce the same file. qwen2, qwen3 and gemma3 GGUFs
+are not permuted (llama.cpp runs them with NEOX RoPE) and are copied as they are.
+
+Tokenizer section
+-----------------
+
+A 64-byte header followed by arrays, in this order, each starting at a
+4-byte boundary (padding zero):
+
+| offset | type | field |
+|---|---|---|
+| 0 | u32 | kind: 1 = byte-level BPE (GPT-2 style), 2 = SentencePiece-style BPE |
+| 4 | u32 | pre-tokenizer: 0 = none (SentencePiece), 1 = gpt-2, 2 = smollm, 3 = llama3, 4 = qwen2 |
+| 8 | u32 | n_vocab |
+| 12 | u32 | n_merges (0 for SentencePiece) |
+| 16 | i32 | bos id (-1 = none) |
+| 20 | i32 | eos id |
+| 24 | i32 | end-of-turn id (`<|im_end|>`, `<end_of_turn>`, `<|eot_id|>`; -1 = none) |
+| 28 | i32 | unk id |
+| 32 | u32 | flags: bit 0 add BOS, bit 1 add EOS, bit 2 add space prefix (SentencePiece); other bits are refused |
+| 36 | u32 | chat template: 0 = none, 1 = ChatML (SmolLM2, Qwen 2/2.5, Qwen 3), 2 = Gemma, 3 = Llama 3 (another id: chat mode names it as unknown) |
+| 40 | u32 | size in bytes of the default system prompt (0 = none) |
+| 44 | u32 | size in bytes of the token text blob |
+| 48..63 | | reserved, zero |
+
+Then:
+
+1. `u32 text_offset[n_vocab + 1]`: token `i`'s text is `blob[text_offset[i] .. text_offset[i+1])`.
+   The text is the **decoded bytes** the token stands for: byte-level BPE
+   text is already mapped back from the GPT-2 byte↔unicode alphabet,
+   SentencePiece text has `▁` replaced by a space, and a byte-fallback token
+   `<0xAB>` is the single byte 0xAB. Control tokens keep their literal text
+   (`<|im_start|>`).
+2. `u8 type[n_vocab]`: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte (GGUF's numbering).
+3. `f32 score[n_vocab]`: SentencePiece merge priority (higher merges first); zeros for byte-level BPE.
+4. `i32 merge[n_merges][3]`: byte-level BPE merges in rank order (row 0 merges first):
+   `(left id, right id, result id)`.
+5. `u8 default_system[...]`: the default system prompt of the chat template (UTF-8).
+6. `u8 blob[...]`: token texts.
+
+Tensor table
+------------
+
+`n_tensors` entries of 80 bytes:
+
+| offset | type | field |
+|---|---|---|
+| 0 | char[48] | name (printable ASCII), NUL-padded: every byte after the name is zero |
+| 48 | u32 | type: 0 F32, 1 F16, 2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K, 30 BF16 (ggml's ids and block layouts) |
+| 52 | u32 | rows |
+| 56 | u32 | cols (contiguous; a multiple of the type's block size) |
+| 60 | u32 | layout: 0 rows (ggml's blocks, row after row), 1 packed (see "Packed matrices") |
+| 64 | u64 | offset of the data from the start of the file (64-byte aligned) |
+| 72 | u64 | size in bytes: rows × the row's bytes, or for a packed tensor ⌈rows/16⌉ × its group's bytes |
+
+The matrices the forward pass multiplies by (`wqkv`, `wq`, `wk`, `wv`, `wo`,
+`w13`, `w1`, `w3`, `w2`, `output`, and `tok_embeddings` when it is also the
+output head) are packed; every other tensor (norms, biases, `rope_freqs`, an
+untied `tok_embeddings`, which is only ever looked up by row) is stored as
+rows. `run` refuses a file where that is not so.
+
+Tensor names and shapes (`q_dim = n_heads*head_dim`, `kv_dim = n_kv_heads*head_dim`):
+
+| name | rows × cols |
+|---|---|
+| `tok_embeddings` | vocab_size × dim |
+| `rope_freqs` | 1 × rope_dim/2 (F32): per-pair frequency divisors (flag bit 4 only) |
+| `layers.N.attn_norm` | 1 × dim (F32) |
+| `layers.N.wqkv` | (q_dim + 2·kv_dim) × dim: Q rows, then K, then V (absent when flag bit 5 is set) |
+| `layers.N.wq`, `layers.N.wk`, `layers.N.wv` | q_dim × dim, kv_dim × dim, kv_dim × dim: the same rows as three tensors (flag bit 5 only) |
+| `layers.N.bqkv` | 1 × (q_dim + 2·kv_dim) (F32): Q, K, V biases in wqkv's row order (flag bit 1 only; one tensor in both forms) |
+| `layers.N.q_norm`, `layers.N.k_norm` | 1 × head_dim (F32): per-head RMSNorm of Q and of K (flag bit 2 only) |
+| `layers.N.wo` | dim × q_dim |
+| `layers.N.post_attn_norm` | 1 × dim (F32): norm of the attention output (flag bit 3 only) |
+| `layers.N.ffn_norm` | 1 × dim (F32): norm before the FFN |
+| `layers.N.w13` | 2·hidden_dim × dim: gate rows, then up rows (absent when flag bit 5 is set) |
+| `layers.N.w1`, `layers.N.w3` | hidden_dim × dim each: the gate rows, the up rows (flag bit 5 only) |
+| `layers.N.w2` | dim × hidden_dim (down) |
+| `layers.N.post_ffn_norm` | 1 × dim (F32): norm of the FFN output (flag bit 3 only) |
+| `norm` | 1 × dim (F32) |
+| `output` | vocab_size × dim (absent when embeddings are tied) |
+
+Packed matrices
+---------------
+
+Decode reads every weight once per token and is bound by how fast those
+bytes stream from memory; prefill multiplies each weight by many tokens and
+is bound by arithmetic. Both want the bytes in the order the vector
+instructions consume them, so the file stores each matrix that way and the
+engine maps it as it is. The unit is a **group of 16 rows** (the last group
+padded with rows of zero blocks: every byte of ggml's block zero, so q8_0's
+integers, stored as q + 128, read 128 there), one row per 32-bit lane of a 512-bit vector: one
+`vpdpbusd` multiplies four activation bytes, broadcast, by four integers of
+each of the 16 rows, and each lane sums its own row, so no sum crosses lanes
+and a block's scale is applied to 16 rows by one instruction. AVX2 reads the
+same bytes as two 256-bit halves, NEON as four 128-bit quarters, the scalar
+reference element by element (`packed_stretch` and `packed_half` in `run.c`
+say where each value lives). A group of rows of `n` elements is `n / block`
+**records**, one per block (for F32, F16 and BF16, one per element), and is
+padded with zeros to a multiple of 64 bytes. A record holds the block of
+each of the 16 rows, every byte of ggml's block kept and only moved, so a
+packed matrix is exactly as large as ggml's (a test turns every packed
+matrix of an exported GGUF back into the GGUF's blocks):
+
+| part of a record | layout |
+|---|---|
+| scales | ggml's non-integer fields as planes: the 16 rows' fp16 `d` side by side (32 bytes), then `m` (q4_1, q5_1) or `dmin` (q4_k, q5_k); then for the K types each scale byte as a plane of 16 (q4_k, q5_k: ggml's 12 packed bytes of 6-bit scales and minimums; q6_k: its 16 int8 scales) |
+| integers | per run of 32 elements of a row (one run per block; eight per K block), **unsigned**: q4_0, q4_1 and the low 4 bits of everything else as 4 vectors of 64 bytes, byte `64j + 4r + i` holding element `8j + i` of row `r` in its low nibble and element `8j + 4 + i` in its high nibble; the bits above the nibble (q5_0, q5_1, q5_k: 1; q6_k: 2) in planes of 64 bytes placed before the nibbles, field `k = 2j + h` of that element (`h` 0 low, 1 high) at bit `(k mod (8/b))·b` of byte `64⌊k/(8/b)⌋ + 4r + i` for `b` extra bits; q8_0 as 8 vectors of 64 bytes, byte `64g + 4r + i` = element `4g + i` of row `r`, stored as `q + 128` |
+| float types | element `e` of the 16 rows side by side (64 or 32 bytes) |
+
+So four elements of one row sit in one 4-byte lane of a 64-byte vector:
+a kernel gets 16 rows × 4 integers with a load and an `and` (or a shift),
+a 5- or 6-bit integer with a shift, an `and` and an `or` more. The integers
+are unsigned because `vpdpbusd` multiplies unsigned by signed bytes; a
+type's offset (q4_0's 8, q5_0's 16, q8_0's 128, q6_k's 32) leaves through
+the activation block's integer sum. Where a set wants another form, the
+conversion is an instruction in its kernel, not a second copy: NEON's
+signed `sdot` takes q8_0's bytes back to `q` with an `eor`, AVX2's `maddubs`
+(whose int16 pairs would overflow on `q + 128`) takes them back to `q` and
+applies the sign trick.
+
+Why in the file and not at load: the previous version packed at load, which
+cost a pass over the weights and a private copy of them in every process
+(3.6 s and 1.2 GB for Qwen2.5-Coder-1.5B). Now loading is mapping, a second
+process on the same file shares its pages, and `--dtype keep` still means
+ggml's values bit for bit.
 """
 from __future__ import annotations
 
@@ -123,7 +359,7 @@ DTYPE_DEFAULT = {"f32": F32, "f16": F16, "q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_
 PURE_DTYPES = ("q4_k", "q5_k")          # no per-tensor rules
 MORE_BITS_DTYPES = ("q4_k_m", "q5_k_m")  # attn_v and ffn_down Q6_K on use_more_bits layers
 DTYPE_CHOICES = ["keep", *DTYPE_DEFAULT]
-# The weight types the engine runs as they are (README.md, "The model file"), and the activations its matrix
+# The weight types the engine runs as they are (the manual above, "The model file"), and the activations its matrix
 # products read for each (run.c's weight-type table, field act): floats, int8 per 32, int8 per 256 with the sums
 # of each 16. The parts of one projection in a split file must read the same.
 ACTIVATION = {F32: "f32", F16: "f32", BF16: "f32", Q4_0: "q8", Q4_1: "q8", Q5_0: "q8", Q5_1: "q8", Q8_0: "q8",
@@ -581,7 +817,7 @@ def encode_rows(x: np.ndarray, out_type: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------------
-# The packed layout of the matrices (README.md, "Packed matrices"): the engine multiplies straight from
+# The packed layout of the matrices (the manual above, "Packed matrices"): the engine multiplies straight from
 # the mapped file, so each weight matrix is stored the way its kernels read it. Rows go in groups of
 # PACK_ROWS, one row per 32-bit lane of a 512-bit vector (two 256-bit or four 128-bit ones); a group is
 # one record per block (per element for the float types), and a record holds the block of each of the
@@ -1105,7 +1341,7 @@ class HFCheckpoint:
 
 
 # ---------------------------------------------------------------------------------------------
-# Architecture families: one table of names per family, and the flags (README "The model file",
+# Architecture families: one table of names per family, and the flags (the manual above, "The model file",
 # header offset 56) that say which extra tensors every model of the family has.
 
 FLAG_TIED, FLAG_QKV_BIAS, FLAG_QK_NORM, FLAG_POST_NORMS, FLAG_ROPE_FREQS, FLAG_SPLIT = 1, 2, 4, 8, 16, 32
@@ -1163,7 +1399,7 @@ GEMMA3_HF_NAMES = {**LLAMA_HF_NAMES, **QK_NORM_HF_NAMES,
 
 
 def llama_layout(hp: Hyper) -> Iterator[tuple[str, list[tuple[str, int, int]]]]:
-    """(output name, [(part key, rows, cols)]) in file order (the README's tensor table).
+    """(output name, [(part key, rows, cols)]) in file order (the manual's tensor table).
 
     Every family shares this layout; the flags add their tensors. A vector made of several
     parts (bqkv) concatenates them. A generator, so a corrupt layer count fails at the first
@@ -1264,7 +1500,7 @@ class Hyper:
     norm_eps: float
     rope_dim: int
     tied: bool
-    # The model-family fields (README "The model file"); 0 means "not used" as in the header.
+    # The model-family fields (the manual above, "The model file"); 0 means "not used" as in the header.
     flags: int = 0                # FLAG_QKV_BIAS | FLAG_QK_NORM | FLAG_POST_NORMS | FLAG_ROPE_FREQS (not FLAG_TIED)
     activation: int = ACT_SILU
     embed_scale: float = 0.0      # each embedding row times this (0: 1)
@@ -1756,7 +1992,7 @@ def warn_list(items: list[str], what: str) -> None:
         warn(f"{len(items)} {what}: {', '.join(items[:3])}{' ...' if len(items) > 3 else ''}")
 
 
-# The split form's tensors for each fused projection (README.md, flag bit 5), in the order of the fused rows.
+# The split form's tensors for each fused projection (the manual above, flag bit 5), in the order of the fused rows.
 SPLIT_NAMES = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}
 
 
@@ -1845,7 +2081,7 @@ def head_permutation(n_heads: int, head_dim: int) -> np.ndarray:
 CHUNK_ELEMENTS = 1 << 16   # rows are converted in chunks of about this many values to bound memory
 
 
-# The tensors the engine multiplies by (README.md, "Packed matrices"), by the last part of their name; the
+# The tensors the engine multiplies by (the manual above, "Packed matrices"), by the last part of their name; the
 # token embedding is one of them when it is also the output head.
 MATMUL_NAMES = ("wqkv", "wq", "wk", "wv", "wo", "w13", "w1", "w3", "w2", "output")
 PACK_CHUNK_ROWS = 64 * PACK_ROWS   # rows packed at a time: bounds export.py's memory on large matrices
@@ -1897,7 +2133,7 @@ def convert_part(part: Part, out_type: int, write: Callable[[np.ndarray], None])
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizer: GGUF's tokenizer.ggml.* keys (docs/gguf.md) or Hugging Face's tokenizer.json, written
-# as README.md's tokenizer section ("The model file" / "Tokenizer section").
+# as the manual's "Tokenizer section" above lays it out.
 
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 KIND_BYTE_BPE, KIND_SPM = 1, 2
@@ -2713,7 +2949,8 @@ def export(args: argparse.Namespace) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    manual = __doc__.split("\n\n\nThe model file\n")[0]  # -h: the options; the file format follows them in __doc__
+    ap = argparse.ArgumentParser(prog=PROG, description=manual, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", help="a GGUF file or a Hugging Face model directory (config.json + *.safetensors)")
     ap.add_argument("output", help="the model file to write: a new file or a regular file to replace (never a device, "
                                    "FIFO or symbolic link); written to OUTPUT.tmp-PID, then renamed")

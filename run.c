@@ -9,7 +9,7 @@
      echo "PROMPT" | ./run MODEL
      ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
 
-   MODEL is a file written by export.py (format: README.md, "The model file").
+   MODEL is a file written by export.py (format: its manual, "The model file").
    The generated text, and nothing else, goes to stdout as it is produced;
    errors and -v statistics go to stderr. ./run -h lists every flag.
 
@@ -54,7 +54,7 @@
 
    LIMITS
      Families llama (incl. Llama 3.x RoPE scaling), Qwen 2/2.5, Qwen 3 and
-     Gemma 3 (what README.md's format describes). One sequence at a time.
+     Gemma 3 (what export.py's manual describes). One sequence at a time.
      Build without OpenMP for a single-threaded binary with the same results.
 */
 #define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
@@ -96,7 +96,7 @@
 #define TENSOR_ALIGN 64
 #define ARCH_LLAMA 1  /* architecture ids; 2 qwen2, 3 qwen3 between them */
 #define ARCH_GEMMA3 4
-#define FLAG_TIED_EMBEDDINGS 1u /* header flags (README, "The model file") */
+#define FLAG_TIED_EMBEDDINGS 1u /* header flags (export.py's manual, "The model file") */
 #define FLAG_QKV_BIAS 2u
 #define FLAG_QK_NORM 4u
 #define FLAG_POST_NORMS 8u
@@ -246,8 +246,8 @@ static struct {
    tensor data   in table order, each at the 64-byte boundary after what
                  precedes it; the last tensor ends the file
    What is read here, Part II ("validating the model file") has checked
-   first: every field, size, offset, name and padding byte. README.md, "The
-   model file", has the whole format.
+   first: every field, size, offset, name and padding byte. export.py's
+   manual, "The model file", has the whole format.
    ========================================================================= */
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
@@ -295,7 +295,7 @@ typedef struct {
     float rope_theta;
     float norm_eps;
     /* What sets a model family apart from llama, read from the header's flags
-       and fields (README, "The model file"); zero/one values are llama's.
+       and fields (export.py's manual, "The model file"); zero/one values are llama's.
        layer_forward takes each optional step when its switch is on. */
     int arch;         /* 1 llama, 2 qwen2, 3 qwen3, 4 gemma3: for -v; the switches below say what runs */
     uint32_t flags;   /* FLAG_* bits, as the header has them */
@@ -739,7 +739,7 @@ _Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(Bloc
    it, in groups of PACK_ROWS rows whose blocks are interleaved so that a
    SIMD kernel reads them in one stream, in the order it uses them (decode
    reads each weight once per token). Every byte of ggml's blocks is kept,
-   only moved (README.md, "Packed matrices").
+   only moved (export.py's manual, "Packed matrices").
    The layout itself, its accessors and the byte counts are in Part II
    ("the packed layout"); the definitions below read a matrix through
    weight_block and weight_float only. */
@@ -2827,7 +2827,7 @@ static int unknown_bit(uint32_t flags, int n_known)
     return -1;
 }
 
-/* The header flags' names, by bit (README, "The model file"). */
+/* The header flags' names, by bit (export.py's manual, "The model file"). */
 static const char *const FLAG_NAME[N_FLAGS] = {"tied", "qkv_bias", "qk_norm", "post_norms", "rope_freqs", "split"};
 
 /* The header's fields, which read_config and read_family have copied into
@@ -2900,7 +2900,7 @@ static int check_family(const Model *m, char *err)
 static const char *const TOKS_ARRAY[] = {"text offsets", "token types", "scores", "merges", "default system prompt",
                                          "text blob"};
 
-/* Where the tokenizer section's last array ends (README.md, "Tokenizer
+/* Where the tokenizer section's last array ends (export.py's manual, "Tokenizer
    section"): text offsets, types, scores, merges, default system prompt,
    text blob, each from a 4-byte boundary. Called once tok_create has
    checked that they fit; it does not check that nothing follows them.
@@ -3745,7 +3745,7 @@ static void to_float_q6_k_scalar(float *out, const void *row, int n)
 
 /* ----- the packed layout ---------------------------------------------------
    Where Part I's accessors find a value, and the byte counts of records
-   and groups (README.md, "Packed matrices").
+   and groups (export.py's manual, "Packed matrices").
    Every matrix the forward pass multiplies by is stored packed, the way the kernels read it: decode streams each
    weight once per token, so the bytes must arrive in the order they are
    used, and export.py writes them so; the engine maps the file and computes

@@ -1,4 +1,4 @@
-/* tokenizer.h - text <-> token ids for the model files of README.md ("The model file") (C11, libc only).
+/* tokenizer.h - text <-> token ids for the model files of export.py's manual ("The model file") (C11, libc only).
 
    Two algorithms, chosen by the file's tokenizer section:
    - byte-level BPE (GPT-2 style: SmolLM2, GPT-2, Llama 3, Qwen 2): the input is split by
@@ -92,7 +92,7 @@ typedef struct {
     size_t default_system_len;         /* 0 = none */
 } tok_info;
 
-/* Parse a tokenizer section (README.md ("The model file")) of `size` bytes at `section`, which must be
+/* Parse a tokenizer section (export.py's manual ("The model file")) of `size` bytes at `section`, which must be
    4-byte aligned and stay mapped while the tokenizer lives. Every count and offset is
    checked against `size` (the file is untrusted). Returns 0, or -1 with a one-line reason
    in err (err may be NULL). */

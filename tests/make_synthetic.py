@@ -2,7 +2,7 @@
 """Make a tiny random model, written both as GGUF and as a Hugging Face directory.
 
 The llama models (tied and untied) are the main ones; family_config() gives one model of each other
-family of FORMAT-FAMILIES / README "The model file" (qwen2, qwen3, gemma3, llama3 = llama with
+family of export.py's manual, "The model file" (qwen2, qwen3, gemma3, llama3 = llama with
 rope_scaling "llama3"), written the way llama.cpp's convert_hf_to_gguf.py writes that family
 (--family NAME). Their tokenizer is the same byte-level BPE with the family's own control and turn
 tokens, except Gemma 3's: a SentencePiece vocabulary, a tokenizer.model in the HF directory and

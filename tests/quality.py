@@ -190,7 +190,7 @@ def export(src: Source, dtype: str, tag: str, export_main: Callable[[list[str]],
 
 
 HEADER_SIZE = 256
-TABLE_ENTRY = struct.Struct("<48s4I2Q")   # name, type, rows, cols, reserved, offset, size (README.md ("The model file"))
+TABLE_ENTRY = struct.Struct("<48s4I2Q")   # name, type, rows, cols, reserved, offset, size (export.py's manual)
 GGML_Q8_0, GGML_Q4_1 = 8, 3
 
 
@@ -200,7 +200,7 @@ def embedding_to_q4_1(src: Path, dst: Path) -> None:
     export.py --dtype q4_1 keeps the embedding (= the tied output head) at Q8_0;
     this shows what that mixture buys. The Q8_0 rows are decoded and quantized
     to Q4_1 by the `gguf` package; the other tensors are copied and the table's
-    offsets rebuilt (64-byte aligned, README.md ("The model file")).
+    offsets rebuilt (64-byte aligned, export.py's manual ("The model file")).
     """
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
@@ -403,7 +403,7 @@ def speed_run(model: Path, ids: list[int], n_decode: int, ctx: int, kv: str, thr
 
 
 # ---------------------------------------------------------------------------------------------
-# Model facts needed for the RSS budget (README.md ("The model file") header)
+# Model facts needed for the RSS budget (export.py's manual ("The model file") header)
 
 def kv_cache_bytes(model: Path, ctx: int, kv: str) -> int:
     """Bytes of K plus V cache for ctx positions: 2 * layers * kv_heads * ctx * row(head_dim)."""

@@ -48,7 +48,7 @@ Sources a reader can open:
     `rope_freqs` tensor. src/llama-model.cpp (LLM_ARCH_GEMMA3): sliding-window pattern 6, local RoPE
     base 10000 without scaling, attention scale 1/sqrt(head_dim) except 1/sqrt(dim/n_heads) for the
     62-layer 27B. Tensor names: gguf-py/gguf/tensor_mapping.py.
-  * README.md, "The model file": the engine stores Q/K rows in Hugging Face order (half-split).
+  * export.py's manual, "The model file": the engine stores Q/K rows in Hugging Face order (half-split).
 
 Two uses: the synthetic-model, family and perplexity tests (tests/test_synthetic.py,
 tests/test_family_oracles.py, tests/test_quant.py) compare the engine with it, and

@@ -7,7 +7,7 @@ the problem, and nothing on stdout. A sanitizer report or a signal fails the tes
 so `make sanitize` (RUN_BIN = the ASan/UBSan build) runs this file to catch silent memory errors.
 
 The damaged files are made from a tiny valid model (tests/make_synthetic.py shapes, exported by
-export.py) with one defect each, written by tests/fuzz/modelfile.py from README.md ("The model file").
+export.py) with one defect each, written by tests/fuzz/modelfile.py from export.py's manual ("The model file").
 """
 from __future__ import annotations
 
@@ -371,7 +371,7 @@ def test_norm_not_f32():
     expect_file_error(patch, "norm", "f32", name="norm-f16")
 
 
-# Model files: layout. The sections and tensors tile the file exactly (README.md, "The model file"):
+# Model files: layout. The sections and tensors tile the file exactly (export.py's manual, "The model file"):
 # the old loader accepted each of these files and generated from the wrong bytes.
 
 def test_tensor_data_inside_header_tokenizer_or_table():
@@ -526,11 +526,11 @@ PACKED_TYPES = (0, 1, 30, 2, 3, 6, 7, 8, 12, 13, 14)   # F32, F16, BF16, Q4_0, Q
 
 def test_packed_padding_rows_and_padding_are_zero():
     """A packed matrix's last group: its padding rows hold zero blocks and the bytes after its records are zero
-    (README.md, "Packed matrices"). For each weight type, the 256-wide model's tied embedding (260 rows: 4 in the
+    (export.py's manual, "Packed matrices"). Per weight type, the 256-wide model's tied embedding (260 rows: 4 in the
     last group) is replaced by random blocks packed by tests/fuzz/modelfile.py; which bytes belong to the padding
     rows is found there too (the bytes that change when the padding rows are packed as 0xFF blocks instead of
     zero ones). The file loads; a byte of a padding row changed is refused, naming the row; a byte of a live row
-    is not; nor, as README.md says, the padding at the end of a group other than the last."""
+    is not; nor, as export.py's manual says, the padding at the end of a group other than the last."""
     import numpy as np
     base = wide_model().read_bytes()
     emb = mf.tensor(base, "tok_embeddings")

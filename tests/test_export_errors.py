@@ -1003,7 +1003,7 @@ def gemma3_gguf(name: str = "gemma3_tok.gguf") -> Path:
 
 
 def parse_tokenizer_section(data: bytes) -> dict:
-    """The README's tokenizer section, parsed independently of export.py."""
+    """The tokenizer section of export.py's manual, parsed independently of export.py."""
     tok_off, tok_size = struct.unpack_from("<QQ", data, 72)
     t = data[tok_off:tok_off + tok_size]
     keys = "kind pre n_vocab n_merges bos eos eot unk flags chat system_size blob_size".split()

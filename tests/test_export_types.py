@@ -6,7 +6,7 @@
   file is read by tests/fuzz/modelfile.py (both independent of export.py).
   The Gemma 3 GGUF (models/gemma3-270m-q4_k_m.gguf, written by llama.cpp's quantizer) has attn_v Q8_0
   beside Q5_0 attn_q/attn_k on some layers: exported with the default dtype it must come out in the split
-  form (README "The model file", flag bit 5), every tensor with exactly the GGUF's type and bytes.
+  form (export.py's manual, "The model file", flag bit 5), every tensor with exactly the GGUF's type and bytes.
 * Fused parts of different types: split form, each part copied; only parts needing different activation
   formats (a K type beside a 32-element type) are still fused, re-quantized onto the finest part type.
 * A type the engine does not run (Q3_K) is refused under keep: exit 1, one line naming the tensor, its
@@ -114,17 +114,17 @@ def unpermute(rows: np.ndarray, n_heads: int) -> np.ndarray:
 
 def our_tensors(path: Path) -> dict[str, tuple[int, bytes]]:
     """Our file's tensors as rows of ggml blocks: a packed matrix turned back into rows by tests/fuzz/modelfile.py
-    (written from README.md's "Packed matrices", independently of export.py), so that comparing them with the
+    (written from export.py's manual, "Packed matrices", independently of export.py), so that comparing them with the
     GGUF's bytes also checks that packing loses nothing."""
     buf = path.read_bytes()
     return {t.name: (t.type, modelfile.rows_of(buf, t)) for t in modelfile.tensors(buf)}
 
 
-FLAG_SPLIT = 32   # README "The model file": Q, K, V and gate, up stored as tensors of their own
+FLAG_SPLIT = 32   # export.py's manual, "The model file": Q, K, V and gate, up stored as tensors of their own
 
 
 def expected_parts(cfg: ms.SynthConfig, split: bool = False) -> dict[str, list[tuple[str, int]]]:
-    """Our tensor name -> [(GGUF name, heads to un-permute or 0)] (README.md's tensor table), in the fused or
+    """Our tensor name -> [(GGUF name, heads to un-permute or 0)] (export.py's manual, "Tensor table"), in the fused or
     the split form. Only llama GGUFs have permuted Q/K rows; a gemma3 file adds the Q/K norms and the
     post-norms, stored as the GGUF has them (its norms already include Gemma's +1)."""
     perm = cfg.family == "llama"

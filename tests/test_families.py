@@ -1,4 +1,4 @@
-"""Model families (README "The model file": header fields at 104..127, flags, bqkv / q_norm / k_norm /
+"""Model families (export.py's manual, "The model file": header fields at 104..127, flags, bqkv / q_norm / k_norm /
 post_attn_norm / post_ffn_norm / rope_freqs): export.py on each family's tiny random model
 (tests/make_synthetic.py family_config: qwen2, qwen3, gemma3, llama3) and on the real Gemma 3 270M GGUF.
 Gemma's vocabulary is SentencePiece: a tokenizer.model in the HF directory (the sentencepiece library
@@ -58,7 +58,7 @@ def f32(x: float) -> float:
 
 
 def expected_header(family: str) -> dict:
-    """The header fields FORMAT-FAMILIES.md / README give for this model."""
+    """The header fields export.py's manual gives for this model."""
     c = ms.family_config(family)
     flags = (TIED if c.tied else 0) | {"qwen2": QKV_BIAS, "qwen3": QK_NORM, "gemma3": QK_NORM | POST_NORMS,
                                        "llama3": ROPE_FREQS}[family]
@@ -76,7 +76,7 @@ def expected_header(family: str) -> dict:
 
 
 def expected_tensors(family: str) -> dict[str, np.ndarray]:
-    """{file tensor name: float32 values} rebuilt from the HF weights by the README's tensor table."""
+    """{file tensor name: float32 values} rebuilt from the HF weights by the tensor table of export.py's manual."""
     c, w = ms.family_config(family), ms.make_weights(ms.family_config(family))
     one = np.float32(1) if family == "gemma3" else np.float32(0)   # Gemma: x_hat * (1 + w)
     out = {"tok_embeddings": w["model.embed_tokens.weight"], "norm": w["model.norm.weight"] + one}

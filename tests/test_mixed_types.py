@@ -9,7 +9,7 @@ per 32, int8 per 256 with the sums of 16, and the float attention output that a 
 query heads (here 2 x 64 = 128 values) are not whole blocks of 256. Tolerance: tests/test_synthetic.py's QUANT
 bound (int8 activations; per 256 the scale is shared by more values, a little coarser than per 32).
 
-The split form (README "The model file", flag bit 5: wq, wk, wv and w1, w3 as tensors of their own) is written here
+The split form (export.py's manual, flag bit 5: wq, wk, wv and w1, w3 as tensors of their own) is written here
 from the same f32 file: parts of one projection in different types (sharing an activation format) against the
 reference, and a split file whose parts all have one type against the fused file with the same bytes, which must
 give the same logits bit for bit (every part boundary here is a multiple of the row tiles).
@@ -135,7 +135,7 @@ def f32_file() -> Path:
 
 
 def split_rows(name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
-    """A fused projection's rows as the split form's tensors (README's tensor table: Q rows, then K, then V; gate
+    """A fused projection's rows as the split form's tensors (export.py's tensor table: Q rows, then K, then V; gate
     rows, then up); any other tensor as it is."""
     prefix, _, base = name.rpartition(".")
     q_dim, kv_dim, hid = CFG.n_heads * CFG.head_dim, CFG.n_kv_heads * CFG.head_dim, CFG.hidden_dim
@@ -148,7 +148,7 @@ def split_rows(name: str, values: np.ndarray) -> list[tuple[str, np.ndarray]]:
 def rewrite(src: Path, dst: Path, types: dict[str, int], cols_override: dict[str, int] | None = None,
             split: bool = False) -> dict[str, np.ndarray]:
     """src with each tensor whose name ends in a key of `types` re-encoded as that type (the tensors re-laid after
-    the table, each at the next 64-byte boundary, as the README's layout rules want); with split, in the split
+    the table, each at the next 64-byte boundary, as export.py's layout rules want); with split, in the split
     form. Returns the stored values by tensor name, decoded by the gguf package."""
     data = src.read_bytes()
     h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
@@ -267,7 +267,7 @@ def test_k_type_on_a_row_not_a_multiple_of_256_is_refused() -> None:
 
 
 def entry_offset(data: bytes, name: str) -> int:
-    """Byte offset of tensor `name`'s entry in the tensor table (README, "The model file")."""
+    """Byte offset of tensor `name`'s entry in the tensor table (export.py's manual, "The model file")."""
     h = dict(zip(HEADER_KEYS, HEADER.unpack_from(data, 0)))
     for i in range(h["n_tensors"]):
         at = h["table_offset"] + i * ENTRY.size
@@ -306,7 +306,7 @@ def test_truncated_k_block_is_refused() -> None:
 
 
 # the block types with an f16 scale d; in the packed layout every record starts with its rows' d side by side, so row
-# 0's first scale is a matrix's first two bytes (README "Packed matrices")
+# 0's first scale is a matrix's first two bytes (export.py's manual, "Packed matrices")
 SCALED_TYPES = (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0, QT.Q4_K, QT.Q5_K, QT.Q6_K)
 F16_NAN, F16_INF, F16_NEG_INF = 0x7E00, 0x7C00, 0xFC00
 

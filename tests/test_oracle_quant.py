@@ -417,7 +417,7 @@ def check_greedy(model: str, qtype: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # export.py --dtype against llama-quantize (issue 23 item 13)
 
-# our tensor (README "Tensor table") -> its GGUF tensors, in row order; "" for the global ones
+# our tensor (export.py's manual, "Tensor table") -> its GGUF tensors, in row order; "" for the global ones
 GGUF_PARTS = {"tok_embeddings": ["token_embd"], "output": ["output"], "norm": ["output_norm"],
               "attn_norm": ["attn_norm"], "ffn_norm": ["ffn_norm"], "wo": ["attn_output"], "w2": ["ffn_down"],
               "wq": ["attn_q"], "wk": ["attn_k"], "wv": ["attn_v"], "w1": ["ffn_gate"], "w3": ["ffn_up"],

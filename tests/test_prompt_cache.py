@@ -69,7 +69,7 @@ def loaded(stderr: bytes) -> list[int]:
 
 
 def model_shape(path: str) -> tuple[int, int, int]:
-    """n_layers, n_kv_heads, head_dim from a model file's header (README "The model file")."""
+    """n_layers, n_kv_heads, head_dim from a model file's header (export.py's manual, "The model file")."""
     head = Path(path).read_bytes()[:HEADER] if Path(path).stat().st_size < (1 << 20) else open(path, "rb").read(HEADER)
     return struct.unpack_from("<I", head, 24)[0], struct.unpack_from("<I", head, 32)[0], struct.unpack_from("<I", head, 36)[0]
 

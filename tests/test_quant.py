@@ -273,7 +273,7 @@ def test_q4_1_from_float_tracks_f32():
 
 
 def tensor_table(path: Path) -> dict[str, tuple[int, int, int]]:
-    """name -> (type, offset, size) from our file's tensor table (README.md ("The model file"))."""
+    """name -> (type, offset, size) from our file's tensor table (export.py's manual ("The model file"))."""
     with open(path, "rb") as f:
         head = f.read(quality.HEADER_SIZE)
         n, table = int.from_bytes(head[68:72], "little"), int.from_bytes(head[88:96], "little")

@@ -72,7 +72,7 @@ CONTROL = 3  # a control token's type in the tokenizer section (llama.cpp's numb
 
 @functools.cache
 def vocabulary() -> tuple[list[bytes], list[int]]:
-    """Each token's bytes and type, from the model file's tokenizer section (README "The model file", read by
+    """Each token's bytes and type, from the model file's tokenizer section (export.py's manual, read by
     tests/tokenizer/variants.py)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "tokenizer"))
     from variants import read_section

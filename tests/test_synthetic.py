@@ -7,7 +7,7 @@ shares no code with export.py or run.c. Error measure, per prompt position p:
 
 and a test bounds max_p rel(p). Quantized files are compared with the
 reference run on the weights the file actually stores (decoded here from the
-file per README.md ("The model file"), after checking they are a faithful rounding of the
+file per export.py's manual ("The model file"), after checking they are a faithful rounding of the
 source weights), so the logits tolerance covers only the engine's arithmetic.
 
 Tolerances (justified by simulating the engine's likely arithmetic on these
@@ -173,7 +173,7 @@ def assert_close(got: np.ndarray, ref: np.ndarray, tol: float, what: str) -> Non
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Reading our model file (README.md ("The model file")), to learn what the exporter stored
+# Reading our model file (export.py's manual ("The model file")), to learn what the exporter stored
 
 HEADER = struct.Struct("<4s11I2f4I4Q")
 HEADER_KEYS = ("magic", "version", "header_size", "arch", "dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
@@ -267,7 +267,7 @@ def stored_weights(model: Path, kind: str) -> tuple[dict[str, np.ndarray], dict[
         split[f"layers.{n}.ffn_norm"] = [(p + "post_attention_layernorm.weight", 1)]
         split[f"layers.{n}.w13"] = [(p + "mlp.gate_proj.weight", cfg.hidden_dim), (p + "mlp.up_proj.weight", cfg.hidden_dim)]
         split[f"layers.{n}.w2"] = [(p + "mlp.down_proj.weight", cfg.dim)]
-    assert set(mf.tensors) == set(split), (f"{model.name}: tensor names differ from the README format table: missing "
+    assert set(mf.tensors) == set(split), (f"{model.name}: tensor names differ from export.py's tensor table: missing "
                                            f"{sorted(set(split) - set(mf.tensors))}, unexpected {sorted(set(mf.tensors) - set(split))}")
     values, parts = {}, {}
     for name, pieces in split.items():

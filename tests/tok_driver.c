@@ -1,4 +1,4 @@
-/* tok_driver - exercise tokenizer.c on a model file (README.md ("The model file")) for the tests.
+/* tok_driver - exercise tokenizer.c on a model file (export.py's manual ("The model file")) for the tests.
 
    cc -O2 -std=c11 -Wall -Wextra -I. tests/tok_driver.c tokenizer.c -o tok_driver
 

@@ -20,7 +20,7 @@ length, so that a saved input replays the same way. What counts as a failure:
   - an ExportError with an empty or multi-line message
   - a failed export that leaves the output file, or a *.tmp-* file, behind
   - an export that changed its input file
-  - a successful export whose output breaks README.md ("The model file")'s layout rules (modelfile.problems)
+  - a successful export whose output breaks export.py's manual ("The model file")'s layout rules (modelfile.problems)
   - a successful GGUF export of an input whose tensor data breaks GGUF's layout (gguf_layout_problem:
     every tensor where the one before it in the table ends, padded to general.alignment), which
     llama.cpp refuses: export.py would have read some tensor from another one's bytes

@@ -1,6 +1,6 @@
 /* libFuzzer target: the model-file loader of run.c, then a short run of what was loaded.
 
-   Input: a whole model file (README.md ("The model file")). It is written to a memfd and loaded through
+   Input: a whole model file (export.py's manual ("The model file")). It is written to a memfd and loaded through
    build_model() by path, exactly as ./run does. A file that is refused must be refused with
    a one-line reason; a file that is accepted then goes through the engine: the chat
    template (when the file has one), a prompt tokenized and prefilled, one decode step and

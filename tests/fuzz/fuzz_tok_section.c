@@ -1,6 +1,6 @@
 /* libFuzzer target: tok_create on an untrusted tokenizer section, then encode and decode.
 
-   Input: a tokenizer section (README.md ("The model file"), "Tokenizer section"), seeded with the
+   Input: a tokenizer section (export.py's manual ("The model file"), "Tokenizer section"), seeded with the
    sections of small real model files. tok_create must either refuse it with a one-line
    reason or give a tokenizer that encodes and decodes any text without reading outside
    the section: every id it produces is in range and has a piece.

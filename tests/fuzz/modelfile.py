@@ -1,4 +1,4 @@
-"""Read and patch model files (README.md ("The model file")) byte by byte, to craft damaged ones.
+"""Read and patch model files (export.py's manual ("The model file")) byte by byte, to craft damaged ones.
 
 Written from the format spec, independently of export.py and run.c: the tests use it to
 make one precise defect at a time in an otherwise valid file.
@@ -23,7 +23,7 @@ HEADER = {
     "rope_theta": (48, "<f"), "norm_eps": (52, "<f"), "flags": (56, "<I"), "activation": (60, "<I"),
     "rope_dim": (64, "<I"), "n_tensors": (68, "<I"), "tok_offset": (72, "<Q"), "tok_size": (80, "<Q"),
     "table_offset": (88, "<Q"), "file_size": (96, "<Q"),
-    # the model-family fields (README "The model file"; 0 = not used)
+    # the model-family fields (export.py's manual, "The model file"; 0 = not used)
     "embed_scale": (104, "<f"), "attn_scale": (108, "<f"), "window": (112, "<I"), "window_pattern": (116, "<I"),
     "rope_theta_local": (120, "<f"), "rope_scale_global": (124, "<f"),
 }
@@ -110,7 +110,7 @@ def fill_f32(buf: bytearray, name: str, value: float) -> bytearray:
 def relayout(buf: bytes, tensors: list[tuple]) -> bytearray:
     """buf's header and tokenizer section with these tensors (name, type, rows, cols, data[, layout]) in this
     order: the table right after the tokenizer section, each tensor at the next 64-byte boundary after it,
-    n_tensors and file_size updated (the layout rules of README.md, "The model file"). data is as stored
+    n_tensors and file_size updated (the layout rules of export.py's manual, "The model file"). data is as stored
     (packed for a LAYOUT_PACKED tensor)."""
     table = get(buf, "table_offset")
     out = bytearray(buf[:table]) + bytes(len(tensors) * TABLE_ENTRY)
@@ -128,7 +128,7 @@ TOK_FLAG_BITS = 3   # tokenizer flags: bit 0 add BOS, bit 1 add EOS, bit 2 space
 
 
 def tok_arrays(buf: bytes) -> list[tuple[str, int, int]]:
-    """The tokenizer section's arrays (README.md, "Tokenizer section") as (name, file offset, bytes), in order,
+    """The tokenizer section's arrays (export.py's manual, "Tokenizer section") as (name, file offset, bytes), in order,
     each from a 4-byte boundary after the 64-byte section header."""
     n = tok_get(buf, "n_vocab")
     sizes = [4 * (n + 1), n, 4 * n, 12 * tok_get(buf, "n_merges"), tok_get(buf, "system_len"), tok_get(buf, "blob_len")]
@@ -161,7 +161,7 @@ SPLIT_PARTS = {"wqkv": ("wq", "wk", "wv"), "w13": ("w1", "w3")}   # in the order
 
 
 def split_form(buf: bytes, retype: dict[str, int] | None = None) -> bytearray:
-    """A fused file in the split form (README.md, "The model file", flag bit 5): each layer's wqkv cut into wq,
+    """A fused file in the split form (export.py's manual, "The model file", flag bit 5): each layer's wqkv cut into wq,
     wk, wv and w13 into w1, w3, whole rows, so the same bytes. A part named in `retype` becomes a tensor of that
     type holding zeros instead."""
     hd, hid = get(buf, "head_dim"), get(buf, "hidden_dim")
@@ -195,7 +195,7 @@ def align64(x: int) -> int:
 
 
 def problems(buf: bytes) -> list[str]:
-    """What makes buf an invalid model file by README.md ("The model file")'s layout rules (empty list: none).
+    """What makes buf an invalid model file by export.py's manual ("The model file")'s layout rules (empty list: none).
 
     Checks the structure only (magic, sizes, offsets, alignment, tensor byte counts, the sections and
     tensors following each other exactly, reserved and padding bytes zero: between sections, tensors and
@@ -247,7 +247,7 @@ def problems(buf: bytes) -> list[str]:
 
 
 def tok_problems(buf: bytes) -> list[str]:
-    """The tokenizer section's padding between its arrays and its flags (README.md, "Tokenizer section")."""
+    """The tokenizer section's padding between its arrays and its flags (export.py's manual, "Tokenizer section")."""
     out, end = [], None
     arrays = tok_arrays(buf)
     if arrays[-1][1] + arrays[-1][2] > len(buf):
@@ -270,7 +270,7 @@ def last_group_padding_dirty(buf: bytes, t: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Packed matrices (README.md, "Packed matrices"), written from the README's description element by element:
+# Packed matrices (export.py's manual, "Packed matrices"), written from the manual's description element by element:
 # unpack() turns a packed tensor back into ggml's blocks, row after row; pack() is its inverse.
 
 PACK_ROWS = 16

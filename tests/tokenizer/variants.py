@@ -46,7 +46,7 @@ def gpt2_encode(text: str) -> str:
     return "".join(mapping[b] for b in text.encode("utf-8"))
 
 
-# --- the tokenizer section of a model file (README.md ("The model file")), for building test variants ---
+# --- the tokenizer section of a model file (export.py's manual ("The model file")), for building test variants ---
 
 import struct  # noqa: E402
 
