@@ -15,12 +15,12 @@
 
    HOW IT WORKS
      Part I, the engine, in plain C and in the order data flows:
-     1. model file   mmap the file, validate every size and offset, point the
+     1. model file   mmap the file, read the header into Config and point the
                      weight structs into the mapping (no copy); the header
                      says which optional steps the model's family takes.
-     2. math         the definitions: int8 activations, each weight type's
-                     dot product (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k
-                     q5_k q6_k), SwiGLU/GeGLU, softmax, RMSNorm, RoPE.
+     2. math         the definitions: RMSNorm, softmax, RoPE, SwiGLU/GeGLU,
+                     int8 activations, each weight type's dot product (f32
+                     f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k).
      3. forward      one function, forward(): embed -> every layer (norm,
                      QKV, RoPE, the KV cache, attention as three plain
                      loops in attend, the feed-forward) -> logits; its
@@ -32,7 +32,8 @@
      5. generation   tokenize -> prefill -> decode loop -> text streamed to
                      stdout whole UTF-8 characters at a time; chat.
      6. main
-     Part II, the machinery Part I calls by name: the thread team, the
+     Part II, the machinery Part I calls by name: the checks of the model
+     file (before section 1 reads it), the thread team, the
      packed layout, the kernel tables and sets, attention in chunks (what
      the SIMD sets run instead of attend, with the same results),
      measurement, stop strings, JSON (--json, --logprobs), the prompt cache,
@@ -236,86 +237,44 @@ static struct {
 
 /* ============================================================================
    1. THE MODEL FILE
+   One little-endian file written by export.py, mapped read-only: the weight
+   structs point into the mapping. Zero padding only between its parts:
+     [header: 256 bytes][tokenizer section][tensor table][tensor data ...]
+   header        shape and family: the HDR_* fields below, read into Config
+   tokenizer     at byte 256: a 64-byte header, then text offsets, types,
+                 scores, merges, default system prompt and text blob, each
+                 from a 4-byte boundary (tokenizer.c reads it)
+   tensor table  at the next 64-byte boundary: n_tensors entries (ENT_*)
+   tensor data   in table order, each at the 64-byte boundary after what
+                 precedes it; the last tensor ends the file
+   What is read here, Part II ("validating the model file") has checked
+   first: every field, size, offset, name and padding byte. export.py's
+   manual, "The model file", has the whole format.
    ========================================================================= */
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
    can be copied from GGUF files bit for bit. */
 enum { T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30, N_TYPES };
 
-/* Byte offsets of the header's fields (export.py's manual, "The model file"). */
+/* The header's fields by byte offset: u32 unless marked; a family field
+   (from HDR_EMBED_SCALE) of 0 means the value after "0:", llama's. */
 enum {
-    HDR_MAGIC = 0, HDR_VERSION = 4, HDR_SIZE = 8, HDR_ARCH = 12,
+    HDR_MAGIC = 0 /* FILE_MAGIC */, HDR_VERSION = 4, HDR_SIZE = 8 /* HEADER_BYTES */, HDR_ARCH = 12 /* ARCH_*, for -v */,
     HDR_DIM = 16,   /* dim, hidden_dim, n_layers, n_heads, n_kv_heads, head_dim, vocab_size, */
                     /* max_seq_len: HDR_SHAPE_FIELDS consecutive u32s from HDR_DIM */
-    HDR_ROPE_THETA = 48, HDR_NORM_EPS = 52, HDR_FLAGS = 56, HDR_ACTIVATION = 60, HDR_ROPE_DIM = 64,
-    HDR_N_TENSORS = 68, HDR_TOK_OFFSET = 72, HDR_TOK_SIZE = 80, HDR_TABLE_OFFSET = 88, HDR_FILE_SIZE = 96,
-    HDR_EMBED_SCALE = 104, HDR_ATT_SCALE = 108, HDR_WINDOW = 112, HDR_WINDOW_PATTERN = 116,
-    HDR_ROPE_THETA_LOCAL = 120, HDR_ROPE_SCALE = 124, /* the family's fields (read_family) */
+    HDR_ROPE_THETA = 48 /* f32 */, HDR_NORM_EPS = 52 /* f32 */, HDR_FLAGS = 56 /* FLAG_* */,
+    HDR_ACTIVATION = 60 /* GATE_* */, HDR_ROPE_DIM = 64, HDR_N_TENSORS = 68,
+    HDR_TOK_OFFSET = 72, HDR_TOK_SIZE = 80, HDR_TABLE_OFFSET = 88, HDR_FILE_SIZE = 96, /* u64s */
+    HDR_EMBED_SCALE = 104 /* f32, 0: 1 */, HDR_ATT_SCALE = 108 /* f32, 0: 1/sqrt(head_dim) */,
+    HDR_WINDOW = 112 /* 0: no local layers */, HDR_WINDOW_PATTERN = 116 /* see Config */,
+    HDR_ROPE_THETA_LOCAL = 120 /* f32, 0: rope_theta */, HDR_ROPE_SCALE = 124 /* f32, 0: 1 */,
     HDR_RESERVED = 128 /* up to HEADER_BYTES: zero */
 };
 #define HDR_SHAPE_FIELDS 8
-/* ... of a tensor table entry (TENSOR_ENTRY_BYTES long) */
+/* ... of a tensor table entry (TENSOR_ENTRY_BYTES long): char[48] name, NUL-padded; u32 type (T_*),
+   rows, cols (elements a row), layout; u64 offset of the data in the file, and its size */
 enum { ENT_NAME = 0, ENT_TYPE = 48, ENT_ROWS = 52, ENT_COLS = 56, ENT_LAYOUT = 60, ENT_OFFSET = 64, ENT_SIZE = 72 };
 enum { LAYOUT_ROWS, LAYOUT_PACKED, N_LAYOUTS }; /* a tensor's layout: the forward pass multiplies by packed ones */
-/* ... of the tokenizer section's header: the counts that size its arrays
-   (tokenizer.c reads the rest), and its reserved bytes */
-enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_FLAGS = 32, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44,
-       TOKS_RESERVED = 48, TOKS_HEADER_BYTES = 64 };
-#define TOKS_N_FLAGS 3      /* the tokenizer flags' bits this build knows: add BOS, add EOS, space prefix */
-#define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
-#define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
-
-typedef struct {
-    uint16_t d;      /* scale, fp16 */
-    int8_t qs[QK];   /* value = qs[i] * d */
-} BlockQ8_0;         /* 34 bytes */
-
-typedef struct {
-    uint16_t d;         /* scale, fp16 */
-    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
-} BlockQ4_0;            /* 18 bytes: value = (nibble - 8) * d */
-
-typedef struct {
-    uint16_t d, m;      /* scale and minimum, fp16 */
-    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
-} BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
-
-typedef struct {
-    uint16_t d;         /* scale, fp16 */
-    uint8_t qh[4];      /* bit j (little-endian): bit 4 of element j */
-    uint8_t qs[QK / 2]; /* the low 4 bits, laid out as q4_0's nibbles */
-} BlockQ5_0;            /* 22 bytes: value = (q - 16) * d, q = 0..31 */
-
-typedef struct {
-    uint16_t d, m;      /* scale and minimum, fp16 */
-    uint8_t qh[4];
-    uint8_t qs[QK / 2]; /* as q5_0 */
-} BlockQ5_1;            /* 24 bytes: value = q * d + m */
-
-/* The K types: super-blocks of QK_K = 256 elements in sub-blocks, each
-   sub-block with its own small integer scale (and minimum) under the
-   super-block's fp16 ones. */
-typedef struct {
-    uint16_t d, dmin;       /* fp16 scales of the sub-block scales and of the minimums */
-    uint8_t scales[12];     /* 8 six-bit scales and 8 six-bit minimums, packed (k4_scale_min) */
-    uint8_t qs[QK_K / 2];   /* 64 elements per 32 bytes: the low nibbles, then the high ones */
-} BlockQ4K;                 /* 144 bytes: value = d * sc_j * q - dmin * m_j in sub-block j of 32 */
-
-typedef struct {
-    uint16_t d, dmin;       /* as q4_k */
-    uint8_t scales[12];
-    uint8_t qh[QK_K / 8];   /* bit j of qh[l]: bit 4 of element l of sub-block j */
-    uint8_t qs[QK_K / 2];   /* the low 4 bits, as q4_k */
-} BlockQ5K;                 /* 176 bytes: value = d * sc_j * q - dmin * m_j, q = 0..31 */
-
-typedef struct {
-    uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
-                                 bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
-    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
-    int8_t scales[QK_K / 16]; /* one per 16 elements */
-    uint16_t d;               /* fp16 */
-} BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
-_Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml's K block sizes");
 
 typedef struct {
     const char *name;
@@ -392,13 +351,6 @@ typedef struct {
     Tensor post_ffn_norm;  /* [1, dim] (post_norms) */
 } Layer;
 
-/* A layer's matrix products, in the order a token meets them. */
-#define LAYER_MATRICES 4
-static void layer_matrices(Layer *L, Matrix *out[LAYER_MATRICES])
-{
-    out[0] = &L->wqkv, out[1] = &L->wo, out[2] = &L->w13, out[3] = &L->w2;
-}
-
 typedef struct {
     Config c;
     Tensor tok_embeddings; /* [vocab, dim] */
@@ -418,28 +370,15 @@ typedef struct {
     int tokenizer_only;    /* a file without tensors (export.py --tokenizer-only), loaded for --tokenize */
 } Model;
 
-/* Part II's checks of the file's bytes (section "the model file's checks"). */
-static size_t nonzero_at(const uint8_t *p, size_t n);
-static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err);
-static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8]);
-static const char *section_at(uint64_t off, uint64_t tok_end);
-static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err);
-static int check_name(const uint8_t *field, uint32_t i, char *err);
-static int check_layout(const Tensor *t, int matmul, char *err);
-
 static uint32_t rd_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint64_t rd_u64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static float rd_f32(const uint8_t *p) { float v; memcpy(&v, p, 4); return v; }
 
 /* Defined with the weight-type table (Part II, "the kernel tables"): a type's name (NULL for
-   a type this build does not know), the bytes of a row of cols elements
-   (0 when that is not a whole number of its blocks), and the activation
-   format its matrix products read. */
+   a type this build does not know), and the bytes of a row of cols elements
+   (0 when that is not a whole number of its blocks). */
 static const char *type_name(int type);
 static size_t row_bytes(int type, size_t cols);
-static int act_format(int type);
-
-static size_t packed_bytes(int type, size_t rows, size_t cols);
 
 /* Row r of a tensor stored as rows. */
 static const uint8_t *tensor_row(const Tensor *t, int r)
@@ -447,35 +386,10 @@ static const uint8_t *tensor_row(const Tensor *t, int r)
     return (const uint8_t *)t->data + (size_t)r * row_bytes(t->type, t->cols);
 }
 
-/* The bytes a tensor's data takes in the file. */
-static size_t tensor_bytes(const Tensor *t)
+/* Reads the header's shape into c. */
+static void read_config(Config *c, const uint8_t *h)
 {
-    return t->layout == LAYOUT_PACKED ? packed_bytes(t->type, t->rows, t->cols) : row_bytes(t->type, t->cols) * t->rows;
-}
-
-static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
-
-/* Reads and bounds-checks the header into c. The file is untrusted: every
-   field is checked before anything is sized by it. */
-static int read_config(Model *m, char *err)
-{
-    const uint8_t *h = m->map;
-    Config *c = &m->c;
-    if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
-        LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
-    if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
-        LOAD_FAIL("unsupported file version %u (this build reads version %d%s)", rd_u32(h + HDR_VERSION), FILE_VERSION,
-                  rd_u32(h + HDR_VERSION) < FILE_VERSION ? ": re-export the model with this version's export.py" : "");
-    if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
-        LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
-    if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
-        LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
-            m->map_size, (unsigned long long)rd_u64(h + HDR_FILE_SIZE));
-    if (rd_u32(h + HDR_ARCH) < ARCH_LLAMA || rd_u32(h + HDR_ARCH) > ARCH_GEMMA3)
-        LOAD_FAIL("unsupported architecture id %u (this build knows 1 llama, 2 qwen2, 3 qwen3, 4 gemma3)", rd_u32(h + HDR_ARCH));
     c->arch = rd_u32(h + HDR_ARCH);
-    size_t z = HDR_RESERVED + nonzero_at(h + HDR_RESERVED, HEADER_BYTES - HDR_RESERVED);
-    if (z < HEADER_BYTES) LOAD_FAIL("header: reserved byte %zu is 0x%02x, not zero", z, h[z]);
     uint32_t v[HDR_SHAPE_FIELDS];
     for (int i = 0; i < HDR_SHAPE_FIELDS; i++) v[i] = rd_u32(h + HDR_DIM + 4 * i);
     c->dim = v[0]; c->hidden_dim = v[1]; c->n_layers = v[2]; c->n_heads = v[3];
@@ -483,400 +397,102 @@ static int read_config(Model *m, char *err)
     c->rope_theta = rd_f32(h + HDR_ROPE_THETA);
     c->norm_eps = rd_f32(h + HDR_NORM_EPS);
     c->rope_dim = rd_u32(h + HDR_ROPE_DIM);
-    /* one check per field, so that the message names the field that is wrong */
-    static const char *const field[HDR_SHAPE_FIELDS] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
-                                                        "head_dim", "vocab_size", "context length"};
-    const uint32_t max[HDR_SHAPE_FIELDS] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
-    for (int i = 0; i < HDR_SHAPE_FIELDS; i++)
-        if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
-    if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
-    if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
-    if ((size_t)v[3] * v[5] > MAX_DIM) LOAD_FAIL("header: n_heads x head_dim = %zu exceeds %d", (size_t)v[3] * v[5], MAX_DIM);
-    if (c->rope_dim <= 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
-        LOAD_FAIL("header: rope_dim %d is not an even number in [2, head_dim %d]", c->rope_dim, c->head_dim);
-    if (!isfinite(c->rope_theta) || c->rope_theta <= 1) LOAD_FAIL("header: rope_theta %g is not a finite number > 1", c->rope_theta);
-    if (!isfinite(c->norm_eps) || c->norm_eps <= 0) LOAD_FAIL("header: norm_eps %g is not a finite number > 0", c->norm_eps);
-    return 0;
 }
 
-/* The lowest bit of flags at or above n_known (a bit this build does not
-   know), or -1. */
-static int unknown_bit(uint32_t flags, int n_known)
+/* Reads the family's switches into c: the flags, and the fields from
+   HDR_ACTIVATION on, whose zeros mean llama's behaviour. */
+static void read_family(Config *c, const uint8_t *h)
 {
-    for (int bit = n_known; bit < 32; bit++)
-        if (flags >> bit & 1) return bit;
-    return -1;
-}
-
-/* The header flags' names, by bit (export.py's manual, "The model file"). */
-static const char *const FLAG_NAME[N_FLAGS] = {"tied", "qkv_bias", "qk_norm", "post_norms", "rope_freqs", "split"};
-
-/* Reads the family's switches (export.py's manual, "The model file": flags and the
-   fields from offset 104; zero means llama's behaviour) into c, after
-   read_config has read and checked the shape. */
-static int read_family(Model *m, char *err)
-{
-    const uint8_t *h = m->map;
-    Config *c = &m->c;
-    uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
-    float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
-    float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
-    int bit = unknown_bit(flags, N_FLAGS);
-    if (bit >= 0) {
-        char known[ERR_BYTES / 2] = "";  /* the names take ~60 bytes; the sentence around them fits beside */
-        for (int b = 0; b < N_FLAGS; b++)
-            snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
-        LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
-    }
-    c->flags = flags;
-    c->tied = !!(flags & FLAG_TIED_EMBEDDINGS);
-    c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
-    c->qk_norm = !!(flags & FLAG_QK_NORM);
-    c->post_norms = !!(flags & FLAG_POST_NORMS);
-    c->rope_freqs = !!(flags & FLAG_ROPE_FREQS);
-    c->split = !!(flags & FLAG_SPLIT);
-    if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
-    c->gate = gate;
+    uint32_t flags = c->flags = rd_u32(h + HDR_FLAGS);
+    c->tied = !!(flags & FLAG_TIED_EMBEDDINGS), c->qkv_bias = !!(flags & FLAG_QKV_BIAS);
+    c->qk_norm = !!(flags & FLAG_QK_NORM), c->post_norms = !!(flags & FLAG_POST_NORMS);
+    c->rope_freqs = !!(flags & FLAG_ROPE_FREQS), c->split = !!(flags & FLAG_SPLIT);
+    c->gate = rd_u32(h + HDR_ACTIVATION);
     c->window = rd_u32(h + HDR_WINDOW);
     c->window_pattern = rd_u32(h + HDR_WINDOW_PATTERN);
-    if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
-    if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
-    /* scales: 0 means the usual value; anything else must be a finite positive number */
-    const float *f[] = {&embed_scale, &att_scale, &theta_local, &rope_scale};
-    static const char *const fname[] = {"embedding scale", "attention scale", "local rope_theta", "rope scaling factor"};
-    for (int i = 0; i < 4; i++)
-        if (*f[i] != 0 && (!isfinite(*f[i]) || *f[i] <= 0)) LOAD_FAIL("header: %s %g is not a finite number > 0", fname[i], *f[i]);
+    float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
+    float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
     c->embed_scale = embed_scale ? embed_scale : 1;
     c->att_scale = att_scale ? att_scale : 1 / sqrtf((float)c->head_dim);
     c->rope_theta_local = theta_local ? theta_local : c->rope_theta;
     c->rope_scale = rope_scale ? rope_scale : 1;
-    if (c->rope_theta_local <= 1) LOAD_FAIL("header: local rope_theta %g is not > 1", c->rope_theta_local);
-    return 0;
 }
 
-/* The tokenizer section's arrays, in order, for messages. */
-static const char *const TOKS_ARRAY[] = {"text offsets", "token types", "scores", "merges", "default system prompt",
-                                         "text blob"};
-
-/* Where the tokenizer section's last array ends (export.py's manual, "Tokenizer
-   section"): text offsets, types, scores, merges, default system prompt,
-   text blob, each from a 4-byte boundary. Called once tok_create has
-   checked that they fit; it does not check that nothing follows them.
-   *pad: the first nonzero padding byte between two arrays (0: none), and
-   *after: the array that it follows. */
-static size_t tok_section_end(const uint8_t *sec, size_t *pad, int *after)
-{
-    size_t n = rd_u32(sec + TOKS_N_VOCAB);
-    size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
-                      rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
-    _Static_assert(sizeof bytes / sizeof *bytes == sizeof TOKS_ARRAY / sizeof *TOKS_ARRAY, "a name per array");
-    size_t end = TOKS_HEADER_BYTES;
-    *pad = 0;
-    for (int i = 0; i < (int)(sizeof bytes / sizeof *bytes); i++) {
-        size_t start = align_up(end, TOKS_ALIGN), z = end + nonzero_at(sec + end, start - end);
-        if (z < start && !*pad) *pad = z, *after = i - 1; /* the header ends on a boundary: i > 0 here */
-        end = start + bytes[i];
-    }
-    return end;
-}
-
-/* The tokenizer section: right after the header, exactly as long as its
-   arrays, its reserved header bytes zero. */
-static int read_tokenizer(Model *m, char *err)
-{
-    uint64_t off = rd_u64(m->map + HDR_TOK_OFFSET), size = rd_u64(m->map + HDR_TOK_SIZE);
-    if (off % TOKS_ALIGN || off > m->map_size || m->map_size - off < size)
-        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
-    if (off != HEADER_BYTES) LOAD_FAIL("tokenizer section at offset %llu, not right after the header (%d)", (unsigned long long)off, HEADER_BYTES);
-    const uint8_t *sec = m->map + off;
-    char why[ERR_BYTES];
-    if (tok_create(&m->tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
-    size_t pad;
-    int after = 0;
-    size_t end = tok_section_end(sec, &pad, &after);
-    if (end != size)
-        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu", (unsigned long long)size, end);
-    size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
-    if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
-    if (pad) LOAD_FAIL("tokenizer section: padding byte %zu after the %s is 0x%02x, not zero", pad, TOKS_ARRAY[after], sec[pad]);
-    int bit = unknown_bit(rd_u32(sec + TOKS_FLAGS), TOKS_N_FLAGS);
-    if (bit >= 0) LOAD_FAIL("tokenizer section: unknown flag bit %d (this build knows bits 0-%d: add BOS, add EOS, space prefix)",
-                            bit, TOKS_N_FLAGS - 1);
-    if (tok_get_info(m->tok)->n_vocab > m->c.vocab_size)
-        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(m->tok)->n_vocab, m->c.vocab_size);
-    return 0;
-}
-
-/* Every tensor a model file can hold, by slot: the model's own, then
-   each layer's. Which of them a file holds depends on the header's flags:
-   a tensor is present when the header sets its `flag` (0: always) and not
-   its `absent` flag (a split file stores wq, wk, wv instead of wqkv). */
-typedef struct {
-    const char *name;
-    uint32_t flag, absent;
-} SlotRule;
+/* The tensors a file can hold, by slot: the model's own, then each
+   layer's, in the order of their names (SLOT_NORM: "norm", LT_WO:
+   "layers.N.wo"). Which of them a file holds, the header's flags say
+   (Part II: global_tensor, layer_tensor). */
 enum { SLOT_TOK_EMBEDDINGS, SLOT_NORM, SLOT_OUTPUT, SLOT_ROPE_FREQS, SLOT_LAYERS };
-static const SlotRule global_tensor[SLOT_LAYERS] = {
-    {"tok_embeddings", 0, 0}, {"norm", 0, 0}, {"output", 0, FLAG_TIED_EMBEDDINGS}, {"rope_freqs", FLAG_ROPE_FREQS, 0},
-};
 enum { LT_ATTN_NORM, LT_WQKV, LT_WQ, LT_WK, LT_WV, LT_BQKV, LT_Q_NORM, LT_K_NORM, LT_WO, LT_POST_ATTN_NORM, LT_FFN_NORM,
        LT_W13, LT_W1, LT_W3, LT_W2, LT_POST_FFN_NORM, LAYER_TENSORS };
-static const SlotRule layer_tensor[LAYER_TENSORS] = {
-    {"attn_norm", 0, 0}, {"wqkv", 0, FLAG_SPLIT}, {"wq", FLAG_SPLIT, 0}, {"wk", FLAG_SPLIT, 0}, {"wv", FLAG_SPLIT, 0},
-    {"bqkv", FLAG_QKV_BIAS, 0}, {"q_norm", FLAG_QK_NORM, 0}, {"k_norm", FLAG_QK_NORM, 0}, {"wo", 0, 0},
-    {"post_attn_norm", FLAG_POST_NORMS, 0}, {"ffn_norm", 0, 0}, {"w13", 0, FLAG_SPLIT}, {"w1", FLAG_SPLIT, 0},
-    {"w3", FLAG_SPLIT, 0}, {"w2", 0, 0}, {"post_ffn_norm", FLAG_POST_NORMS, 0},
-};
-
-static const SlotRule *slot_rule(int slot)
-{
-    return slot < SLOT_LAYERS ? &global_tensor[slot] : &layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS];
-}
-
-/* Does a model with the header's flags hold the tensor of this slot? */
-static int slot_present(const Config *c, int slot)
-{
-    const SlotRule *r = slot_rule(slot);
-    return (c->flags & r->flag) == r->flag && !(c->flags & r->absent);
-}
 
 static int n_slots(const Config *c) { return SLOT_LAYERS + LAYER_TENSORS * c->n_layers; }
 
-/* The slot of tensor `name` in a model of shape c, whatever the flags, or
-   -1 when it has none such ("layers.30.wo" in a 30-layer model, "layers.01.wo"). */
-static int slot_of_name(const Config *c, const char *name)
-{
-    for (int i = 0; i < SLOT_LAYERS; i++)
-        if (!strcmp(name, global_tensor[i].name)) return i;
-    const char *p = name + strlen("layers.");
-    if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
-    char *end;
-    unsigned long l = strtoul(p, &end, 10);
-    if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
-    for (int i = 0; i < LAYER_TENSORS; i++)
-        if (!strcmp(end + 1, layer_tensor[i].name)) return SLOT_LAYERS + LAYER_TENSORS * (int)l + i;
-    return -1;
-}
+/* Part II: the slot of tensor `name` ("layers.3.wo": SLOT_LAYERS + 3 * LAYER_TENSORS + LT_WO). */
+static int slot_of_name(const Config *c, const char *name);
 
-/* ... and -1 also when the header's flags leave that tensor out. */
-static int tensor_slot(const Config *c, const char *name)
+/* Reads the tensor table into slots (n_slots entries, by name; a NULL
+   name marks a slot without a tensor). */
+static Tensor *read_tensor_table(const Model *m)
 {
-    int slot = slot_of_name(c, name);
-    return slot >= 0 && slot_present(c, slot) ? slot : -1;
-}
-
-static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
-{
-    if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
-    else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
-                  layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
-}
-
-/* Reads the tensor table into slots (n_slots entries, by tensor_slot; a
-   NULL name marks a slot without a tensor). The table must list exactly
-   the tensors the header's shape implies, and their data must tile the
-   rest of the file in table order: each tensor at the first TENSOR_ALIGN
-   boundary after the previous one (the first after the table), padding
-   zero, the file ending with the last tensor. So no tensor overlaps
-   another or the sections before it, and no byte goes unchecked. */
-static int read_tensor_table(const Model *m, Tensor **out, char *err)
-{
-    const uint8_t *h = m->map;
-    const Config *c = &m->c;
-    uint32_t n = rd_u32(h + HDR_N_TENSORS);
-    uint64_t off = rd_u64(h + HDR_TABLE_OFFSET), tok_end = HEADER_BYTES + rd_u64(h + HDR_TOK_SIZE);
-    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
-        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
-    if (off != align_up(tok_end, TENSOR_ALIGN))
-        LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
-                  (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
-    if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
-    int want = 0;
-    for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
-    if (n == 0 && !m->tokenizer_only)
-        LOAD_FAIL("the file holds a tokenizer but no tensors (export.py --tokenizer-only): only --tokenize runs on it");
-    if ((int)n != want && !m->tokenizer_only) {
-        char missing[TENSOR_NAME_BYTES + 8] = "";
-        if ((int)n < want) first_missing(m, n, off, missing);
-        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
-                  c->n_layers, c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "",
-                  want, missing);
-    }
-    Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
-    const char *stray = NULL, *prev = "the tensor table";
-    uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
-    for (uint32_t i = 0; i < n; i++) {
-        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
-        if (check_name(e + ENT_NAME, i, err)) return -1;
+    const uint8_t *table = m->map + rd_u64(m->map + HDR_TABLE_OFFSET);
+    Tensor *t = xcalloc(n_slots(&m->c), sizeof *t);
+    for (uint32_t i = 0; i < rd_u32(m->map + HDR_N_TENSORS); i++) {
+        const uint8_t *e = table + (size_t)i * TENSOR_ENTRY_BYTES;
         const char *name = (const char *)e + ENT_NAME;
-        int type = rd_u32(e + ENT_TYPE);
-        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), layout = rd_u32(e + ENT_LAYOUT);
-        uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
-        if (layout >= N_LAYOUTS) LOAD_FAIL("tensor %s: unknown layout %u (0 rows, 1 packed)", name, layout);
-        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %u", name, rd_u32(e + ENT_TYPE));
-        size_t rb = row_bytes(type, cols);
-        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
-            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
-        uint64_t want = layout == LAYOUT_PACKED ? packed_bytes(type, rows, cols) : (uint64_t)rb * rows;
-        if (size != want)
-            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes%s)", name,
-                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)want,
-                      layout == LAYOUT_PACKED ? " packed" : "");
-        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
-            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
-                      name, (unsigned long long)size, (unsigned long long)data);
-        if (data < table_end)
-            LOAD_FAIL("tensor %s's data (offset %llu) lies in %s", name, (unsigned long long)data, section_at(data, tok_end));
-        if (data < end)
-            LOAD_FAIL("tensor %s's data (offset %llu) overlaps the tensors before it, up to %s's end at %llu",
-                      name, (unsigned long long)data, prev, (unsigned long long)end);
-        if (data != align_up(end, TENSOR_ALIGN))
-            LOAD_FAIL("tensor %s is at offset %llu, not at the first %d-byte boundary after %s (%llu)", name,
-                      (unsigned long long)data, TENSOR_ALIGN, prev, (unsigned long long)align_up(end, TENSOR_ALIGN));
-        if (check_padding(m, end, data, name, err)) return -1;
-        int slot = tensor_slot(c, name);
-        if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
-        if (slot < 0 && !stray) stray = name;
-        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, (int)layout, m->map + data};
-        prev = name;
-        end = data + size;
+        t[slot_of_name(&m->c, name)] = (Tensor){name, (int)rd_u32(e + ENT_TYPE), (int)rd_u32(e + ENT_ROWS),
+            (int)rd_u32(e + ENT_COLS), (int)rd_u32(e + ENT_LAYOUT), m->map + rd_u64(e + ENT_OFFSET)};
     }
-    if (end != m->map_size)
-        LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
-    for (int s = 0; s < n_slots(c) && !m->tokenizer_only; s++) {
-        if (t[s].name || !slot_present(c, s)) continue;
-        char name[TENSOR_NAME_BYTES];
-        slot_name(name, s);
-        if (stray) LOAD_FAIL("model file has no tensor %s (but a tensor %s that a %d-layer model %s embeddings has not)",
-                             name, stray, c->n_layers, c->tied ? "with tied" : "with untied");
-        LOAD_FAIL("model file has no tensor %s", name);
-    }
-    return 0;
+    return t;
 }
 
-/* Checks that tensor t (from read_tensor_table) has the shape the header
-   implies, and takes it. */
-static int take_tensor(Tensor *out, const Tensor *t, int rows, int cols, char *err)
+/* Completes matrix w from its first n_parts parts: its shape. (Its parts
+   read one activation format: check_model_file refuses a file where not.) */
+static void join_parts(Matrix *w, int n_parts)
 {
-    if (t->rows != rows || t->cols != cols)
-        LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
-    *out = *t;
-    return 0;
-}
-
-/* Completes matrix w from its first n_parts parts (taken by take_tensor):
-   its shape, and the rule that all its parts read one activation format. */
-static int join_parts(Matrix *w, int n_parts, char *err)
-{
-    const Tensor *first = &w->part[0];
     w->n_parts = n_parts;
     w->rows = 0;
-    w->cols = first->cols;
-    for (int i = 0; i < n_parts; i++) {
-        const Tensor *p = &w->part[i];
-        if (act_format(p->type) != act_format(first->type))
-            LOAD_FAIL("tensors %s (%s) and %s (%s) are parts of one projection but read different activation formats",
-                      first->name, type_name(first->type), p->name, type_name(p->type));
-        w->rows += p->rows;
-    }
-    return 0;
+    w->cols = w->part[0].cols;
+    for (int i = 0; i < n_parts; i++) w->rows += w->part[i].rows;
 }
 
-/* Adds matrix w to the per-token counts: the weights each token is
-   multiplied by, and the bytes decode streams for them. */
-static void count_matmul(Model *m, const Matrix *w)
-{
-    for (int i = 0; i < w->n_parts; i++) {
-        const Tensor *p = &w->part[i];
-        m->matmul_params += (double)p->rows * p->cols;
-        m->weight_bytes += (double)tensor_bytes(p);
-    }
-}
-
-/* Binds the layer structs to the tensors of the table (by slot). */
-static int bind_weights(Model *m, const Tensor *tab, char *err)
+/* Points the weight structs at the tensors of the table (by slot). */
+static void bind_weights(Model *m, const Tensor *tab)
 {
     Config *c = &m->c;
-    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, hid = c->hidden_dim;
-    if (take_tensor(&m->tok_embeddings, &tab[SLOT_TOK_EMBEDDINGS], c->vocab_size, c->dim, err) ||
-        take_tensor(&m->norm, &tab[SLOT_NORM], 1, c->dim, err))
-        return -1;
-    if (c->tied) m->output.part[0] = m->tok_embeddings;
-    else if (take_tensor(&m->output.part[0], &tab[SLOT_OUTPUT], c->vocab_size, c->dim, err)) return -1;
-    if (check_layout(&m->tok_embeddings, c->tied, err) || check_layout(&m->norm, 0, err) ||
-        check_layout(&m->output.part[0], 1, err))
-        return -1;
-    join_parts(&m->output, 1, err); /* one part: nothing to refuse */
-    if (m->norm.type != T_F32) LOAD_FAIL("norm weights must be f32");
-    if (c->rope_freqs) {
-        if (take_tensor(&m->rope_freqs, &tab[SLOT_ROPE_FREQS], 1, c->rope_dim / 2, err) ||
-            check_layout(&m->rope_freqs, 0, err))
-            return -1;
-        if (m->rope_freqs.type != T_F32) LOAD_FAIL("rope_freqs must be f32");
-        for (int i = 0; i < c->rope_dim / 2; i++) {
-            float f = ((const float *)m->rope_freqs.data)[i];
-            if (!isfinite(f) || f <= 0) LOAD_FAIL("rope_freqs[%d] = %g is not a finite number > 0", i, f);
-        }
-    }
+    m->tok_embeddings = tab[SLOT_TOK_EMBEDDINGS];
+    m->norm = tab[SLOT_NORM];
+    m->output.part[0] = c->tied ? m->tok_embeddings : tab[SLOT_OUTPUT];
+    join_parts(&m->output, 1);
+    m->rope_freqs = tab[SLOT_ROPE_FREQS]; /* without the flag: an empty slot */
     m->layers = xcalloc(c->n_layers, sizeof(Layer));
     for (int l = 0; l < c->n_layers; l++) {
         Layer *L = &m->layers[l];
-        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
-        /* each tensor's field and shape (a split file's parts are fields of
-           the matrix they form); vectors (norms, biases) are f32 */
-        struct { Tensor *field; int rows, cols; } want[LAYER_TENSORS] = {
-            [LT_ATTN_NORM] = {&L->attn_norm, 1, c->dim}, [LT_WQKV] = {&L->wqkv.part[0], q_dim + 2 * kv_dim, c->dim},
-            [LT_WQ] = {&L->wqkv.part[0], q_dim, c->dim}, [LT_WK] = {&L->wqkv.part[1], kv_dim, c->dim},
-            [LT_WV] = {&L->wqkv.part[2], kv_dim, c->dim},
-            [LT_BQKV] = {&L->bqkv, 1, q_dim + 2 * kv_dim}, [LT_Q_NORM] = {&L->q_norm, 1, c->head_dim},
-            [LT_K_NORM] = {&L->k_norm, 1, c->head_dim}, [LT_WO] = {&L->wo.part[0], c->dim, q_dim},
-            [LT_POST_ATTN_NORM] = {&L->post_attn_norm, 1, c->dim}, [LT_FFN_NORM] = {&L->ffn_norm, 1, c->dim},
-            [LT_W13] = {&L->w13.part[0], 2 * hid, c->dim}, [LT_W1] = {&L->w13.part[0], hid, c->dim},
-            [LT_W3] = {&L->w13.part[1], hid, c->dim}, [LT_W2] = {&L->w2.part[0], c->dim, hid},
-            [LT_POST_FFN_NORM] = {&L->post_ffn_norm, 1, c->dim},
+        /* each tensor's field: a split file's parts are fields of the matrix they form */
+        Tensor *field[LAYER_TENSORS] = {
+            [LT_ATTN_NORM] = &L->attn_norm, [LT_WQKV] = &L->wqkv.part[0], [LT_WQ] = &L->wqkv.part[0],
+            [LT_WK] = &L->wqkv.part[1], [LT_WV] = &L->wqkv.part[2], [LT_BQKV] = &L->bqkv, [LT_Q_NORM] = &L->q_norm,
+            [LT_K_NORM] = &L->k_norm, [LT_WO] = &L->wo.part[0], [LT_POST_ATTN_NORM] = &L->post_attn_norm,
+            [LT_FFN_NORM] = &L->ffn_norm, [LT_W13] = &L->w13.part[0], [LT_W1] = &L->w13.part[0],
+            [LT_W3] = &L->w13.part[1], [LT_W2] = &L->w2.part[0], [LT_POST_FFN_NORM] = &L->post_ffn_norm,
         };
-        for (int i = 0; i < LAYER_TENSORS; i++) {
-            if (!slot_present(c, SLOT_LAYERS + i)) continue;
-            int vector = i == LT_ATTN_NORM || i == LT_BQKV || i == LT_Q_NORM || i == LT_K_NORM || i == LT_POST_ATTN_NORM ||
-                         i == LT_FFN_NORM || i == LT_POST_FFN_NORM;
-            if (take_tensor(want[i].field, &lt[i], want[i].rows, want[i].cols, err) || check_layout(&lt[i], !vector, err))
-                return -1;
-            if (vector && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
-        }
-        if (join_parts(&L->wqkv, c->split ? 3 : 1, err) || join_parts(&L->wo, 1, err) ||
-            join_parts(&L->w13, c->split ? 2 : 1, err) || join_parts(&L->w2, 1, err))
-            return -1;
+        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
+        for (int i = 0; i < LAYER_TENSORS; i++)
+            if (lt[i].name) *field[i] = lt[i];
+        join_parts(&L->wqkv, c->split ? 3 : 1), join_parts(&L->wo, 1);
+        join_parts(&L->w13, c->split ? 2 : 1), join_parts(&L->w2, 1);
     }
-    /* Parameter count and the type holding the most weight bytes, for -v. */
-    size_t bytes_by_type[T_BF16 + 1] = {0};
-    for (int i = 0; i < n_slots(c); i++) {
-        if (!tab[i].name) continue;
-        m->n_params += (double)tab[i].rows * tab[i].cols;
-        bytes_by_type[tab[i].type] += tensor_bytes(&tab[i]);
-    }
-    int best = T_F32;
-    for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
-    m->dtype = type_name(best);
-    for (int l = 0; l < c->n_layers; l++) {
-        Matrix *mats[LAYER_MATRICES];
-        layer_matrices(&m->layers[l], mats);
-        for (int i = 0; i < LAYER_MATRICES; i++) count_matmul(m, mats[i]);
-    }
-    count_matmul(m, &m->output);
-    return 0;
 }
 
-static int load_model(Model *m, const char *path, int tokenizer_only, char *err);
-
-/* Maps and validates a model file. Returns 0, or -1 with a one-line reason
-   in err (ERR_BYTES); the caller then frees the partial model with
-   free_model. Never reads outside the mapping, whatever the file holds. */
-static int build_model(Model *m, const char *path, char *err) { return load_model(m, path, 0, err); }
+/* Part II, "validating the model file": checks every byte that the reading
+   here trusts, in file order, building the tokenizer into *tok on the way
+   (tokenizer.c checks its arrays as it reads them); the counts for -v. */
+static int check_model_file(const Model *m, tok_tokenizer **tok, char *err);
+static void count_weights(Model *m, const Tensor *tab);
 
 /* build_model, or with tokenizer_only (--tokenize) also a file of the
-   header and tokenizer section alone (n_tensors 0, laid out and checked
-   as any other file): m->tokenizer_only is then set and no weights are
-   bound. */
+   header and tokenizer section alone (n_tensors 0, checked as any other
+   file): m->tokenizer_only is then set and no weights are bound. */
 static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
 {
     memset(m, 0, sizeof *m);
@@ -893,13 +509,22 @@ static int load_model(Model *m, const char *path, int tokenizer_only, char *err)
     m->map = p;
     m->map_size = st.st_size;
     m->dev = st.st_dev, m->ino = st.st_ino;
-    Tensor *tab = NULL;
-    m->tokenizer_only = tokenizer_only && m->map_size >= HEADER_BYTES && rd_u32(m->map + HDR_N_TENSORS) == 0;
-    int rc = read_config(m, err) || read_family(m, err) || read_tokenizer(m, err) || read_tensor_table(m, &tab, err) ||
-             (!m->tokenizer_only && bind_weights(m, tab, err)) ? -1 : 0;
+    m->tokenizer_only = tokenizer_only && rd_u32(m->map + HDR_N_TENSORS) == 0;
+    read_config(&m->c, m->map); /* copied as they are: check_model_file judges them */
+    read_family(&m->c, m->map);
+    if (check_model_file(m, &m->tok, err)) return -1;
+    if (m->tokenizer_only) return 0;
+    Tensor *tab = read_tensor_table(m);
+    bind_weights(m, tab);
+    count_weights(m, tab);
     free(tab); /* the Tensor structs were copied out; names still point into the map */
-    return rc;
+    return 0;
 }
+
+/* Maps and validates a model file. Returns 0, or -1 with a one-line reason
+   in err (ERR_BYTES); the caller then frees the partial model with
+   free_model. Never reads outside the mapping, whatever the file holds. */
+static int build_model(Model *m, const char *path, char *err) { return load_model(m, path, 0, err); }
 
 static void free_model(Model *m)
 {
@@ -915,6 +540,75 @@ static void free_model(Model *m)
    Part II's appendices, one chosen at start-up for the CPU
    (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
+
+/* out = x / sqrt(mean(x^2) + eps) * w */
+static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
+{
+    float ss = 0;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float scale = 1.0f / sqrtf(ss / n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
+}
+
+static void softmax(float *x, int n)
+{
+    float max = x[0], sum = 0;
+    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
+    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
+    for (int i = 0; i < n; i++) x[i] /= sum;
+}
+
+/* Rotates pairs (x[i], x[i + rope_dim/2]) of one head by the position's
+   angles (half-split convention; cos/sin hold rope_dim/2 values). */
+static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
+{
+    int half = rope_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        x[i] = a * cos_t[i] - b * sin_t[i];
+        x[i + half] = a * sin_t[i] + b * cos_t[i];
+    }
+}
+
+/* --- SwiGLU, the feed-forward's activation -----------------------------
+   g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
+static void swiglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
+/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
+   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
+#define GELU_A 0.044715f
+static void geglu_scalar(float *g, const float *u, int n)
+{
+    for (int i = 0; i < n; i++) {
+        float x = g[i];
+        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
+    }
+}
+
+/* --- the online softmax --------------------------------------------------
+   Attention in chunks (Part II) and the sampler's exponentials take the
+   softmax a block at a time: */
+
+/* One step of the online softmax for a query and a block of n scores:
+   scales them, raises the running maximum *m to cover them, and replaces
+   each by exp(score - *m); returns their sum. */
+static float att_softmax_scalar(float *sc, int n, float scale, float *m)
+{
+    float mx = *m, sum = 0;
+    for (int j = 0; j < n; j++) {
+        sc[j] *= scale;
+        mx = sc[j] > mx ? sc[j] : mx; /* not fmaxf: a libm call per score */
+    }
+    for (int j = 0; j < n; j++) sum += sc[j] = expf(sc[j] - mx);
+    *m = mx;
+    return sum;
+}
+
+/* --- int8 activations ------------------------------------------------------ */
 
 /* Activations for integer dot products: x quantized per block of 32 to int8
    with scale d = max|x|/127; s = d * sum(qs) lets the types with a minimum
@@ -986,6 +680,61 @@ static void quantize_act_k_scalar(void *blocks, const float *x, int n)
         q8k_bsums(&out[b]);
     }
 }
+
+/* --- the weight types' blocks, as the file stores them --------------------
+   ggml's layouts, bit for bit (T_*). The definitions below read them through
+   weight_block; Part II's row conversions read them directly. */
+typedef struct {
+    uint16_t d;      /* scale, fp16 */
+    int8_t qs[QK];   /* value = qs[i] * d */
+} BlockQ8_0;         /* 34 bytes */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_0;            /* 18 bytes: value = (nibble - 8) * d */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qs[QK / 2]; /* byte j: element j in the low nibble, j+16 in the high */
+} BlockQ4_1;            /* 20 bytes: value = nibble * d + m */
+
+typedef struct {
+    uint16_t d;         /* scale, fp16 */
+    uint8_t qh[4];      /* bit j (little-endian): bit 4 of element j */
+    uint8_t qs[QK / 2]; /* the low 4 bits, laid out as q4_0's nibbles */
+} BlockQ5_0;            /* 22 bytes: value = (q - 16) * d, q = 0..31 */
+
+typedef struct {
+    uint16_t d, m;      /* scale and minimum, fp16 */
+    uint8_t qh[4];
+    uint8_t qs[QK / 2]; /* as q5_0 */
+} BlockQ5_1;            /* 24 bytes: value = q * d + m */
+
+/* The K types: super-blocks of QK_K = 256 elements in sub-blocks, each
+   sub-block with its own small integer scale (and minimum) under the
+   super-block's fp16 ones. */
+typedef struct {
+    uint16_t d, dmin;       /* fp16 scales of the sub-block scales and of the minimums */
+    uint8_t scales[12];     /* 8 six-bit scales and 8 six-bit minimums, packed (k4_scale_min) */
+    uint8_t qs[QK_K / 2];   /* 64 elements per 32 bytes: the low nibbles, then the high ones */
+} BlockQ4K;                 /* 144 bytes: value = d * sc_j * q - dmin * m_j in sub-block j of 32 */
+
+typedef struct {
+    uint16_t d, dmin;       /* as q4_k */
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];   /* bit j of qh[l]: bit 4 of element l of sub-block j */
+    uint8_t qs[QK_K / 2];   /* the low 4 bits, as q4_k */
+} BlockQ5K;                 /* 176 bytes: value = d * sc_j * q - dmin * m_j, q = 0..31 */
+
+typedef struct {
+    uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
+                                 bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
+    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
+    int8_t scales[QK_K / 16]; /* one per 16 elements */
+    uint16_t d;               /* fp16 */
+} BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
+_Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(BlockQ6K) == 210, "ggml's K block sizes");
 
 /* --- the matrices' layout: packed groups of rows -----------------------------
    Every matrix the forward pass multiplies by is stored as the file holds
@@ -1096,73 +845,6 @@ static float dot_float(int type, int bits, const uint8_t *group, int r, const fl
     float acc = 0;
     for (int e = 0; e < n; e++) acc = fmaf(weight_float(bits, type, group, e, r), a[e], acc);
     return acc;
-}
-
-/* --- SwiGLU, the feed-forward's activation -----------------------------
-   g = silu(g) * u elementwise, silu(x) = x / (1 + exp(-x)). */
-static void swiglu_scalar(float *g, const float *u, int n)
-{
-    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-}
-
-/* GeGLU, Gemma's gate: g = gelu(g) * u with GELU's tanh approximation,
-   gelu(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
-#define GELU_C 0.7978845608028654f /* sqrt(2/pi) */
-#define GELU_A 0.044715f
-static void geglu_scalar(float *g, const float *u, int n)
-{
-    for (int i = 0; i < n; i++) {
-        float x = g[i];
-        g[i] = 0.5f * x * (1.0f + tanhf(GELU_C * (x + GELU_A * x * x * x))) * u[i];
-    }
-}
-
-/* --- the online softmax --------------------------------------------------
-   Attention in chunks (Part II) and the sampler's exponentials take the
-   softmax a block at a time: */
-
-/* One step of the online softmax for a query and a block of n scores:
-   scales them, raises the running maximum *m to cover them, and replaces
-   each by exp(score - *m); returns their sum. */
-static float att_softmax_scalar(float *sc, int n, float scale, float *m)
-{
-    float mx = *m, sum = 0;
-    for (int j = 0; j < n; j++) {
-        sc[j] *= scale;
-        mx = sc[j] > mx ? sc[j] : mx; /* not fmaxf: a libm call per score */
-    }
-    for (int j = 0; j < n; j++) sum += sc[j] = expf(sc[j] - mx);
-    *m = mx;
-    return sum;
-}
-
-/* out = x / sqrt(mean(x^2) + eps) * w */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
-{
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = 1.0f / sqrtf(ss / n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
-}
-
-/* Rotates pairs (x[i], x[i + rope_dim/2]) of one head by the position's
-   angles (half-split convention; cos/sin hold rope_dim/2 values). */
-static void rope(float *x, const float *cos_t, const float *sin_t, int rope_dim)
-{
-    int half = rope_dim / 2;
-    for (int i = 0; i < half; i++) {
-        float a = x[i], b = x[i + half];
-        x[i] = a * cos_t[i] - b * sin_t[i];
-        x[i + half] = a * sin_t[i] + b * cos_t[i];
-    }
-}
-
-static void softmax(float *x, int n)
-{
-    float max = x[0], sum = 0;
-    for (int i = 1; i < n; i++) max = fmaxf(max, x[i]);
-    for (int i = 0; i < n; i++) sum += x[i] = expf(x[i] - max);
-    for (int i = 0; i < n; i++) x[i] /= sum;
 }
 
 /* Activation formats: what a matrix product reads as its input rows. */
@@ -2768,6 +2450,558 @@ int main(int argc, char **argv)
    instruction set, each with its kernels and its rows of the tables.
    ######################################################################### */
 
+/* ----- validating the model file ----------------------------------------------
+   The file is untrusted, and section 1 reads it trusting every byte: before
+   it does, check_model_file checks them all, in the order the file holds
+   them. The header's fields (check_header, check_family); the tokenizer
+   section (read_tokenizer, which builds the tokenizer); the tensor table,
+   each tensor's place in the file and the padding between them
+   (check_tensor_table); then each tensor's shape, type and layout against
+   what the header implies (check_weights). A file that breaks a rule is
+   refused with one line that names what is wrong, so nothing reads outside
+   the mapping and a damaged offset or count is never read as weights.
+   Last, the weights' counts that -v reports (count_weights). */
+
+/* The tokenizer section's header: the byte offsets of the counts that size
+   its arrays (tokenizer.c reads the rest), and of its reserved bytes */
+enum { TOKS_N_VOCAB = 8, TOKS_N_MERGES = 12, TOKS_FLAGS = 32, TOKS_SYSTEM_LEN = 40, TOKS_BLOB_LEN = 44,
+       TOKS_RESERVED = 48, TOKS_HEADER_BYTES = 64 };
+#define TOKS_N_FLAGS 3      /* the tokenizer flags' bits this build knows: add BOS, add EOS, space prefix */
+#define TOKS_ALIGN 4        /* each array of the tokenizer section starts on a 4-byte boundary */
+#define TOKS_MERGE_BYTES 12 /* a merge rule: three i32 ids */
+
+/* From "the packed layout" below: a record's bytes and elements, and which
+   row owns byte o of a record and what that byte holds in a zero block. */
+static size_t packed_record_bytes(const PackForm *f);
+static int packed_block(const PackForm *f);
+static int packed_byte_row(const PackForm *f, size_t o);
+static int packed_zero_byte(const PackForm *f, size_t o);
+
+/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
+static size_t nonzero_at(const uint8_t *p, size_t n)
+{
+    size_t i = 0;
+    while (i < n && !p[i]) i++;
+    return i;
+}
+
+/* From "the kernel tables" below: the bytes of a packed matrix. */
+static size_t packed_bytes(int type, size_t rows, size_t cols);
+
+static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* The bytes a tensor's data takes in the file. */
+static size_t tensor_bytes(const Tensor *t)
+{
+    return t->layout == LAYOUT_PACKED ? packed_bytes(t->type, t->rows, t->cols) : row_bytes(t->type, t->cols) * t->rows;
+}
+
+/* The lowest bit of flags at or above n_known (a bit this build does not
+   know), or -1. */
+static int unknown_bit(uint32_t flags, int n_known)
+{
+    for (int bit = n_known; bit < 32; bit++)
+        if (flags >> bit & 1) return bit;
+    return -1;
+}
+
+/* The header flags' names, by bit (export.py's manual, "The model file"). */
+static const char *const FLAG_NAME[N_FLAGS] = {"tied", "qkv_bias", "qk_norm", "post_norms", "rope_freqs", "split"};
+
+/* The header's fields, which read_config and read_family have copied into
+   m->c: every one is checked before anything is sized by it. */
+static int check_header(const Model *m, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    if (m->map_size < HEADER_BYTES || memcmp(h + HDR_MAGIC, FILE_MAGIC, 4) != 0)
+        LOAD_FAIL("not a model file (bad magic; convert it with export.py)");
+    if (rd_u32(h + HDR_VERSION) != FILE_VERSION)
+        LOAD_FAIL("unsupported file version %u (this build reads version %d%s)", rd_u32(h + HDR_VERSION), FILE_VERSION,
+                  rd_u32(h + HDR_VERSION) < FILE_VERSION ? ": re-export the model with this version's export.py" : "");
+    if (rd_u32(h + HDR_SIZE) != HEADER_BYTES)
+        LOAD_FAIL("header size %u, but a version %d header is %d bytes", rd_u32(h + HDR_SIZE), FILE_VERSION, HEADER_BYTES);
+    if (rd_u64(h + HDR_FILE_SIZE) != m->map_size)
+        LOAD_FAIL("file is %zu bytes but its header says %llu (truncated or damaged)",
+            m->map_size, (unsigned long long)rd_u64(h + HDR_FILE_SIZE));
+    if (rd_u32(h + HDR_ARCH) < ARCH_LLAMA || rd_u32(h + HDR_ARCH) > ARCH_GEMMA3)
+        LOAD_FAIL("unsupported architecture id %u (this build knows 1 llama, 2 qwen2, 3 qwen3, 4 gemma3)", rd_u32(h + HDR_ARCH));
+    size_t z = HDR_RESERVED + nonzero_at(h + HDR_RESERVED, HEADER_BYTES - HDR_RESERVED);
+    if (z < HEADER_BYTES) LOAD_FAIL("header: reserved byte %zu is 0x%02x, not zero", z, h[z]);
+    uint32_t v[HDR_SHAPE_FIELDS];
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++) v[i] = rd_u32(h + HDR_DIM + 4 * i);
+    /* one check per field, so that the message names the field that is wrong */
+    static const char *const field[HDR_SHAPE_FIELDS] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads",
+                                                        "head_dim", "vocab_size", "context length"};
+    const uint32_t max[HDR_SHAPE_FIELDS] = {MAX_DIM, MAX_DIM, MAX_LAYERS, MAX_HEADS, MAX_HEADS, MAX_HEAD_DIM, MAX_VOCAB, MAX_SEQ};
+    for (int i = 0; i < HDR_SHAPE_FIELDS; i++)
+        if (v[i] == 0 || v[i] > max[i]) LOAD_FAIL("header: %s %u is outside [1, %u]", field[i], v[i], max[i]);
+    if (v[4] > v[3] || v[3] % v[4]) LOAD_FAIL("header: n_kv_heads %u does not divide n_heads %u", v[4], v[3]);
+    if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
+    if ((size_t)v[3] * v[5] > MAX_DIM) LOAD_FAIL("header: n_heads x head_dim = %zu exceeds %d", (size_t)v[3] * v[5], MAX_DIM);
+    if (c->rope_dim <= 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
+        LOAD_FAIL("header: rope_dim %d is not an even number in [2, head_dim %d]", c->rope_dim, c->head_dim);
+    if (!isfinite(c->rope_theta) || c->rope_theta <= 1) LOAD_FAIL("header: rope_theta %g is not a finite number > 1", c->rope_theta);
+    if (!isfinite(c->norm_eps) || c->norm_eps <= 0) LOAD_FAIL("header: norm_eps %g is not a finite number > 0", c->norm_eps);
+    return 0;
+}
+
+/* The header's flags, and the family's fields from offset 104 (zero means
+   llama's behaviour), once check_header has checked the shape. */
+static int check_family(const Model *m, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    uint32_t flags = rd_u32(h + HDR_FLAGS), gate = rd_u32(h + HDR_ACTIVATION);
+    float embed_scale = rd_f32(h + HDR_EMBED_SCALE), att_scale = rd_f32(h + HDR_ATT_SCALE);
+    float theta_local = rd_f32(h + HDR_ROPE_THETA_LOCAL), rope_scale = rd_f32(h + HDR_ROPE_SCALE);
+    int bit = unknown_bit(flags, N_FLAGS);
+    if (bit >= 0) {
+        char known[ERR_BYTES / 2] = "";  /* the names take ~60 bytes; the sentence around them fits beside */
+        for (int b = 0; b < N_FLAGS; b++)
+            snprintf(known + strlen(known), sizeof known - strlen(known), "%s%s", b ? ", " : "", FLAG_NAME[b]);
+        LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
+    }
+    if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
+    if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
+    if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
+    /* scales: 0 means the usual value; anything else must be a finite positive number */
+    const float *f[] = {&embed_scale, &att_scale, &theta_local, &rope_scale};
+    static const char *const fname[] = {"embedding scale", "attention scale", "local rope_theta", "rope scaling factor"};
+    for (int i = 0; i < 4; i++)
+        if (*f[i] != 0 && (!isfinite(*f[i]) || *f[i] <= 0)) LOAD_FAIL("header: %s %g is not a finite number > 0", fname[i], *f[i]);
+    if (c->rope_theta_local <= 1) LOAD_FAIL("header: local rope_theta %g is not > 1", c->rope_theta_local);
+    return 0;
+}
+
+/* The tokenizer section's arrays, in order, for messages. */
+static const char *const TOKS_ARRAY[] = {"text offsets", "token types", "scores", "merges", "default system prompt",
+                                         "text blob"};
+
+/* Where the tokenizer section's last array ends (export.py's manual, "Tokenizer
+   section"): text offsets, types, scores, merges, default system prompt,
+   text blob, each from a 4-byte boundary. Called once tok_create has
+   checked that they fit; it does not check that nothing follows them.
+   *pad: the first nonzero padding byte between two arrays (0: none), and
+   *after: the array that it follows. */
+static size_t tok_section_end(const uint8_t *sec, size_t *pad, int *after)
+{
+    size_t n = rd_u32(sec + TOKS_N_VOCAB);
+    size_t bytes[] = {(n + 1) * sizeof(uint32_t), n, n * sizeof(float), (size_t)rd_u32(sec + TOKS_N_MERGES) * TOKS_MERGE_BYTES,
+                      rd_u32(sec + TOKS_SYSTEM_LEN), rd_u32(sec + TOKS_BLOB_LEN)};
+    _Static_assert(sizeof bytes / sizeof *bytes == sizeof TOKS_ARRAY / sizeof *TOKS_ARRAY, "a name per array");
+    size_t end = TOKS_HEADER_BYTES;
+    *pad = 0;
+    for (int i = 0; i < (int)(sizeof bytes / sizeof *bytes); i++) {
+        size_t start = align_up(end, TOKS_ALIGN), z = end + nonzero_at(sec + end, start - end);
+        if (z < start && !*pad) *pad = z, *after = i - 1; /* the header ends on a boundary: i > 0 here */
+        end = start + bytes[i];
+    }
+    return end;
+}
+
+/* The tokenizer section: right after the header, exactly as long as its
+   arrays, its reserved header bytes zero. Builds the tokenizer into *tok:
+   tok_create checks the arrays as it reads them. */
+static int read_tokenizer(const Model *m, tok_tokenizer **tok, char *err)
+{
+    uint64_t off = rd_u64(m->map + HDR_TOK_OFFSET), size = rd_u64(m->map + HDR_TOK_SIZE);
+    if (off % TOKS_ALIGN || off > m->map_size || m->map_size - off < size)
+        LOAD_FAIL("tokenizer section lies outside the file or is misaligned");
+    if (off != HEADER_BYTES) LOAD_FAIL("tokenizer section at offset %llu, not right after the header (%d)", (unsigned long long)off, HEADER_BYTES);
+    const uint8_t *sec = m->map + off;
+    char why[ERR_BYTES];
+    if (tok_create(tok, sec, size, why, sizeof why) != 0) LOAD_FAIL("tokenizer: %.200s", why);
+    size_t pad;
+    int after = 0;
+    size_t end = tok_section_end(sec, &pad, &after);
+    if (end != size)
+        LOAD_FAIL("tokenizer section size %llu disagrees with its arrays, which end at byte %zu", (unsigned long long)size, end);
+    size_t z = TOKS_RESERVED + nonzero_at(sec + TOKS_RESERVED, TOKS_HEADER_BYTES - TOKS_RESERVED);
+    if (z < TOKS_HEADER_BYTES) LOAD_FAIL("tokenizer section: reserved byte %zu is 0x%02x, not zero", z, sec[z]);
+    if (pad) LOAD_FAIL("tokenizer section: padding byte %zu after the %s is 0x%02x, not zero", pad, TOKS_ARRAY[after], sec[pad]);
+    int bit = unknown_bit(rd_u32(sec + TOKS_FLAGS), TOKS_N_FLAGS);
+    if (bit >= 0) LOAD_FAIL("tokenizer section: unknown flag bit %d (this build knows bits 0-%d: add BOS, add EOS, space prefix)",
+                            bit, TOKS_N_FLAGS - 1);
+    if (tok_get_info(*tok)->n_vocab > m->c.vocab_size)
+        LOAD_FAIL("tokenizer has %d tokens but the embedding only %d rows", tok_get_info(*tok)->n_vocab, m->c.vocab_size);
+    return 0;
+}
+
+/* The tensors of section 1's slots (SLOT_*, LT_*) by name. Which of them
+   a file holds depends on the header's flags: a tensor is present when the
+   header sets its `flag` (0: always) and not its `absent` flag (a split
+   file stores wq, wk, wv instead of wqkv). */
+typedef struct {
+    const char *name;
+    uint32_t flag, absent;
+} SlotRule;
+static const SlotRule global_tensor[SLOT_LAYERS] = {
+    {"tok_embeddings", 0, 0}, {"norm", 0, 0}, {"output", 0, FLAG_TIED_EMBEDDINGS}, {"rope_freqs", FLAG_ROPE_FREQS, 0},
+};
+static const SlotRule layer_tensor[LAYER_TENSORS] = {
+    {"attn_norm", 0, 0}, {"wqkv", 0, FLAG_SPLIT}, {"wq", FLAG_SPLIT, 0}, {"wk", FLAG_SPLIT, 0}, {"wv", FLAG_SPLIT, 0},
+    {"bqkv", FLAG_QKV_BIAS, 0}, {"q_norm", FLAG_QK_NORM, 0}, {"k_norm", FLAG_QK_NORM, 0}, {"wo", 0, 0},
+    {"post_attn_norm", FLAG_POST_NORMS, 0}, {"ffn_norm", 0, 0}, {"w13", 0, FLAG_SPLIT}, {"w1", FLAG_SPLIT, 0},
+    {"w3", FLAG_SPLIT, 0}, {"w2", 0, 0}, {"post_ffn_norm", FLAG_POST_NORMS, 0},
+};
+
+static const SlotRule *slot_rule(int slot)
+{
+    return slot < SLOT_LAYERS ? &global_tensor[slot] : &layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS];
+}
+
+/* Does a model with the header's flags hold the tensor of this slot? */
+static int slot_present(const Config *c, int slot)
+{
+    const SlotRule *r = slot_rule(slot);
+    return (c->flags & r->flag) == r->flag && !(c->flags & r->absent);
+}
+
+/* The slot of tensor `name` in a model of shape c, whatever the flags, or
+   -1 when it has none such ("layers.30.wo" in a 30-layer model, "layers.01.wo"). */
+static int slot_of_name(const Config *c, const char *name)
+{
+    for (int i = 0; i < SLOT_LAYERS; i++)
+        if (!strcmp(name, global_tensor[i].name)) return i;
+    const char *p = name + strlen("layers.");
+    if (strncmp(name, "layers.", strlen("layers.")) || *p < '0' || *p > '9') return -1;
+    char *end;
+    unsigned long l = strtoul(p, &end, 10);
+    if (l >= (unsigned long)c->n_layers || *end != '.' || (*p == '0' && end != p + 1)) return -1;
+    for (int i = 0; i < LAYER_TENSORS; i++)
+        if (!strcmp(end + 1, layer_tensor[i].name)) return SLOT_LAYERS + LAYER_TENSORS * (int)l + i;
+    return -1;
+}
+
+/* ... and -1 also when the header's flags leave that tensor out. */
+static int tensor_slot(const Config *c, const char *name)
+{
+    int slot = slot_of_name(c, name);
+    return slot >= 0 && slot_present(c, slot) ? slot : -1;
+}
+
+static void slot_name(char name[TENSOR_NAME_BYTES], int slot)
+{
+    if (slot < SLOT_LAYERS) snprintf(name, TENSOR_NAME_BYTES, "%s", global_tensor[slot].name);
+    else snprintf(name, TENSOR_NAME_BYTES, "layers.%d.%s", (slot - SLOT_LAYERS) / LAYER_TENSORS,
+                  layer_tensor[(slot - SLOT_LAYERS) % LAYER_TENSORS].name);
+}
+
+/* Refuses, by name, a table entry that the header's flags leave out
+   (layers.N.wqkv in a split file, a bias without qkv_bias): checked before
+   the tensor count, which could only say that the count is wrong. */
+static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err)
+{
+    const Config *c = &m->c;
+    for (uint32_t i = 0; i < n; i++) {
+        const char *name = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(name, 0, TENSOR_NAME_BYTES) ? slot_of_name(c, name) : -1; /* unterminated: refused later */
+        if (slot < 0 || slot_present(c, slot)) continue;
+        const SlotRule *r = slot_rule(slot);
+        uint32_t why = c->flags & r->absent ? r->absent : r->flag & ~c->flags;
+        int bit = 0;
+        while (!(why >> bit & 1)) bit++;
+        LOAD_FAIL("tensor %s does not belong in this file: the header %s flag bit %d (%s)", name,
+                  c->flags & r->absent ? "sets" : "does not set", bit, FLAG_NAME[bit]);
+    }
+    return 0;
+}
+
+/* Into name: " (no T)", T the first tensor the header implies that none
+   of the table's n entries names, or "" when there is none such. For the
+   message of a table with too few entries. */
+static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
+{
+    const Config *c = &m->c;
+    char *seen = xcalloc(n_slots(c), 1);
+    for (uint32_t i = 0; i < n; i++) {
+        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
+        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
+        if (slot >= 0) seen[slot] = 1;
+    }
+    int s = 0;
+    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
+    free(seen);
+    name[0] = 0;
+    if (s < n_slots(c)) {
+        char t[TENSOR_NAME_BYTES];
+        slot_name(t, s);
+        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
+    }
+}
+
+/* Which section before the tensor data holds byte `off`. */
+static const char *section_at(uint64_t off, uint64_t tok_end)
+{
+    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
+}
+
+/* Padding bytes [from, to) of the file, before `what`, must be zero. */
+static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
+{
+    size_t z = nonzero_at(m->map + from, to - from);
+    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
+    return 0;
+}
+
+/* A tensor table entry's name field (entry i): a printable ASCII name,
+   then NUL up to the field's end, so that the bytes after the name carry
+   nothing a reader of the name would miss. */
+static int check_name(const uint8_t *field, uint32_t i, char *err)
+{
+    const uint8_t *nul = memchr(field, 0, TENSOR_NAME_BYTES);
+    if (nul == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
+    for (const uint8_t *p = field; *p; p++)
+        if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
+    if (nul == field) LOAD_FAIL("tensor %u has an empty name", i);
+    size_t after = (size_t)(nul - field), z = after + nonzero_at(nul, TENSOR_NAME_BYTES - after);
+    if (z < TENSOR_NAME_BYTES)
+        LOAD_FAIL("tensor %s: byte %zu of its name field is 0x%02x, after the name's NUL, not zero", (const char *)field,
+                  z, field[z]);
+    return 0;
+}
+
+/* The last group of packed matrix t: its rows past t->rows must be those of
+   zero blocks (ggml's bytes all zero, so q8_0's integers, stored as q + 128,
+   read 128), and the bytes after its records zero. Only the last group: it
+   is one place per matrix, where the padding rows are. Every group ends in
+   such padding when its records do not fill whole cache lines (an odd count
+   of q4_0, q5_0, q8_0 or q6_k blocks, or of f16/bf16 elements, in a row), but the
+   other groups' padding is not read here: that would touch every page of
+   the matrix at load, and loading is mapping. No kernel reads it. */
+static int check_packed_padding(const Tensor *t, char *err)
+{
+    const PackForm *f = packed_form(t->type);
+    size_t group = packed_group_bytes(f, t->cols), rec = packed_record_bytes(f);
+    size_t used = (size_t)(t->cols / packed_block(f)) * rec, z;
+    int first = (t->rows - 1) / PACK_ROWS * PACK_ROWS, live = t->rows - first; /* the last group's rows, and the matrix's of them */
+    const uint8_t *last = (const uint8_t *)t->data + tensor_bytes(t) - group;
+    if ((z = used + nonzero_at(last + used, group - used)) < group)
+        LOAD_FAIL("tensor %s: padding byte %zu of its last group is 0x%02x, not zero", t->name, z, last[z]);
+    for (size_t o = 0; o < used && live < PACK_ROWS; o++) {
+        int r = packed_byte_row(f, o % rec);
+        if (r >= live && last[o] != packed_zero_byte(f, o % rec))
+            LOAD_FAIL("tensor %s: padding row %d (after its %d rows) has byte 0x%02x at byte %zu of its last group, "
+                      "not a zero block's", t->name, first + r, t->rows, last[o], o);
+    }
+    return 0;
+}
+
+/* The forward pass multiplies by the matrices, which must be packed, and
+   reads every other tensor (norms, biases, an untied embedding) by rows. */
+static int check_layout(const Tensor *t, int matmul, char *err)
+{
+    if (matmul && t->layout != LAYOUT_PACKED)
+        LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
+                  "with this version's export.py", t->name);
+    if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
+    return matmul ? check_packed_padding(t, err) : 0;
+}
+
+/* Checks the tensor table, reading it into slots for check_weights (*out:
+   n_slots entries, by tensor_slot; a NULL name marks a slot without a
+   tensor, and the caller frees it). The table must list exactly
+   the tensors the header's shape implies, and their data must tile the
+   rest of the file in table order: each tensor at the first TENSOR_ALIGN
+   boundary after the previous one (the first after the table), padding
+   zero, the file ending with the last tensor. So no tensor overlaps
+   another or the sections before it, and no byte goes unchecked. */
+static int check_tensor_table(const Model *m, Tensor **out, char *err)
+{
+    const uint8_t *h = m->map;
+    const Config *c = &m->c;
+    uint32_t n = rd_u32(h + HDR_N_TENSORS);
+    uint64_t off = rd_u64(h + HDR_TABLE_OFFSET), tok_end = HEADER_BYTES + rd_u64(h + HDR_TOK_SIZE);
+    if (n > MAX_TENSORS || off > m->map_size || (m->map_size - off) / TENSOR_ENTRY_BYTES < n)
+        LOAD_FAIL("tensor table (%u entries at offset %llu) lies outside the file", n, (unsigned long long)off);
+    if (off != align_up(tok_end, TENSOR_ALIGN))
+        LOAD_FAIL("tensor table at offset %llu, not at the first %d-byte boundary after the tokenizer section (%llu)",
+                  (unsigned long long)off, TENSOR_ALIGN, (unsigned long long)align_up(tok_end, TENSOR_ALIGN));
+    if (check_padding(m, tok_end, off, "the tensor table", err) || check_flag_tensors(m, n, off, err)) return -1;
+    int want = 0;
+    for (int s = 0; s < n_slots(c); s++) want += slot_present(c, s);
+    if (n == 0 && !m->tokenizer_only)
+        LOAD_FAIL("the file holds a tokenizer but no tensors (export.py --tokenizer-only): only --tokenize runs on it");
+    if ((int)n != want && !m->tokenizer_only) {
+        char missing[TENSOR_NAME_BYTES + 8] = "";
+        if ((int)n < want) first_missing(m, n, off, missing);
+        LOAD_FAIL("tensor table has %u entries, but a %d-layer model with %s embeddings%s has %d tensors%s", n,
+                  c->n_layers, c->tied ? "tied" : "untied", c->flags & ~FLAG_TIED_EMBEDDINGS ? " and the header's flags" : "",
+                  want, missing);
+    }
+    Tensor *t = *out = xcalloc(n_slots(c), sizeof *t);
+    const char *stray = NULL, *prev = "the tensor table";
+    uint64_t table_end = off + (uint64_t)n * TENSOR_ENTRY_BYTES, end = table_end; /* end of the previous item */
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *e = m->map + off + (size_t)i * TENSOR_ENTRY_BYTES;
+        if (check_name(e + ENT_NAME, i, err)) return -1;
+        const char *name = (const char *)e + ENT_NAME;
+        int type = rd_u32(e + ENT_TYPE);
+        uint32_t rows = rd_u32(e + ENT_ROWS), cols = rd_u32(e + ENT_COLS), layout = rd_u32(e + ENT_LAYOUT);
+        uint64_t data = rd_u64(e + ENT_OFFSET), size = rd_u64(e + ENT_SIZE);
+        if (layout >= N_LAYOUTS) LOAD_FAIL("tensor %s: unknown layout %u (0 rows, 1 packed)", name, layout);
+        if (!type_name(type)) LOAD_FAIL("tensor %s has unsupported type %u", name, rd_u32(e + ENT_TYPE));
+        size_t rb = row_bytes(type, cols);
+        if (rows == 0 || cols == 0 || rows > MAX_VOCAB || cols > MAX_DIM || rb == 0)
+            LOAD_FAIL("tensor %s has a bad shape %ux%u for type %s", name, rows, cols, type_name(type));
+        uint64_t want = layout == LAYOUT_PACKED ? packed_bytes(type, rows, cols) : (uint64_t)rb * rows;
+        if (size != want)
+            LOAD_FAIL("tensor %s: size %llu bytes does not match its %ux%u %s shape (%llu bytes%s)", name,
+                      (unsigned long long)size, rows, cols, type_name(type), (unsigned long long)want,
+                      layout == LAYOUT_PACKED ? " packed" : "");
+        if (data % TENSOR_ALIGN || data > m->map_size || m->map_size - data < size)
+            LOAD_FAIL("tensor %s (%llu bytes at offset %llu) lies outside the file or is misaligned",
+                      name, (unsigned long long)size, (unsigned long long)data);
+        if (data < table_end)
+            LOAD_FAIL("tensor %s's data (offset %llu) lies in %s", name, (unsigned long long)data, section_at(data, tok_end));
+        if (data < end)
+            LOAD_FAIL("tensor %s's data (offset %llu) overlaps the tensors before it, up to %s's end at %llu",
+                      name, (unsigned long long)data, prev, (unsigned long long)end);
+        if (data != align_up(end, TENSOR_ALIGN))
+            LOAD_FAIL("tensor %s is at offset %llu, not at the first %d-byte boundary after %s (%llu)", name,
+                      (unsigned long long)data, TENSOR_ALIGN, prev, (unsigned long long)align_up(end, TENSOR_ALIGN));
+        if (check_padding(m, end, data, name, err)) return -1;
+        int slot = tensor_slot(c, name);
+        if (slot >= 0 && t[slot].name) LOAD_FAIL("tensor %s appears twice in the table", name);
+        if (slot < 0 && !stray) stray = name;
+        if (slot >= 0) t[slot] = (Tensor){name, type, (int)rows, (int)cols, (int)layout, m->map + data};
+        prev = name;
+        end = data + size;
+    }
+    if (end != m->map_size)
+        LOAD_FAIL("%llu bytes follow %s, which should end the file", (unsigned long long)(m->map_size - end), prev);
+    for (int s = 0; s < n_slots(c) && !m->tokenizer_only; s++) {
+        if (t[s].name || !slot_present(c, s)) continue;
+        char name[TENSOR_NAME_BYTES];
+        slot_name(name, s);
+        if (stray) LOAD_FAIL("model file has no tensor %s (but a tensor %s that a %d-layer model %s embeddings has not)",
+                             name, stray, c->n_layers, c->tied ? "with tied" : "with untied");
+        LOAD_FAIL("model file has no tensor %s", name);
+    }
+    return 0;
+}
+
+/* Tensor t (from check_tensor_table) must have the shape the header implies. */
+static int check_shape(const Tensor *t, int rows, int cols, char *err)
+{
+    if (t->rows != rows || t->cols != cols)
+        LOAD_FAIL("tensor %s is %dx%d, expected %dx%d", t->name, t->rows, t->cols, rows, cols);
+    return 0;
+}
+
+/* The n parts of one projection (slots `part` of a layer's tensors lt, in
+   order) must read one activation format: one converted input serves them
+   all (join_parts). */
+static int check_parts(const Tensor *lt, const int *part, int n, char *err)
+{
+    const Tensor *first = &lt[part[0]];
+    for (int i = 0; i < n; i++) {
+        const Tensor *p = &lt[part[i]];
+        if (act_format(p->type) != act_format(first->type))
+            LOAD_FAIL("tensors %s (%s) and %s (%s) are parts of one projection but read different activation formats",
+                      first->name, type_name(first->type), p->name, type_name(p->type));
+    }
+    return 0;
+}
+
+/* The tensors of the table (by slot) against what the header implies, in
+   the order bind_weights takes them: shapes, layouts, f32 vectors. */
+static int check_weights(const Model *m, const Tensor *tab, char *err)
+{
+    const Config *c = &m->c;
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, hid = c->hidden_dim;
+    const Tensor *emb = &tab[SLOT_TOK_EMBEDDINGS], *norm = &tab[SLOT_NORM], *out = c->tied ? emb : &tab[SLOT_OUTPUT];
+    if (check_shape(emb, c->vocab_size, c->dim, err) || check_shape(norm, 1, c->dim, err) ||
+        (!c->tied && check_shape(out, c->vocab_size, c->dim, err)))
+        return -1;
+    if (check_layout(emb, c->tied, err) || check_layout(norm, 0, err) || check_layout(out, 1, err)) return -1;
+    if (norm->type != T_F32) LOAD_FAIL("norm weights must be f32");
+    if (c->rope_freqs) {
+        const Tensor *rf = &tab[SLOT_ROPE_FREQS];
+        if (check_shape(rf, 1, c->rope_dim / 2, err) || check_layout(rf, 0, err)) return -1;
+        if (rf->type != T_F32) LOAD_FAIL("rope_freqs must be f32");
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            float f = ((const float *)rf->data)[i];
+            if (!isfinite(f) || f <= 0) LOAD_FAIL("rope_freqs[%d] = %g is not a finite number > 0", i, f);
+        }
+    }
+    /* each layer tensor's shape [rows, cols]; vectors (norms, biases) are f32 */
+    const int shape[LAYER_TENSORS][2] = {
+        [LT_ATTN_NORM] = {1, c->dim}, [LT_WQKV] = {q_dim + 2 * kv_dim, c->dim}, [LT_WQ] = {q_dim, c->dim},
+        [LT_WK] = {kv_dim, c->dim}, [LT_WV] = {kv_dim, c->dim}, [LT_BQKV] = {1, q_dim + 2 * kv_dim},
+        [LT_Q_NORM] = {1, c->head_dim}, [LT_K_NORM] = {1, c->head_dim}, [LT_WO] = {c->dim, q_dim},
+        [LT_POST_ATTN_NORM] = {1, c->dim}, [LT_FFN_NORM] = {1, c->dim}, [LT_W13] = {2 * hid, c->dim},
+        [LT_W1] = {hid, c->dim}, [LT_W3] = {hid, c->dim}, [LT_W2] = {c->dim, hid}, [LT_POST_FFN_NORM] = {1, c->dim},
+    };
+    static const int qkv[] = {LT_WQ, LT_WK, LT_WV}, gate_up[] = {LT_W1, LT_W3}; /* a split file's parts */
+    for (int l = 0; l < c->n_layers; l++) {
+        const Tensor *lt = tab + SLOT_LAYERS + LAYER_TENSORS * l; /* in layer_tensor order */
+        for (int i = 0; i < LAYER_TENSORS; i++) {
+            if (!slot_present(c, SLOT_LAYERS + i)) continue;
+            int vector = i == LT_ATTN_NORM || i == LT_BQKV || i == LT_Q_NORM || i == LT_K_NORM || i == LT_POST_ATTN_NORM ||
+                         i == LT_FFN_NORM || i == LT_POST_FFN_NORM;
+            if (check_shape(&lt[i], shape[i][0], shape[i][1], err) || check_layout(&lt[i], !vector, err)) return -1;
+            if (vector && lt[i].type != T_F32) LOAD_FAIL("tensor %s must be f32 (it is %s)", lt[i].name, type_name(lt[i].type));
+        }
+        if (c->split && (check_parts(lt, qkv, 3, err) || check_parts(lt, gate_up, 2, err))) return -1;
+    }
+    return 0;
+}
+
+/* Section 1's one call: the whole file, in the order it holds its parts.
+   Returns 0, or -1 with the reason in err; *tok may then hold a tokenizer
+   for the caller to free (free_model). */
+static int check_model_file(const Model *m, tok_tokenizer **tok, char *err)
+{
+    Tensor *tab = NULL;
+    int rc = check_header(m, err) || check_family(m, err) || read_tokenizer(m, tok, err) ||
+             check_tensor_table(m, &tab, err) || (!m->tokenizer_only && check_weights(m, tab, err)) ? -1 : 0;
+    free(tab);
+    return rc;
+}
+
+/* A layer's matrix products, in the order a token meets them. */
+#define LAYER_MATRICES 4
+static void layer_matrices(Layer *L, Matrix *out[LAYER_MATRICES])
+{
+    out[0] = &L->wqkv, out[1] = &L->wo, out[2] = &L->w13, out[3] = &L->w2;
+}
+
+/* Adds matrix w to the per-token counts: the weights each token is
+   multiplied by, and the bytes decode streams for them. */
+static void count_matmul(Model *m, const Matrix *w)
+{
+    for (int i = 0; i < w->n_parts; i++) {
+        const Tensor *p = &w->part[i];
+        m->matmul_params += (double)p->rows * p->cols;
+        m->weight_bytes += (double)tensor_bytes(p);
+    }
+}
+
+/* The counts of a bound model (tab: its tensors by slot): parameters and
+   the type holding the most weight bytes, for -v; the weights and bytes
+   each token is multiplied by, for the roofline. */
+static void count_weights(Model *m, const Tensor *tab)
+{
+    const Config *c = &m->c;
+    size_t bytes_by_type[T_BF16 + 1] = {0};
+    for (int i = 0; i < n_slots(c); i++) {
+        if (!tab[i].name) continue;
+        m->n_params += (double)tab[i].rows * tab[i].cols;
+        bytes_by_type[tab[i].type] += tensor_bytes(&tab[i]);
+    }
+    int best = T_F32;
+    for (int t = 0; t <= T_BF16; t++) if (bytes_by_type[t] > bytes_by_type[best]) best = t;
+    m->dtype = type_name(best);
+    for (int l = 0; l < c->n_layers; l++) {
+        Matrix *mats[LAYER_MATRICES];
+        layer_matrices(&m->layers[l], mats);
+        for (int i = 0; i < LAYER_MATRICES; i++) count_matmul(m, mats[i]);
+    }
+    count_matmul(m, &m->output);
+}
+
 /* ----- instruction sets ---------------------------------------------------
    Every x86-64 build (GCC or clang) carries every x86 kernel set, each
    compiled for its own instruction set whatever the compiler targets, and
@@ -3172,136 +3406,6 @@ static void watch_model_file(const Model *m, const char *path)
     sa.sa_sigaction = on_sigbus;
     sa.sa_flags = SA_SIGINFO;
     sigaction(SIGBUS, &sa, NULL);
-}
-
-/* ----- the model file's checks --------------------------------------------
-   What build_model rejects beyond sizes: tensors a flag requires or forbids,
-   padding that is not zero, matrices not in the packed layout. */
-
-/* From "the packed layout" below: a record's bytes and elements, and which
-   row owns byte o of a record and what that byte holds in a zero block. */
-static size_t packed_record_bytes(const PackForm *f);
-static int packed_block(const PackForm *f);
-static int packed_byte_row(const PackForm *f, size_t o);
-static int packed_zero_byte(const PackForm *f, size_t o);
-
-/* Index of the first nonzero byte of p[0..n), or n when all are zero. */
-static size_t nonzero_at(const uint8_t *p, size_t n)
-{
-    size_t i = 0;
-    while (i < n && !p[i]) i++;
-    return i;
-}
-
-/* Refuses, by name, a table entry that the header's flags leave out
-   (layers.N.wqkv in a split file, a bias without qkv_bias): checked before
-   the tensor count, which could only say that the count is wrong. */
-static int check_flag_tensors(const Model *m, uint32_t n, uint64_t off, char *err)
-{
-    const Config *c = &m->c;
-    for (uint32_t i = 0; i < n; i++) {
-        const char *name = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
-        int slot = memchr(name, 0, TENSOR_NAME_BYTES) ? slot_of_name(c, name) : -1; /* unterminated: refused later */
-        if (slot < 0 || slot_present(c, slot)) continue;
-        const SlotRule *r = slot_rule(slot);
-        uint32_t why = c->flags & r->absent ? r->absent : r->flag & ~c->flags;
-        int bit = 0;
-        while (!(why >> bit & 1)) bit++;
-        LOAD_FAIL("tensor %s does not belong in this file: the header %s flag bit %d (%s)", name,
-                  c->flags & r->absent ? "sets" : "does not set", bit, FLAG_NAME[bit]);
-    }
-    return 0;
-}
-
-/* Into name: " (no T)", T the first tensor the header implies that none
-   of the table's n entries names, or "" when there is none such. For the
-   message of a table with too few entries. */
-static void first_missing(const Model *m, uint32_t n, uint64_t off, char name[TENSOR_NAME_BYTES + 8])
-{
-    const Config *c = &m->c;
-    char *seen = xcalloc(n_slots(c), 1);
-    for (uint32_t i = 0; i < n; i++) {
-        const char *e = (const char *)m->map + off + (size_t)i * TENSOR_ENTRY_BYTES + ENT_NAME;
-        int slot = memchr(e, 0, TENSOR_NAME_BYTES) ? tensor_slot(c, e) : -1;
-        if (slot >= 0) seen[slot] = 1;
-    }
-    int s = 0;
-    while (s < n_slots(c) && (!slot_present(c, s) || seen[s])) s++;
-    free(seen);
-    name[0] = 0;
-    if (s < n_slots(c)) {
-        char t[TENSOR_NAME_BYTES];
-        slot_name(t, s);
-        snprintf(name, TENSOR_NAME_BYTES + 8, " (no %s)", t);
-    }
-}
-
-/* Which section before the tensor data holds byte `off`. */
-static const char *section_at(uint64_t off, uint64_t tok_end)
-{
-    return off < HEADER_BYTES ? "the header" : off < tok_end ? "the tokenizer section" : "the tensor table";
-}
-
-/* Padding bytes [from, to) of the file, before `what`, must be zero. */
-static int check_padding(const Model *m, uint64_t from, uint64_t to, const char *what, char *err)
-{
-    size_t z = nonzero_at(m->map + from, to - from);
-    if (z < to - from) LOAD_FAIL("padding byte %llu before %s is 0x%02x, not zero", (unsigned long long)(from + z), what, m->map[from + z]);
-    return 0;
-}
-
-/* A tensor table entry's name field (entry i): a printable ASCII name,
-   then NUL up to the field's end, so that the bytes after the name carry
-   nothing a reader of the name would miss. */
-static int check_name(const uint8_t *field, uint32_t i, char *err)
-{
-    const uint8_t *nul = memchr(field, 0, TENSOR_NAME_BYTES);
-    if (nul == NULL) LOAD_FAIL("tensor %u has an unterminated name", i);
-    for (const uint8_t *p = field; *p; p++)
-        if (*p <= ' ' || *p >= 0x7f) LOAD_FAIL("tensor %u's name has a byte 0x%02x that is not printable ASCII", i, *p);
-    if (nul == field) LOAD_FAIL("tensor %u has an empty name", i);
-    size_t after = (size_t)(nul - field), z = after + nonzero_at(nul, TENSOR_NAME_BYTES - after);
-    if (z < TENSOR_NAME_BYTES)
-        LOAD_FAIL("tensor %s: byte %zu of its name field is 0x%02x, after the name's NUL, not zero", (const char *)field,
-                  z, field[z]);
-    return 0;
-}
-
-/* The last group of packed matrix t: its rows past t->rows must be those of
-   zero blocks (ggml's bytes all zero, so q8_0's integers, stored as q + 128,
-   read 128), and the bytes after its records zero. Only the last group: it
-   is one place per matrix, where the padding rows are. Every group ends in
-   such padding when its records do not fill whole cache lines (an odd count
-   of q4_0, q5_0, q8_0 or q6_k blocks, or of f16/bf16 elements, in a row), but the
-   other groups' padding is not read here: that would touch every page of
-   the matrix at load, and loading is mapping. No kernel reads it. */
-static int check_packed_padding(const Tensor *t, char *err)
-{
-    const PackForm *f = packed_form(t->type);
-    size_t group = packed_group_bytes(f, t->cols), rec = packed_record_bytes(f);
-    size_t used = (size_t)(t->cols / packed_block(f)) * rec, z;
-    int first = (t->rows - 1) / PACK_ROWS * PACK_ROWS, live = t->rows - first; /* the last group's rows, and the matrix's of them */
-    const uint8_t *last = (const uint8_t *)t->data + tensor_bytes(t) - group;
-    if ((z = used + nonzero_at(last + used, group - used)) < group)
-        LOAD_FAIL("tensor %s: padding byte %zu of its last group is 0x%02x, not zero", t->name, z, last[z]);
-    for (size_t o = 0; o < used && live < PACK_ROWS; o++) {
-        int r = packed_byte_row(f, o % rec);
-        if (r >= live && last[o] != packed_zero_byte(f, o % rec))
-            LOAD_FAIL("tensor %s: padding row %d (after its %d rows) has byte 0x%02x at byte %zu of its last group, "
-                      "not a zero block's", t->name, first + r, t->rows, last[o], o);
-    }
-    return 0;
-}
-
-/* The forward pass multiplies by the matrices, which must be packed, and
-   reads every other tensor (norms, biases, an untied embedding) by rows. */
-static int check_layout(const Tensor *t, int matmul, char *err)
-{
-    if (matmul && t->layout != LAYOUT_PACKED)
-        LOAD_FAIL("tensor %s is stored as rows, but the matrices of this file version are packed: re-export the model "
-                  "with this version's export.py", t->name);
-    if (!matmul && t->layout != LAYOUT_ROWS) LOAD_FAIL("tensor %s is packed, but only the matrices are", t->name);
-    return matmul ? check_packed_padding(t, err) : 0;
 }
 
 /* ----- row conversions: one row of n elements to and from floats ----------
