@@ -298,7 +298,7 @@ typedef struct {
     float norm_eps;
     /* What sets a model family apart from llama, read from the header's flags
        and fields (export.py's manual, "The model file"); zero/one values are llama's.
-       layer_forward takes each optional step when its switch is on. */
+       forward takes each optional step when its switch is on. */
     int arch;         /* 1 llama, 2 qwen2, 3 qwen3, 4 gemma3: for -v; the switches below say what runs */
     uint32_t flags;   /* FLAG_* bits, as the header has them */
     int tied;         /* output head = token embedding */
@@ -3845,7 +3845,7 @@ typedef struct {
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
     double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
-    int plain_attention; /* attention by its definition (attend_plain), not in chunks (not inherited) */
+    int plain_attention; /* attention by its definition (attend), not in chunks (not inherited) */
 } OpKernels;
 
 /* The kernel set in use, resolved: one per program, set once by
