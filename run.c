@@ -2319,9 +2319,56 @@ static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const c
 static void close_prompt_cache(PromptCache *pc);
 static void probe_machine(Machine *mc, int threads);
 static void report_process(const Model *m, double load_ms);
+static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms);
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo);
 static void perplexity(const Model *m, RunState *s, const char *path, int ctx);
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a);
+/* The team's size: --threads, or the CPUs this process may use, and never
+   more than those: the barriers spin, so threads beyond the cores only wait
+   for each other (--threads 1024 on 2 cores took over a minute per token). */
+static int team_threads(int requested, int verbose)
+{
+    int cores = usable_cpus(), threads = requested ? requested : cores;
+    if (threads > cores) {
+        if (verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
+        threads = cores;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(threads > 0 ? threads : 1);
+#else
+    threads = 1;
+#endif
+    return threads;
+}
+
+/* Single mode: one answer to the prompt, streamed to stdout. */
+static void answer(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *prompt, int seq_len, const Machine *mc)
+{
+    TextOut out;
+    text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* --logprobs: records, not text */
+    Request r = {.conv = prompt, .n_predict = o->n_predict, .out = &out};
+    r.pos = cached_prefix(o, m, s, prompt, 0);
+    if (r.n_predict > seq_len - prompt->n + 1) {
+        r.n_predict = seq_len - prompt->n + 1;
+        if (o->verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", o->n_predict, r.n_predict, seq_len, prompt->n);
+    }
+    int why = generate(m, s, sm, o, &r);
+    if (o->verbose) report_stats(m, s, mc, &r.st);
+    free(r.st.itl);
+    answer_incomplete(&r, why, 1);
+}
+
+/* --tokenize: the prompt's token ids on one line, and nothing else. */
+static int print_ids(Tokens *prompt, Model *m)
+{
+    for (int i = 0; i < prompt->n; i++) printf(i ? " %d" : "%d", prompt->ids[i]);
+    printf("\n");
+    close_stdout();
+    free(prompt->ids);
+    free_model(m);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     marks.start_ms = now_ms();
@@ -2353,50 +2400,20 @@ int main(int argc, char **argv)
     size_t prompt_bytes = 0;
     int batch = a.batch.path != NULL;
     if (!chat && !a.ppl && !batch) prompt_bytes = prompt_tokens(&m, &a, a.tokenize ? MAX_SEQ : seq_len, &prompt);
-    if (a.tokenize) {
-        for (int i = 0; i < prompt.n; i++) printf(i ? " %d" : "%d", prompt.ids[i]);
-        printf("\n");
-        close_stdout();
-        free(prompt.ids);
-        free_model(&m);
-        return 0;
-    }
+    if (a.tokenize) return print_ids(&prompt, &m);
     if (!chat && !a.ppl && !batch && prompt.n == 0) {
         if (prompt_bytes) die(EXIT_RUNTIME, "the prompt's %zu bytes have no token in this model's vocabulary", prompt_bytes);
         die(EXIT_RUNTIME, "the prompt is empty");
     }
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
-    int cores = usable_cpus();
-    int threads = a.threads ? a.threads : cores;
-    if (threads > cores) {
-        /* the barriers spin: threads beyond the cores only wait for each other
-           (--threads 1024 on 2 cores took over a minute per token) */
-        if (a.gen.verbose) fprintf(stderr, "note: --threads %d capped to the %d CPUs this process may use\n", threads, cores);
-        threads = cores;
-    }
-#ifdef _OPENMP
-    omp_set_num_threads(threads > 0 ? threads : 1);
-#else
-    threads = 1;
-#endif
+    int threads = team_threads(a.threads, a.gen.verbose);
     RunState s;
     check_kv_type(a.kv_type, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
     int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode: build_pool keeps every page then */
     if (keep_all) keep_every_position(&s, &m.c);
-    if (a.gen.verbose) {
-        static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
-        fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
-                "%s kernels, loaded in %.1f ms\n", a.model_path, arch[m.c.arch], m.c.n_layers, m.c.dim, m.n_params / 1e6, m.dtype,
-                seq_len, kv_cache_bytes(&m.c, seq_len, a.kv_type, keep_all) / 1e6, type_name(a.kv_type), threads, kernel_set_name(), load_ms);
-        if (m.c.window && !keep_all)
-            fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
-                    m.c.window, kv_cache_bytes(&m.c, seq_len, a.kv_type, 0) / 1e6, kv_cache_bytes(&m.c, seq_len, a.kv_type, 1) / 1e6);
-        else if (keep_all)
-            fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
-                    m.c.window);
-    }
+    if (a.gen.verbose) report_model(&m, a.model_path, seq_len, a.kv_type, keep_all, threads, load_ms);
     if (a.prompt_cache) a.gen.cache = open_prompt_cache(&m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
     Machine mc, *mcp = NULL;
     if (a.probe) probe_machine(mcp = &mc, threads);
@@ -2416,18 +2433,7 @@ int main(int argc, char **argv)
     else if (jcp && a.gen.n_predict == 0) {
         die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
     } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
-        TextOut out;
-        text_open(&out, a.gen.logprobs >= 0 ? NULL : stdout, NULL, &a.gen.stops); /* --logprobs: records, not text */
-        Request r = {.conv = &prompt, .n_predict = a.gen.n_predict, .out = &out};
-        r.pos = cached_prefix(&a.gen, &m, &s, &prompt, 0);
-        if (r.n_predict > seq_len - prompt.n + 1) {
-            r.n_predict = seq_len - prompt.n + 1;
-            if (a.gen.verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", a.gen.n_predict, r.n_predict, seq_len, prompt.n);
-        }
-        int why = generate(&m, &s, &sm, &a.gen, &r);
-        if (a.gen.verbose) report_stats(&m, &s, mcp, &r.st);
-        free(r.st.itl);
-        answer_incomplete(&r, why, 1);
+        answer(&m, &s, &sm, &a.gen, &prompt, seq_len, mcp);
     }
     if (a.gen.cache) close_prompt_cache(a.gen.cache);
     if (a.gen.verbose) report_process(&m, load_ms);
@@ -4574,6 +4580,21 @@ static double model_resident_bytes(const Model *m)
    private to this process (its heap and anonymous mappings: activations,
    the KV cache positions written) and what it maps from the model file
    (page cache that every process running the same file shares). */
+/* -v: the model, the context and its KV cache, the team and the kernels. */
+static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms)
+{
+    static const char *const arch[] = {"?", "llama", "qwen2", "qwen3", "gemma3"};
+    fprintf(stderr, "model: %s, %s, %d layers, dim %d, %.1fM params, %s weights, ctx %d, KV cache %.1f MB (%s), %d threads, "
+            "%s kernels, loaded in %.1f ms\n", path, arch[m->c.arch], m->c.n_layers, m->c.dim, m->n_params / 1e6, m->dtype,
+            seq_len, kv_cache_bytes(&m->c, seq_len, kv_type, keep_all) / 1e6, type_name(kv_type), threads, kernel_set_name(), load_ms);
+    if (m->c.window && !keep_all)
+        fprintf(stderr, "sliding window: %d positions on local layers (ring buffers); KV cache %.1f MB instead of %.1f MB\n",
+                m->c.window, kv_cache_bytes(&m->c, seq_len, kv_type, 0) / 1e6, kv_cache_bytes(&m->c, seq_len, kv_type, 1) / 1e6);
+    else if (keep_all)
+        fprintf(stderr, "sliding window: %d positions on local layers, which keep every position for --prompt-cache\n",
+                m->c.window);
+}
+
 static void report_process(const Model *m, double load_ms)
 {
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
