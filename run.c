@@ -111,23 +111,9 @@
                           PACK_TOKS; measured: +5-7% float prefill against 64) */
 #define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
                           chunks, so a prompt after a shared prefix is cut as when alone */
-#define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
-#define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
 #define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
-#define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
-#define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
-#define ATT_KTILE 64   /* cached positions converted to floats at a time */
-#define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
-#define CACHE_LINE 64
-#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
 #define PPL_MIN_CTX 3 /* --ppl: the smallest window whose second half scores a token */
-#define MAX_DIM (1 << 16)
-#define MAX_LAYERS 1024
-#define MAX_HEADS 1024
-#define MAX_HEAD_DIM 1024
-#define MAX_VOCAB (1 << 24)
 #define MAX_SEQ (1 << 20)
-#define MAX_TENSORS (1 << 20)
 #define ERR_BYTES 256
 #define MSG_BYTES 4200 /* an error message: room for a path of PATH_MAX (4096) bytes */
 
@@ -139,82 +125,14 @@
 #define EXIT_RUNTIME 1
 #define EXIT_USAGE 2
 
-#define LINE_BYTES (4 * MSG_BYTES + 8) /* a message with every byte escaped */
-
-/* Formats "run: MESSAGE\n" into out (LINE_BYTES) with control characters
-   escaped as Python's repr shows them (\n, \x1b; C1 controls in UTF-8
-   too), so that a message quoting a hostile argument, path or file byte
-   stays one plain line and cannot colour the terminal. */
-static void format_error(char *out, const char *fmt, va_list ap)
-{
-    char msg[MSG_BYTES];
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    size_t k = sprintf(out, "run: ");
-    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
-        int c1 = p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f; /* U+0080..U+009F */
-        unsigned c = c1 ? *++p : *p;
-        if (c == '\n') k += sprintf(out + k, "\\n");
-        else if (c == '\t') k += sprintf(out + k, "\\t");
-        else if (c == '\r') k += sprintf(out + k, "\\r");
-        else if (c < 0x20 || c == 0x7f || c1) k += sprintf(out + k, "\\x%02x", c);
-        else out[k++] = (char)c;
-    }
-    sprintf(out + k, "\n");
-}
-
-static void print_error(const char *fmt, va_list ap)
-{
-    char line[LINE_BYTES];
-    format_error(line, fmt, ap);
-    fputs(line, stderr);
-}
-
-/* format_error with arguments. */
-static void format_line(char *out, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    format_error(out, fmt, ap);
-    va_end(ap);
-}
-
-/* A file this run is writing under a temporary name (--dump-logits), or
-   "": removed by die() and by the fatal-signal handlers, so that no partial
-   file outlives the run. */
-static char temp_path[MSG_BYTES];
-
-static _Noreturn void die(int code, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    if (temp_path[0]) unlink(temp_path);
-    print_error(fmt, ap);
-    va_end(ap);
-    exit(code);
-}
-
-static void *xmalloc(size_t n)
-{
-    void *p = malloc(n ? n : 1);
-    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu bytes", n);
-    return p;
-}
-
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n ? n : 1, size ? size : 1);
-    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu x %zu bytes", n, size);
-    return p;
-}
+static _Noreturn void die(int code, const char *fmt, ...); /* the message, escaped to one line (Part II, "errors") */
+static void *xmalloc(size_t n);               /* malloc, or die */
+static void *xcalloc(size_t n, size_t size);  /* calloc, or die */
 
 /* Loader errors: the reason goes to err (ERR_BYTES) and the function
    returns -1; the caller frees what was built. A reason may quote bytes
-   from a damaged file, so control bytes become '?': it stays one line. */
-static void one_line(char *s)
-{
-    for (; *s; s++)
-        if ((unsigned char)*s < 0x20 || *s == 0x7f) *s = '?';
-}
+   from a damaged file: one_line keeps it one line. */
+static void one_line(char *s);
 #define LOAD_FAIL(...) do { snprintf(err, ERR_BYTES, __VA_ARGS__); one_line(err); return -1; } while (0)
 
 static double now_ms(void)
@@ -1632,37 +1550,6 @@ static size_t push_encoded(const Model *m, Tokens *t, const char *text, size_t l
     return n;
 }
 
-#define BYTE_VALUES 256
-
-/* Whether text[0..len) holds a byte the vocabulary has no token for, and
-   if so the reason, naming `what`, the byte and its offset, in why. A
-   byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
-   that UTF-8 never uses, e.g. 0xff); tok_encode drops them, as llama.cpp
-   does, so the model would read another text than the one given: every
-   prompt text (-i, stdin, -y, chat messages, batch lines) is refused
-   instead, in --tokenize too. A byte value has no token when it alone
-   encodes to nothing; only the values the text holds are tried. */
-static int has_untokenizable_byte(const Model *m, const char *what, const char *text, size_t len, char *why, size_t why_len)
-{
-    uint8_t seen[BYTE_VALUES] = {0}, lacks[BYTE_VALUES] = {0};
-    const unsigned char *u = (const unsigned char *)text;
-    for (size_t i = 0; i < len; i++) {
-        if (!seen[u[i]]) {
-            int *ids;
-            size_t n;
-            if (tok_encode(m->tok, text + i, 1, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
-            free(ids);
-            seen[u[i]] = 1, lacks[u[i]] = n == 0;
-        }
-        if (lacks[u[i]]) {
-            snprintf(why, why_len, "%s has a byte 0x%02x (at offset %zu) that no token of this model's vocabulary holds "
-                     "(is the text UTF-8?)", what, u[i], i);
-            return 1;
-        }
-    }
-    return 0;
-}
-
 /* Appends text tokenized as plain text (no BOS/EOS, no control tokens). */
 static void push_text(const Model *m, Tokens *t, const char *text, size_t len) { push_encoded(m, t, text, len, 0); }
 
@@ -1799,32 +1686,12 @@ static void chat_user_turn(Chat *ch, const Model *m, Tokens *t, const char *text
     free(buf);
 }
 
-/* After an answer: the last sampled token, if it was text, goes into the
-   conversation, then the turn is closed (<|im_end|>\n). After a stop
-   string the token whose text completed it is left out: the conversation
-   continues from the tokens fed so far, which may hold the stop string's
-   beginning (when it spans tokens) though it was not printed, and lack
-   the printed text that shared the last token with it. */
-static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
-{
-    if (why != STOP_END && why != STOP_STRING && last >= 0) push(conv, last);
-    chat_turn_close(ch, m, conv);
-}
-
 /* Tokenization, where generation starts: the prompt's text becomes token
    ids, either wrapped in the chat template as one user turn (chat_wrap,
    with the template's or -y's system text) or as plain text to continue,
    with BOS where the model wants one and control-token texts parsed only
    with `special` (in the chat turns' system and user text too: a template
    turn typed by the user is what --special asks for). */
-/* Whether the prompt text, or with ch its system text, has a byte without
-   a token (why gets the reason). */
-static int prompt_text_problem(const Model *m, const char *text, size_t len, const Chat *ch, char *why, size_t why_len)
-{
-    return has_untokenizable_byte(m, "the prompt", text, len, why, why_len) ||
-           (ch && has_untokenizable_byte(m, "the system prompt", ch->system, ch->system_len, why, why_len));
-}
-
 static void tokenize_prompt(const Model *m, const char *text, size_t len, Chat *ch, int special, Tokens *t)
 {
     if (ch) {
@@ -2094,176 +1961,6 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
-/* When the conversation plus room for an answer no longer fits, drops the
-   oldest exchanges (keeping the opening: BOS and system turn) until it fits
-   in half the context, or at least fits, so that the next turns can reuse
-   the cache again; everything is then re-prefilled. Returns 0 when even the
-   newest message alone does not fit. exch[] holds the offset in conv where
-   each exchange starts. */
-static int chat_fit(Tokens *conv, int *pos, Tokens *exch, int n_open, int need, int seq_len)
-{
-    if (conv->n + need <= seq_len) return 1;
-    int k = 0, *at = exch->ids;
-    while (k < exch->n - 1 && n_open + conv->n - at[k] + need > seq_len / 2) k++;
-    while (k > 0 && n_open + conv->n - at[k - 1] + need <= seq_len / 2) k--;
-    if (n_open + conv->n - at[k] + need > seq_len) return 0;
-    int drop = at[k] - n_open;
-    memmove(conv->ids + n_open, conv->ids + at[k], (conv->n - at[k]) * sizeof(int));
-    conv->n -= drop;
-    for (int i = k; i < exch->n; i++) at[i - k] = at[i] - drop;
-    exch->n -= k;
-    *pos = 0;
-    return 1;
-}
-
-static void on_sigint(int sig)
-{
-    (void)sig;
-    if (answering && !interrupted) interrupted = 1;
-    else {
-        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
-        _exit(130);
-    }
-}
-
-/* ----- input ------------------------------------------------------------------ */
-
-/* Reads f up to its end, or with `line` up to the next newline (dropped),
-   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
-   NULL at the end of input when a line was asked and nothing was read. A
-   read error, running out of memory, or more than max bytes (why_max says
-   where that bound comes from) ends the run with a message naming `what`:
-   /dev/zero must not fill the memory. */
-static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
-{
-    size_t cap = 4096, n = 0;
-    char *buf = xmalloc(cap);
-    int c;
-    errno = 0;
-    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
-        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
-        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
-        buf[n++] = (char)c;
-    }
-    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
-    if (line && c == EOF && n == 0) { free(buf); return NULL; }
-    buf[n] = 0;
-    *len = n;
-    return buf;
-}
-
-/* The most bytes of text that can fit in ctx tokens: a token stands for
-   at most as many input bytes as its text holds (BOS and EOS for none,
-   bytes without a token for none, but those make no prompt). Reading
-   stops there; why gets the reason, for the error message. */
-static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
-{
-    size_t longest = 1, len;
-    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
-        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
-    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
-    return (size_t)ctx * longest;
-}
-
-/* A refused chat message (line: its text, freed) gets an empty answer,
-   which keeps answers and messages line for line. */
-static void refuse_message(char *line)
-{
-    free(line);
-    fputc('\n', stdout);
-    check_stdout();
-}
-
-/* After a message did not fit: when not even an empty one would (the
-   opening's n_open tokens, an empty user turn and the assistant's opening,
-   with the system text when the template folds it into the message, and
-   the answer's room), every message would be refused, so the chat ends
-   with an error, as -c does with such a system prompt. */
-static void check_room_for_a_message(const Chat *ch, const Model *m, int n_open, int reserve, int seq_len)
-{
-    Chat c = *ch;
-    Tokens t = {0};
-    chat_user_turn(&c, m, &t, "", 0);
-    int least = n_open + t.n;
-    free(t.ids);
-    if (least + reserve > seq_len)
-        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
-            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
-            least + reserve, seq_len);
-}
-
-/* The conversation: one user message per line of stdin (a terminal shows a
-   "> " prompt on stderr); each answer is streamed and ends with a newline.
-   Each turn prefills only its new tokens: earlier turns stay in the cache.
-   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
-{
-    int incomplete = 0; /* --json: answers cut short before their value was complete */
-    Chat ch;
-    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
-    ch.special = o->special;
-    Tokens conv = {0};
-    chat_open(&ch, m, &conv);
-    int n_open = conv.n, pos = 0, tty = isatty(STDIN_FILENO), turn = 0;
-    Tokens exch = {0}; /* where each exchange (a message and its answer) starts in conv */
-    char why_max[ERR_BYTES];
-    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
-    struct sigaction sa = {0};
-    sa.sa_handler = on_sigint;
-    sigaction(SIGINT, &sa, NULL);
-    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
-    char why[ERR_BYTES];
-    if (has_untokenizable_byte(m, "the system prompt", ch.system, ch.system_len, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
-    while (1) {
-        if (tty) fputs("> ", stderr);
-        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
-        if (!line) break;
-        while (len && line[len - 1] == '\r') line[--len] = 0;
-        if (!len) { free(line); continue; }
-        if (has_untokenizable_byte(m, "message refused: it", line, len, why, sizeof why)) {
-            fprintf(stderr, "run: %s\n", why);
-            refuse_message(line);
-            continue;
-        }
-        int before = conv.n, system_pending = ch.system_pending;
-        push(&exch, conv.n);
-        chat_user_turn(&ch, m, &conv, line, len);
-        free(line);
-        if (!chat_fit(&conv, &pos, &exch, n_open, reserve, s->seq_len)) {
-            int msg = conv.n - before;
-            conv.n = before;
-            exch.n--;
-            ch.system_pending = system_pending;
-            check_room_for_a_message(&ch, m, n_open, reserve, s->seq_len);
-            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
-                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
-            refuse_message(NULL);
-            continue;
-        }
-        pos = cached_prefix(o, m, s, &conv, pos); /* what an earlier run's conversation holds */
-        if (o->verbose)
-            fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
-        interrupted = 0;
-        answering = 1;
-        TextOut out;
-        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
-        Request r = {.conv = &conv, .pos = pos, .n_predict = o->n_predict, .out = &out};
-        int why = generate(m, s, sm, o, &r);
-        pos = r.pos;
-        answering = 0;
-        fputc('\n', stdout);
-        check_stdout();
-        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        incomplete += answer_incomplete(&r, why, 0);
-        if (o->verbose) report_stats(m, s, mc, &r.st);
-        free(r.st.itl);
-        chat_close_answer(&ch, m, &conv, why, r.last);
-    }
-    free(exch.ids);
-    free(conv.ids);
-    return incomplete;
-}
-
 /* Runs every line of path ("-": stdin) and writes the records. Returns
    the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
 /* What --batch takes from the command line besides GenOpts. */
@@ -2320,6 +2017,7 @@ static void close_prompt_cache(PromptCache *pc);
 static void probe_machine(Machine *mc, int threads);
 static void report_process(const Model *m, double load_ms);
 static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms);
+static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc);
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo);
 static void perplexity(const Model *m, RunState *s, const char *path, int ctx);
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a);
@@ -2455,6 +2153,101 @@ int main(int argc, char **argv)
    perplexity and the command line. Then the appendices, one per
    instruction set, each with its kernels and its rows of the tables.
    ######################################################################### */
+
+/* ----- limits and tuning --------------------------------------------------
+   The bounds check_model_file puts on a header, and the machinery's work units. */
+#define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
+#define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
+#define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
+#define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
+#define ATT_KTILE 64   /* cached positions converted to floats at a time */
+#define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
+#define CACHE_LINE 64
+#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
+#define MAX_DIM (1 << 16)
+#define MAX_LAYERS 1024
+#define MAX_HEADS 1024
+#define MAX_HEAD_DIM 1024
+#define MAX_VOCAB (1 << 24)
+#define MAX_TENSORS (1 << 20)
+
+/* ----- errors --------------------------------------------------------------
+   die and the allocators that Part I declares at its top. */
+
+#define LINE_BYTES (4 * MSG_BYTES + 8) /* a message with every byte escaped */
+
+/* Formats "run: MESSAGE\n" into out (LINE_BYTES) with control characters
+   escaped as Python's repr shows them (\n, \x1b; C1 controls in UTF-8
+   too), so that a message quoting a hostile argument, path or file byte
+   stays one plain line and cannot colour the terminal. */
+static void format_error(char *out, const char *fmt, va_list ap)
+{
+    char msg[MSG_BYTES];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    size_t k = sprintf(out, "run: ");
+    for (const unsigned char *p = (const unsigned char *)msg; *p; p++) {
+        int c1 = p[0] == 0xc2 && p[1] >= 0x80 && p[1] <= 0x9f; /* U+0080..U+009F */
+        unsigned c = c1 ? *++p : *p;
+        if (c == '\n') k += sprintf(out + k, "\\n");
+        else if (c == '\t') k += sprintf(out + k, "\\t");
+        else if (c == '\r') k += sprintf(out + k, "\\r");
+        else if (c < 0x20 || c == 0x7f || c1) k += sprintf(out + k, "\\x%02x", c);
+        else out[k++] = (char)c;
+    }
+    sprintf(out + k, "\n");
+}
+
+static void print_error(const char *fmt, va_list ap)
+{
+    char line[LINE_BYTES];
+    format_error(line, fmt, ap);
+    fputs(line, stderr);
+}
+
+/* format_error with arguments. */
+static void format_line(char *out, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    format_error(out, fmt, ap);
+    va_end(ap);
+}
+
+/* A file this run is writing under a temporary name (--dump-logits), or
+   "": removed by die() and by the fatal-signal handlers, so that no partial
+   file outlives the run. */
+static char temp_path[MSG_BYTES];
+
+static _Noreturn void die(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    if (temp_path[0]) unlink(temp_path);
+    print_error(fmt, ap);
+    va_end(ap);
+    exit(code);
+}
+
+static void *xmalloc(size_t n)
+{
+    void *p = malloc(n ? n : 1);
+    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu bytes", n);
+    return p;
+}
+
+static void *xcalloc(size_t n, size_t size)
+{
+    void *p = calloc(n ? n : 1, size ? size : 1);
+    if (!p) die(EXIT_RUNTIME, "out of memory allocating %zu x %zu bytes", n, size);
+    return p;
+}
+
+/* Replaces control bytes with '?' (a loader error quoting a damaged file). */
+static void one_line(char *s)
+{
+    for (; *s; s++)
+        if ((unsigned char)*s < 0x20 || *s == 0x7f) *s = '?';
+}
 
 /* ----- validating the model file ----------------------------------------------
    The file is untrusted, and section 1 reads it trusting every byte: before
@@ -7322,6 +7115,235 @@ static void hooks_close(Request *r, int why)
     free(h);
     r->h = NULL;
 }
+
+/* ----- input ------------------------------------------------------------------ */
+
+#define BYTE_VALUES 256
+
+/* Whether text[0..len) holds a byte the vocabulary has no token for, and
+   if so the reason, naming `what`, the byte and its offset, in why. A
+   byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
+   that UTF-8 never uses, e.g. 0xff); tok_encode drops them, as llama.cpp
+   does, so the model would read another text than the one given: every
+   prompt text (-i, stdin, -y, chat messages, batch lines) is refused
+   instead, in --tokenize too. A byte value has no token when it alone
+   encodes to nothing; only the values the text holds are tried. */
+static int has_untokenizable_byte(const Model *m, const char *what, const char *text, size_t len, char *why, size_t why_len)
+{
+    uint8_t seen[BYTE_VALUES] = {0}, lacks[BYTE_VALUES] = {0};
+    const unsigned char *u = (const unsigned char *)text;
+    for (size_t i = 0; i < len; i++) {
+        if (!seen[u[i]]) {
+            int *ids;
+            size_t n;
+            if (tok_encode(m->tok, text + i, 1, 0, &ids, &n) != 0) die(EXIT_RUNTIME, "out of memory tokenizing");
+            free(ids);
+            seen[u[i]] = 1, lacks[u[i]] = n == 0;
+        }
+        if (lacks[u[i]]) {
+            snprintf(why, why_len, "%s has a byte 0x%02x (at offset %zu) that no token of this model's vocabulary holds "
+                     "(is the text UTF-8?)", what, u[i], i);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+
+/* Whether the prompt text, or with ch its system text, has a byte without
+   a token (why gets the reason). */
+static int prompt_text_problem(const Model *m, const char *text, size_t len, const Chat *ch, char *why, size_t why_len)
+{
+    return has_untokenizable_byte(m, "the prompt", text, len, why, why_len) ||
+           (ch && has_untokenizable_byte(m, "the system prompt", ch->system, ch->system_len, why, why_len));
+}
+
+
+/* Reads f up to its end, or with `line` up to the next newline (dropped),
+   into a malloc'd, NUL-terminated buffer; *len gets its length. Returns
+   NULL at the end of input when a line was asked and nothing was read. A
+   read error, running out of memory, or more than max bytes (why_max says
+   where that bound comes from) ends the run with a message naming `what`:
+   /dev/zero must not fill the memory. */
+static char *read_stream(FILE *f, const char *what, int line, size_t max, const char *why_max, size_t *len)
+{
+    size_t cap = 4096, n = 0;
+    char *buf = xmalloc(cap);
+    int c;
+    errno = 0;
+    while ((c = getc(f)) != EOF && !(line && c == '\n')) {
+        if (n == max) die(EXIT_RUNTIME, "%s is longer than %zu bytes: %s", what, max, why_max);
+        if (n + 1 == cap && !(buf = realloc(buf, cap *= 2))) die(EXIT_RUNTIME, "out of memory reading %s", what);
+        buf[n++] = (char)c;
+    }
+    if (ferror(f)) die(EXIT_RUNTIME, "cannot read %s: %s", what, strerror(errno ? errno : EIO));
+    if (line && c == EOF && n == 0) { free(buf); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
+/* The most bytes of text that can fit in ctx tokens: a token stands for
+   at most as many input bytes as its text holds (BOS and EOS for none,
+   bytes without a token for none, but those make no prompt). Reading
+   stops there; why gets the reason, for the error message. */
+static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
+{
+    size_t longest = 1, len;
+    for (int id = 0; id < tok_get_info(m->tok)->n_vocab; id++)
+        if (tok_piece(m->tok, id, &len) && len > longest) longest = len;
+    snprintf(why, why_len, "more cannot fit in a context of %d tokens (the longest token is %zu bytes)", ctx, longest);
+    return (size_t)ctx * longest;
+}
+
+/* ----- chat mode ---------------------------------------------------------------
+   -m chat: a conversation on stdin, one answer per message, through the
+   generation loop of Part I (generate); earlier turns stay in the KV cache. */
+
+/* After an answer: the last sampled token, if it was text, goes into the
+   conversation, then the turn is closed (<|im_end|>\n). After a stop
+   string the token whose text completed it is left out: the conversation
+   continues from the tokens fed so far, which may hold the stop string's
+   beginning (when it spans tokens) though it was not printed, and lack
+   the printed text that shared the last token with it. */
+static void chat_close_answer(const Chat *ch, const Model *m, Tokens *conv, int why, int last)
+{
+    if (why != STOP_END && why != STOP_STRING && last >= 0) push(conv, last);
+    chat_turn_close(ch, m, conv);
+}
+
+
+/* When the conversation plus room for an answer no longer fits, drops the
+   oldest exchanges (keeping the opening: BOS and system turn) until it fits
+   in half the context, or at least fits, so that the next turns can reuse
+   the cache again; everything is then re-prefilled. Returns 0 when even the
+   newest message alone does not fit. exch[] holds the offset in conv where
+   each exchange starts. */
+static int chat_fit(Tokens *conv, int *pos, Tokens *exch, int n_open, int need, int seq_len)
+{
+    if (conv->n + need <= seq_len) return 1;
+    int k = 0, *at = exch->ids;
+    while (k < exch->n - 1 && n_open + conv->n - at[k] + need > seq_len / 2) k++;
+    while (k > 0 && n_open + conv->n - at[k - 1] + need <= seq_len / 2) k--;
+    if (n_open + conv->n - at[k] + need > seq_len) return 0;
+    int drop = at[k] - n_open;
+    memmove(conv->ids + n_open, conv->ids + at[k], (conv->n - at[k]) * sizeof(int));
+    conv->n -= drop;
+    for (int i = k; i < exch->n; i++) at[i - k] = at[i] - drop;
+    exch->n -= k;
+    *pos = 0;
+    return 1;
+}
+
+static void on_sigint(int sig)
+{
+    (void)sig;
+    if (answering && !interrupted) interrupted = 1;
+    else {
+        if (temp_path[0]) unlink(temp_path); /* a prompt cache being written */
+        _exit(130);
+    }
+}
+
+/* A refused chat message (line: its text, freed) gets an empty answer,
+   which keeps answers and messages line for line. */
+static void refuse_message(char *line)
+{
+    free(line);
+    fputc('\n', stdout);
+    check_stdout();
+}
+
+/* After a message did not fit: when not even an empty one would (the
+   opening's n_open tokens, an empty user turn and the assistant's opening,
+   with the system text when the template folds it into the message, and
+   the answer's room), every message would be refused, so the chat ends
+   with an error, as -c does with such a system prompt. */
+static void check_room_for_a_message(const Chat *ch, const Model *m, int n_open, int reserve, int seq_len)
+{
+    Chat c = *ch;
+    Tokens t = {0};
+    chat_user_turn(&c, m, &t, "", 0);
+    int least = n_open + t.n;
+    free(t.ids);
+    if (least + reserve > seq_len)
+        die(EXIT_RUNTIME, "the system prompt leaves no room for a message: the template's turns (%d tokens, the system "
+            "text's included) + room for the answer (%d) = %d tokens, but the context holds %d", least, reserve,
+            least + reserve, seq_len);
+}
+
+/* The conversation: one user message per line of stdin (a terminal shows a
+   "> " prompt on stderr); each answer is streamed and ends with a newline.
+   Each turn prefills only its new tokens: earlier turns stay in the cache.
+   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
+static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
+{
+    int incomplete = 0; /* --json: answers cut short before their value was complete */
+    Chat ch;
+    build_chat(&ch, m, o->system, o->system ? strlen(o->system) : 0);
+    ch.special = o->special;
+    Tokens conv = {0};
+    chat_open(&ch, m, &conv);
+    int n_open = conv.n, pos = 0, tty = isatty(STDIN_FILENO), turn = 0;
+    Tokens exch = {0}; /* where each exchange (a message and its answer) starts in conv */
+    char why_max[ERR_BYTES];
+    size_t len, max_line = text_limit(m, s->seq_len, why_max, sizeof why_max);
+    struct sigaction sa = {0};
+    sa.sa_handler = on_sigint;
+    sigaction(SIGINT, &sa, NULL);
+    int reserve = o->n_predict < s->seq_len / 4 ? o->n_predict : s->seq_len / 4;
+    char why[ERR_BYTES];
+    if (has_untokenizable_byte(m, "the system prompt", ch.system, ch.system_len, why, sizeof why)) die(EXIT_RUNTIME, "%s", why);
+    while (1) {
+        if (tty) fputs("> ", stderr);
+        char *line = read_stream(stdin, "a chat message on stdin", 1, max_line, why_max, &len);
+        if (!line) break;
+        while (len && line[len - 1] == '\r') line[--len] = 0;
+        if (!len) { free(line); continue; }
+        if (has_untokenizable_byte(m, "message refused: it", line, len, why, sizeof why)) {
+            fprintf(stderr, "run: %s\n", why);
+            refuse_message(line);
+            continue;
+        }
+        int before = conv.n, system_pending = ch.system_pending;
+        push(&exch, conv.n);
+        chat_user_turn(&ch, m, &conv, line, len);
+        free(line);
+        if (!chat_fit(&conv, &pos, &exch, n_open, reserve, s->seq_len)) {
+            int msg = conv.n - before;
+            conv.n = before;
+            exch.n--;
+            ch.system_pending = system_pending;
+            check_room_for_a_message(&ch, m, n_open, reserve, s->seq_len);
+            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+                    " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
+            refuse_message(NULL);
+            continue;
+        }
+        pos = cached_prefix(o, m, s, &conv, pos); /* what an earlier run's conversation holds */
+        if (o->verbose)
+            fprintf(stderr, "turn %d: prefill %d new tokens (%d already cached)\n", ++turn, conv.n - pos, pos);
+        interrupted = 0;
+        answering = 1;
+        TextOut out;
+        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
+        Request r = {.conv = &conv, .pos = pos, .n_predict = o->n_predict, .out = &out};
+        int why = generate(m, s, sm, o, &r);
+        pos = r.pos;
+        answering = 0;
+        fputc('\n', stdout);
+        check_stdout();
+        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        incomplete += answer_incomplete(&r, why, 0);
+        if (o->verbose) report_stats(m, s, mc, &r.st);
+        free(r.st.itl);
+        chat_close_answer(&ch, m, &conv, why, r.last);
+    }
+    free(exch.ids);
+    free(conv.ids);
+    return incomplete;
+}
+
 
 /* ----- batch mode ---------------------------------------------------------------
    --batch FILE: one request per input line, answered as one JSON record per
