@@ -1180,26 +1180,7 @@ typedef struct {
     int n, cap;
 } Tokens;
 
-#define LOGPROBS_MAX 20 /* --logprobs N: alternatives reported per token, at most */
-
-typedef struct {
-    int id;
-    double logprob;
-} TokenProb;
-
-/* What one draw reports for --logprobs: the drawn token's log-probability
-   and the `want` most likely tokens of the distribution it was drawn from,
-   by falling probability (ties by id). That distribution is the one
-   sampled: softmax(logits / T) over the tokens top-k and top-p keep,
-   renormalized; a token they drop, or whose probability is 0 as a float,
-   cannot be drawn and has no entry, so n may be below want. With -t 0 it
-   is the full softmax at temperature 1. */
-typedef struct {
-    int want;        /* alternatives asked for, 0..LOGPROBS_MAX */
-    int n;           /* alternatives reported */
-    double logprob;  /* of the token drawn */
-    TokenProb top[LOGPROBS_MAX];
-} Logprobs;
+typedef struct Logprobs Logprobs; /* --logprobs: what a draw reports (Part II, "log-probabilities") */
 
 /* The sampling chain's settings (README "Sampling": the order, the
    defaults). A zero-initialized field turns its step off, so a Sampler
@@ -1406,41 +1387,9 @@ static int draw(Sampler *sm, const Candidate *cand, int keep, float total, int s
     return last;
 }
 
-/* Adds a token to lp's top list if it is among the `want` most likely so
-   far (ties: the one added first stays ahead). */
-static void top_insert(Logprobs *lp, int id, double logprob)
-{
-    if (lp->n == lp->want && (lp->n == 0 || logprob <= lp->top[lp->n - 1].logprob)) return;
-    int k = lp->n < lp->want ? lp->n++ : lp->n - 1; /* the free slot, or the least likely's */
-    for (; k > 0 && lp->top[k - 1].logprob < logprob; k--) lp->top[k] = lp->top[k - 1];
-    lp->top[k] = (TokenProb){id, logprob};
-}
-
-/* The report of a greedy pick: log-softmax of the logits at temperature 1,
-   in double (logit - log-sum-exp). */
-static void report_greedy(Logprobs *lp, const float *logits, int n, int chosen)
-{
-    double max = logits[chosen], sum = 0;
-    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - max);
-    double lse = max + log(sum);
-    lp->logprob = logits[chosen] - lse;
-    lp->n = 0;
-    for (int i = 0; i < n; i++) top_insert(lp, i, logits[i] - lse);
-}
-
-/* The report of a draw from cand[0..keep) (sampling_dist's order, the
-   probabilities summing to total). */
-static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float total, int chosen)
-{
-    lp->n = 0;
-    for (int i = 0; i < keep; i++) {
-        int listed = lp->n < lp->want && cand[i].p > 0;
-        if (!listed && cand[i].id != chosen) continue;
-        double logprob = log((double)cand[i].p / total);
-        if (listed) lp->top[lp->n++] = (TokenProb){cand[i].id, logprob};
-        if (cand[i].id == chosen) lp->logprob = logprob;
-    }
-}
+/* --logprobs: a greedy pick's and a draw's report (Part II, "log-probabilities"). */
+static void report_greedy(Logprobs *lp, const float *logits, int n, int chosen);
+static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float total, int chosen);
 
 static void check_logits(const float *logits, int n)
 {
@@ -1493,16 +1442,6 @@ static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint
    5. THE GENERATION LOOP
    ========================================================================= */
 
-/* --stop strings (matched in the "stop strings" subsection below). */
-#define STOP_MAX 16        /* --stop strings per request */
-#define STOP_MAX_BYTES 256 /* bytes per stop string: the matcher's work per byte grows with its square */
-
-typedef struct {
-    char text[STOP_MAX][STOP_MAX_BYTES]; /* unescaped, not NUL-terminated */
-    int len[STOP_MAX];                   /* each >= 1 */
-    int n;
-} Stops;
-
 /* What the generation loop takes from the command line. */
 typedef struct {
     int n_predict;      /* -n: tokens to generate at most */
@@ -1513,7 +1452,7 @@ typedef struct {
     int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
     int special;        /* --special: control-token texts in prompts and chat messages are parsed */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
-    Stops stops;        /* --stop: the answer ends before the first of these */
+    const struct Stops *stops; /* --stop: the answer ends before the first of these (NULL: none) */
     const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
     struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
@@ -1725,14 +1664,6 @@ typedef struct {
     double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
 } Machine;
 
-/* One request's matcher state. */
-typedef struct {
-    const Stops *stops;
-    char held[STOP_MAX_BYTES]; /* the text's longest suffix that is a proper prefix of a stop string */
-    int n_held;
-    int hit; /* 1 + the index of the stop string found; 0 while none */
-} StopMatch;
-
 /* Part II's entry points that the generation loop calls: the hooks that
    bring its features into the loop (hooks_open makes a single request's
    from GenOpts), the matcher inside text_put, the byte strings of a
@@ -1741,7 +1672,6 @@ typedef struct Buf Buf;
 typedef struct Request Request;
 typedef struct Hooks Hooks;
 static void buf_put(Buf *b, const char *s, size_t n);
-static int stop_step(StopMatch *m, char c, char *out);
 static void hooks_open(Request *r, const Model *m, RunState *s, Sampler *sm, const GenOpts *o);
 static const uint8_t *hook_allowed(Request *r);
 static void hook_logprobs(Request *r, int token);
@@ -1749,8 +1679,8 @@ static int hook_text(Request *r, int token, const char *text, size_t len);
 static int hook_decode(Request *r, int *why, int *yielded);
 static void hook_prefilled(Request *r, int n, double ms);
 static void hook_prompt(Request *r, int n);
-static void hooks_close(Request *r, int why);
-static int answer_incomplete(const Request *r, int why, int fatal);
+static void hook_answer_end(Request *r);
+static int hooks_close(Request *r, int why, int fatal);
 static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos);
 static void report_stats(const Model *m, const RunState *s, const Machine *mc, Stats *st);
 /* ----- streaming --------------------------------------------------------------- */
@@ -1787,19 +1717,18 @@ static void close_stdout(void)
     if (fclose(stdout) != 0 && errno != EPIPE) die(EXIT_RUNTIME, "cannot write to stdout: %s", strerror(errno ? errno : EIO));
 }
 
-/* Where an answer's text goes: through the stop matcher (a stop string and
-   what follows are cut), then the UTF-8 holdback (a character is written
-   whole), into the sink: stdout, or a memory buffer. The request owns it. */
+/* Where an answer's text goes: through the UTF-8 holdback (a character is
+   written whole) into the sink: stdout, or a memory buffer. The request
+   owns it. */
 typedef struct {
     FILE *f;  /* the sink: stdout (its failures end the run, see check_stdout) ... */
     Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: the text is only matched) */
     Utf8Stream u;
-    StopMatch stop;
 } TextOut;
 
-static void text_open(TextOut *o, FILE *f, Buf *buf, const Stops *stops)
+static void text_open(TextOut *o, FILE *f, Buf *buf)
 {
-    *o = (TextOut){.f = f, .buf = buf, .stop = {.stops = stops}};
+    *o = (TextOut){.f = f, .buf = buf};
 }
 
 static void sink_put(TextOut *o, const char *p, size_t n)
@@ -1809,8 +1738,8 @@ static void sink_put(TextOut *o, const char *p, size_t n)
     else if (o->buf) buf_put(o->buf, p, n);
 }
 
-/* Bytes released by the stop matcher, written a whole character at a time. */
-static void text_release(TextOut *o, const char *p, size_t n)
+/* Takes text, written a whole character at a time. */
+static void text_put(TextOut *o, const char *p, size_t n)
 {
     Utf8Stream *u = &o->u;
     for (size_t i = 0; i < n; i++) {
@@ -1822,25 +1751,15 @@ static void text_release(TextOut *o, const char *p, size_t n)
     }
 }
 
-/* Takes a token's text; returns 1 once a stop string has ended the answer
-   (later text is ignored). stdout is flushed when no character is pending. */
-static int text_put(TextOut *o, const char *p, size_t n)
+/* After a token's text: stdout is flushed when no character is pending. */
+static void text_flush(TextOut *o)
 {
-    char out[STOP_MAX_BYTES];
-    for (size_t i = 0; i < n && !o->stop.hit; i++) {
-        int settled = stop_step(&o->stop, p[i], out);
-        text_release(o, out, settled);
-    }
     if (o->f && !o->u.len) check_stdout();
-    return o->stop.hit != 0;
 }
 
-/* At the end of the answer: held bytes that began no stop string, and an
-   unfinished character, are written as they are. */
+/* At the end of the answer: an unfinished character is written as it is. */
 static void text_end(TextOut *o)
 {
-    if (!o->stop.hit) text_release(o, o->stop.held, o->stop.n_held);
-    o->stop.n_held = 0;
     sink_put(o, o->u.buf, o->u.len);
     o->u.len = 0;
     if (o->f) check_stdout();
@@ -1923,7 +1842,8 @@ static int decode_next(Request *r, int *yielded)
    sampled (not fed; -1 when n_predict is 0: then nothing is sampled or
    printed). hook_prompt is told when the prompt's first token is out (or
    at the end), so that neither the TTFT nor a run cut short by its reader
-   (`| head`) waits for what it does. */
+   (`| head`) waits for what it does. The caller closes the hooks it opens
+   (hooks_close), once r->st is reported. */
 static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Request *r)
 {
     hooks_open(r, m, s, sm, o);
@@ -1955,9 +1875,8 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
         for (int i = 0; i < yielded && st->n_itl <= r->n_predict; i++) st->itl[st->n_itl++] = (t - t_prev) / yielded;
         t_prev = t;
     }
-    text_end(r->out);
+    hook_answer_end(r);
     if (!told) hook_prompt(r, n_prompt); /* the decode steps wrote only positions after it */
-    hooks_close(r, why);
     return why;
 }
 
@@ -2043,7 +1962,7 @@ static int team_threads(int requested, int verbose)
 static void answer(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, Tokens *prompt, int seq_len, const Machine *mc)
 {
     TextOut out;
-    text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* --logprobs: records, not text */
+    text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL); /* --logprobs: records, not text */
     Request r = {.conv = prompt, .n_predict = o->n_predict, .out = &out};
     r.pos = cached_prefix(o, m, s, prompt, 0);
     if (r.n_predict > seq_len - prompt->n + 1) {
@@ -2053,7 +1972,7 @@ static void answer(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, T
     int why = generate(m, s, sm, o, &r);
     if (o->verbose) report_stats(m, s, mc, &r.st);
     free(r.st.itl);
-    answer_incomplete(&r, why, 1);
+    hooks_close(&r, why, 1);
 }
 
 /* --tokenize: the prompt's token ids on one line, and nothing else. */
@@ -4928,6 +4847,65 @@ static MAYBE_UNUSED const Json *json_get(const Json *obj, const char *key)
    sampler's report, section 4). A record is formatted into a Buf, so that
    the caller decides where it goes (stdout here, a batch record's array). */
 
+#define LOGPROBS_MAX 20 /* --logprobs N: alternatives reported per token, at most */
+
+typedef struct {
+    int id;
+    double logprob;
+} TokenProb;
+
+/* What one draw reports for --logprobs: the drawn token's log-probability
+   and the `want` most likely tokens of the distribution it was drawn from,
+   by falling probability (ties by id). That distribution is the one
+   sampled: softmax(logits / T) over the tokens top-k and top-p keep,
+   renormalized; a token they drop, or whose probability is 0 as a float,
+   cannot be drawn and has no entry, so n may be below want. With -t 0 it
+   is the full softmax at temperature 1. */
+typedef struct Logprobs {
+    int want;        /* alternatives asked for, 0..LOGPROBS_MAX */
+    int n;           /* alternatives reported */
+    double logprob;  /* of the token drawn */
+    TokenProb top[LOGPROBS_MAX];
+} Logprobs;
+
+
+/* Adds a token to lp's top list if it is among the `want` most likely so
+   far (ties: the one added first stays ahead). */
+static void top_insert(Logprobs *lp, int id, double logprob)
+{
+    if (lp->n == lp->want && (lp->n == 0 || logprob <= lp->top[lp->n - 1].logprob)) return;
+    int k = lp->n < lp->want ? lp->n++ : lp->n - 1; /* the free slot, or the least likely's */
+    for (; k > 0 && lp->top[k - 1].logprob < logprob; k--) lp->top[k] = lp->top[k - 1];
+    lp->top[k] = (TokenProb){id, logprob};
+}
+
+/* The report of a greedy pick: log-softmax of the logits at temperature 1,
+   in double (logit - log-sum-exp). */
+static void report_greedy(Logprobs *lp, const float *logits, int n, int chosen)
+{
+    double max = logits[chosen], sum = 0;
+    for (int i = 0; i < n; i++) sum += exp((double)logits[i] - max);
+    double lse = max + log(sum);
+    lp->logprob = logits[chosen] - lse;
+    lp->n = 0;
+    for (int i = 0; i < n; i++) top_insert(lp, i, logits[i] - lse);
+}
+
+/* The report of a draw from cand[0..keep) (sampling_dist's order, the
+   probabilities summing to total). */
+static void report_kept(Logprobs *lp, const Candidate *cand, int keep, float total, int chosen)
+{
+    lp->n = 0;
+    for (int i = 0; i < keep; i++) {
+        int listed = lp->n < lp->want && cand[i].p > 0;
+        if (!listed && cand[i].id != chosen) continue;
+        double logprob = log((double)cand[i].p / total);
+        if (listed) lp->top[lp->n++] = (TokenProb){cand[i].id, logprob};
+        if (cand[i].id == chosen) lp->logprob = logprob;
+    }
+}
+
+
 /* "id":ID,"text":"...","logprob":X: a token's bytes as the tokenizer gives
    them (a control token's text too; part of a character becomes U+FFFD). */
 static void token_fields(Buf *b, const Model *m, int id, double logprob)
@@ -4980,6 +4958,25 @@ static void put_logprobs_line(const Model *m, int token, const Logprobs *lp)
    and "abcd" on "abcd" leave "a"); of several ending at the same byte the
    longest wins, as it starts first (stops "b" and "ab" on "ab" leave ""). */
 
+#define STOP_MAX 16        /* --stop strings per request */
+#define STOP_MAX_BYTES 256 /* bytes per stop string: the matcher's work per byte grows with its square */
+
+typedef struct Stops {
+    char text[STOP_MAX][STOP_MAX_BYTES]; /* unescaped, not NUL-terminated */
+    int len[STOP_MAX];                   /* each >= 1 */
+    int n;
+} Stops;
+
+
+/* One request's matcher state. */
+typedef struct {
+    const Stops *stops;
+    char held[STOP_MAX_BYTES]; /* the text's longest suffix that is a proper prefix of a stop string */
+    int n_held;
+    int hit; /* 1 + the index of the stop string found; 0 while none */
+} StopMatch;
+
+
 /* Whether p[0..n) is a proper prefix of some stop string. */
 static int stop_prefix(const Stops *st, const char *p, int n)
 {
@@ -5015,6 +5012,25 @@ static int stop_step(StopMatch *m, char c, char *out)
     memmove(m->held, m->held + n, m->n_held - n);
     m->n_held -= n;
     return n;
+}
+
+/* A token's text through the matcher (none: straight) into out; returns 1
+   once a stop string has ended the answer (later text is ignored). */
+static int stop_put(StopMatch *m, TextOut *out, const char *p, size_t n)
+{
+    char settled[STOP_MAX_BYTES];
+    if (!m->stops) text_put(out, p, n);
+    for (size_t i = 0; m->stops && i < n && !m->hit; i++) text_put(out, settled, stop_step(m, p[i], settled));
+    text_flush(out);
+    return m->hit != 0;
+}
+
+/* At the end of the answer: held bytes that began no stop string are
+   written as they are. */
+static void stop_end(StopMatch *m, TextOut *out)
+{
+    if (m->stops && !m->hit) text_put(out, m->held, m->n_held);
+    m->n_held = 0;
 }
 
 /* ----- constrained output: JSON ---------------------------------------------
@@ -6958,6 +6974,7 @@ struct Hooks {
     Lookup *lk;         /* lookup decoding's pointer into the context (NULL: off; batch mode plans its own passes) */
     PromptCache *cache; /* --prompt-cache: where the prompt's K and V go once prefilled (NULL: nowhere) */
     Buf *records;       /* --logprobs: the records, comma-separated (NULL: each a line of stdout) */
+    StopMatch stop;     /* --stop: the matcher the text goes through (stop.stops NULL: none) */
     int verbose;        /* -v */
     Lookup own_lk;      /* single-request mode's: lk points here */
     Logprobs lp;        /* single-request mode's: the draws report here */
@@ -6973,7 +6990,7 @@ static void hooks_open(Request *r, const Model *m, RunState *s, Sampler *sm, con
     h->jm = o->json ? grammar_mask_new(o->json, m->c.vocab_size) : NULL;
     h->own_lk = (Lookup){.max = o->lookup, .src = -1, .cost.fixed = o->lookup_fixed};
     h->lk = o->lookup ? &h->own_lk : NULL;
-    h->cache = o->cache, h->verbose = o->verbose;
+    h->cache = o->cache, h->verbose = o->verbose, h->stop.stops = o->stops;
     r->m = m, r->s = s, r->sm = sm, r->h = h;
     r->cand = xmalloc((size_t)m->c.vocab_size * sizeof(Candidate));
     r->ignore_eos = o->ignore_eos && !h->jm; /* the mask allows an end token only once the value is complete */
@@ -6999,7 +7016,7 @@ static int hook_text(Request *r, int token, const char *text, size_t len)
     JsonMask *jm = r->h->jm;
     if (jm && !grammar_mask_take(jm, text, len))
         die(EXIT_RUNTIME, "internal error: token %d broke the JSON output's grammar", token);
-    if (text && text_put(r->out, text, len)) return STOP_STRING;
+    if (text && stop_put(&r->h->stop, r->out, text, len)) return STOP_STRING;
     if (jm && grammar_mask_done(jm)) return STOP_JSON_DONE;
     return -1;
 }
@@ -7073,27 +7090,47 @@ static void hook_prompt(Request *r, int n)
 /* What ended an answer whose JSON value is incomplete (generate's why),
    for the message: "-n", "the end of the context", "Ctrl-C" or the stop
    string, e.g. "stop string 2 (',')". */
-static const char *stop_cause(int why, const TextOut *out, char *buf, size_t len)
+static const char *stop_cause(int why, const StopMatch *m, char *buf, size_t len)
 {
     if (why == STOP_STRING) {
-        int k = out->stop.hit - 1;
-        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, out->stop.stops->len[k], out->stop.stops->text[k]);
+        int k = m->hit - 1;
+        snprintf(buf, len, "stop string %d ('%.*s')", k + 1, m->stops->len[k], m->stops->text[k]);
         return buf;
     }
     return why == STOP_CONTEXT ? "the end of the context" : why == STOP_INTERRUPT ? "Ctrl-C" : "-n";
 }
 
-/* After a single request: whether its JSON value was left incomplete
-   (what stopped generation then goes to stderr, as a warning, or with
-   fatal as the run's error). */
-static int answer_incomplete(const Request *r, int why, int fatal)
+/* The end of a single request's answer (generate's last step before the
+   prompt cache's): what the stop matcher held, the unfinished character,
+   the JSON mask's verdict and statistics into r->st. */
+static void hook_answer_end(Request *r)
 {
-    if (!r->st.json_incomplete) return 0;
+    Hooks *h = r->h;
+    stop_end(&h->stop, r->out);
+    text_end(r->out);
+    if (h->verbose && h->stop.hit) fprintf(stderr, "stopped at stop string %d\n", h->stop.hit);
+    r->sm->report = NULL;
+    if (h->jm) grammar_mask_end(h->jm, &r->st);
+}
+
+/* After a single request, its statistics reported: whether its JSON value
+   was left incomplete (what stopped generation then goes to stderr, as a
+   warning, or with fatal as the run's error); the hooks are freed. */
+static int hooks_close(Request *r, int why, int fatal)
+{
+    Hooks *h = r->h;
+    int incomplete = r->st.json_incomplete;
     char cause[STOP_MAX_BYTES + 32], msg[LINE_BYTES];
-    if (fatal) die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
-    format_line(msg, "this answer is not a complete JSON value: generation stopped at %s", stop_cause(why, r->out, cause, sizeof cause));
-    fputs(msg, stderr);
-    return 1;
+    if (incomplete && fatal)
+        die(EXIT_RUNTIME, "the JSON value is incomplete: generation stopped at %s", stop_cause(why, &h->stop, cause, sizeof cause));
+    if (incomplete) {
+        format_line(msg, "this answer is not a complete JSON value: generation stopped at %s", stop_cause(why, &h->stop, cause, sizeof cause));
+        fputs(msg, stderr);
+    }
+    free(r->cand);
+    free(h);
+    r->h = NULL;
+    return incomplete;
 }
 
 /* Before a single request's prefill: how many of t's first tokens the KV
@@ -7101,19 +7138,6 @@ static int answer_incomplete(const Request *r, int why, int fatal)
 static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const Tokens *t, int pos)
 {
     return pcache_load(o->cache, m, s, NULL, t->ids, t->n, pos);
-}
-
-/* The end of a single request: the JSON mask's verdict and statistics go
-   into r->st; the hooks are freed. */
-static void hooks_close(Request *r, int why)
-{
-    Hooks *h = r->h;
-    r->sm->report = NULL;
-    if (h->verbose && why == STOP_STRING) fprintf(stderr, "stopped at stop string %d\n", r->out->stop.hit);
-    if (h->jm) grammar_mask_end(h->jm, &r->st);
-    free(r->cand);
-    free(h);
-    r->h = NULL;
 }
 
 /* ----- input ------------------------------------------------------------------ */
@@ -7326,7 +7350,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         interrupted = 0;
         answering = 1;
         TextOut out;
-        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL, &o->stops); /* each answer matches the stop strings afresh */
+        text_open(&out, o->logprobs >= 0 ? NULL : stdout, NULL);
         Request r = {.conv = &conv, .pos = pos, .n_predict = o->n_predict, .out = &out};
         int why = generate(m, s, sm, o, &r);
         pos = r.pos;
@@ -7334,7 +7358,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
         fputc('\n', stdout);
         check_stdout();
         if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
-        incomplete += answer_incomplete(&r, why, 0);
+        incomplete += hooks_close(&r, why, 0);
         if (o->verbose) report_stats(m, s, mc, &r.st);
         free(r.st.itl);
         chat_close_answer(&ch, m, &conv, why, r.last);
@@ -7985,8 +8009,8 @@ static void read_request(Batch *b, int wait)
         Seq *q = &b->pending;
         Buf id = {0};
         buf_printf(&id, "%ld", no);
-        *q = (Seq){.line = no, .id = id, .r.n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs},
-                   .stops = b->o->stops};
+        *q = (Seq){.line = no, .id = id, .r.n_predict = b->o->n_predict, .sm = b->defaults, .lp = {.want = b->o->logprobs}};
+        if (b->o->stops) q->stops = *b->o->stops;
         const char *text = line, *system = b->o->system, *problem = NULL;
         size_t text_len = len, system_len = system ? strlen(system) : 0;
         if (no == 1 && len >= sizeof UTF8_BOM - 1 && !memcmp(line, UTF8_BOM, sizeof UTF8_BOM - 1)) /* an editor's mark, not text */
@@ -8116,9 +8140,10 @@ static int admit(Batch *b, Seq *slot)
     slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
     slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
     slot->lk = (Lookup){.max = b->o->lookup, .src = -1};
-    text_open(&slot->out, NULL, &slot->text, &slot->stops);
+    text_open(&slot->out, NULL, &slot->text);
     if (slot->jc) json_mask_init(&slot->jm, slot->jc, b->m->c.vocab_size);
-    slot->hk = (Hooks){.jm = slot->jc ? &slot->jm : NULL, .lk = &slot->lk, .records = slot->sm.report ? &slot->logprobs : NULL};
+    slot->hk = (Hooks){.jm = slot->jc ? &slot->jm : NULL, .lk = &slot->lk, .records = slot->sm.report ? &slot->logprobs : NULL,
+                       .stop.stops = slot->stops.n ? &slot->stops : NULL};
     Request *r = &slot->r;
     r->conv = &slot->toks, r->out = &slot->out, r->m = b->m, r->s = b->s, r->sm = &slot->sm, r->cand = b->cand, r->h = &slot->hk;
     r->ignore_eos = b->o->ignore_eos && !slot->jc; /* the mask allows an end token only once the value is complete */
@@ -8130,6 +8155,7 @@ static int admit(Batch *b, Seq *slot)
 static void finish_seq(Batch *b, Seq *q, int finish)
 {
     double now = now_ms();
+    stop_end(&q->hk.stop, &q->out);
     text_end(&q->out);
     if (q->jc) {
         q->json_incomplete = !json_complete(&q->jc->g, &q->jm.state);
@@ -8690,8 +8716,11 @@ static int kernel_set_named(const char *v, const char *what)
    string. Any other backslash (a lone one at the end too), an empty string,
    one longer than STOP_MAX_BYTES or more than STOP_MAX of them is a usage
    error naming it. */
-static void parse_stop(Stops *st, const char *v)
+static void parse_stop(const Stops **stops, const char *v)
 {
+    static Stops st_cli; /* the command line's, one per run */
+    Stops *st = &st_cli;
+    *stops = st;
     if (st->n == STOP_MAX) die(EXIT_USAGE, "--stop given more than %d times (at most %d stop strings)", STOP_MAX, STOP_MAX);
     if (!*v) die(EXIT_USAGE, "--stop expects a non-empty string (an empty one matches before any text)");
     char *out = st->text[st->n];
@@ -8809,9 +8838,9 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->gen.logprobs >= 0 && a->ppl, "--logprobs", "--ppl"},
         {a->gen.logprobs >= 0 && a->dump_logits, "--logprobs", "--dump-logits"},
         {a->gen.logprobs >= 0 && a->tokenize, "--logprobs", "--tokenize"},
-        {a->gen.stops.n && a->ppl, "--ppl", "--stop"},
-        {a->gen.stops.n && a->tokenize, "--tokenize", "--stop"},
-        {a->gen.stops.n && a->dump_logits, "--dump-logits", "--stop"},
+        {a->gen.stops && a->ppl, "--ppl", "--stop"},
+        {a->gen.stops && a->tokenize, "--tokenize", "--stop"},
+        {a->gen.stops && a->dump_logits, "--dump-logits", "--stop"},
         {a->json && a->json_schema, "--json", "--json-schema"},
         {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
         {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},

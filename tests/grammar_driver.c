@@ -85,11 +85,12 @@ static int sample_runs(int argc, char **argv)
         prompt.n = n_prompt;
         if (pos) pos = n_prompt - 1;
         TextOut out;
-        text_open(&out, stdout, NULL, &gen.stops);
+        text_open(&out, stdout, NULL);
         Request r = {.conv = &prompt, .pos = pos, .n_predict = n_predict, .out = &out};
-        generate(&m, &s, &sm, &gen, &r);
+        int why = generate(&m, &s, &sm, &gen, &r);
         pos = r.pos;
         printf("\x1e %d\n", r.st.json_incomplete);
+        hooks_close(&r, why, 0);
         free(r.st.itl);
     }
     free(prompt.ids);
