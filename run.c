@@ -7,7 +7,7 @@
                  [--min-p P] [--repeat-penalty R] [--repeat-last-n N]
                  [--presence-penalty X] [--frequency-penalty X] [--prompt-cache FILE]
      echo "PROMPT" | ./run MODEL
-     ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one JSON record per line)
+     ./run MODEL --batch FILE [--parallel B] [--kv-mem MB]   (one record per input line)
 
    MODEL is a file written by export.py (format: its manual, "The model file").
    The generated text, and nothing else, goes to stdout as it is produced;
@@ -109,9 +109,6 @@
 #define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together (whole kernel calls of
                           PACK_TOKS; measured: +5-7% float prefill against 64) */
-#define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
-                          chunks, so a prompt after a shared prefix is cut as when alone */
-#define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
 #define PPL_MIN_CTX 3 /* --ppl: the smallest window whose second half scores a token */
 #define MAX_SEQ (1 << 20)
 #define ERR_BYTES 256
@@ -279,7 +276,7 @@ typedef struct {
     tok_tokenizer *tok;
     const uint8_t *map;    /* the whole file, read-only */
     size_t map_size;
-    dev_t dev;             /* the file's identity: --prompt-cache must never name it */
+    dev_t dev;             /* the file's identity: no file this run writes may name it */
     ino_t ino;
     double n_params;
     double matmul_params;  /* weights multiplied per token: layer matrices + output head */
@@ -665,12 +662,7 @@ _Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(Bloc
    weight_block and weight_float only. */
 #define PACK_ROWS 16  /* rows per group: one per int32 lane of a 512-bit vector */
 #define PACK_TOKS 8   /* tokens per kernel call: a group's bytes stay in cache for all of them */
-#define PACK_ALIGN 64 /* every group starts on a cache line */
-#define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains (integer
-                         adds: the same result in any order) */
 #define STRETCH 32    /* elements per run of packed integers */
-#define PACK_VECTOR 64 /* bytes of one vector of packed integers ... */
-#define PACK_LANE 4   /* ... of which each row has one lane */
 _Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel calls");
 
 /* The packed product: out[t * PACK_ROWS + r] = row r of the group . token t
@@ -707,8 +699,6 @@ typedef struct {
    of PACK_ROWS rows of n elements and one row of a group as floats. */
 static void weight_block(const PackForm *f, const uint8_t *group, int k, int r, RowBlock *b);
 static float weight_float(int bits, int type, const uint8_t *group, int e, int r);
-static size_t packed_group_bytes(const PackForm *f, int n);
-static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n);
 
 /* The 32-element types (q4_0 q4_1 q5_0 q5_1 q8_0) against int8
    activations (BlockQ8A), per block: isum = sum (u - offset) * x.q, then
@@ -787,12 +777,9 @@ static int act_format(int type);
 static void to_float(float *out, const void *row, int type, int n);
 static void from_float(void *row, const float *x, int type, int n);
 static void tensor_row_to_float(float *out, const Tensor *t, int r);
-static void quantize_act(int act, void *out, const float *x, int n);
 static float att_softmax(float *sc, int n, float scale, float *m);
 static void swiglu(float *g, const float *u, int n);
 static void geglu(float *g, const float *u, int n);
-static PackedFn packed_kernel(int type);
-static const PackForm *packed_form(int type);
 static int plain_attention(void);
 
 /* ============================================================================
@@ -1071,17 +1058,6 @@ static void decode_step(const Model *m, RunState *s, int token, int pos)
     forward_at(m, s, &token, 1, pos, 0);
 }
 
-/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
-   positions pos0.. in one pass, with the logits of every one in
-   s->logits. Every token goes through the same operations in any pass
-   (the packed kernels, attention's chunks), so its logits are bit for bit
-   those of a decode step; the weights are still read once for all of them,
-   which is what makes checking k drafts cost about one decode step. */
-static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
-{
-    forward_at(m, s, tokens, n, pos0, 0);
-}
-
 /* --- the state of a run: activations of one pass, the KV cache ---------- */
 
 static int min_i(int a, int b) { return a < b ? a : b; }
@@ -1093,26 +1069,10 @@ static int kv_positions(const Config *c, int l, int seq_len)
     return is_local(c, l) ? min_i(seq_len, c->window + CHUNK_TOKENS) : seq_len;
 }
 
-/* Bytes of the K and V caches for a context of seq_len; with full = 1 as
-   if every layer were global (what ring buffers save, for -v). */
-static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full)
-{
-    size_t rows = 0;
-    for (int l = 0; l < c->n_layers; l++) rows += (size_t)c->n_kv_heads * (full ? seq_len : kv_positions(c, l, seq_len));
-    return 2 * rows * row_bytes(kv_type, c->head_dim);
-}
-
-/* Bytes that hold a row of up to cols activations in any format but floats. */
-static size_t act_room(int cols)
-{
-    size_t most = 0;
-    for (int f = ACT_F32 + 1; f < N_ACTS; f++) {
-        size_t bytes = (cols / ACT_FORMATS[f].block + 1) * ACT_FORMATS[f].block_bytes;
-        most = bytes > most ? bytes : most;
-    }
-    return most;
-}
-
+/* Bytes: of a row of up to cols activations in any format but floats; of
+   the K and V caches (Part II, "the state's sizes"). */
+static size_t act_room(int cols);
+static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full);
 static Machinery *build_machinery(const Config *c, int seq_len, int n_threads);
 static void free_machinery(Machinery *mx);
 
@@ -1401,7 +1361,7 @@ static void check_logits(const float *logits, int n)
 }
 
 /* Tokens not allowed (allowed[i] == 0; allowed NULL: all are) get
-   probability 0: constrained output (--json). */
+   probability 0: constrained output (the hooks' mask). */
 static void mask_logits(float *logits, int n, const uint8_t *allowed)
 {
     if (allowed)
@@ -1416,7 +1376,7 @@ static int sample_greedy(Sampler *sm, const float *logits, int n)
 }
 
 /* The chain's steps before the draw: the logits must be finite; the
-   penalties, then the mask (--json) change them. */
+   penalties, then the hooks' mask change them. */
 static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const Tokens *hist)
 {
     check_logits(logits, n);
@@ -1426,7 +1386,7 @@ static void prepare_logits(const Sampler *sm, float *logits, int n, Candidate *c
 
 /* The next token after the context hist (the ids fed so far, the
    prompt's included: the penalties look at them), from its logits;
-   allowed, when not NULL, masks the tokens the JSON grammar forbids. */
+   allowed, when not NULL, masks the tokens a hook forbids. */
 static int sample(Sampler *sm, float *logits, int n, Candidate *cand, const uint8_t *allowed, const Tokens *hist)
 {
     prepare_logits(sm, logits, n, cand, allowed, hist);
@@ -1449,11 +1409,11 @@ typedef struct {
     int ignore_eos;     /* --ignore-eos: generate -n tokens whatever is sampled (benchmarks) */
     int print_ids;      /* --print-prompt-ids: each prefilled block's token ids go to stderr */
     int verbose;        /* -v: statistics per request */
-    int logprobs;       /* --logprobs N: JSON Lines records with N alternatives (-1: plain text) */
+    int logprobs;       /* --logprobs N: a record per token with N alternatives, not text (-1: text) */
     int special;        /* --special: control-token texts in prompts and chat messages are parsed */
     const char *system; /* -y: the system prompt (NULL: the template's own) */
     const struct Stops *stops; /* --stop: the answer ends before the first of these (NULL: none) */
-    const struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
+    struct JsonConstraint *json; /* --json, --json-schema: the output's grammar (NULL: free text) */
     struct PromptCache *cache; /* --prompt-cache: where each prompt's K and V go after prefill (NULL: nowhere) */
 } GenOpts;
 
@@ -1655,20 +1615,12 @@ typedef struct {
     int json_incomplete; long json_walks, json_hits; double json_walk_ms; /* --json: see grammar_mask_end */
 } Stats;
 
-typedef struct {
-    double gbps;       /* DRAM read, GB/s */
-    double llc_gbps;   /* last-level cache read, GB/s (0: the cache's size is unknown) */
-    size_t llc_bytes;  /* its size: one instance, the cache this CPU's threads share (0: unknown) */
-    int llc_level;     /* its level: 3 on most x86-64 CPUs (0: unknown) */
-    double f32_gflops; /* FMA peak, GFLOP/s */
-    double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
-} Machine;
-
 /* Part II's entry points that the generation loop calls: the hooks that
    bring its features into the loop (hooks_open makes a single request's
    from GenOpts), the matcher inside text_put, the byte strings of a
    buffered answer, -v's report. */
 typedef struct Buf Buf;
+typedef struct Machine Machine; /* --probe's measured limits (Part II, "measurement") */
 typedef struct Request Request;
 typedef struct Hooks Hooks;
 static void buf_put(Buf *b, const char *s, size_t n);
@@ -1897,15 +1849,11 @@ typedef struct {
 /* The command line. */
 typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
-    const char *prompt_cache; /* --prompt-cache FILE */
-    int prompt_cache_ro;      /* --prompt-cache-ro */
     int threads, ctx, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: $KERNELS_ENV, else the best set this CPU runs) */
-    int json;            /* --json */
-    const char *json_schema; /* --json-schema FILE */
     GenOpts gen;      /* what the generation loop takes (see GenOpts) */
     BatchOpts batch;  /* --batch, --parallel, --kv-mem */
 } Args;
@@ -1913,10 +1861,8 @@ typedef struct {
 
 
 /* Part II's entry points that main calls: the command line, the kernel set,
-   the JSON grammar, the prompt cache, the machine probe, and the modes
-   other than generation (batch, perplexity, logits). */
-typedef struct JsonConstraint JsonConstraint;
-typedef struct PromptCache PromptCache;
+   the features' set-up (open_features), the machine probe, and the modes
+   other than generation (chat, batch, perplexity, logits). */
 static void reserve_std_fds(void);
 static void parse_args(Args *a, int argc, char **argv);
 static int usable_cpus(void);
@@ -1927,16 +1873,13 @@ static void watch_model_file(const Model *m, const char *path);
 static const char *kernel_set_name(void);
 static void check_kv_type(int type, int head_dim);
 static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t);
-static JsonConstraint *build_json_constraint(int json, const char *schema_path);
-static void constraint_vocab(JsonConstraint *jc, const Model *m);
-static void free_json_constraint(JsonConstraint *jc);
 static void keep_every_position(RunState *s, const Config *c);
-static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const char *path, int read_only, int verbose);
-static void close_prompt_cache(PromptCache *pc);
-static void probe_machine(Machine *mc, int threads);
+static void open_features(GenOpts *o, const Model *m, const RunState *s);
+static void close_features(GenOpts *o);
+static const Machine *probe_machine(int threads);
 static void report_process(const Model *m, double load_ms);
 static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms);
-static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc);
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc);
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo);
 static void perplexity(const Model *m, RunState *s, const char *path, int ctx);
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a);
@@ -1998,14 +1941,12 @@ int main(int argc, char **argv)
     const char *kernels = a.kernels ? a.kernels : getenv(KERNELS_ENV);
     select_kernels(kernels && *kernels ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
-    JsonConstraint *jcp = build_json_constraint(a.json, a.json_schema);
     double t0 = now_ms();
     Model m;
     char err[ERR_BYTES];
     if ((a.tokenize ? load_model(&m, a.model_path, 1, err) : build_model(&m, a.model_path, err)) != 0)
         die(EXIT_RUNTIME, "%s: %s", a.model_path, err);
     watch_model_file(&m, a.model_path);
-    if (jcp) constraint_vocab(jcp, &m), a.gen.json = jcp;
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
     int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
@@ -2028,33 +1969,22 @@ int main(int argc, char **argv)
     RunState s;
     check_kv_type(a.kv_type, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
-    int keep_all = a.prompt_cache && !batch && m.c.window; /* batch mode: build_pool keeps every page then */
+    int keep_all = a.gen.cache && !batch && m.c.window; /* a prompt cache stores whole prompts (batch mode: whole pages) */
     if (keep_all) keep_every_position(&s, &m.c);
     if (a.gen.verbose) report_model(&m, a.model_path, seq_len, a.kv_type, keep_all, threads, load_ms);
-    if (a.prompt_cache) a.gen.cache = open_prompt_cache(&m, &s, a.prompt_cache, a.prompt_cache_ro, a.gen.verbose);
-    Machine mc, *mcp = NULL;
-    if (a.probe) probe_machine(mcp = &mc, threads);
+    open_features(&a.gen, &m, &s);
+    const Machine *mc = a.probe ? probe_machine(threads) : NULL;
     Sampler sm = a.sampling;
     sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
-    else if (batch) {
-        a.batch.chat = a.chat_wrap, a.batch.special = a.gen.special;
-        status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
-    }
+    else if (batch) status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
     else if (a.dump_logits) dump_logits(&m, &s, &prompt, &a);
-    else if (chat) {
-        int incomplete = chat_loop(&m, &s, &sm, &a.gen, mcp);
-        if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
-    }
-    else if (jcp && a.gen.n_predict == 0) {
-        die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
-    } else if (a.gen.n_predict > 0 || a.gen.cache) { /* -n 0 with a cache: prefill the prompt into it */
-        answer(&m, &s, &sm, &a.gen, &prompt, seq_len, mcp);
-    }
-    if (a.gen.cache) close_prompt_cache(a.gen.cache);
+    else if (chat) chat_loop(&m, &s, &sm, &a.gen, mc);
+    else if (a.gen.n_predict > 0 || a.gen.cache) /* -n 0 with a prompt cache: prefill the prompt into it */
+        answer(&m, &s, &sm, &a.gen, &prompt, seq_len, mc);
+    close_features(&a.gen);
     if (a.gen.verbose) report_process(&m, load_ms);
-    free_json_constraint(jcp);
     close_stdout();
     free(prompt.ids);
     free_state(&s);
@@ -2077,18 +2007,32 @@ int main(int argc, char **argv)
    The bounds check_model_file puts on a header, and the machinery's work units. */
 #define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
 #define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
+#define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
+#define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
+                          chunks, so a prompt after a shared prefix is cut as when alone */
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
 #define CACHE_LINE 64
-#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
 #define MAX_HEADS 1024
 #define MAX_HEAD_DIM 1024
 #define MAX_VOCAB (1 << 24)
 #define MAX_TENSORS (1 << 20)
+
+/* The packed layout's constants and the entry points of Part II used before their sections. */
+#define PACK_ALIGN 64 /* every group starts on a cache line */
+#define PACK_CHAINS 4 /* a one-token call's integer sums run in this many independent chains (integer
+                         adds: the same result in any order) */
+#define PACK_VECTOR 64 /* bytes of one vector of packed integers ... */
+#define PACK_LANE 4   /* ... of which each row has one lane */
+static void quantize_act(int act, void *out, const float *x, int n);
+static PackedFn packed_kernel(int type);
+static const PackForm *packed_form(int type);
+static size_t packed_group_bytes(const PackForm *f, int n);
+static void packed_row_to_float(float *out, int type, const PackForm *f, const uint8_t *group, int r, int n);
 
 /* ----- errors --------------------------------------------------------------
    die and the allocators that Part I declares at its top. */
@@ -2146,6 +2090,15 @@ static _Noreturn void die(int code, const char *fmt, ...)
     va_end(ap);
     exit(code);
 }
+
+/* Ends the run on a fatal signal without leaving the temporary file. */
+static void on_fatal_signal(int sig)
+{
+    if (temp_path[0]) unlink(temp_path);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
 
 static void *xmalloc(size_t n)
 {
@@ -2810,6 +2763,7 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
 #define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
 #define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
 #define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
+#define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
 #define TEAM_RETRY_MAX 4096     /* ... doubling after each retry that is still contended, up to this */
 
 typedef struct {
@@ -2960,6 +2914,18 @@ static void forward_on_pool(const Model *m, RunState *s, const int *tokens, int 
     forward(m, s, tokens, n, first_logit);
     adapt_team(s->mx, now_ms() - t0);
 }
+
+/* Verification of drafted tokens: n <= VERIFY_MAX_TOKENS tokens at
+   positions pos0.. in one pass, with the logits of every one in
+   s->logits. Every token goes through the same operations in any pass
+   (the packed kernels, attention's chunks), so its logits are bit for bit
+   those of a decode step; the weights are still read once for all of them,
+   which is what makes checking k drafts cost about one decode step. */
+static void verify_step(const Model *m, RunState *s, const int *tokens, int n, int pos0)
+{
+    forward_at(m, s, tokens, n, pos0, 0);
+}
+
 
 static Machinery *build_machinery(const Config *c, int seq_len, int n_threads)
 {
@@ -3522,6 +3488,28 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
 }
 
+/* ----- the state's sizes ---------------------------------------------------- */
+
+/* Bytes that hold a row of up to cols activations in any format but floats. */
+static size_t act_room(int cols)
+{
+    size_t most = 0;
+    for (int f = ACT_F32 + 1; f < N_ACTS; f++) {
+        size_t bytes = (cols / ACT_FORMATS[f].block + 1) * ACT_FORMATS[f].block_bytes;
+        most = bytes > most ? bytes : most;
+    }
+    return most;
+}
+
+/* Bytes of the K and V caches for a context of seq_len; with full = 1 as
+   if every layer were global (what ring buffers save, for -v). */
+static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full)
+{
+    size_t rows = 0;
+    for (int l = 0; l < c->n_layers; l++) rows += (size_t)c->n_kv_heads * (full ? seq_len : kv_positions(c, l, seq_len));
+    return 2 * rows * row_bytes(kv_type, c->head_dim);
+}
+
 /* ----- the kernel sets' interface -----------------------------------------
    One type's kernels and the other kernels of a set, as the tables below
    hold them, and the set in use. */
@@ -4032,6 +4020,16 @@ static void check_kv_type(int type, int head_dim)
 
 /* ----- measurement: roofline and statistics ---------------------------------- */
 
+struct Machine {
+    double gbps;       /* DRAM read, GB/s */
+    double llc_gbps;   /* last-level cache read, GB/s (0: the cache's size is unknown) */
+    size_t llc_bytes;  /* its size: one instance, the cache this CPU's threads share (0: unknown) */
+    int llc_level;     /* its level: 3 on most x86-64 CPUs (0: unknown) */
+    double f32_gflops; /* FMA peak, GFLOP/s */
+    double i8_gops;    /* int8 multiply-add peak, GOP/s (2 ops per MAC) */
+};
+
+
 /* How fast could this machine go? Small probes (--probe) measure the read
    bandwidth of DRAM and of the last-level cache and the f32 and int8
    arithmetic peaks with the same thread team; -v then puts each phase next
@@ -4177,8 +4175,11 @@ static void probe_compute(double *f32_gflops, double *i8_gops)
     if (fsink == 1234.5f && isink == 12345) fputc(' ', stderr); /* keep the chains alive */
 }
 
-static void probe_machine(Machine *mc, int threads)
+/* --probe: this machine's limits, measured once per run. */
+static const Machine *probe_machine(int threads)
 {
+    static Machine machine;
+    Machine *mc = &machine;
     mc->llc_bytes = llc_size(&mc->llc_level);
     size_t dram = PROBE_BYTES;
     if (mc->llc_bytes > dram / PROBE_DRAM_OVER_LLC) dram = mc->llc_bytes * PROBE_DRAM_OVER_LLC;
@@ -4191,6 +4192,7 @@ static void probe_machine(Machine *mc, int threads)
         fprintf(stderr, ", L%d cache (%.0f MiB) read %.1f GB/s\n", mc->llc_level, mc->llc_bytes / 1048576.0, mc->llc_gbps);
     else
         fprintf(stderr, ", last-level cache size unknown\n");
+    return mc;
 }
 
 /* FLOPs to prefill n tokens after pos0 cached ones: 2 per weight per token
@@ -6216,8 +6218,6 @@ static JsonConstraint *build_json_constraint(int json, const char *schema_path)
     return jc;
 }
 
-static void constraint_vocab(JsonConstraint *jc, const Model *m) { build_trie(&jc->trie, m->tok, m->c.vocab_size); }
-
 static void free_json_constraint(JsonConstraint *jc)
 {
     if (!jc) return;
@@ -7299,8 +7299,9 @@ static void check_room_for_a_message(const Chat *ch, const Model *m, int n_open,
 /* The conversation: one user message per line of stdin (a terminal shows a
    "> " prompt on stderr); each answer is streamed and ends with a newline.
    Each turn prefills only its new tokens: earlier turns stay in the cache.
-   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits. */
-static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
+   Ctrl-C stops an answer; Ctrl-C at the prompt, or end of input, exits,
+   with an error if a --json answer was cut short before its value ended. */
+static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc)
 {
     int incomplete = 0; /* --json: answers cut short before their value was complete */
     Chat ch;
@@ -7365,7 +7366,7 @@ static int chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o,
     }
     free(exch.ids);
     free(conv.ids);
-    return incomplete;
+    if (incomplete) die(EXIT_RUNTIME, "%d answer%s not a complete JSON value", incomplete, incomplete > 1 ? "s were" : " was");
 }
 
 
@@ -8741,77 +8742,97 @@ static void parse_stop(const Stops **stops, const char *v)
     st->len[st->n++] = n;
 }
 
-static void parse_args(Args *a, int argc, char **argv)
+/* --prompt-cache FILE for the run, not yet opened (open_features). */
+static PromptCache *new_prompt_cache(const char *path, int read_only)
 {
-    *a = (Args){.sampling = SAMPLING_DEFAULTS, .mode = "generate", .kv_type = T_F16,
-                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT, .logprobs = -1}};
-    static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
-                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
-                                       "--batch", "--parallel", "--kv-mem",
-                                       "--logprobs", "--stop", "--json-schema", "--min-p", "--repeat-penalty",
-                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", "--prompt-cache", NULL};
-    for (int i = 1; i < argc; i++) {
-        const char *f = argv[i], *v = NULL;
-        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
-        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit_after_stdout(); }
-        if (f[0] != '-' || !f[1]) {
-            if (a->model_path) usage_error("unexpected argument '%s'", f);
-            a->model_path = f;
-            continue;
-        }
-        for (int j = 0; with_value[j]; j++)
-            if (!strcmp(f, with_value[j])) {
-                if (i + 1 >= argc) usage_error("%s needs a value", f);
-                v = argv[++i];
-            }
-        if (!strcmp(f, "-i")) a->prompt = v;
-        else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
-        else if (!strcmp(f, "-t")) a->sampling.temperature = parse_float(f, v, 0, TEMP_MAX, 0);
-        else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
-        else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
-        else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
-        else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, REPEAT_PENALTY_MIN, PENALTY_MAX, 0);
-        else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
-        else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
-        else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
-        else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
-        else if (!strcmp(f, "-m")) a->mode = v;
-        else if (!strcmp(f, "-y")) a->gen.system = v;
-        else if (!strcmp(f, "--stop")) parse_stop(&a->gen.stops, v);
-        else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
-        else if (!strcmp(f, "--logprobs")) a->gen.logprobs = parse_long(f, v, 0, LOGPROBS_MAX);
-        else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
-        else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
-        else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
-        else if (!strcmp(f, "--ids")) a->ids = v;
-        else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
-        else if (!strcmp(f, "--ppl")) a->ppl = v;
-        else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
-        else if (!strcmp(f, "-c")) a->chat_wrap = 1;
-        else if (!strcmp(f, "-v")) a->gen.verbose = 1;
-        else if (!strcmp(f, "--special")) a->gen.special = 1;
-        else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
-        else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
-        else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
-        else if (!strcmp(f, "--kernels")) a->kernels = v;
-        else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
-        else if (!strcmp(f, "--probe")) a->probe = 1;
-        else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
-        else if (!strcmp(f, "--lookup-fixed")) a->gen.lookup_fixed = 1;
-        else if (!strcmp(f, "--batch")) a->batch.path = v;
-        else if (!strcmp(f, "--parallel")) a->batch.parallel = parse_long(f, v, 1, BATCH_MAX);
-        else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
-        else if (!strcmp(f, "--json")) a->json = 1;
-        else if (!strcmp(f, "--json-schema")) a->json_schema = v;
-        else if (!strcmp(f, "--prompt-cache")) a->prompt_cache = v;
-        else if (!strcmp(f, "--prompt-cache-ro")) a->prompt_cache_ro = 1;
-        else usage_error("unknown option '%s'", f);
-    }
-    if (!a->model_path) usage_error("%s", "no model file given");
-    if (a->prompt_cache && !a->prompt_cache[0]) usage_error("%s", "--prompt-cache expects a file name, got ''");
-    if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
+    PromptCache *pc = xcalloc(1, sizeof *pc);
+    pc->path = path, pc->read_only = read_only;
+    return pc;
+}
+
+/* Once the model and the state are there: the JSON grammar learns the
+   vocabulary's token texts, and the prompt cache is opened (its file read
+   and checked); a file being written is then removed on a fatal signal
+   (chat and batch mode take SIGINT over). */
+static void open_features(GenOpts *o, const Model *m, const RunState *s)
+{
+    if (o->json) build_trie(&o->json->trie, m->tok, m->c.vocab_size);
+    if (!o->cache) return;
+    pcache_open(o->cache, m, s, o->cache->path, o->cache->read_only, o->verbose);
+    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
+    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
+}
+
+static void close_features(GenOpts *o)
+{
+    if (o->cache) pcache_close(o->cache);
+    free(o->cache);
+    free_json_constraint(o->json);
+}
+
+
+/* What the command line gives Part II's features (--json, --json-schema,
+   --prompt-cache): parse_args makes GenOpts' objects of them. */
+typedef struct {
+    int json;                /* --json */
+    const char *json_schema; /* --json-schema FILE */
+    const char *cache;       /* --prompt-cache FILE */
+    int cache_ro;            /* --prompt-cache-ro */
+} FeatureArgs;
+
+/* One flag f with its value v (NULL for a flag without one) into a or x;
+   returns 0 for a flag this program does not know. */
+static int parse_flag(Args *a, FeatureArgs *x, const char *f, const char *v)
+{
+    if (!strcmp(f, "-i")) a->prompt = v;
+    else if (!strcmp(f, "-n")) a->gen.n_predict = parse_long(f, v, 0, MAX_SEQ);
+    else if (!strcmp(f, "-t")) a->sampling.temperature = parse_float(f, v, 0, TEMP_MAX, 0);
+    else if (!strcmp(f, "-p")) a->sampling.top_p = parse_float(f, v, 0, 1, 1);
+    else if (!strcmp(f, "-k")) a->sampling.top_k = parse_long(f, v, 0, MAX_VOCAB);
+    else if (!strcmp(f, "--min-p")) a->sampling.min_p = parse_float(f, v, 0, 1, 0);
+    else if (!strcmp(f, "--repeat-penalty")) a->sampling.repeat = parse_float(f, v, REPEAT_PENALTY_MIN, PENALTY_MAX, 0);
+    else if (!strcmp(f, "--repeat-last-n")) a->sampling.repeat_last_n = parse_long(f, v, 0, MAX_SEQ);
+    else if (!strcmp(f, "--presence-penalty")) a->sampling.presence = parse_float(f, v, 0, PENALTY_MAX, 0);
+    else if (!strcmp(f, "--frequency-penalty")) a->sampling.frequency = parse_float(f, v, 0, PENALTY_MAX, 0);
+    else if (!strcmp(f, "-s")) { a->seed = parse_long(f, v, 0, 0x7fffffffL); a->seed_set = 1; }
+    else if (!strcmp(f, "-m")) a->mode = v;
+    else if (!strcmp(f, "-y")) a->gen.system = v;
+    else if (!strcmp(f, "--stop")) parse_stop(&a->gen.stops, v);
+    else if (!strcmp(f, "--threads")) a->threads = parse_long(f, v, 1, 1024);
+    else if (!strcmp(f, "--logprobs")) a->gen.logprobs = parse_long(f, v, 0, LOGPROBS_MAX);
+    else if (!strcmp(f, "--lookup")) a->gen.lookup = parse_long(f, v, 0, VERIFY_MAX_TOKENS - 1);
+    else if (!strcmp(f, "--exact-batch")) a->exact_batch = parse_long(f, v, 1, VERIFY_MAX_TOKENS);
+    else if (!strcmp(f, "--ctx")) a->ctx = parse_long(f, v, 1, MAX_SEQ);
+    else if (!strcmp(f, "--ids")) a->ids = v;
+    else if (!strcmp(f, "--dump-logits")) a->dump_logits = v;
+    else if (!strcmp(f, "--ppl")) a->ppl = v;
+    else if (!strcmp(f, "--kv")) a->kv_type = kv_type_named(v);
+    else if (!strcmp(f, "-c")) a->chat_wrap = 1;
+    else if (!strcmp(f, "-v")) a->gen.verbose = 1;
+    else if (!strcmp(f, "--special")) a->gen.special = 1;
+    else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
+    else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
+    else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
+    else if (!strcmp(f, "--kernels")) a->kernels = v;
+    else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
+    else if (!strcmp(f, "--probe")) a->probe = 1;
+    else if (!strcmp(f, "--ignore-eos")) a->gen.ignore_eos = 1;
+    else if (!strcmp(f, "--lookup-fixed")) a->gen.lookup_fixed = 1;
+    else if (!strcmp(f, "--batch")) a->batch.path = v;
+    else if (!strcmp(f, "--parallel")) a->batch.parallel = parse_long(f, v, 1, BATCH_MAX);
+    else if (!strcmp(f, "--kv-mem")) a->batch.kv_mb = parse_long(f, v, 1, 1 << 24);
+    else if (!strcmp(f, "--json")) x->json = 1;
+    else if (!strcmp(f, "--json-schema")) x->json_schema = v;
+    else if (!strcmp(f, "--prompt-cache")) x->cache = v;
+    else if (!strcmp(f, "--prompt-cache-ro")) x->cache_ro = 1;
+    else return 0;
+    return 1;
+}
+
+/* Pairs of options where one would be ignored, or contradicts the other. */
+static void check_conflicts(const Args *a, const FeatureArgs *x)
+{
     int chat = !strcmp(a->mode, "chat");
-    /* pairs where one option would be ignored, or contradicts the other */
     const struct { int both; const char *x, *y; } conflict[] = {
         {a->prompt && a->ids, "-i", "--ids"},
         {chat && a->prompt, "-m chat", "-i"},
@@ -8841,17 +8862,54 @@ static void parse_args(Args *a, int argc, char **argv)
         {a->gen.stops && a->ppl, "--ppl", "--stop"},
         {a->gen.stops && a->tokenize, "--tokenize", "--stop"},
         {a->gen.stops && a->dump_logits, "--dump-logits", "--stop"},
-        {a->json && a->json_schema, "--json", "--json-schema"},
-        {(a->json || a->json_schema) && a->ppl, a->json ? "--json" : "--json-schema", "--ppl"},
-        {(a->json || a->json_schema) && a->dump_logits, a->json ? "--json" : "--json-schema", "--dump-logits"},
-        {(a->json || a->json_schema) && a->tokenize, a->json ? "--json" : "--json-schema", "--tokenize"},
-        {a->prompt_cache_ro && !a->prompt_cache, "--prompt-cache-ro", "no --prompt-cache"},
-        {a->prompt_cache && a->ppl, "--prompt-cache", "--ppl"},
-        {a->prompt_cache && a->dump_logits, "--prompt-cache", "--dump-logits"},
-        {a->prompt_cache && a->tokenize, "--prompt-cache", "--tokenize"},
+        {x->json && x->json_schema, "--json", "--json-schema"},
+        {(x->json || x->json_schema) && a->ppl, x->json ? "--json" : "--json-schema", "--ppl"},
+        {(x->json || x->json_schema) && a->dump_logits, x->json ? "--json" : "--json-schema", "--dump-logits"},
+        {(x->json || x->json_schema) && a->tokenize, x->json ? "--json" : "--json-schema", "--tokenize"},
+        {x->cache_ro && !x->cache, "--prompt-cache-ro", "no --prompt-cache"},
+        {x->cache && a->ppl, "--prompt-cache", "--ppl"},
+        {x->cache && a->dump_logits, "--prompt-cache", "--dump-logits"},
+        {x->cache && a->tokenize, "--prompt-cache", "--tokenize"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
+}
+
+static void parse_args(Args *a, int argc, char **argv)
+{
+    FeatureArgs x = {0};
+    *a = (Args){.sampling = SAMPLING_DEFAULTS, .mode = "generate", .kv_type = T_F16,
+                .gen = {.n_predict = 256, .lookup = LOOKUP_DEFAULT, .logprobs = -1}};
+    static const char *with_value[] = {"-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx",
+                                       "--ids", "--dump-logits", "--ppl", "--kv", "--lookup", "--exact-batch", "--kernels",
+                                       "--batch", "--parallel", "--kv-mem",
+                                       "--logprobs", "--stop", "--json-schema", "--min-p", "--repeat-penalty",
+                                       "--repeat-last-n", "--presence-penalty", "--frequency-penalty", "--prompt-cache", NULL};
+    for (int i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = NULL;
+        if (!strcmp(f, "-h") || !strcmp(f, "--help")) { usage(stdout); exit_after_stdout(); }
+        if (!strcmp(f, "--version")) { printf("run %s\n", VERSION); exit_after_stdout(); }
+        if (f[0] != '-' || !f[1]) {
+            if (a->model_path) usage_error("unexpected argument '%s'", f);
+            a->model_path = f;
+            continue;
+        }
+        for (int j = 0; with_value[j]; j++)
+            if (!strcmp(f, with_value[j])) {
+                if (i + 1 >= argc) usage_error("%s needs a value", f);
+                v = argv[++i];
+            }
+        if (!parse_flag(a, &x, f, v)) usage_error("unknown option '%s'", f);
+    }
+    if (!a->model_path) usage_error("%s", "no model file given");
+    if (x.cache && !x.cache[0]) usage_error("%s", "--prompt-cache expects a file name, got ''");
+    if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
+    check_conflicts(a, &x);
+    int answers = strcmp(a->mode, "chat") && !a->batch.path && !a->ppl && !a->dump_logits && !a->tokenize;
+    a->gen.json = build_json_constraint(x.json, x.json_schema); /* a bad schema is refused before the model loads */
+    if (a->gen.json && answers && a->gen.n_predict == 0) die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
+    a->gen.cache = x.cache ? new_prompt_cache(x.cache, x.cache_ro) : NULL;
+    a->batch.chat = a->chat_wrap, a->batch.special = a->gen.special;
 }
 
 /* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
@@ -8912,32 +8970,6 @@ static void write_logits(void *ctx, const RunState *s, int off, int k)
     for (int t = 0; t < k; t++) check_logits(s->logits + (size_t)t * d->vocab, d->vocab); /* damaged weights: an error, not nan */
     if (fwrite(s->logits, sizeof(float) * d->vocab, k, d->f) != (size_t)k)
         die(EXIT_RUNTIME, "cannot write %s: %s", d->path, strerror(errno));
-}
-
-/* Ends the run on a fatal signal without leaving the temporary file. */
-static void on_fatal_signal(int sig)
-{
-    if (temp_path[0]) unlink(temp_path);
-    signal(sig, SIG_DFL);
-    raise(sig);
-}
-
-/* --prompt-cache FILE for the run: opened (a heap object), and a file
-   being written is removed on a fatal signal (chat and batch mode take
-   SIGINT over). */
-static PromptCache *open_prompt_cache(const Model *m, const RunState *s, const char *path, int read_only, int verbose)
-{
-    PromptCache *pc = xmalloc(sizeof *pc);
-    pcache_open(pc, m, s, path, read_only, verbose);
-    int sigs[] = {SIGINT, SIGTERM, SIGHUP};
-    for (size_t i = 0; i < sizeof sigs / sizeof *sigs; i++) signal(sigs[i], on_fatal_signal);
-    return pc;
-}
-
-static void close_prompt_cache(PromptCache *pc)
-{
-    pcache_close(pc);
-    free(pc);
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
