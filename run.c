@@ -29,15 +29,15 @@
                      decode_step one token.
      4. sampling     penalties, then greedy, or temperature, top-k, top-p,
                      min-p and a seeded RNG.
-     5. generation   tokenize -> prefill -> decode loop -> text streamed to
-                     stdout whole UTF-8 characters at a time; chat.
+     5. generation   tokenize (-c: the chat template) -> prefill -> decode
+                     loop -> text streamed whole UTF-8 characters at a time.
      6. main
      Part II, the machinery Part I calls by name: the checks of the model
      file (before section 1 reads it), the thread team, the
      packed layout, the kernel tables and sets, attention in chunks (what
      the SIMD sets run instead of attend, with the same results),
      measurement, stop strings, JSON (--json, --logprobs), the prompt cache,
-     lookup decoding, batch mode, perplexity and the command line; then one
+     lookup decoding, chat and batch mode, perplexity, the command line; one
      appendix per instruction set (AVX2, AVX-VNNI, AVX-512, NEON), each
      kernel tested against its definition in Part I (tests/test_kernels.c).
      tests/ref_forward.py is the whole forward pass in 63 lines of numpy.
@@ -56,7 +56,7 @@
 
    LIMITS
      Families llama (incl. Llama 3.x RoPE scaling), Qwen 2/2.5, Qwen 3 and
-     Gemma 3 (what export.py's manual describes). One sequence at a time.
+     Gemma 3 (what export.py's manual describes). One model per process.
      Build without OpenMP for a single-threaded binary with the same results.
 */
 #define _GNU_SOURCE /* POSIX 2008, and sched_getaffinity for the default thread count */
