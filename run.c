@@ -1674,7 +1674,7 @@ static void close_stdout(void)
    owns it. */
 typedef struct {
     FILE *f;  /* the sink: stdout (its failures end the run, see check_stdout) ... */
-    Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: the text is only matched) */
+    Buf *buf; /* ... or, when f is NULL, a buffer the text is appended to (neither: none is kept; --logprobs) */
     Utf8Stream u;
 } TextOut;
 
