@@ -7188,7 +7188,8 @@ static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost
 static void lookup_report(const PassCost *pc)
 {
     double one = pc->ms[1], full = pc->ms[VERIFY_MAX_TOKENS];
-    if (one > 0 && full > 0)
+    if (one <= 0) return; /* no decode step yet */
+    if (full > 0)
         fprintf(stderr, "lookup cost: a pass of 1 token %.2f ms, of %d tokens %.2f ms (%.2fx)\n", one, VERIFY_MAX_TOKENS,
                 full, full / one);
     else
