@@ -6818,6 +6818,9 @@ static void keep_every_position(RunState *s, const Config *c)
 
 #define LOOKUP_MATCH_MAX 32 /* tokens of the text's end compared when looking for a source */
 #define LOOKUP_CLASSES 6    /* the odds are kept per class of run length: 1, 2-3, 4-7, 8-15, 16-31, 32+ */
+#define LOOKUP_ANCHOR_RUN 4       /* a copy that held this many tokens leaves an anchor where it breaks off ... */
+#define LOOKUP_RESYNC_WINDOW 16   /* ... to whose next tokens the answer may return after an edit ... */
+#define LOOKUP_RESYNC_BEAT 4      /* ... unless a search finds a match of this many tokens elsewhere */
 #define LOOKUP_PRIOR 2.0    /* weight, in observations, of a class's prior guess r / (r + 2) for a run of r */
 #define LOOKUP_MEMORY 32.0  /* a class's counts fade by 1/this per observation: it follows the text */
 #define LOOKUP_EMA 0.125    /* weight of a new pass in the measured pass costs ... */
@@ -6836,13 +6839,16 @@ static void keep_every_position(RunState *s, const Config *c)
 typedef struct {
     double ms[CHUNK_TOKENS + 1]; /* ms[m]: a pass of m tokens, fading average (0: not timed yet) */
     double tok_ms;               /* the least time per token of any pass of several */
-    int fixed; /* --lookup-fixed: no timing; every pass costs what one token's does, as where decode waits on
-                  memory alone, so the drafts depend on the text only: the same on every machine and load */
+    int fixed; /* --lookup-fixed: every pass is planned as costing what one token's does, as where decode waits
+                  on memory alone, so the drafts depend on the text only: the same on every machine and load (the
+                  times are still taken, for -v) */
 } PassCost;
 
 typedef struct {
     int max;      /* --lookup: longest draft (0 = off) */
     int src, run; /* the copy pointer: ids[src] is the guess for the next token, after `run` matched tokens (src < 0: none) */
+    int anchor;   /* where the last copy of LOOKUP_ANCHOR_RUN tokens or more broke off (0: none yet; it lies past
+                     the text's first tokens), for lookup_resync */
     double seen[LOOKUP_CLASSES], stood[LOOKUP_CLASSES]; /* guesses met and guesses that stood, per run class, fading */
     PassCost cost; /* single-request mode's passes (batch mode keeps one for all its sequences) */
 } Lookup;
@@ -6851,7 +6857,6 @@ typedef struct {
    chunks counts as chunks of CHUNK_TOKENS). */
 static void lookup_time(PassCost *pc, int m, double ms)
 {
-    if (pc->fixed) return;
     if (m > CHUNK_TOKENS) ms *= (double)CHUNK_TOKENS / m, m = CHUNK_TOKENS;
     pc->ms[m] = pc->ms[m] > 0 ? pc->ms[m] + LOOKUP_EMA * (fmin(ms, LOOKUP_SPIKE * pc->ms[m]) - pc->ms[m]) : ms;
     if (m > 1) pc->tok_ms = pc->tok_ms > 0 ? fmin(pc->tok_ms, ms / m) : ms / m;
@@ -6887,6 +6892,15 @@ static double lookup_odds(const Lookup *lk, int run)
     return (lk->stood[c] + LOOKUP_PRIOR * run / (run + 2.0)) / (lk->seen[c] + LOOKUP_PRIOR);
 }
 
+/* How many tokens ending at ids[i] equal those ending at ids[n - 1] (at
+   most LOOKUP_MATCH_MAX; i < n - 1). */
+static int lookup_match(const int *ids, int i, int n)
+{
+    int g = 0;
+    while (g < LOOKUP_MATCH_MAX && g <= i && ids[i - g] == ids[n - 1 - g]) g++;
+    return g;
+}
+
 /* Where to copy from when ids[0..n) ends as it does: the earlier position
    whose preceding tokens match the longest end of the text (at most
    LOOKUP_MATCH_MAX tokens; of equal ones the latest). Sets *src to the
@@ -6896,17 +6910,36 @@ static int lookup_draft(const int *ids, int n, int *src)
 {
     int best = 0;
     for (int i = n - 2; i >= 0 && best < LOOKUP_MATCH_MAX; i--) {
-        if (ids[i] != ids[n - 1]) continue;
-        int g = 1;
-        while (g < LOOKUP_MATCH_MAX && g <= i && ids[i - g] == ids[n - 1 - g]) g++;
+        int g = lookup_match(ids, i, n);
         if (g > best) best = g, *src = i + 1;
     }
     return best;
 }
 
+/* After an edit the answer usually goes back to the copy it left a few
+   tokens on: a replaced name, an inserted type hint or argument. The
+   longest match misses that, since the edit's tokens are in the end it
+   compares, and a short match elsewhere (a bracket, a newline) wins. So
+   when the search found no match of LOOKUP_RESYNC_BEAT tokens, the first
+   of the LOOKUP_RESYNC_WINDOW tokens at the anchor (where the last long
+   copy broke off) that equals the last token becomes the source instead.
+   Its run counts one more than its match: the copy it continues vouches
+   for it (measured on code edits: a one-token match there stood about as
+   often as a two-token match found by search). */
+static void lookup_resync(Lookup *lk, const int *ids, int n)
+{
+    for (int a = lk->anchor; a < n - 1 && a < lk->anchor + LOOKUP_RESYNC_WINDOW; a++)
+        if (ids[a] == ids[n - 1]) {
+            lk->run = lookup_match(ids, a, n) + 1, lk->src = a + 1;
+            return;
+        }
+}
+
 /* After ids[n - 1] joined the text: with a pointer, that token is one
    observation of its run class (did the guess stand, drafted or not) and
-   moves the pointer on, or drops it; without one, a new source is looked for. */
+   moves the pointer on, or drops it (where a long copy broke off becomes
+   the anchor); without one, a new source is looked for, and back at the
+   anchor when nothing long matches (lookup_resync). */
 static void lookup_adapt(Lookup *lk, const int *ids, int n)
 {
     if (!lk->max) return;
@@ -6918,8 +6951,10 @@ static void lookup_adapt(Lookup *lk, const int *ids, int n)
             lk->src++, lk->run++;
             return;
         }
+        if (lk->run >= LOOKUP_ANCHOR_RUN) lk->anchor = lk->src;
     }
     lk->run = lookup_draft(ids, n, &lk->src);
+    if (lk->run < LOOKUP_RESYNC_BEAT && lk->anchor > 0) lookup_resync(lk, ids, n);
     if (!lk->run) lk->src = -1;
 }
 
@@ -6954,6 +6989,20 @@ static int lookup_plan(Lookup *const *lk, const int *room, int n, const PassCost
     for (int i = 0; i < n; i++) k[i] = 0;
     for (int j = 0; j < best_rows - n; j++) k[pick[j]]++;
     return best_rows;
+}
+
+/* -v: what a pass of one token and one of VERIFY_MAX_TOKENS cost on this
+   machine, as timed during the run (their fading averages): the ratio
+   bounds what lookup can gain, whatever the drafts. */
+static void lookup_report(const PassCost *pc)
+{
+    double one = pc->ms[1], full = pc->ms[VERIFY_MAX_TOKENS];
+    if (one <= 0) return; /* no decode step yet */
+    if (full > 0)
+        fprintf(stderr, "lookup cost: a pass of 1 token %.2f ms, of %d tokens %.2f ms (%.2fx)\n", one, VERIFY_MAX_TOKENS,
+                full, full / one);
+    else
+        fprintf(stderr, "lookup cost: a pass of 1 token %.2f ms, of %d tokens not timed\n", one, VERIFY_MAX_TOKENS);
 }
 
 /* How many guesses the pointer has for text t: what the source holds,
@@ -7109,6 +7158,7 @@ static void hook_answer_end(Request *r)
     stop_end(&h->stop, r->out);
     text_end(r->out);
     if (h->verbose && h->stop.hit) fprintf(stderr, "stopped at stop string %d\n", h->stop.hit);
+    if (h->verbose && h->lk) lookup_report(&h->lk->cost);
     r->sm->report = NULL;
     if (h->jm) grammar_mask_end(h->jm, &r->st);
 }

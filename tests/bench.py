@@ -18,8 +18,10 @@ their input, and an open-ended one) through -c on Qwen2.5-Coder-1.5B (when its
 GGUF is there) and SmolLM2 q4_1 and q8_0, each with and without lookup
 decoding (greedy: both texts must be identical, and are compared), alternating
 which goes first, and prints decode tok/s, their ratio, drafts kept and tokens
-per pass; with --llamacpp also llama.cpp's plain decode speed on the same
-prompts.
+per pass; per model the median ratio and mean tokens per pass of the code and
+prose tasks, and the measured cost of a 16-token pass over a 1-token one (from
+-v's "lookup cost" line of a --lookup-fixed run); with --llamacpp also
+llama.cpp's plain decode speed on the same prompts.
 
 --qwen (--qwen-only) is the 1.5B section: Qwen2.5-Coder-1.5B-Instruct Q4_K_M,
 whose 1.1 GB of weights stream from DRAM for every token, run by ./run (its
@@ -82,7 +84,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUN = ROOT / "run"
+RUN = Path(os.environ.get("RUN_BIN", ROOT / "run"))  # RUN_BIN: another build, e.g. for a before/after table
 GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships with the repo
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # the llama.cpp helpers, imported where used
@@ -202,7 +204,7 @@ def bench_dtype(dtype: str, runs: int, threads: int) -> dict:
 
 
 TASKS = ROOT / "tests" / "data" / "bench_tasks"
-LOOKUP_TOKENS = 128
+LOOKUP_TOKENS = 256  # code edits return the whole function: most answers end within it
 
 
 def lookup_tasks(only: list[str] | None = None) -> list[tuple[str, str, str]]:
@@ -234,9 +236,21 @@ def lookup_models(names: list[str]) -> list[tuple[str, Path, Path | None]]:
     return out
 
 
+def lookup_cost_ratio(model: Path, text: str, threads: int) -> float | None:
+    """The measured cost of a 16-token forward pass over a 1-token one: -v's "lookup cost" line of a run that
+    drafts a full pass wherever it has a pointer (--lookup-fixed), so both sizes are timed many times."""
+    p = subprocess.run([str(RUN), str(model), "-c", "-t", "0", "-n", str(LOOKUP_TOKENS), "-v", "--lookup-fixed",
+                        "--threads", str(threads), "-i", text], capture_output=True, check=True)
+    m = re.search(r"lookup cost: a pass of 1 token ([\d.]+) ms, of 16 tokens ([\d.]+) ms", p.stderr.decode(errors="replace"))
+    return float(m.group(2)) / float(m.group(1)) if m else None
+
+
 def lookup_bench(models: list[str], runs: int, threads: int, llamacpp: bool, only: list[str] | None = None) -> None:
     """Decode tok/s of each task with and without lookup decoding, alternating which goes first; greedy, so the
-    texts must be identical (checked: a difference is printed in the table, as it is a bug)."""
+    texts must be identical (checked: a difference is printed in the table, as it is a bug). Per task: drafts
+    kept, tokens per forward pass, speed ratio; per model: the median ratio and the mean tokens per pass over the
+    code and the prose tasks, and the measured cost of a 16-token pass over a 1-token one (it bounds the speedup:
+    at a ratio of R, even drafts that always stand give at most 16 / R)."""
     tasks = lookup_tasks(only)
     print(f"\nLookup decoding ({kernel_set(threads)} kernels, greedy, -c, {LOOKUP_TOKENS} tokens at most; median of "
           f"{runs} runs, --lookup 0 and the default alternating which goes first):\n")
@@ -245,11 +259,13 @@ def lookup_bench(models: list[str], runs: int, threads: int, llamacpp: bool, onl
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, model, gguf in lookup_models(models):
         ref = llamacpp_tasks(gguf, tasks, threads, runs) if llamacpp and gguf else {}
-        grounded: dict[str, list[float]] = {"code": [], "prose": []}
+        grounded: dict[str, list[tuple[float, float]]] = {"code": [], "prose": []}
+        costs = []
         for name, kind, text in tasks:
             res: dict[str, list[float]] = {"off": [], "on": []}
             texts: dict[str, set[bytes]] = {"off": set(), "on": set()}
-            stats = ""
+            per_pass: list[float] = []
+            accepted: list[float] = []
             for i in range(runs):
                 for mode, extra in ((("off", ["--lookup", "0"]), ("on", [])) if i % 2 == 0 else
                                     (("on", []), ("off", ["--lookup", "0"]))):
@@ -262,18 +278,26 @@ def lookup_bench(models: list[str], runs: int, threads: int, llamacpp: bool, onl
                     n_tok = int(m.group(1))
                     lk = re.search(r"lookup: \d+ drafted, \d+ accepted \((\d+)%\), ([\d.]+) tokens per forward pass", err)
                     if mode == "on":
-                        stats = f"{lk.group(1)}% | {lk.group(2)}" if lk else "— | 1.00"
+                        accepted.append(float(lk.group(1)) if lk else 0.0)
+                        per_pass.append(float(lk.group(2)) if lk else 1.0)
+            if kind == "code" and not costs:
+                costs = [c for c in (lookup_cost_ratio(model, text, threads) for _ in range(runs)) if c]
             ratio = statistics.median(res["on"]) / statistics.median(res["off"])
+            tpp = statistics.median(per_pass)
             if kind in grounded:
-                grounded[kind].append(ratio)
+                grounded[kind].append((ratio, tpp))
             same = "yes" if len(texts["off"] | texts["on"]) == 1 else "NO: texts differ"
             r = ref.get(name)
             print(f"| {label} | {name} | {kind} | {n_tok} | {summary(res['off'], '{:.1f}')} | "
-                  f"{summary(res['on'], '{:.1f}')} | {ratio:.2f}× | {stats} | {same} | {f'{r:.1f}' if r else '—'} |",
-                  flush=True)
-        for kind, ratios in grounded.items():
-            if ratios:
-                print(f"| {label} | median of the {kind} tasks | | | | | {statistics.median(ratios):.2f}× | | | | |")
+                  f"{summary(res['on'], '{:.1f}')} | {ratio:.2f}× | {statistics.median(accepted):.0f}% | {tpp:.2f} | "
+                  f"{same} | {f'{r:.1f}' if r else '—'} |", flush=True)
+        for kind, rows in grounded.items():
+            if rows:
+                print(f"| {label} | {len(rows)} {kind} tasks: median ratio, mean tokens per pass | | | | | "
+                      f"{statistics.median(r for r, _ in rows):.2f}× | | {statistics.mean(t for _, t in rows):.2f} | | |")
+        if costs:
+            print(f"| {label} | a 16-token pass costs {statistics.median(costs):.2f}× a 1-token pass (measured, "
+                  f"--lookup-fixed) | | | | | | | | | |")
 
 
 JSON_PROMPT = "Write a JSON array of 40 objects, one per country, each with the fields name, capital, population and continent."

@@ -18,7 +18,13 @@
       grows, is the measured time where measured times rise, and a spike
       moves a size's average by a bounded step.
    Includes run.c whole; prints one line per check and exits 1 if any
-   failed. Build: cc -O2 -I. tests/lookup_driver.c tokenizer.c -lm */
+   failed. Build: cc -O2 -I. tests/lookup_driver.c tokenizer.c -lm
+
+   `lookup_driver --trace` instead reads texts from stdin, one a line: the
+   number of tokens the first search sees, then the token ids; for each
+   token from there on it joins the text (lookup_adapt) and the pointer's
+   "src run anchor" is printed, one text a line, for test_lookup.py's
+   reference of the pointer (resync after edits included). */
 #define main run_main
 #include "../run.c"
 #undef main
@@ -203,8 +209,32 @@ static void test_cost(void)
     check(!bad, "lookup_cost: rises with the pass's tokens, is the measured time where those rise, spikes bounded");
 }
 
-int main(void)
+/* --trace: the pointer after every token of each text on stdin. */
+static int trace(void)
 {
+    static int ids[TEXT_MAX * 8];
+    char line[TEXT_MAX * 8 * 8];
+    while (fgets(line, sizeof line, stdin)) {
+        char *p = line, *end;
+        int first = (int)strtol(p, &end, 10), n = 0;
+        for (p = end; n < TEXT_MAX * 8; p = end) {
+            long v = strtol(p, &end, 10);
+            if (end == p) break;
+            ids[n++] = (int)v;
+        }
+        Lookup lk = {.max = LOOKUP_DEFAULT, .src = -1};
+        for (int m = first; m <= n; m++) {
+            lookup_adapt(&lk, ids, m);
+            printf("%s%d %d %d", m > first ? " " : "", lk.src, lk.run, lk.anchor);
+        }
+        printf("\n");
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && !strcmp(argv[1], "--trace")) return trace();
     test_draft();
     test_adapt();
     test_plan();

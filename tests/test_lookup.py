@@ -15,7 +15,8 @@
    the same sampled text with and without lookup, byte for byte.
 4. The drafting logic (tests/lookup_driver.c, which includes run.c) against references written
    from its contracts: the copy pointer's search and its moves, and the planner's draft lengths
-   against every combination of lengths.
+   against every combination of lengths; and the pointer token by token, with its return to the
+   copy after an edit, against a Python model of it (`reference_pointer`) on edited copies.
 """
 from __future__ import annotations
 
@@ -153,7 +154,8 @@ def test_sampled_text_identical_with_and_without_lookup():
     assert accepted > 10, f"only {accepted} drafts stood: the sampled verification path hardly ran"
 
 
-def test_drafting_logic_against_references():
+@functools.cache
+def lookup_driver() -> Path:
     exe = SCRATCH / "lookup_driver"
     # -O0 and no SIMD kernel set (SCALAR_SET_ONLY): the driver includes the whole of run.c (-O2: 25 s of CPU to
     # compile, -O0: 14, -O0 scalar only: about 3), runs no kernel, and runs in 0.1 s either way. gcc's range
@@ -162,9 +164,109 @@ def test_drafting_logic_against_references():
                          str(ROOT / "tests/lookup_driver.c"), str(ROOT / "tokenizer.c"), "-o", str(exe), "-lm"],
                         capture_output=True, text=True)
     assert cc.returncode == 0 and not cc.stderr, f"compile failed:\n{cc.stderr}"
-    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    return exe
+
+
+def test_drafting_logic_against_references():
+    out = subprocess.run([str(lookup_driver())], capture_output=True, text=True, timeout=300)
     print(out.stdout, end="")
     assert out.returncode == 0 and "all lookup checks passed" in out.stdout, out.stdout + out.stderr
+
+
+# The copy pointer, written from README's "Lookup decoding" and run.c's contract (not from its code): after each
+# token joins the text, a pointer whose guess was that token moves on (its run grows); one that missed is dropped,
+# and if its run was at least ANCHOR_RUN tokens, where it stood becomes the anchor. Then the search: the longest end
+# of the text (at most MATCH_MAX tokens) that occurred before, the latest of equals; when that is shorter than
+# RESYNC_BEAT and there is an anchor, the first of the RESYNC_WINDOW tokens from the anchor on (before the last
+# token) that equals the last token is the source instead, with a run of its own match plus one.
+MATCH_MAX, ANCHOR_RUN, RESYNC_WINDOW, RESYNC_BEAT = 32, 4, 16, 4
+
+
+def matched(ids: list[int], i: int, n: int) -> int:
+    """How many tokens ending at ids[i] equal those ending at ids[n-1] (at most MATCH_MAX)."""
+    g = 0
+    while g < MATCH_MAX and i - g >= 0 and ids[i - g] == ids[n - 1 - g]:
+        g += 1
+    return g
+
+
+def reference_pointer(ids: list[int], first: int, resync: bool = True) -> list[tuple[int, int, int]]:
+    """(src, run, anchor) after each token from ids[first - 1] on joined the text (src -1: no pointer)."""
+    src, run, anchor, out = -1, 0, 0, []
+    for n in range(first, len(ids) + 1):
+        if src >= 0 and ids[src] == ids[n - 1]:
+            src, run = src + 1, run + 1
+        else:
+            if src >= 0 and run >= ANCHOR_RUN:
+                anchor = src
+            run, src = 0, -1
+            for i in range(n - 2, -1, -1):   # latest first: a later one replaces an earlier only when longer
+                g = matched(ids, i, n)
+                if g > run:
+                    run, src = g, i + 1
+            if resync and run < RESYNC_BEAT and anchor > 0:
+                for a in range(anchor, min(anchor + RESYNC_WINDOW, n - 1)):
+                    if ids[a] == ids[n - 1]:
+                        run, src = matched(ids, a, n) + 1, a + 1
+                        break
+        out.append((src, run, anchor))
+    return out
+
+
+def edited_copy(rng: np.random.Generator, source: list[int], vocab: int) -> list[int]:
+    """An answer that copies `source` with edits: tokens replaced, inserted or left out, one to three at a time."""
+    out, i = [], 0
+    while i < len(source):
+        r = rng.random()
+        if r < 0.06:                                  # replace a few tokens
+            out += [int(t) for t in rng.integers(0, vocab, size=rng.integers(1, 4))]
+            i += int(rng.integers(1, 4))
+        elif r < 0.10:                                # insert a few
+            out += [int(t) for t in rng.integers(0, vocab, size=rng.integers(1, 4))]
+        elif r < 0.13:                                # leave a few out
+            i += int(rng.integers(1, 4))
+        else:
+            out.append(source[i])
+            i += 1
+    return out
+
+
+def test_pointer_returns_to_the_copy_after_edits():
+    """The copy pointer (lookup_adapt, through lookup_driver --trace) against reference_pointer, a Python model
+    written from the contract, token by token, on answers that copy a source with edits: small vocabularies (many
+    coincidental matches) and large ones (copies that are the only match). And the resync pays: over the same
+    texts, drafts from the pointer stand for more of the answer than from a pointer that always searches."""
+    rng = np.random.default_rng(34)
+    lines, texts = [], []
+    for trial in range(120):
+        vocab = (6, 40, 5000)[trial % 3]
+        source = [int(t) for t in rng.integers(0, vocab, size=int(rng.integers(20, 300)))]
+        answer = edited_copy(rng, source, vocab)
+        if trial % 4 == 0:
+            answer += edited_copy(rng, answer, vocab)   # an answer that copies itself too
+        ids = source + answer
+        texts.append((ids, len(source) + 1))
+        lines.append(f"{len(source) + 1} " + " ".join(map(str, ids)))
+    p = subprocess.run([str(lookup_driver()), "--trace"], input="\n".join(lines) + "\n", capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    got = p.stdout.splitlines()
+    assert len(got) == len(texts), f"{len(got)} traces for {len(texts)} texts"
+    resyncs, stood = 0, {True: 0, False: 0}
+    for t, ((ids, first), line) in enumerate(zip(texts, got)):
+        nums = [int(x) for x in line.split()]
+        trace = list(zip(nums[0::3], nums[1::3], nums[2::3]))
+        want = reference_pointer(ids, first)
+        for j, (g, w) in enumerate(zip(trace, want)):
+            assert g == w, f"text {t}, after token {first + j - 1}: pointer (src, run, anchor) {g}, expected {w}"
+        assert len(trace) == len(want), f"text {t}: {len(trace)} states, expected {len(want)}"
+        resyncs += sum(1 for (s, r, a) in want if a > 0 and a <= s - 1 < a + RESYNC_WINDOW)
+        for resync in (True, False):
+            stood[resync] += sum(s >= 0 and ids[s] == ids[first + j]
+                                 for j, (s, _, _) in enumerate(reference_pointer(ids, first, resync)[:-1]))
+    assert resyncs > 100, f"only {resyncs} pointer states near an anchor: the edits hardly exercise the resync"
+    print(f"guesses that stood: {stood[True]} with the resync, {stood[False]} searching only")
+    assert stood[True] > stood[False] * 1.03, f"the resync does not pay: {stood}"
 
 
 # ----------------------------------------------------------------------------------------------------------------
