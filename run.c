@@ -3110,6 +3110,34 @@ typedef struct {
    (OpenMP's), and one team of it runs at a time. */
 static Barrier pool_barrier;
 
+/* Where a pass's time goes (batch mode's -v breakdown line): each thread
+   adds up its time in the matmuls (the output head apart), in attention
+   and waiting at barriers; the rest of a pass is its other steps (norms,
+   RoPE, conversions, the GLU, starting the team). Counted only while `on`
+   (batch mode's decode steps with -v): the clock is read a few hundred
+   times a pass, ~50 ns each. */
+enum { PT_MATMUL, PT_HEAD, PT_ATTN, PT_WAIT, PT_N };
+#define CACHE_LINE 64
+typedef struct {
+    double ms[PT_N];
+    char pad[CACHE_LINE - PT_N * sizeof(double)]; /* each thread its own cache line */
+} ThreadTimes;
+static struct {
+    int on;
+    ThreadTimes *th;      /* [n_threads] */
+    const void *head;     /* the output head's matrix */
+    double pass_ms, thread_ms; /* the passes' wall time, and times their team's size */
+} pass_prof;
+
+static int thread_id(void);
+
+static double prof_start(void) { return pass_prof.on ? now_ms() : 0; }
+
+static void prof_add(int kind, double t0)
+{
+    if (pass_prof.on) pass_prof.th[thread_id()].ms[kind] += now_ms() - t0;
+}
+
 /* Part II's share of a run (RunState.mx): the team's size and how it
    adapts, attention's chunk scratch, and batch mode's pages. */
 struct Machinery {
@@ -3163,6 +3191,7 @@ static void barrier(void)
     Barrier *b = &pool_barrier;
     int nth = thread_count();
     if (nth == 1) return;
+    double t0 = prof_start();
     int phase = atomic_load_explicit(&b->phase, memory_order_relaxed);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == nth - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
@@ -3180,6 +3209,7 @@ static void barrier(void)
             }
         if (long_since) atomic_fetch_add_explicit(&b->long_wait_us, (long)((now_ms() - long_since) * 1e3) + 1, memory_order_relaxed);
     }
+    prof_add(PT_WAIT, t0);
 }
 
 /* Thread me's share [*lo, *hi) of n items, cut in whole units so that
@@ -3246,7 +3276,9 @@ static void forward_on_pool(const Model *m, RunState *s, const int *tokens, int 
     double t0 = now_ms();
     #pragma omp parallel num_threads(s->mx->team)
     forward(m, s, tokens, n, first_logit);
-    adapt_team(s->mx, now_ms() - t0);
+    double ms = now_ms() - t0;
+    if (pass_prof.on) pass_prof.pass_ms += ms, pass_prof.thread_ms += ms * s->mx->team;
+    adapt_team(s->mx, ms);
 }
 
 static Machinery *build_machinery(const Config *c, int seq_len, int n_threads)
@@ -3325,10 +3357,12 @@ static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int
    rows (a part's row i is the matrix's row base + i). */
 static void matrix_rows(Out out, const Matrix *w, Act in, int n_tok, int r0, int r1)
 {
+    double t0 = prof_start();
     for (int i = 0, base = 0; i < w->n_parts; base += w->part[i++].rows) {
         int a = max_i(r0, base), b = min_i(r1, base + w->part[i].rows);
         if (a < b) tensor_rows((Out){out.p + base, out.stride, out.accumulate}, &w->part[i], in, n_tok, a - base, b - base);
     }
+    prof_add(w == pass_prof.head ? PT_HEAD : PT_MATMUL, t0);
 }
 
 /* out = W . in for n tokens ([n, W.rows]), the rows shared by the team. */
@@ -4097,7 +4131,10 @@ static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo)
     const Config *c = s->c;
     int q_dim = c->n_heads * c->head_dim, group = c->n_heads / c->n_kv_heads, wo_fmt = matrix_act(wo);
     int fmt = group * c->head_dim % ACT_FORMATS[wo_fmt].block ? ACT_F32 : wo_fmt;
+    double t0 = prof_start(), waited = pass_prof.on ? pass_prof.th[thread_id()].ms[PT_WAIT] : 0;
     attend_chunks(s, l, n, fmt);
+    prof_add(PT_ATTN, t0);
+    if (pass_prof.on) pass_prof.th[thread_id()].ms[PT_ATTN] -= pass_prof.th[thread_id()].ms[PT_WAIT] - waited;
     barrier();
     if (fmt != wo_fmt) PARALLEL_FOR(t, n, 1) to_input(wo, s->xq, s->xb + (size_t)t * q_dim, t, 0, q_dim);
     return input_of(wo, s->xb, q_dim, s->xq);
@@ -7514,6 +7551,8 @@ typedef struct {
     long done, gen_tokens, prefill_tokens;
     PassCost cost;     /* the passes' times, for lookup_plan */
     long steps, rows, drafted, accepted; /* decode steps, the tokens they fed, guesses among them, guesses that stood */
+    double plan_ms, pass_ms, take_ms; /* decode steps: before the pass (lookup's plan, pages), the pass, after it
+                                         (sampling, taking the tokens, finishing sequences) */
     double *itl;       /* gaps between one sequence's tokens, every sequence */
     long n_itl, cap_itl;
 } Batch;
@@ -8175,6 +8214,7 @@ static void add_latency(Batch *b, double ms)
    sequence's previous step, shared by the tokens this step gave it. */
 static void decode_some(Batch *b)
 {
+    double t_plan = now_ms();
     int tokens[BATCH_MAX], pos[BATCH_MAX], room[BATCH_MAX], k[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
     const PageTable *pages[BATCH_MAX];
     Seq *who[BATCH_MAX];
@@ -8197,9 +8237,12 @@ static void decode_some(Batch *b)
         }
     }
     double t0 = now_ms();
+    pass_prof.on = pass_prof.th != NULL;
     decode_batch(b->m, b->s, tokens, pos, pages, rows);
+    pass_prof.on = 0;
     double t1 = now_ms();
     lookup_time(&b->cost, rows, t1 - t0);
+    b->plan_ms += t0 - t_plan, b->pass_ms += t1 - t0;
     b->steps++, b->rows += rows, b->drafted += rows - n;
     for (int t = 0, r = 0; t < n; r += k[t++] + 1) {
         Seq *q = who[t];
@@ -8213,6 +8256,7 @@ static void decode_some(Batch *b)
         if (why >= 0) finish_seq(b, q, why);
         else q->t_prev = t1;
     }
+    b->take_ms += now_ms() - t1;
 }
 
 /* The progress line on a terminal (or, with -v, a line now and then). */
@@ -8251,10 +8295,31 @@ static long count_lines(int fd)
 /* Slabs as pages of every layer, rounded up. */
 static int pages_of(const Batch *b, int slabs) { return (slabs + b->m->c.n_layers - 1) / b->m->c.n_layers; }
 
+/* -v's breakdown of the decode steps: where a step's time went, per step.
+   Inside the pass, the average thread's time in each kind of work (so the
+   parts add up to the pass); around it, what the batch loop does on one
+   thread while the team sleeps. */
+static void report_steps(const Batch *b, double wall_ms)
+{
+    if (!b->steps || !pass_prof.th || pass_prof.pass_ms <= 0) return;
+    double sum[PT_N] = {0}, steps = (double)b->steps, team = pass_prof.thread_ms / pass_prof.pass_ms, inside = 0;
+    for (int t = 0; t < b->s->mx->n_threads; t++)
+        for (int k = 0; k < PT_N; k++) sum[k] += pass_prof.th[t].ms[k];
+    for (int k = 0; k < PT_N; k++) inside += sum[k] /= team * steps;
+    double pass = b->pass_ms / steps, rest = wall_ms - b->prefill_ms - b->plan_ms - b->pass_ms - b->take_ms;
+    fprintf(stderr, "batch steps: %ld of %.1f rows, %.1f ms each: the pass %.1f ms (a thread's matmuls %.1f, output head %.1f, "
+            "attention %.1f, other steps %.1f, waiting at barriers %.1f), before it %.2f ms (lookup's plan, pages), "
+            "after it %.2f ms (sampling, taking tokens); besides, per step: prefill chunks %.1f ms, the loop's rest %.2f ms\n",
+            b->steps, b->rows / steps, (b->plan_ms + b->pass_ms + b->take_ms) / steps, pass, sum[PT_MATMUL], sum[PT_HEAD],
+            sum[PT_ATTN], pass - inside, sum[PT_WAIT], b->plan_ms / steps, b->take_ms / steps, b->prefill_ms / steps,
+            rest / steps);
+}
+
 /* The -v summary of a batch: aggregate speed and the per-token latency. */
 static void report_batch(Batch *b)
 {
     double sec = (now_ms() - b->t0) / 1e3;
+    report_steps(b, sec * 1e3);
     qsort(b->itl, b->n_itl, sizeof(double), by_double);
     fprintf(stderr, "batch: %ld records, %ld tokens in %.2f s: %.1f tok/s aggregate; prefill %ld tokens, %.0f tok/s; "
             "per-token latency p50 %.2f ms, p90 %.2f ms; KV pages: %d of %d used at most (%.1f MB each)\n",
@@ -8298,6 +8363,8 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     b.seq = xcalloc(b.parallel, sizeof *b.seq);
     b.cand = xmalloc((size_t)m->c.vocab_size * sizeof *b.cand);
     if (o->verbose) {
+        pass_prof.th = xcalloc(s->mx->n_threads, sizeof *pass_prof.th);
+        pass_prof.head = &m->output;
         fprintf(stderr, "batch: up to %d sequences in flight, KV pool of %d pages of %d positions (%.1f MB)", b.parallel, pages,
                 PAGE_TOKENS, pages * 2 * page_bytes(&m->c, s) / 1e6);
         if (b.pool.n_local)
@@ -8344,7 +8411,8 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     if (o->verbose) report_batch(&b);
     if (b.in.fd != STDIN_FILENO) close(b.in.fd);
     free(b.in.buf);
-    free(b.seq); free(b.cand); free(b.itl); free(b.out.rec); free(b.out.ready);
+    free(b.seq); free(b.cand); free(b.itl); free(b.out.rec); free(b.out.ready); free(pass_prof.th);
+    pass_prof.th = NULL;
     free_pool(&b.pool);
     if (b.have_trie) free_trie(&b.trie);
     if (b.have_plain) json_grammar_free(&b.plain.g);
