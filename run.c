@@ -3337,10 +3337,23 @@ static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int
     PackedFn fn = packed_kernel(w->type);
     size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
     float v[PACK_TOKS * PACK_ROWS];
+    static int mode = -1, dist = 1;
+    if (mode < 0) { const char *e = getenv("PF_MODE"); mode = e ? atoi(e) : 0; e = getenv("PF_DIST"); dist = e ? atoi(e) : 1; }
+    int calls = (n_tok + PACK_TOKS - 1) / PACK_TOKS;
     for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        for (int t = 0; t < n_tok; t += PACK_TOKS) {
+        const uint8_t *next = (const uint8_t *)w->data + (g + dist) * gb;
+        int ahead = mode && n_tok > 1 && (g + dist) * PACK_ROWS < r1;
+        for (int t = 0, c = 0; t < n_tok; t += PACK_TOKS, c++) {
             int toks = min_i(PACK_TOKS, n_tok - t);
+            if (ahead) {
+                size_t lo = gb * c / calls / CACHE_LINE * CACHE_LINE, hi = gb * (c + 1) / calls;
+                for (size_t i = lo; i < hi; i += CACHE_LINE) {
+                    if (mode == 1) __builtin_prefetch(next + i, 0, 1);
+                    else if (mode == 2) __builtin_prefetch(next + i, 0, 2);
+                    else __builtin_prefetch(next + i, 0, 3);
+                }
+            }
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
@@ -7433,15 +7446,17 @@ static void forward_pages(const Model *m, RunState *s, const PageTable *pt, cons
 
 /* Batch mode's decode step: one token of each of n sequences (token t at
    position pos[t] of the sequence whose pages are pages[t]), the logits of
-   each in s->logits row t. Like verify_step, every token is computed as a
+   tokens [first_logit, n) in s->logits rows 0..; the tokens before
+   first_logit are prompt tokens that ride along and need none. Like verify_step, every token is computed as a
    decode step would compute it alone, so a sequence's text does not
    depend on what else is in the batch; the weights are read once for all n. */
-static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n)
+static void decode_batch(const Model *m, RunState *s, const int *tokens, const int *pos, const PageTable *const *pages, int n,
+                         int first_logit)
 {
     s->mx->paged = 1;
     for (int t = 0; t < n; t++) s->tok_pos[t] = pos[t], s->mx->tok_pages[t] = pages[t];
     s->mx->scattered = 1;
-    forward_on_pool(m, s, tokens, n, 0);
+    forward_on_pool(m, s, tokens, n, first_logit);
     s->mx->scattered = 0;
 }
 
@@ -7551,6 +7566,8 @@ typedef struct {
     long done, gen_tokens, prefill_tokens;
     PassCost cost;     /* the passes' times, for lookup_plan */
     long steps, rows, drafted, accepted; /* decode steps, the tokens they fed, guesses among them, guesses that stood */
+    long ride_rows;    /* prompt tokens that rode along in decode steps */
+    double chunk_ms;   /* prefill passes of their own (prefill_ms also counts the riders' share of the steps) */
     double plan_ms, pass_ms, take_ms; /* decode steps: before the pass (lookup's plan, pages), the pass, after it
                                          (sampling, taking the tokens, finishing sequences) */
     double *itl;       /* gaps between one sequence's tokens, every sequence */
@@ -8165,8 +8182,27 @@ static void finish_seq(Batch *b, Seq *q, int finish)
     b->in_flight--;
 }
 
+/* After the last prompt token of q has been through a pass (logits: its
+   row): the first prompt prefilled goes to --prompt-cache, and the first
+   token is sampled and taken. */
+static void prompt_done(Batch *b, Seq *q, float *logits)
+{
+    if (b->o->cache && !b->o->cache->saved) {
+        pcache_save(b->o->cache, b->m, b->s, &q->pt, q->toks.ids, q->n_prompt);
+        b->o->cache->saved = 1;
+    }
+    q->state = SEQ_DECODE;
+    int token = sample_next(&q->r, logits);
+    q->t_first = q->t_prev = now_ms();
+    int why = take_token(&q->r, token);
+    b->gen_tokens += q->r.st.n_gen;
+    if (why >= 0) finish_seq(b, q, why);
+}
+
 /* One chunk of the prompt of the sequence admitted first among those
-   still prefilling; after its last chunk the first token is sampled. */
+   still prefilling (when no sequence decodes: otherwise prompts ride
+   along in the decode steps, ride_along); after its last chunk the first
+   token is sampled. */
 static void prefill_some(Batch *b)
 {
     Seq *q = NULL;
@@ -8178,20 +8214,76 @@ static void prefill_some(Batch *b)
     double t0 = now_ms();
     forward_pages(b->m, b->s, &q->pt, q->toks.ids + q->r.pos, k, q->r.pos, last ? k - 1 : k);
     lookup_time(&b->cost, k, now_ms() - t0);
-    b->prefill_ms += now_ms() - t0;
+    b->prefill_ms += now_ms() - t0, b->chunk_ms += now_ms() - t0;
     b->prefill_tokens += k;
     q->r.pos += k;
-    if (!last) return;
-    if (b->o->cache && !b->o->cache->saved) { /* the first prompt prefilled goes to --prompt-cache */
-        pcache_save(b->o->cache, b->m, b->s, &q->pt, q->toks.ids, q->n_prompt);
-        b->o->cache->saved = 1;
+    if (last) prompt_done(b, q, b->s->logits);
+}
+
+/* Prompt tokens riding along in a decode step: the weights a step reads
+   serve them too, where a prefill pass of their own would read them all
+   again (on the 1.5B a pass costs about a one-token step's time plus each
+   row's arithmetic, so that read is worth ~15 rows). Every token of a pass
+   is computed as it would be alone (see decode_batch), so where a prompt's
+   pieces start does not change its numbers. */
+#define RIDE_MIN (CHUNK_TOKENS / 4) /* a step with fewer rows to spare leaves the prompt a pass of its own, as
+                                       the rows would cut it into more than 4 times as many passes */
+
+typedef struct {
+    int n;              /* pieces, one per sequence */
+    Seq *seq[BATCH_MAX];
+    int len[BATCH_MAX]; /* its next prompt tokens in this step */
+    int rows, ends;     /* prompt rows in all; pieces that end their prompt (their last token needs logits) */
+} Riders;
+
+/* The prompt pieces that fill `room` rows of a step: the sequences still
+   prefilling, first admitted first, each as many of its next prompt tokens
+   as fit. */
+static void ride_plan(Batch *b, Riders *rd, int room)
+{
+    *rd = (Riders){0};
+    for (Seq *q = NULL; room > 0; q = NULL) {
+        for (int i = 0; i < b->parallel; i++) {
+            Seq *c = &b->seq[i];
+            int planned = 0;
+            for (int j = 0; j < rd->n; j++) planned |= rd->seq[j] == c;
+            if (c->state == SEQ_PREFILL && !planned && (!q || c->order < q->order)) q = c;
+        }
+        if (!q) break;
+        int len = min_i(room, q->n_prompt - q->r.pos);
+        rd->seq[rd->n] = q, rd->len[rd->n++] = len;
+        rd->rows += len, rd->ends += q->r.pos + len == q->n_prompt;
+        room -= len;
     }
-    q->state = SEQ_DECODE;
-    int token = sample_next(&q->r, b->s->logits);
-    q->t_first = q->t_prev = now_ms();
-    int why = take_token(&q->r, token);
-    b->gen_tokens += q->r.st.n_gen;
-    if (why >= 0) finish_seq(b, q, why);
+}
+
+/* The riders' rows of the pass, and their pages: the tokens that end a
+   prompt (which need logits, computed for the pass's last rows) after
+   the others, from row rows - ends. */
+static void ride_rows(Batch *b, const Riders *rd, int *tokens, int *pos, const PageTable **pages)
+{
+    for (int i = 0, r = 0, e = rd->rows - rd->ends; i < rd->n; i++) {
+        Seq *q = rd->seq[i];
+        page_window(&b->pool, &b->m->c, &q->pt, q->r.pos, rd->len[i]);
+        for (int j = 0; j < rd->len[i]; j++) {
+            int p = q->r.pos + j, at = p == q->n_prompt - 1 ? e++ : r++;
+            tokens[at] = q->toks.ids[p], pos[at] = p, pages[at] = &q->pt;
+        }
+    }
+}
+
+/* After the pass (pass_ms for rows in all): the riders' positions are
+   cached, their share of the time counts as prefill, and a prompt that
+   ended samples its first token (logits rows 0..ends - 1, in order). */
+static void ride_done(Batch *b, const Riders *rd, double pass_ms, int rows)
+{
+    b->prefill_ms += pass_ms * rd->rows / rows;
+    b->prefill_tokens += rd->rows, b->ride_rows += rd->rows;
+    for (int i = 0, e = 0; i < rd->n; i++) {
+        Seq *q = rd->seq[i];
+        q->r.pos += rd->len[i];
+        if (q->r.pos == q->n_prompt) prompt_done(b, q, b->s->logits + (size_t)e++ * b->m->c.vocab_size);
+    }
 }
 
 /* One token's latency, for the -v percentiles. */
@@ -8211,8 +8303,10 @@ static void add_latency(Batch *b, double ms)
    token. Guesses stay before the
    position of the last answer token (never fed), so they fall in pages
    the sequence reserved. A token's latency is the time since the
-   sequence's previous step, shared by the tokens this step gave it. */
-static void decode_some(Batch *b)
+   sequence's previous step, shared by the tokens this step gave it.
+   Prompts still prefilling fill the rows left (ride_plan). Returns those
+   rows, 0 when no sequence decodes. */
+static int decode_some(Batch *b)
 {
     double t_plan = now_ms();
     int tokens[BATCH_MAX], pos[BATCH_MAX], room[BATCH_MAX], k[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
@@ -8227,9 +8321,12 @@ static void decode_some(Batch *b)
         room[n] = lookup_room(&q->lk, &q->toks, min_i(b->s->seq_len - q->r.pos - 1, q->r.n_predict - q->r.st.n_gen - 1));
         lks[n] = &q->lk, who[n++] = q;
     }
-    if (!n) return;
+    if (!n) return 0;
     int rows = lookup_plan(lks, room, n, &b->cost, BATCH_MAX, k);
-    for (int t = 0, r = 0; t < n; t++) {
+    Riders rd;
+    ride_plan(b, &rd, BATCH_MAX - rows);
+    ride_rows(b, &rd, tokens, pos, pages);
+    for (int t = 0, r = rd.rows; t < n; t++) {
         page_window(&b->pool, &b->m->c, &who[t]->pt, who[t]->r.pos, k[t] + 1);
         for (int j = 0; j <= k[t]; j++, r++) {
             tokens[r] = j ? who[t]->toks.ids[who[t]->lk.src + j - 1] : who[t]->r.last;
@@ -8238,18 +8335,19 @@ static void decode_some(Batch *b)
     }
     double t0 = now_ms();
     pass_prof.on = pass_prof.th != NULL;
-    decode_batch(b->m, b->s, tokens, pos, pages, rows);
+    decode_batch(b->m, b->s, tokens, pos, pages, rd.rows + rows, rd.rows - rd.ends);
     pass_prof.on = 0;
     double t1 = now_ms();
-    lookup_time(&b->cost, rows, t1 - t0);
+    lookup_time(&b->cost, rd.rows + rows, t1 - t0);
     b->plan_ms += t0 - t_plan, b->pass_ms += t1 - t0;
     b->steps++, b->rows += rows, b->drafted += rows - n;
+    ride_done(b, &rd, t1 - t0, rd.rows + rows);
     for (int t = 0, r = 0; t < n; r += k[t++] + 1) {
         Seq *q = who[t];
         double prev = q->t_prev;
         int taken, n_gen = q->r.st.n_gen, accepted = q->r.st.accepted;
-        /* row r + i: the logits after the sequence's token and its first i guesses */
-        int why = accept_drafts(&q->r, b->s->logits + (size_t)r * vocab, tokens + r + 1, k[t], &taken);
+        /* logits row rd.ends + r + i: after the sequence's token and its first i guesses */
+        int why = accept_drafts(&q->r, b->s->logits + (size_t)(rd.ends + r) * vocab, tokens + rd.rows + r + 1, k[t], &taken);
         b->accepted += q->r.st.accepted - accepted;
         b->gen_tokens += q->r.st.n_gen - n_gen;
         for (int i = 0; i < taken; i++) add_latency(b, (t1 - prev) / taken);
@@ -8257,6 +8355,7 @@ static void decode_some(Batch *b)
         else q->t_prev = t1;
     }
     b->take_ms += now_ms() - t1;
+    return BATCH_MAX - rows;
 }
 
 /* The progress line on a terminal (or, with -v, a line now and then). */
@@ -8306,12 +8405,12 @@ static void report_steps(const Batch *b, double wall_ms)
     for (int t = 0; t < b->s->mx->n_threads; t++)
         for (int k = 0; k < PT_N; k++) sum[k] += pass_prof.th[t].ms[k];
     for (int k = 0; k < PT_N; k++) inside += sum[k] /= team * steps;
-    double pass = b->pass_ms / steps, rest = wall_ms - b->prefill_ms - b->plan_ms - b->pass_ms - b->take_ms;
-    fprintf(stderr, "batch steps: %ld of %.1f rows, %.1f ms each: the pass %.1f ms (a thread's matmuls %.1f, output head %.1f, "
+    double pass = b->pass_ms / steps, rest = wall_ms - b->chunk_ms - b->plan_ms - b->pass_ms - b->take_ms;
+    fprintf(stderr, "batch steps: %ld of %.1f rows (and %.1f prompt rows riding along), %.1f ms each: the pass %.1f ms (a thread's matmuls %.1f, output head %.1f, "
             "attention %.1f, other steps %.1f, waiting at barriers %.1f), before it %.2f ms (lookup's plan, pages), "
-            "after it %.2f ms (sampling, taking tokens); besides, per step: prefill chunks %.1f ms, the loop's rest %.2f ms\n",
-            b->steps, b->rows / steps, (b->plan_ms + b->pass_ms + b->take_ms) / steps, pass, sum[PT_MATMUL], sum[PT_HEAD],
-            sum[PT_ATTN], pass - inside, sum[PT_WAIT], b->plan_ms / steps, b->take_ms / steps, b->prefill_ms / steps,
+            "after it %.2f ms (sampling, taking tokens); besides, per step: prefill passes of their own %.1f ms, the loop's rest %.2f ms\n",
+            b->steps, b->rows / steps, b->ride_rows / steps, (b->plan_ms + b->pass_ms + b->take_ms) / steps, pass, sum[PT_MATMUL], sum[PT_HEAD],
+            sum[PT_ATTN], pass - inside, sum[PT_WAIT], b->plan_ms / steps, b->take_ms / steps, b->chunk_ms / steps,
             rest / steps);
 }
 
@@ -8393,8 +8492,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
             if (!b.pending.line || !admit(&b, &b.seq[i])) break;
         }
         if (!b.in_flight && (b.eof || interrupted)) break;
-        prefill_some(&b);
-        decode_some(&b);
+        if (decode_some(&b) < RIDE_MIN) prefill_some(&b);
         if (b.out.cap && b.out.ready[0]) progress_erase(&b); /* a record is due: not after the progress text */
         flush_records(&b.out);
         show_progress(&b, 0);
