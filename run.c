@@ -3337,23 +3337,10 @@ static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int
     PackedFn fn = packed_kernel(w->type);
     size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
     float v[PACK_TOKS * PACK_ROWS];
-    static int mode = -1, dist = 1;
-    if (mode < 0) { const char *e = getenv("PF_MODE"); mode = e ? atoi(e) : 0; e = getenv("PF_DIST"); dist = e ? atoi(e) : 1; }
-    int calls = (n_tok + PACK_TOKS - 1) / PACK_TOKS;
     for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        const uint8_t *next = (const uint8_t *)w->data + (g + dist) * gb;
-        int ahead = mode && n_tok > 1 && (g + dist) * PACK_ROWS < r1;
-        for (int t = 0, c = 0; t < n_tok; t += PACK_TOKS, c++) {
+        for (int t = 0; t < n_tok; t += PACK_TOKS) {
             int toks = min_i(PACK_TOKS, n_tok - t);
-            if (ahead) {
-                size_t lo = gb * c / calls / CACHE_LINE * CACHE_LINE, hi = gb * (c + 1) / calls;
-                for (size_t i = lo; i < hi; i += CACHE_LINE) {
-                    if (mode == 1) __builtin_prefetch(next + i, 0, 1);
-                    else if (mode == 2) __builtin_prefetch(next + i, 0, 2);
-                    else __builtin_prefetch(next + i, 0, 3);
-                }
-            }
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
