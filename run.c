@@ -8225,7 +8225,12 @@ typedef struct {
 
 /* The prompt pieces that fill `room` rows of a step: the sequences still
    prefilling, first admitted first, each as many of its next prompt tokens
-   as fit. */
+   as fit. Only the last piece can stop short of its prompt's end (it
+   takes the rows left), so every prompt admitted before a rider's is
+   complete once the pass has written its K and V, which comes before any
+   token of the pass attends: a later sequence that shares a prompt's prefix
+   pages (prefix_donor) reads them whole, as after the prefill passes,
+   which take prompts one after another. */
 static void ride_plan(Batch *b, Riders *rd, int room)
 {
     *rd = (Riders){0};
