@@ -954,7 +954,7 @@ def throughput_model(label: str, model: Path, runs: int, threads: int, prompts: 
         speedup = "" if b == 1 else f"; {dec / one:.2f}× one at a time"
         target = {4: "≥ 2.5× one at a time (1.5B)", 16: "≥ 80% of prefill; p50 ≤ 3× ITL"}.get(b, "")
         rows.append(f"| {label} | batch, {b} in flight ({len(rs[0]['texts'])} chat prompts × {BATCH_TOKENS}) | "
-                    f"{agg:.1f} tok/s aggregate, {dec:.1f} decode, steps {steps:.1f} rows/s, p50 {p50:.0f} ms | "
+                    f"{agg:.1f} tok/s aggregate, {dec:.1f} decode, {f'steps {steps:.1f} rows/s, ' if steps else ''}p50 {p50:.0f} ms | "
                     f"decode {dec / pp * 100:.0f}% of prefill{speedup}; p50 {p50 / itl:.1f}× the single ITL; "
                     f"texts {'as alone' if same else 'DIFFER from --parallel 1'} | {target} |")
     return rows
