@@ -9133,7 +9133,12 @@ TARGET_BEGIN(ISA_AVX2)
    PREFETCH_AHEAD bytes further down the one stream of packed groups, into
    L2 only (__builtin_prefetch's locality 1: prefetcht2). Asking for it in
    L1, as prefetch_ahead does, measured 30 % slower there: the requests
-   held L1's few miss buffers that the loads themselves needed. */
+   held L1's few miss buffers that the loads themselves needed. The
+   integer kernels ask for every call, not only one token's: a pass of a
+   few tokens (a batch step, lookup's verification) streams the weights as
+   decode does (one thread's CPU time for one pass on the 1.5B, AVX-512: 4
+   tokens 0.18 -> 0.13 s, 16 tokens 0.29 -> 0.25 s, 64 tokens 0.72 -> 0.68 s;
+   AVX2: 0.20 -> 0.16, 0.39 -> 0.36, 1.14 -> 1.15). */
 static void decode_prefetch(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 1); }
 
 /* max |x| over n (a multiple of 8) floats; NaN if one of them is NaN, as
@@ -9613,7 +9618,7 @@ INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t x
         const uint8_t *rec = group + k * rb;
         __m256i isum[PACK_TOKS_256][2];
         for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         UNROLL(8)
         for (int g = 0; g < QK / 4; g++) {
             __m256i u0 = stretch_u256(rec + hb, g, bits, 0), u1 = stretch_u256(rec + hb, g, bits, 1);
@@ -9702,7 +9707,7 @@ INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs
         k_scales_256(rec, 1, k6, sc[1], pairs[1]);
         __m256i isum[PACK_TOKS_K256][2];
         for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         for (int j = 0; j < QK_K / STRETCH; j++) {
             const uint8_t *st = rec + hb + j * sb;
             __m256i s16[PACK_TOKS_K256][2];
@@ -10022,7 +10027,7 @@ INLINE void packed32_512(const uint8_t *group, int n, const uint8_t *x, size_t x
         const uint8_t *rec = group + k * rb;
         __m512i isum[PACK_TOKS][PACK_CHAINS];
         for (int t = 0; t < T; t++) for (int c = 0; c < chains; c++) isum[t][c] = _mm512_setzero_si512();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         for (int g = 0; g < QK / 4; g++) {
             __m512i u = stretch_u512(rec + hb, g, bits);
             for (int t = 0; t < T; t++)
@@ -10077,7 +10082,7 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
         }
         __m512i isum[PACK_TOKS_K512], msum[PACK_TOKS_K512];
         for (int t = 0; t < T; t++) isum[t] = msum[t] = _mm512_setzero_si512();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         for (int j = 0; j < QK_K / STRETCH; j++) {
             const uint8_t *st = rec + hb + j * sb;
             __m512i s[PACK_TOKS_K512];
