@@ -172,10 +172,13 @@ bench-tokenizer: tok-driver $(MODEL_BIN) $(GEMMA_TOK)
 	@for m in $(MODEL_BIN) $(GEMMA_TOK); do for f in tests/tokenizer/bench/*.txt; do \
 	  printf '%-32s %-10s ' $$(basename $$m) $$(basename $$f .txt); ./tok-driver $$m --bench $$f; done; done
 
-# A measurement, not a test: every dtype, several runs, against this machine's roofline.
+# A measurement, not a test: first the throughput table (issue 34: prefill, decode and the batch at 1/4/16 in flight
+# against this machine's int8 peak, bandwidth and each other, for the 1.5B and SmolLM2; bench.py --throughput alone),
+# then every dtype, several runs, against this machine's roofline.
 # The 1.5B sections (bench.py --qwen, the lookup and chat rows of the 1.5B) run when its GGUF is there
 # (make model-qwen); each section alone: bench.py --qwen-only / --lookup-only, bench_batch.py --chat-only.
 bench: run $(MODEL_BIN) $(GEMMA_GGUF)
+	$(PYTHON) tests/bench.py --throughput --runs 3
 	$(PYTHON) tests/bench.py --runs 5 --long --llamacpp --per-type --sets --qwen --lookup
 	$(PYTHON) tests/bench.py --json-only --runs 3
 	$(PYTHON) tests/bench_batch.py --runs 3 --chat

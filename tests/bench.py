@@ -916,6 +916,101 @@ def qwen_section(runs: int, threads: int, wait: str = "auto") -> None:
     print(f"load average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
+# ---- the throughput table (issue 34): every phase against this machine's own limits, in one run ----
+
+THROUGHPUT_MODELS = [("Qwen2.5-Coder-1.5B q4_k_m", ROOT / "models" / "qwen2.5-coder-1.5b.bin"),
+                     ("SmolLM2-135M q4_1", ROOT / "models" / "smollm2-135m-instruct.bin")]
+BATCH_TOKENS = 64          # tokens per chat answer in the batch rows (-t 0 --ignore-eos)
+BATCH_PARALLEL = (1, 4, 16)
+BATCH_SINGLE_EVERY = 4     # --parallel 1 runs every 4th prompt: a sequence's speed alone does not depend on the others
+STEPS = re.compile(r"batch steps: (\d+) of ([\d.]+) rows(?: \(and ([\d.]+) prompt rows riding along\))?, ([\d.]+) ms each")
+
+
+def batch_row(model: Path, prompts: Path, n_prompts: int, parallel: int) -> dict:
+    """One ./run --batch -v of the chat prompts (bench_batch.run_batch): aggregate and decode tok/s, per-token p50,
+    the texts; and from the -v breakdown line the decode steps' rows per second (their own and the prompt rows
+    riding along in them; no prefill pass of its own)."""
+    from bench_batch import run_batch
+
+    r = run_batch(model, prompts, n_prompts, parallel, BATCH_TOKENS)
+    m = STEPS.search(r["stderr"])
+    r["step_tps"] = (float(m.group(2)) + float(m.group(3) or 0)) / float(m.group(4)) * 1e3 if m else 0.0
+    return r
+
+
+def throughput_model(label: str, model: Path, runs: int, threads: int, prompts: list[str]) -> list[str]:
+    """The table's rows for one model: prefill 512, decode 128 and the batch at 1/4/16 in flight, measured in
+    turn `runs` times (the order reversed every other run), medians; ratios taken within this run."""
+    from bench_batch import write_prompts
+
+    mc = best_probe(model, threads)
+    ids512 = prompt_ids(model, 512)
+    ids128 = " ".join(ids512.split()[:128])
+    every = write_prompts("throughput-all.jsonl", [json.dumps({"prompt": p, "chat": True}) for p in prompts])
+    some = prompts[::BATCH_SINGLE_EVERY]
+    single = write_prompts("throughput-single.jsonl", [json.dumps({"prompt": p, "chat": True}) for p in some])
+    files = {b: (single, len(some)) if b == 1 else (every, len(prompts)) for b in BATCH_PARALLEL}
+    res: dict[str, list[dict]] = {k: [] for k in ("prefill", "decode", *map(str, BATCH_PARALLEL))}
+    for i in range(runs):
+        jobs = ["prefill", "decode", *BATCH_PARALLEL]
+        for job in jobs if i % 2 == 0 else jobs[::-1]:
+            if job == "prefill":
+                res[job].append(run_once(model, ids512, 1, threads, ["--lookup", "0"]))
+            elif job == "decode":
+                res[job].append(run_once(model, ids128, 129, threads, ["--lookup", "0"]))
+            else:
+                res[str(job)].append(batch_row(model, *files[job], job))
+            print(f"run {i + 1}/{runs} {label} {job}: done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+    med = lambda key, field: statistics.median(r[field] for r in res[key])  # noqa: E731
+    pp, tg, itl = med("prefill", "prefill_tps"), med("decode", "decode_tps"), med("decode", "itl_p50")
+    level = probe(model, threads, mc["kernels"])["level"]
+    bw = mc["gbps"] if level == "DRAM" else mc["llc_gbps"]
+    rows = [f"| {label} | prefill 512 tokens | {pp:.1f} tok/s | {med('prefill', 'gflops') / mc['i8'] * 100:.0f}% of the "
+            f"int8 peak ({mc['i8']:.0f} GOP/s) | ≥ 65% |",
+            f"| {label} | decode 128 tokens, one stream | {tg:.2f} tok/s, ITL p50 {itl:.1f} ms | "
+            f"{med('decode', 'gbps') / bw * 100:.0f}% of {level} read ({bw:.1f} GB/s) | |"]
+    one = med("1", "decode_tps")
+    singles = res["1"][0]["texts"]
+    for b in BATCH_PARALLEL:
+        rs = res[str(b)]
+        agg, dec, steps, p50 = med(str(b), "agg_tps"), med(str(b), "decode_tps"), med(str(b), "step_tps"), med(str(b), "p50")
+        same = all(r["texts"][::BATCH_SINGLE_EVERY] == singles for r in rs) if b > 1 else True
+        speedup = "" if b == 1 else f"; {dec / one:.2f}× one at a time"
+        target = {4: "≥ 2.5× one at a time (1.5B)", 16: "≥ 80% of prefill; p50 ≤ 3× ITL"}.get(b, "")
+        rows.append(f"| {label} | batch, {b} in flight ({len(rs[0]['texts'])} chat prompts × {BATCH_TOKENS}) | "
+                    f"{agg:.1f} tok/s aggregate, {dec:.1f} decode, {f'steps {steps:.1f} rows/s, ' if steps else ''}p50 {p50:.0f} ms | "
+                    f"decode {dec / pp * 100:.0f}% of prefill{speedup}; p50 {p50 / itl:.1f}× the single ITL; "
+                    f"texts {'as alone' if same else 'DIFFER from --parallel 1'} | {target} |")
+    return rows
+
+
+def throughput_bench(runs: int, threads: int, lookup) -> None:
+    """`make bench`'s first table: per model, prefill against the int8 peak, one stream's decode against the
+    bandwidth it streams from, the batch at 1/4/16 in flight against prefill and against one at a time; then the
+    lookup rows (the lookup section's table, as it prints it)."""
+    from bench_batch import CHAT_PROMPTS
+
+    prompts = CHAT_PROMPTS.read_text().splitlines()
+    mc = best_probe(THROUGHPUT_MODELS[-1][1], threads)
+    print(machine_line(mc, threads))
+    print(f"kernel set: {mc['kernels']}; int8 peak {mc['i8']:.0f} GOP/s (best of {PROBES} probes); medians of {runs} "
+          f"runs, alternating; batch: {CHAT_PROMPTS.name} through --batch -c -t 0 --ignore-eos --lookup 0, "
+          f"--parallel 1 over every {BATCH_SINGLE_EVERY}th prompt; decode tok/s = tokens after each first / (wall - "
+          "prefill passes)\n")
+    print("| model | measure | speed | against this machine | target |")
+    print("|---|---|---|---|---|")
+    for label, model in THROUGHPUT_MODELS:
+        if not model.exists():
+            print(f"| {label} | {model.name} is missing | | | |")
+            continue
+        for row in throughput_model(label, model, runs, threads, prompts):
+            print(row, flush=True)
+    load = os.getloadavg()
+    print(f"\nload average at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    if lookup:
+        lookup()  # the lookup rows: the lookup section's own table
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=5)
@@ -931,6 +1026,9 @@ def main() -> int:
     ap.add_argument("--qwen", action="store_true",
                     help="also the 1.5B section (Qwen2.5-Coder-1.5B Q4_K_M beside llama.cpp; when its GGUF is there)")
     ap.add_argument("--qwen-only", action="store_true", help="only the 1.5B section")
+    ap.add_argument("--throughput", action="store_true",
+                    help="only the throughput table (issue 34): prefill, decode and the batch at 1/4/16 in flight against "
+                         "this machine's int8 peak and bandwidth, for the 1.5B and SmolLM2; with --lookup also the lookup rows")
     ap.add_argument("--json-only", action="store_true", help="only --json's cost, both vocabularies")
     ap.add_argument("--prompt-cache-only", action="store_true",
                     help="only the prompt cache: TTFT with a 2,000-token cached prefix (the 1.5B model when present), "
@@ -971,6 +1069,9 @@ def main() -> int:
                                   [t for t in args.tasks.split(",") if t])
     if args.lookup_only:
         lookup()
+        return 0
+    if args.throughput:
+        throughput_bench(args.runs, args.threads, lookup if args.lookup else None)
         return 0
     if args.qwen_only:
         qwen_section(args.runs, args.threads, args.omp_wait)

@@ -154,6 +154,7 @@ def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: 
     if os.waitstatus_to_exitcode(status) != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed: {err.strip()[-300:]}")
     r = parse_summary(err)
+    r["stderr"] = err
     recs = check_records(out, n_prompts, n_gen)
     r["prompt_tokens"], r["texts"] = sum(q["prompt_tokens"] for q in recs), [q["text"] for q in recs]
     r["rss_mb"] = usage.ru_maxrss / 1024

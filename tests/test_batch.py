@@ -141,6 +141,22 @@ def test_shared_header_is_prefilled_once():
     assert prefilled <= total - 3 * 72 * ((recs[0]["prompt_tokens"] - 1) // 72), (prefilled, total)
 
 
+def test_prompts_ride_along_in_the_decode_steps():
+    """While sequences decode, the prompts waiting to prefill take the rows a decode step leaves (one read of the
+    weights serves both) instead of passes of their own: only the first prompt, when nothing decodes yet, has a
+    pass to itself. -v's breakdown line counts the prompt rows per step; the texts stay the single runs'."""
+    reqs = [{"prompt": f"Tell me one fact about the number {i}.", "n": 24} for i in range(6)]
+    path = write_lines("ride.jsonl", reqs)
+    code, recs, err = batch(path, "-t", "0", "--parallel", "6", "-v")
+    assert code == 0, err
+    check_identity(recs, reqs, model())
+    m = re.search(r"batch steps: (\d+) of [\d.]+ rows \(and ([\d.]+) prompt rows riding along\)", err)
+    assert m, err
+    steps, ride = int(m.group(1)), float(m.group(2))
+    riders = sum(r["prompt_tokens"] for r in recs[1:])  # every prompt but the first, printed to 0.1 a step
+    assert abs(steps * ride - riders) <= 0.05 * steps + 1e-6, (steps, ride, riders, err)
+
+
 def test_gemma_sliding_window_past_the_window():
     g = str(require(GEMMA, "run `make model-gemma`"))
     long = "The history of the printing press. " * 60  # ~600 tokens: past Gemma 3's 512-position window
