@@ -2783,7 +2783,6 @@ static Barrier pool_barrier;
    (batch mode's decode steps with -v): the clock is read a few hundred
    times a pass, ~50 ns each. */
 enum { PT_MATMUL, PT_HEAD, PT_ATTN, PT_WAIT, PT_N };
-#define CACHE_LINE 64
 typedef struct {
     double ms[PT_N];
     char pad[CACHE_LINE - PT_N * sizeof(double)]; /* each thread its own cache line */
