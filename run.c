@@ -9992,7 +9992,89 @@ INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs
     }
 }
 
-PACKED_KERNEL(q4_k, avx512, packedk_512, 4, PACK_K4, 0)
+/* q4_k's 8 scales of 16 rows as int32 lanes, and its 8 minimums as 4
+   vectors of int16 pairs (minimum 2p low, 2p + 1 high): k4_scale_min on
+   16 rows at once. A scale (0..63) in an int32 lane is also the int16
+   pair (scale, 0). */
+INLINE void k4_scales_512(const uint8_t *rec, __m512i sc[QK_K / 32], __m512i mnp[QK_K / 64])
+{
+    __m512i B[12], mn[QK_K / 32];
+    for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 4; j++) {
+        sc[j] = _mm512_and_si512(B[j], low6);
+        mn[j] = _mm512_and_si512(B[j + 4], low6);
+        sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
+        mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
+    }
+    for (int p = 0; p < QK_K / 64; p++) mnp[p] = pair16_512(mn[2 * p], mn[2 * p + 1]);
+}
+
+/* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
+   pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
+   pack works within 128-bit halves). In vectors: per token and super-block
+   three instructions where scalar code takes some twenty, on ports the
+   vector instructions share. */
+INLINE void bsum_pairs_512(int32_t out[QK_K / 32], const int16_t *bsums)
+{
+    __m256i s = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), _mm256_set1_epi16(1));
+    _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
+}
+
+/* q4_k for T <= PACK_TOKS tokens in one pass, each weight vector unpacked
+   once for all of them (the register tile: 16 rows x T tokens). A
+   sub-block's 32 products go into two int32 sums of 16 (the low nibbles,
+   the high ones), each within int16 (16 * 15 * 127 < 2^15), so one
+   vpdpwssd against the pair (scale, 0) multiplies and adds each exactly:
+   two instructions where vpmulld and an add are three. The minimums: one
+   vpdpwssd per two sub-blocks against the activations' sums of 32, taken
+   once per call. Same integers and float steps as dot_k. */
+INLINE void packed_q4k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int u1, int u2, int u3)
+{
+    (void)u1, (void)u2, (void)u3;
+    const PackForm f = {PACK_K4, 4, 0, 1};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
+    const int nb = n / QK_K;
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* one super-block's pairs of sums of 32, per token (bsum_pairs_512) */
+    __m512 acc[PACK_TOKS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int k = 0; k < nb; k++) {
+        const uint8_t *rec = group + k * rb;
+        for (int t = 0; t < T; t++) bsum_pairs_512(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
+        __m512i sc[QK_K / 32], mnp[QK_K / 64], isum[PACK_TOKS];
+        k4_scales_512(rec, sc, mnp);
+        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (int j = 0; j < QK_K / STRETCH; j++) {
+            const uint8_t *st = rec + hb + j * sb;
+            __m512i slo[PACK_TOKS], shi[PACK_TOKS];
+            for (int t = 0; t < T; t++) slo[t] = shi[t] = _mm512_setzero_si512();
+            for (int v = 0; v < STRETCH / 8; v++) {
+                __m512i raw = _mm512_loadu_si512(st + PACK_VECTOR * v);
+                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+                for (int t = 0; t < T; t++) {
+                    const int8_t *q = ((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 8 * v;
+                    slo[t] = _mm512_dpbusd_epi32(slo[t], lo, act4_512(q));
+                    shi[t] = _mm512_dpbusd_epi32(shi[t], hi, act4_512(q + 4));
+                }
+            }
+            for (int t = 0; t < T; t++) isum[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[t], slo[t], sc[j]), shi[t], sc[j]);
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+        __m512 negdmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
+        for (int t = 0; t < T; t++) {
+            __m512i msum = _mm512_setzero_si512();
+            for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, mnp[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
+            __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), d, acc[t]);
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), negdmin, acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
+}
+
+PACKED_KERNEL(q4_k, avx512, packed_q4k_512, 0, 0, 0)
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
 PACKED_KERNEL(q6_k, avx512, packedk_512, 6, PACK_K6, 0)
 PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
