@@ -10076,7 +10076,72 @@ INLINE void packed_q4k_512(const uint8_t *group, int n, const uint8_t *x, size_t
 
 PACKED_KERNEL(q4_k, avx512, packed_q4k_512, 0, 0, 0)
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
-PACKED_KERNEL(q6_k, avx512, packedk_512, 6, PACK_K6, 0)
+/* Element group k (0..7, four elements of each row) of a q6_k stretch:
+   the nibbles n4 (masked) with their two high bits from plane k / 4,
+   shifted into bits 4-5 and merged by one vpternlogd (n4 | (s & 0x30)). */
+INLINE __m512i q6_group_512(__m512i n4, __m512i plane, int k)
+{
+    int at = k % 4 * 2; /* the field's bit in its plane byte */
+    __m512i s = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+    return _mm512_ternarylogic_epi32(n4, s, _mm512_set1_epi8(0x30), 0xf8); /* a | (b & c) */
+}
+
+/* q6_k for T <= PACK_TOKS tokens in one pass (the register tile of
+   packed_q4k_512): per sub-block of 16 one int32 sum per token
+   (vpdpbusd), times its scale (vpmulld: the sum of 16 six-bit products
+   exceeds int16); the offset's sums as int16 pairs (vpdpwssd), the
+   activations' pairs of sums of 16 read as they lie. Same integers and
+   float steps as dot_k. */
+INLINE void packed_q6k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int u1, int u2, int u3)
+{
+    (void)u1, (void)u2, (void)u3;
+    const PackForm f = {PACK_K6, 6, 32, 0};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
+    const size_t planes = (size_t)PACK_ROWS * STRETCH / 8 * 2; /* the two high bits' planes before the nibbles */
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[PACK_TOKS];
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        __m512i sc[QK_K / 16], isum[PACK_TOKS];
+        for (int g = 0; g < QK_K / 16; g++) sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
+        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
+        for (int j = 0; j < QK_K / STRETCH; j++) {
+            const uint8_t *st = rec + hb + j * sb;
+            for (int h2 = 0; h2 < 2; h2++) { /* sub-block 2j + h2: nibble vectors 2 h2 and 2 h2 + 1 */
+                __m512i s[PACK_TOKS];
+                for (int t = 0; t < T; t++) s[t] = _mm512_setzero_si512();
+                for (int v = 2 * h2; v < 2 * h2 + 2; v++) {
+                    __m512i raw = _mm512_loadu_si512(st + planes + PACK_VECTOR * v);
+                    for (int h = 0; h < 2; h++) {
+                        int kf = 2 * v + h;
+                        __m512i n4 = _mm512_and_si512(h ? _mm512_srli_epi16(raw, 4) : raw, low4);
+                        __m512i u = q6_group_512(n4, _mm512_loadu_si512(st + PACK_VECTOR * (kf / 4)), kf);
+                        for (int t = 0; t < T; t++)
+                            s[t] = _mm512_dpbusd_epi32(s[t], u, act4_512(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * kf));
+                    }
+                }
+                for (int t = 0; t < T; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], sc[2 * j + h2]));
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+        for (int t = 0; t < T; t++) {
+            const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+            __m512i msum = _mm512_setzero_si512();
+            for (int p = 0; p < QK_K / 32; p++) {
+                int32_t pair;
+                memcpy(&pair, a->bsums + 2 * p, sizeof pair); /* bsums 2p, 2p + 1: an int16 pair as it lies */
+                msum = _mm512_dpwssd_epi32(msum, pair16_512(sc[2 * p], sc[2 * p + 1]), _mm512_set1_epi32(pair));
+            }
+            isum[t] = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(a->d)), d, acc[t]);
+        }
+    }
+    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
+}
+
+PACKED_KERNEL(q6_k, avx512, packed_q6k_512, 0, 0, 0)
 PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
 PACKED_KERNEL(q4_1, avx512, packed32_512, 4, 0, 1)
 PACKED_KERNEL(q5_0, avx512, packed32_512, 5, 16, 0)
