@@ -3087,6 +3087,9 @@ typedef struct {
 /* The activation format W reads: its first part's, which all its parts share (join_parts). */
 static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
 
+/* From "the kernel tables" below: the type's product for any number of tokens, or NULL. */
+static PackedFn wide_kernel(int type);
+
 /* A pass of several tokens reads a group's bytes once from memory, then
    from cache for each further call: the first call would wait on memory
    with the cores idle. So call c of `calls` asks for its share of the next
@@ -3105,16 +3108,17 @@ static void prefetch_share(const uint8_t *next, size_t bytes, int c, int calls)
    verification agree bit for bit. */
 static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
 {
-    PackedFn fn = packed_kernel(w->type);
+    PackedFn fn = packed_kernel(w->type), wide = wide_kernel(w->type);
     size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
-    int calls = (n_tok + PACK_TOKS - 1) / PACK_TOKS;
-    float v[PACK_TOKS * PACK_ROWS];
+    int step = wide && n_tok > PACK_TOKS ? CHUNK_TOKENS : PACK_TOKS, calls = (n_tok + step - 1) / step;
+    if (step > PACK_TOKS) fn = wide;
+    float v[CHUNK_TOKENS * PACK_ROWS];
     for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        for (int t = 0; t < n_tok; t += PACK_TOKS) {
-            int toks = min_i(PACK_TOKS, n_tok - t);
-            if (n_tok > 1 && (g + 1) * PACK_ROWS < r1) /* decode's kernels prefetch their own stream */
-                prefetch_share((const uint8_t *)w->data + (g + 1) * gb, gb, t / PACK_TOKS, calls);
+        for (int t = 0; t < n_tok; t += step) {
+            int toks = min_i(step, n_tok - t);
+            if (calls > 1 && (g + 1) * PACK_ROWS < r1) /* one call reads its group once: no time to hide */
+                prefetch_share((const uint8_t *)w->data + (g + 1) * gb, gb, t / step, calls);
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
@@ -3629,6 +3633,8 @@ typedef struct {
     ToFloatFn to_float;     /* a row as stored (a KV cache row, an embedding row) as floats */
     FromFloatFn from_float; /* floats into a row (KV cache types only) */
     PackedFn packed;        /* the matrix product over packed groups: decode's GEMV and prefill's tile at once */
+    PackedFn wide;          /* the same for any number of tokens a call (a whole prefill chunk), sharing each
+                               group's unpacking among them all; NULL: calls of PACK_TOKS to packed */
 } TypeKernels;
 
 enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, KSET_NEON_DOT, KSET_AVXVNNI, N_KSETS };
@@ -4053,6 +4059,7 @@ static void select_kernels(int set)
             if (!k->to_float) k->to_float = r->to_float;
             if (!k->from_float) k->from_float = r->from_float;
             if (!k->packed) k->packed = r->packed;
+            if (!k->wide) k->wide = r->wide;
         }
     }
 }
@@ -4111,6 +4118,7 @@ static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 /* Floats into a row of a KV cache type. */
 static void from_float(void *row, const float *x, int type, int n) { K.type[type].from_float(row, x, n); }
 static PackedFn packed_kernel(int type) { return K.type[type].packed; }
+static PackedFn wide_kernel(int type) { return K.type[type].wide; }
 static const PackForm *packed_form(int type) { return &TYPES[type].pack; }
 static int plain_attention(void) { return K.op.plain_attention; }
 static const char *kernel_set_name(void) { return K.op.name; }
@@ -10034,60 +10042,117 @@ INLINE void bsum_pairs_512(int32_t out[QK_K / 32], const int16_t *bsums)
     _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
 }
 
-/* q4_k for T <= PACK_TOKS tokens in one pass, each weight vector unpacked
-   once for all of them (the register tile: 16 rows x T tokens). A
+/* Super-block k of a q4_k group unpacked once for every token of a call:
+   stretch j's nibble vector v as u[8j + 2v] (low nibbles) and u[8j + 2v
+   + 1] (high), with its scales (k4_scales_512) and fp16 planes. */
+typedef struct {
+    __m512i u[QK_K / 4], sc[QK_K / 32], mnp[QK_K / 64];
+    __m512 d, negdmin;
+} Q4kBlock512;
+
+INLINE void q4k_unpack_512(const uint8_t *rec, Q4kBlock512 *b, int nibbles)
+{
+    const PackForm f = {PACK_K4, 4, 0, 1};
+    const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < QK_K / STRETCH && nibbles; j++)
+        for (int v = 0; v < STRETCH / 8; v++) {
+            __m512i raw = _mm512_loadu_si512(rec + hb + j * sb + PACK_VECTOR * v);
+            b->u[8 * j + 2 * v] = _mm512_and_si512(raw, low4);
+            b->u[8 * j + 2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+    k4_scales_512(rec, b->sc, b->mnp);
+    b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+    b->negdmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
+}
+
+/* T <= PACK_TOKS tokens (the register tile: 16 rows x T tokens) times
+   super-block k, added to acc (token t's 16 sums at acc + 16 t). A
    sub-block's 32 products go into two int32 sums of 16 (the low nibbles,
    the high ones), each within int16 (16 * 15 * 127 < 2^15), so one
    vpdpwssd against the pair (scale, 0) multiplies and adds each exactly:
    two instructions where vpmulld and an add are three. The minimums: one
-   vpdpwssd per two sub-blocks against the activations' sums of 32, taken
-   once per call. Same integers and float steps as dot_k. */
-INLINE void packed_q4k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int u1, int u2, int u3)
+   vpdpwssd per two sub-blocks against the activations' sums of 32. Same
+   integers and float steps as dot_k. */
+INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
-    (void)u1, (void)u2, (void)u3;
-    const PackForm f = {PACK_K4, 4, 0, 1};
-    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
-    const int nb = n / QK_K;
+    const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* one super-block's pairs of sums of 32, per token (bsum_pairs_512) */
-    __m512 acc[PACK_TOKS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int k = 0; k < nb; k++) {
-        const uint8_t *rec = group + k * rb;
-        for (int t = 0; t < T; t++) bsum_pairs_512(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
-        __m512i sc[QK_K / 32], mnp[QK_K / 64], isum[PACK_TOKS];
-        k4_scales_512(rec, sc, mnp);
-        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
-        for (int j = 0; j < QK_K / STRETCH; j++) {
-            const uint8_t *st = rec + hb + j * sb;
-            __m512i slo[PACK_TOKS], shi[PACK_TOKS];
-            for (int t = 0; t < T; t++) slo[t] = shi[t] = _mm512_setzero_si512();
-            for (int v = 0; v < STRETCH / 8; v++) {
-                __m512i raw = _mm512_loadu_si512(st + PACK_VECTOR * v);
-                __m512i lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
-                for (int t = 0; t < T; t++) {
-                    const int8_t *q = ((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 8 * v;
-                    slo[t] = _mm512_dpbusd_epi32(slo[t], lo, act4_512(q));
-                    shi[t] = _mm512_dpbusd_epi32(shi[t], hi, act4_512(q + 4));
-                }
+    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* pairs of sums of 32, per token (bsum_pairs_512) */
+    for (int t = 0; t < T; t++) bsum_pairs_512(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
+    __m512i isum[PACK_TOKS];
+    for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < QK_K / STRETCH; j++) {
+        __m512i slo[PACK_TOKS], shi[PACK_TOKS];
+        for (int t = 0; t < T; t++) slo[t] = shi[t] = _mm512_setzero_si512();
+        for (int v = 0; v < STRETCH / 8; v++) {
+            __m512i lo, hi;
+            if (st0) { /* one pass: unpacked here */
+                __m512i raw = _mm512_loadu_si512(st0 + j * sb + PACK_VECTOR * v);
+                lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            } else {
+                lo = b->u[8 * j + 2 * v], hi = b->u[8 * j + 2 * v + 1];
             }
-            for (int t = 0; t < T; t++) isum[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[t], slo[t], sc[j]), shi[t], sc[j]);
+            for (int t = 0; t < T; t++) {
+                const int8_t *q = ((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 8 * v;
+                slo[t] = _mm512_dpbusd_epi32(slo[t], lo, act4_512(q));
+                shi[t] = _mm512_dpbusd_epi32(shi[t], hi, act4_512(q + 4));
+            }
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-        __m512 negdmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
-        for (int t = 0; t < T; t++) {
-            __m512i msum = _mm512_setzero_si512();
-            for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, mnp[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
-            __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), d, acc[t]);
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), negdmin, acc[t]);
-        }
+        for (int t = 0; t < T; t++) isum[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[t], slo[t], b->sc[j]), shi[t], b->sc[j]);
     }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
+    for (int t = 0; t < T; t++) {
+        __m512i msum = _mm512_setzero_si512();
+        for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, b->mnp[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
+        __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
+        __m512 a = _mm512_loadu_ps(acc + t * PACK_ROWS);
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), b->d, a);
+        _mm512_storeu_ps(acc + t * PACK_ROWS, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), b->negdmin, a));
+    }
 }
 
-PACKED_KERNEL(q4_k, avx512, packed_q4k_512, 0, 0, 0)
+/* q4k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
+INLINE void q4k_tokens_any_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8_t *x, size_t xs, int k, int T, float *acc)
+{
+    _Static_assert(PACK_TOKS == 8, "a case per token count");
+    switch (T) {
+    case 1: q4k_tokens_512(b, st0, x, xs, k, 1, acc); break;
+    case 2: q4k_tokens_512(b, st0, x, xs, k, 2, acc); break;
+    case 3: q4k_tokens_512(b, st0, x, xs, k, 3, acc); break;
+    case 4: q4k_tokens_512(b, st0, x, xs, k, 4, acc); break;
+    case 5: q4k_tokens_512(b, st0, x, xs, k, 5, acc); break;
+    case 6: q4k_tokens_512(b, st0, x, xs, k, 6, acc); break;
+    case 7: q4k_tokens_512(b, st0, x, xs, k, 7, acc); break;
+    default: q4k_tokens_512(b, st0, x, xs, k, 8, acc); break;
+    }
+}
+
+/* q4_k for any number of tokens (the set's packed and wide product): up
+   to PACK_TOKS in one pass, the nibbles unpacked as they are used; more
+   in passes of PACK_TOKS over each super-block unpacked once for all of
+   them, while the next group's same super-block is asked into L2 (a pass
+   of a whole prefill chunk reads each group once). */
+static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    const PackForm f = {PACK_K4, 4, 0, 1};
+    const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
+    memset(out, 0, sizeof(float) * PACK_ROWS * toks);
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        Q4kBlock512 b;
+        for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
+        q4k_unpack_512(rec, &b, toks > PACK_TOKS);
+        if (toks <= PACK_TOKS) {
+            q4k_tokens_any_512(&b, rec + packed_head_bytes(&f), x, xs, k, toks, out);
+            continue;
+        }
+        for (size_t i = 0; i < rb; i += CACHE_LINE) __builtin_prefetch(rec + gb + i, 0, 2);
+        int t0 = 0;
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q4k_tokens_512(&b, NULL, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+        if (t0 < toks) q4k_tokens_any_512(&b, NULL, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+    }
+}
+
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
 /* Element group k (0..7, four elements of each row) of a q6_k stretch:
    the nibbles n4 (masked) with their two high bits from plane k / 4,
@@ -10303,7 +10368,7 @@ static const KernelSet SET_AVX512 = {
     {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
      [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
      [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},
-     [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512},
+     [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512, .wide = packed_q4_k_avx512},
      [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512}},
 };
 #endif /* HAVE_AVX512_SET */
