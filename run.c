@@ -10074,7 +10074,7 @@ INLINE void q4k_unpack_512(const uint8_t *rec, Q4kBlock512 *b, int nibbles)
    two instructions where vpmulld and an add are three. The minimums: one
    vpdpwssd per two sub-blocks against the activations' sums of 32. Same
    integers and float steps as dot_k. */
-INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8_t *x, size_t xs, int k, int T, float *acc)
+INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
     const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -10087,7 +10087,7 @@ INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8
         for (int t = 0; t < T; t++) slo[t] = shi[t] = _mm512_setzero_si512();
         for (int v = 0; v < STRETCH / 8; v++) {
             __m512i lo, hi;
-            if (st0) { /* one pass: unpacked here */
+            if (direct) { /* one pass: unpacked here */
                 __m512i raw = _mm512_loadu_si512(st0 + j * sb + PACK_VECTOR * v);
                 lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
             } else {
@@ -10112,18 +10112,18 @@ INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8
 }
 
 /* q4k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
-INLINE void q4k_tokens_any_512(const Q4kBlock512 *b, const uint8_t *st0, const uint8_t *x, size_t xs, int k, int T, float *acc)
+INLINE void q4k_tokens_any_512(const Q4kBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     _Static_assert(PACK_TOKS == 8, "a case per token count");
     switch (T) {
-    case 1: q4k_tokens_512(b, st0, x, xs, k, 1, acc); break;
-    case 2: q4k_tokens_512(b, st0, x, xs, k, 2, acc); break;
-    case 3: q4k_tokens_512(b, st0, x, xs, k, 3, acc); break;
-    case 4: q4k_tokens_512(b, st0, x, xs, k, 4, acc); break;
-    case 5: q4k_tokens_512(b, st0, x, xs, k, 5, acc); break;
-    case 6: q4k_tokens_512(b, st0, x, xs, k, 6, acc); break;
-    case 7: q4k_tokens_512(b, st0, x, xs, k, 7, acc); break;
-    default: q4k_tokens_512(b, st0, x, xs, k, 8, acc); break;
+    case 1: q4k_tokens_512(b, st0, direct, x, xs, k, 1, acc); break;
+    case 2: q4k_tokens_512(b, st0, direct, x, xs, k, 2, acc); break;
+    case 3: q4k_tokens_512(b, st0, direct, x, xs, k, 3, acc); break;
+    case 4: q4k_tokens_512(b, st0, direct, x, xs, k, 4, acc); break;
+    case 5: q4k_tokens_512(b, st0, direct, x, xs, k, 5, acc); break;
+    case 6: q4k_tokens_512(b, st0, direct, x, xs, k, 6, acc); break;
+    case 7: q4k_tokens_512(b, st0, direct, x, xs, k, 7, acc); break;
+    default: q4k_tokens_512(b, st0, direct, x, xs, k, 8, acc); break;
     }
 }
 
@@ -10143,13 +10143,13 @@ static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, si
         for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
         q4k_unpack_512(rec, &b, toks > PACK_TOKS);
         if (toks <= PACK_TOKS) {
-            q4k_tokens_any_512(&b, rec + packed_head_bytes(&f), x, xs, k, toks, out);
+            q4k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
             continue;
         }
         for (size_t i = 0; i < rb; i += CACHE_LINE) __builtin_prefetch(rec + gb + i, 0, 2);
         int t0 = 0;
-        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q4k_tokens_512(&b, NULL, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
-        if (t0 < toks) q4k_tokens_any_512(&b, NULL, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q4k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+        if (t0 < toks) q4k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
     }
 }
 
@@ -10164,62 +10164,114 @@ INLINE __m512i q6_group_512(__m512i n4, __m512i plane, int k)
     return _mm512_ternarylogic_epi32(n4, s, _mm512_set1_epi8(0x30), 0xf8); /* a | (b & c) */
 }
 
-/* q6_k for T <= PACK_TOKS tokens in one pass (the register tile of
-   packed_q4k_512): per sub-block of 16 one int32 sum per token
-   (vpdpbusd), times its scale (vpmulld: the sum of 16 six-bit products
-   exceeds int16); the offset's sums as int16 pairs (vpdpwssd), the
-   activations' pairs of sums of 16 read as they lie. Same integers and
-   float steps as dot_k. */
-INLINE void packed_q6k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int u1, int u2, int u3)
+/* Super-block k of a q6_k group unpacked once for every token of a call:
+   stretch j's element group g (0..7) as u[8j + g], with its 16 scales as
+   int32 lanes, their pairs (2p low, 2p + 1 high) and the fp16 d. */
+typedef struct {
+    __m512i u[QK_K / 4], sc[QK_K / 16], scp[QK_K / 32];
+    __m512 d;
+} Q6kBlock512;
+
+/* Element group 4 h + i (i = 0..3: a constant where inlined) of stretch
+   st of a q6_k record (q6_group_512). */
+INLINE __m512i q6_unpack_512(const uint8_t *st, int h, int i)
 {
-    (void)u1, (void)u2, (void)u3;
-    const PackForm f = {PACK_K6, 6, 32, 0};
-    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const size_t planes = (size_t)PACK_ROWS * STRETCH / 8 * 2; /* the two high bits' planes before the nibbles */
-    const __m512i low4 = _mm512_set1_epi8(0x0f);
-    __m512 acc[PACK_TOKS];
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        const uint8_t *rec = group + k * rb;
-        __m512i sc[QK_K / 16], isum[PACK_TOKS];
-        for (int g = 0; g < QK_K / 16; g++) sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
-        for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
-        for (size_t b = 0; T == 1 && b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
-        for (int j = 0; j < QK_K / STRETCH; j++) {
-            const uint8_t *st = rec + hb + j * sb;
-            for (int h2 = 0; h2 < 2; h2++) { /* sub-block 2j + h2: nibble vectors 2 h2 and 2 h2 + 1 */
-                __m512i s[PACK_TOKS];
-                for (int t = 0; t < T; t++) s[t] = _mm512_setzero_si512();
-                for (int v = 2 * h2; v < 2 * h2 + 2; v++) {
-                    __m512i raw = _mm512_loadu_si512(st + planes + PACK_VECTOR * v);
-                    for (int h = 0; h < 2; h++) {
-                        int kf = 2 * v + h;
-                        __m512i n4 = _mm512_and_si512(h ? _mm512_srli_epi16(raw, 4) : raw, low4);
-                        __m512i u = q6_group_512(n4, _mm512_loadu_si512(st + PACK_VECTOR * (kf / 4)), kf);
-                        for (int t = 0; t < T; t++)
-                            s[t] = _mm512_dpbusd_epi32(s[t], u, act4_512(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * kf));
-                    }
-                }
-                for (int t = 0; t < T; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], sc[2 * j + h2]));
-            }
-        }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-        for (int t = 0; t < T; t++) {
-            const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
-            __m512i msum = _mm512_setzero_si512();
-            for (int p = 0; p < QK_K / 32; p++) {
-                int32_t pair;
-                memcpy(&pair, a->bsums + 2 * p, sizeof pair); /* bsums 2p, 2p + 1: an int16 pair as it lies */
-                msum = _mm512_dpwssd_epi32(msum, pair16_512(sc[2 * p], sc[2 * p + 1]), _mm512_set1_epi32(pair));
-            }
-            isum[t] = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), _mm512_set1_ps(a->d)), d, acc[t]);
-        }
-    }
-    for (int t = 0; t < T; t++) _mm512_storeu_ps(out + t * PACK_ROWS, acc[t]);
+    __m512i raw = _mm512_loadu_si512(st + planes + PACK_VECTOR * (2 * h + i / 2));
+    __m512i n4 = _mm512_and_si512(i & 1 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0f));
+    return q6_group_512(n4, _mm512_loadu_si512(st + PACK_VECTOR * h), i);
 }
 
-PACKED_KERNEL(q6_k, avx512, packed_q6k_512, 0, 0, 0)
+INLINE void q6k_unpack_512(const uint8_t *rec, Q6kBlock512 *b, int ints)
+{
+    const PackForm f = {PACK_K6, 6, 32, 0};
+    const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
+    for (int j = 0; j < QK_K / STRETCH && ints; j++) {
+        UNROLL(8) /* g a constant: every shift an immediate */
+        for (int g = 0; g < STRETCH / 4; g++) b->u[8 * j + g] = q6_unpack_512(rec + hb + j * sb, g / 4, g % 4);
+    }
+    for (int g = 0; g < QK_K / 16; g++) b->sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
+    for (int p = 0; p < QK_K / 32; p++) b->scp[p] = pair16_512(b->sc[2 * p], b->sc[2 * p + 1]);
+    b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+}
+
+/* T <= PACK_TOKS tokens (the register tile: 16 rows x T tokens) times
+   super-block k, added to acc (token t's sums at acc + 16 t); the groups
+   from b, or unpacked here from the record's integers at ints: per
+   sub-block of 16 one int32 sum per token (vpdpbusd), times its scale
+   (vpmulld: the sum of 16 six-bit products exceeds int16); the offset's
+   sums as int16 pairs (vpdpwssd), the activations' pairs of sums of 16
+   read as they lie. Same integers and float steps as dot_k. */
+INLINE void q6k_tokens_512(const Q6kBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+{
+    const size_t sb = (size_t)PACK_ROWS * STRETCH * 6 / 8;
+    __m512i isum[PACK_TOKS];
+    for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < QK_K / STRETCH; j++)
+        for (int h2 = 0; h2 < 2; h2++) { /* sub-block 2j + h2: element groups 4 h2 .. 4 h2 + 3 */
+            __m512i s[PACK_TOKS];
+            for (int t = 0; t < T; t++) s[t] = _mm512_setzero_si512();
+            UNROLL(4) /* i a constant: every shift an immediate */
+            for (int i = 0; i < 4; i++) {
+                int g = 4 * h2 + i;
+                __m512i u = direct ? q6_unpack_512(ints + j * sb, h2, i) : b->u[8 * j + g];
+                for (int t = 0; t < T; t++)
+                    s[t] = _mm512_dpbusd_epi32(s[t], u, act4_512(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g));
+            }
+            for (int t = 0; t < T; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], b->sc[2 * j + h2]));
+        }
+    for (int t = 0; t < T; t++) {
+        const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+        __m512i msum = _mm512_setzero_si512();
+        for (int p = 0; p < QK_K / 32; p++) {
+            int32_t pair;
+            memcpy(&pair, a->bsums + 2 * p, sizeof pair); /* bsums 2p, 2p + 1: an int16 pair as it lies */
+            msum = _mm512_dpwssd_epi32(msum, b->scp[p], _mm512_set1_epi32(pair));
+        }
+        __m512i is = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
+        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a->d)), b->d, _mm512_loadu_ps(acc + t * PACK_ROWS));
+        _mm512_storeu_ps(acc + t * PACK_ROWS, sum);
+    }
+}
+
+/* q6k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
+INLINE void q6k_tokens_any_512(const Q6kBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+{
+    _Static_assert(PACK_TOKS == 8, "a case per token count");
+    switch (T) {
+    case 1: q6k_tokens_512(b, ints, direct, x, xs, k, 1, acc); break;
+    case 2: q6k_tokens_512(b, ints, direct, x, xs, k, 2, acc); break;
+    case 3: q6k_tokens_512(b, ints, direct, x, xs, k, 3, acc); break;
+    case 4: q6k_tokens_512(b, ints, direct, x, xs, k, 4, acc); break;
+    case 5: q6k_tokens_512(b, ints, direct, x, xs, k, 5, acc); break;
+    case 6: q6k_tokens_512(b, ints, direct, x, xs, k, 6, acc); break;
+    case 7: q6k_tokens_512(b, ints, direct, x, xs, k, 7, acc); break;
+    default: q6k_tokens_512(b, ints, direct, x, xs, k, 8, acc); break;
+    }
+}
+
+/* q6_k for any number of tokens, as packed_q4_k_avx512. */
+static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    const PackForm f = {PACK_K6, 6, 32, 0};
+    const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
+    memset(out, 0, sizeof(float) * PACK_ROWS * toks);
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        Q6kBlock512 b;
+        for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
+        q6k_unpack_512(rec, &b, toks > PACK_TOKS);
+        if (toks <= PACK_TOKS) {
+            q6k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
+            continue;
+        }
+        for (size_t i = 0; i < rb; i += CACHE_LINE) __builtin_prefetch(rec + gb + i, 0, 2);
+        int t0 = 0;
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q6k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+        if (t0 < toks) q6k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+    }
+}
+
 PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
 PACKED_KERNEL(q4_1, avx512, packed32_512, 4, 0, 1)
 PACKED_KERNEL(q5_0, avx512, packed32_512, 5, 16, 0)
@@ -10369,7 +10421,7 @@ static const KernelSet SET_AVX512 = {
      [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
      [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},
      [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512, .wide = packed_q4_k_avx512},
-     [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512}},
+     [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512, .wide = packed_q6_k_avx512}},
 };
 #endif /* HAVE_AVX512_SET */
 
