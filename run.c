@@ -3090,35 +3090,25 @@ static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
 /* From "the kernel tables" below: the type's product for any number of tokens, or NULL. */
 static PackedFn wide_kernel(int type);
 
-/* A pass of several tokens reads a group's bytes once from memory, then
-   from cache for each further call: the first call would wait on memory
-   with the cores idle. So call c of `calls` asks for its share of the next
-   group's bytes into L2, and those arrive while this group is computed. */
-static void prefetch_share(const uint8_t *next, size_t bytes, int c, int calls)
-{
-    size_t lines = bytes / CACHE_LINE;
-    for (size_t i = c * lines / calls; i < (c + 1) * lines / calls; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
-}
-
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
    n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
-   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
-   byte from memory once per batch and decode once per token. Every token
+   at a time, PACK_TOKS tokens a call (a type with a wide product: a
+   pass of more tokens in one call, which unpacks each group once for
+   them all), so that prefill reads each weight byte from memory once per
+   batch and decode once per token. Every token
    takes the same operations whatever the batch, so prefill, decode and
    verification agree bit for bit. */
 static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
 {
     PackedFn fn = packed_kernel(w->type), wide = wide_kernel(w->type);
     size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
-    int step = wide && n_tok > PACK_TOKS ? CHUNK_TOKENS : PACK_TOKS, calls = (n_tok + step - 1) / step;
+    int step = wide && n_tok > PACK_TOKS ? CHUNK_TOKENS : PACK_TOKS;
     if (step > PACK_TOKS) fn = wide;
     float v[CHUNK_TOKENS * PACK_ROWS];
     for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
         for (int t = 0; t < n_tok; t += step) {
             int toks = min_i(step, n_tok - t);
-            if (calls > 1 && (g + 1) * PACK_ROWS < r1) /* one call reads its group once: no time to hide */
-                prefetch_share((const uint8_t *)w->data + (g + 1) * gb, gb, t / step, calls);
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
