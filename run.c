@@ -3114,6 +3114,7 @@ static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
                 const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
                 if (out.accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
+                else if (b - a == PACK_ROWS) memcpy(o, vj, PACK_ROWS * sizeof(float)); /* a constant size: no call */
                 else memcpy(o, vj, (b - a) * sizeof(float));
             }
         }
@@ -10109,7 +10110,7 @@ INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, int direct,
         __m512i msum = _mm512_setzero_si512();
         for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, b->mnp[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
         __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
-        __m512 a = _mm512_loadu_ps(acc + t * PACK_ROWS);
+        __m512 a = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), b->d, a);
         _mm512_storeu_ps(acc + t * PACK_ROWS, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), b->negdmin, a));
     }
@@ -10140,7 +10141,7 @@ static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, si
 {
     const PackForm f = {PACK_K4, 4, 0, 1};
     const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
-    memset(out, 0, sizeof(float) * PACK_ROWS * toks);
+    if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
         Q4kBlock512 b;
@@ -10233,7 +10234,8 @@ INLINE void q6k_tokens_512(const Q6kBlock512 *b, const uint8_t *ints, int direct
             msum = _mm512_dpwssd_epi32(msum, b->scp[p], _mm512_set1_epi32(pair));
         }
         __m512i is = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
-        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a->d)), b->d, _mm512_loadu_ps(acc + t * PACK_ROWS));
+        __m512 prev = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
+        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a->d)), b->d, prev);
         _mm512_storeu_ps(acc + t * PACK_ROWS, sum);
     }
 }
@@ -10259,7 +10261,7 @@ static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, si
 {
     const PackForm f = {PACK_K6, 6, 32, 0};
     const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
-    memset(out, 0, sizeof(float) * PACK_ROWS * toks);
+    if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
         Q6kBlock512 b;
