@@ -10116,6 +10116,15 @@ INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, int direct,
     }
 }
 
+/* Part p of `parts` of the bytes at next asked into L2: a wide product
+   asks for the next group's record while it computes this one's, a part
+   before each pass (all at once, the requests wait for fill buffers). */
+INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
+{
+    size_t lines = bytes / CACHE_LINE;
+    for (size_t i = p * lines / parts; i < (p + 1) * lines / parts; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
+}
+
 /* q4k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
 INLINE void q4k_tokens_any_512(const Q4kBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
@@ -10151,10 +10160,15 @@ static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, si
             q4k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
             continue;
         }
-        for (size_t i = 0; i < rb; i += CACHE_LINE) __builtin_prefetch(rec + gb + i, 0, 2);
-        int t0 = 0;
-        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q4k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
-        if (t0 < toks) q4k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+        int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
+            prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
+            q4k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+        }
+        if (t0 < toks) {
+            prefetch_part(rec + gb, rb, passes - 1, passes);
+            q4k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+        }
     }
 }
 
@@ -10271,10 +10285,15 @@ static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, si
             q6k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
             continue;
         }
-        for (size_t i = 0; i < rb; i += CACHE_LINE) __builtin_prefetch(rec + gb + i, 0, 2);
-        int t0 = 0;
-        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) q6k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
-        if (t0 < toks) q6k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+        int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
+            prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
+            q6k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+        }
+        if (t0 < toks) {
+            prefetch_part(rec + gb, rb, passes - 1, passes);
+            q6k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+        }
     }
 }
 
