@@ -9071,6 +9071,20 @@ static void quantize_act_avx2(void *blocks, const float *x, int n)
     }
 }
 
+/* q8k_bsums on vectors: per 32 bytes, pair sums (maddubs against ones),
+   sums of 4 (madd), then of 16 (two horizontal adds); exact integers. */
+static void q8k_bsums_avx2(BlockQ8K *b)
+{
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int j = 0; j < QK_K; j += QK) {
+        __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(b->qs + j))), ones16);
+        __m256i h = _mm256_hadd_epi32(s4, s4);
+        h = _mm256_hadd_epi32(h, h); /* lane 0: the sum of elements 0-15, lane 4: of 16-31 */
+        b->bsums[j / 16] = (int16_t)_mm256_extract_epi32(h, 0);
+        b->bsums[j / 16 + 1] = (int16_t)_mm256_extract_epi32(h, 4);
+    }
+}
+
 static void quantize_act_k_avx2(void *blocks, const float *x, int n)
 {
     BlockQ8K *out = blocks;
@@ -9078,7 +9092,7 @@ static void quantize_act_k_avx2(void *blocks, const float *x, int n)
         float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
         for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
-        q8k_bsums(&out[b]);
+        q8k_bsums_avx2(&out[b]);
     }
 }
 
