@@ -9951,6 +9951,24 @@ INLINE __m512i plane16_u(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loa
 INLINE __m512i plane16_s(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 INLINE __m512i pair16_512(__m512i lo, __m512i hi) { return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16)); }
 
+/* q4_k's 8 scales of 16 rows as int32 lanes, and its 8 minimums as 4
+   vectors of int16 pairs (minimum 2p low, 2p + 1 high): k4_scale_min on
+   16 rows at once. A scale (0..63) in an int32 lane is also the int16
+   pair (scale, 0). */
+INLINE void k4_scales_512(const uint8_t *rec, __m512i sc[QK_K / 32], __m512i mnp[QK_K / 64])
+{
+    __m512i B[12], mn[QK_K / 32];
+    for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 4; j++) {
+        sc[j] = _mm512_and_si512(B[j], low6);
+        mn[j] = _mm512_and_si512(B[j + 4], low6);
+        sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
+        mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
+    }
+    for (int p = 0; p < QK_K / 64; p++) mnp[p] = pair16_512(mn[2 * p], mn[2 * p + 1]);
+}
+
 /* The K types for T <= PACK_TOKS_K512 tokens (packed_dot_k): per
    sub-block one int32 sum per row (vpdpbusd), times the sub-block's scale
    (vpmulld); the minimums' (q6_k: the offset's) sums as int16 pairs
@@ -9965,19 +9983,11 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
-        __m512i sc[QK_K / 16], mn[QK_K / 32];
+        __m512i sc[QK_K / 16], mnp[QK_K / 64];
         if (k6) {
             for (int g = 0; g < QK_K / 16; g++) sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
-        } else { /* k4_scale_min on 16 rows at once */
-            __m512i B[12];
-            for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
-            const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-            for (int j = 0; j < 4; j++) {
-                sc[j] = _mm512_and_si512(B[j], low6);
-                mn[j] = _mm512_and_si512(B[j + 4], low6);
-                sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
-                mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
-            }
+        } else {
+            k4_scales_512(rec, sc, mnp);
         }
         __m512i isum[PACK_TOKS_K512], msum[PACK_TOKS_K512];
         for (int t = 0; t < T; t++) isum[t] = msum[t] = _mm512_setzero_si512();
@@ -10001,7 +10011,7 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
         for (int t = 0; t < T; t++) {
             const int16_t *bs = ((const BlockQ8K *)(x + t * xs) + k)->bsums;
             for (int p = 0; p < (k6 ? 8 : 4); p++) {
-                __m512i w = k6 ? pair16_512(sc[2 * p], sc[2 * p + 1]) : pair16_512(mn[2 * p], mn[2 * p + 1]);
+                __m512i w = k6 ? pair16_512(sc[2 * p], sc[2 * p + 1]) : mnp[p];
                 int lo = k6 ? bs[2 * p] : bs[4 * p] + bs[4 * p + 1], hi = k6 ? bs[2 * p + 1] : bs[4 * p + 2] + bs[4 * p + 3];
                 msum[t] = _mm512_dpwssd_epi32(msum[t], w, _mm512_set1_epi32((int)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16)));
             }
@@ -10032,23 +10042,6 @@ INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs
     }
 }
 
-/* q4_k's 8 scales of 16 rows as int32 lanes, and its 8 minimums as 4
-   vectors of int16 pairs (minimum 2p low, 2p + 1 high): k4_scale_min on
-   16 rows at once. A scale (0..63) in an int32 lane is also the int16
-   pair (scale, 0). */
-INLINE void k4_scales_512(const uint8_t *rec, __m512i sc[QK_K / 32], __m512i mnp[QK_K / 64])
-{
-    __m512i B[12], mn[QK_K / 32];
-    for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
-    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-    for (int j = 0; j < 4; j++) {
-        sc[j] = _mm512_and_si512(B[j], low6);
-        mn[j] = _mm512_and_si512(B[j + 4], low6);
-        sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
-        mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
-    }
-    for (int p = 0; p < QK_K / 64; p++) mnp[p] = pair16_512(mn[2 * p], mn[2 * p + 1]);
-}
 
 /* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
    pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
@@ -10061,15 +10054,19 @@ INLINE void bsum_pairs_512(int32_t out[QK_K / 32], const int16_t *bsums)
     _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
 }
 
-/* Super-block k of a q4_k group unpacked once for every token of a call:
-   stretch j's nibble vector v as u[8j + 2v] (low nibbles) and u[8j + 2v
-   + 1] (high), with its scales (k4_scales_512) and fp16 planes. */
+/* Super-block k of a q4_k or q6_k group unpacked once for every token of
+   a call: the integers, one vector per group of four elements of the 16
+   rows (q4_k: stretch j's nibble vector v as u[8j + 2v], low nibbles, and
+   u[8j + 2v + 1], high; q6_k: stretch j's element group g as u[8j + g]),
+   the sub-block scales as int32 lanes, int16 pairs (q4_k: the minimums
+   2p low and 2p + 1 high, k4_scales_512; q6_k: the scales) and the fp16
+   planes. */
 typedef struct {
-    __m512i u[QK_K / 4], sc[QK_K / 32], mnp[QK_K / 64];
+    __m512i u[QK_K / 4], sc[QK_K / 16], pairs[QK_K / 32];
     __m512 d, negdmin;
-} Q4kBlock512;
+} KBlock512;
 
-INLINE void q4k_unpack_512(const uint8_t *rec, Q4kBlock512 *b, int nibbles)
+INLINE void q4k_unpack_512(const uint8_t *rec, KBlock512 *b, int nibbles)
 {
     const PackForm f = {PACK_K4, 4, 0, 1};
     const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
@@ -10080,7 +10077,7 @@ INLINE void q4k_unpack_512(const uint8_t *rec, Q4kBlock512 *b, int nibbles)
             b->u[8 * j + 2 * v] = _mm512_and_si512(raw, low4);
             b->u[8 * j + 2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
         }
-    k4_scales_512(rec, b->sc, b->mnp);
+    k4_scales_512(rec, b->sc, b->pairs);
     b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
     b->negdmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
 }
@@ -10093,7 +10090,7 @@ INLINE void q4k_unpack_512(const uint8_t *rec, Q4kBlock512 *b, int nibbles)
    two instructions where vpmulld and an add are three. The minimums: one
    vpdpwssd per two sub-blocks against the activations' sums of 32. Same
    integers and float steps as dot_k. */
-INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
     const __m512i low4 = _mm512_set1_epi8(0x0f);
@@ -10122,7 +10119,7 @@ INLINE void q4k_tokens_512(const Q4kBlock512 *b, const uint8_t *st0, int direct,
     }
     for (int t = 0; t < T; t++) {
         __m512i msum = _mm512_setzero_si512();
-        for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, b->mnp[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
+        for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, b->pairs[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
         __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
         __m512 a = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), b->d, a);
@@ -10139,53 +10136,6 @@ INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
     for (size_t i = p * lines / parts; i < (p + 1) * lines / parts; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
 }
 
-/* q4k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
-INLINE void q4k_tokens_any_512(const Q4kBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
-{
-    _Static_assert(PACK_TOKS == 8, "a case per token count");
-    switch (T) {
-    case 1: q4k_tokens_512(b, st0, direct, x, xs, k, 1, acc); break;
-    case 2: q4k_tokens_512(b, st0, direct, x, xs, k, 2, acc); break;
-    case 3: q4k_tokens_512(b, st0, direct, x, xs, k, 3, acc); break;
-    case 4: q4k_tokens_512(b, st0, direct, x, xs, k, 4, acc); break;
-    case 5: q4k_tokens_512(b, st0, direct, x, xs, k, 5, acc); break;
-    case 6: q4k_tokens_512(b, st0, direct, x, xs, k, 6, acc); break;
-    case 7: q4k_tokens_512(b, st0, direct, x, xs, k, 7, acc); break;
-    default: q4k_tokens_512(b, st0, direct, x, xs, k, 8, acc); break;
-    }
-}
-
-/* q4_k for any number of tokens (the set's packed and wide product): up
-   to PACK_TOKS in one pass, the nibbles unpacked as they are used; more
-   in passes of PACK_TOKS over each super-block unpacked once for all of
-   them, while the next group's same super-block is asked into L2 (a pass
-   of a whole prefill chunk reads each group once). */
-static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
-{
-    const PackForm f = {PACK_K4, 4, 0, 1};
-    const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
-    if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
-    for (int k = 0; k < n / QK_K; k++) {
-        const uint8_t *rec = group + k * rb;
-        Q4kBlock512 b;
-        for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
-        q4k_unpack_512(rec, &b, toks > PACK_TOKS);
-        if (toks <= PACK_TOKS) {
-            q4k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
-            continue;
-        }
-        int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
-        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
-            prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
-            q4k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
-        }
-        if (t0 < toks) {
-            prefetch_part(rec + gb, rb, passes - 1, passes);
-            q4k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
-        }
-    }
-}
-
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
 /* Element group k (0..7, four elements of each row) of a q6_k stretch:
    the nibbles n4 (masked) with their two high bits from plane k / 4,
@@ -10197,14 +10147,6 @@ INLINE __m512i q6_group_512(__m512i n4, __m512i plane, int k)
     return _mm512_ternarylogic_epi32(n4, s, _mm512_set1_epi8(0x30), 0xf8); /* a | (b & c) */
 }
 
-/* Super-block k of a q6_k group unpacked once for every token of a call:
-   stretch j's element group g (0..7) as u[8j + g], with its 16 scales as
-   int32 lanes, their pairs (2p low, 2p + 1 high) and the fp16 d. */
-typedef struct {
-    __m512i u[QK_K / 4], sc[QK_K / 16], scp[QK_K / 32];
-    __m512 d;
-} Q6kBlock512;
-
 /* Element group 4 h + i (i = 0..3: a constant where inlined) of stretch
    st of a q6_k record (q6_group_512). */
 INLINE __m512i q6_unpack_512(const uint8_t *st, int h, int i)
@@ -10215,7 +10157,7 @@ INLINE __m512i q6_unpack_512(const uint8_t *st, int h, int i)
     return q6_group_512(n4, _mm512_loadu_si512(st + PACK_VECTOR * h), i);
 }
 
-INLINE void q6k_unpack_512(const uint8_t *rec, Q6kBlock512 *b, int ints)
+INLINE void q6k_unpack_512(const uint8_t *rec, KBlock512 *b, int ints)
 {
     const PackForm f = {PACK_K6, 6, 32, 0};
     const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
@@ -10224,7 +10166,7 @@ INLINE void q6k_unpack_512(const uint8_t *rec, Q6kBlock512 *b, int ints)
         for (int g = 0; g < STRETCH / 4; g++) b->u[8 * j + g] = q6_unpack_512(rec + hb + j * sb, g / 4, g % 4);
     }
     for (int g = 0; g < QK_K / 16; g++) b->sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
-    for (int p = 0; p < QK_K / 32; p++) b->scp[p] = pair16_512(b->sc[2 * p], b->sc[2 * p + 1]);
+    for (int p = 0; p < QK_K / 32; p++) b->pairs[p] = pair16_512(b->sc[2 * p], b->sc[2 * p + 1]);
     b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
 }
 
@@ -10235,7 +10177,7 @@ INLINE void q6k_unpack_512(const uint8_t *rec, Q6kBlock512 *b, int ints)
    (vpmulld: the sum of 16 six-bit products exceeds int16); the offset's
    sums as int16 pairs (vpdpwssd), the activations' pairs of sums of 16
    read as they lie. Same integers and float steps as dot_k. */
-INLINE void q6k_tokens_512(const Q6kBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+INLINE void q6k_tokens_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH * 6 / 8;
     __m512i isum[PACK_TOKS];
@@ -10259,7 +10201,7 @@ INLINE void q6k_tokens_512(const Q6kBlock512 *b, const uint8_t *ints, int direct
         for (int p = 0; p < QK_K / 32; p++) {
             int32_t pair;
             memcpy(&pair, a->bsums + 2 * p, sizeof pair); /* bsums 2p, 2p + 1: an int16 pair as it lies */
-            msum = _mm512_dpwssd_epi32(msum, b->scp[p], _mm512_set1_epi32(pair));
+            msum = _mm512_dpwssd_epi32(msum, b->pairs[p], _mm512_set1_epi32(pair));
         }
         __m512i is = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
         __m512 prev = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
@@ -10268,47 +10210,71 @@ INLINE void q6k_tokens_512(const Q6kBlock512 *b, const uint8_t *ints, int direct
     }
 }
 
-/* q6k_tokens_512 with T (1 .. PACK_TOKS) a constant in each instance. */
-INLINE void q6k_tokens_any_512(const Q6kBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+/* A K type's tile (kind PACK_K4: q4_k, PACK_K6: q6_k) with T (1 ..
+   PACK_TOKS) a constant in each instance. */
+INLINE void k_tokens_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc,
+                         int kind)
+{
+    if (kind == PACK_K6) q6k_tokens_512(b, ints, direct, x, xs, k, T, acc);
+    else q4k_tokens_512(b, ints, direct, x, xs, k, T, acc);
+}
+
+INLINE void k_tokens_any_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc,
+                             int kind)
 {
     _Static_assert(PACK_TOKS == 8, "a case per token count");
     switch (T) {
-    case 1: q6k_tokens_512(b, ints, direct, x, xs, k, 1, acc); break;
-    case 2: q6k_tokens_512(b, ints, direct, x, xs, k, 2, acc); break;
-    case 3: q6k_tokens_512(b, ints, direct, x, xs, k, 3, acc); break;
-    case 4: q6k_tokens_512(b, ints, direct, x, xs, k, 4, acc); break;
-    case 5: q6k_tokens_512(b, ints, direct, x, xs, k, 5, acc); break;
-    case 6: q6k_tokens_512(b, ints, direct, x, xs, k, 6, acc); break;
-    case 7: q6k_tokens_512(b, ints, direct, x, xs, k, 7, acc); break;
-    default: q6k_tokens_512(b, ints, direct, x, xs, k, 8, acc); break;
+    case 1: k_tokens_512(b, ints, direct, x, xs, k, 1, acc, kind); break;
+    case 2: k_tokens_512(b, ints, direct, x, xs, k, 2, acc, kind); break;
+    case 3: k_tokens_512(b, ints, direct, x, xs, k, 3, acc, kind); break;
+    case 4: k_tokens_512(b, ints, direct, x, xs, k, 4, acc, kind); break;
+    case 5: k_tokens_512(b, ints, direct, x, xs, k, 5, acc, kind); break;
+    case 6: k_tokens_512(b, ints, direct, x, xs, k, 6, acc, kind); break;
+    case 7: k_tokens_512(b, ints, direct, x, xs, k, 7, acc, kind); break;
+    default: k_tokens_512(b, ints, direct, x, xs, k, 8, acc, kind); break;
     }
 }
 
-/* q6_k for any number of tokens, as packed_q4_k_avx512. */
-static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+/* q4_k or q6_k for any number of tokens (the set's packed and wide
+   product): up to PACK_TOKS in one pass, the integers unpacked as they are
+   used; more in passes of PACK_TOKS over each super-block unpacked once
+   for all of them, while the next group's same super-block is asked into
+   L2 (a pass of a whole prefill chunk reads each group once). */
+INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int kind)
 {
-    const PackForm f = {PACK_K6, 6, 32, 0};
+    const PackForm f = kind == PACK_K6 ? (PackForm){PACK_K6, 6, 32, 0} : (PackForm){PACK_K4, 4, 0, 1};
     const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
     if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
-        Q6kBlock512 b;
+        KBlock512 b;
         for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
-        q6k_unpack_512(rec, &b, toks > PACK_TOKS);
+        if (kind == PACK_K6) q6k_unpack_512(rec, &b, toks > PACK_TOKS);
+        else q4k_unpack_512(rec, &b, toks > PACK_TOKS);
         if (toks <= PACK_TOKS) {
-            q6k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out);
+            k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out, kind);
             continue;
         }
         int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
         for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
             prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
-            q6k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS);
+            k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS, kind);
         }
         if (t0 < toks) {
             prefetch_part(rec + gb, rb, passes - 1, passes);
-            q6k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS);
+            k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS, kind);
         }
     }
+}
+
+static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packed_k_512(group, n, x, xs, toks, out, PACK_K4);
+}
+
+static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packed_k_512(group, n, x, xs, toks, out, PACK_K6);
 }
 
 PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
