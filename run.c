@@ -9835,7 +9835,12 @@ static const KernelSet SET_AVXVNNI = {
    inherits every kernel it leaves out from the AVX2 set (its inherits field).
    The int8 matrix products take two 32-element blocks per 512-bit vector
    and one vpdpbusd per 64 products, where AVX2 needs maddubs and madd per
-   32; the float tiles take 16 floats per FMA. Same contracts as the AVX2
+   32; the float tiles take 16 floats per FMA. The integer types' register
+   tile is 16 rows x 8 tokens, and their wide products take a whole
+   prefill chunk a call, unpacking each block once for all its tokens: at
+   two vpdpbusd a cycle on both vector ports, every other instruction
+   (unpacking, scales, float steps) takes a product's place, so what is
+   left per product is what decides the speed. Same contracts as the AVX2
    kernels (tests/test_kernels.c checks each against the scalar set).
    Used when the CPU has AVX-512 F/BW/VL/DQ and VNNI and the OS saves the
    ZMM registers (cpu_has_avx512_vnni).
