@@ -3003,26 +3003,34 @@ typedef struct {
 /* The activation format W reads: its first part's, which all its parts share (join_parts). */
 static int matrix_act(const Matrix *w) { return act_format(w->part[0].type); }
 
+/* From "the kernel tables" below: the type's product for any number of tokens, or NULL. */
+static PackedFn wide_kernel(int type);
+
 /* Rows [r0, r1) of out[t][r] = W[r] . x[t] (or += with accumulate) for the
    n_tok input rows in = x, W one packed tensor: a group of PACK_ROWS rows
-   at a time, PACK_TOKS tokens a call, so that prefill reads each weight
-   byte from memory once per batch and decode once per token. Every token
+   at a time, PACK_TOKS tokens a call (a type with a wide product: a
+   pass of more tokens in one call, which unpacks each group once for
+   them all), so that prefill reads each weight byte from memory once per
+   batch and decode once per token. Every token
    takes the same operations whatever the batch, so prefill, decode and
    verification agree bit for bit. */
 static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int r1)
 {
-    PackedFn fn = packed_kernel(w->type);
+    PackedFn fn = packed_kernel(w->type), wide = wide_kernel(w->type);
     size_t gb = packed_group_bytes(packed_form(w->type), w->cols);
-    float v[PACK_TOKS * PACK_ROWS];
+    int step = wide && n_tok > PACK_TOKS ? CHUNK_TOKENS : PACK_TOKS;
+    if (step > PACK_TOKS) fn = wide;
+    float v[CHUNK_TOKENS * PACK_ROWS];
     for (int g = r0 / PACK_ROWS; g * PACK_ROWS < r1; g++) {
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
-        for (int t = 0; t < n_tok; t += PACK_TOKS) {
-            int toks = min_i(PACK_TOKS, n_tok - t);
+        for (int t = 0; t < n_tok; t += step) {
+            int toks = min_i(step, n_tok - t);
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
                 const float *vj = v + j * PACK_ROWS + a - g * PACK_ROWS;
                 if (out.accumulate) for (int r = 0; r < b - a; r++) o[r] += vj[r];
+                else if (b - a == PACK_ROWS) memcpy(o, vj, PACK_ROWS * sizeof(float)); /* a constant size: no call */
                 else memcpy(o, vj, (b - a) * sizeof(float));
             }
         }
@@ -3556,6 +3564,8 @@ typedef struct {
     ToFloatFn to_float;     /* a row as stored (a KV cache row, an embedding row) as floats */
     FromFloatFn from_float; /* floats into a row (KV cache types only) */
     PackedFn packed;        /* the matrix product over packed groups: decode's GEMV and prefill's tile at once */
+    PackedFn wide;          /* the same for any number of tokens a call (a whole prefill chunk), sharing each
+                               group's unpacking among them all; NULL: calls of PACK_TOKS to packed */
 } TypeKernels;
 
 enum { KSET_SCALAR, KSET_AVX2, KSET_AVX512, KSET_NEON, KSET_NEON_DOT, KSET_AVXVNNI, N_KSETS };
@@ -3983,6 +3993,7 @@ static void select_kernels(int set)
             if (!k->to_float) k->to_float = r->to_float;
             if (!k->from_float) k->from_float = r->from_float;
             if (!k->packed) k->packed = r->packed;
+            if (!k->wide) k->wide = r->wide;
         }
     }
 }
@@ -4041,6 +4052,7 @@ static void geglu(float *g, const float *u, int n) { K.op.geglu(g, u, n); }
 /* Floats into a row of a KV cache type. */
 static void from_float(void *row, const float *x, int type, int n) { K.type[type].from_float(row, x, n); }
 static PackedFn packed_kernel(int type) { return K.type[type].packed; }
+static PackedFn wide_kernel(int type) { return K.type[type].wide; }
 static const PackForm *packed_form(int type) { return &TYPES[type].pack; }
 static int plain_attention(void) { return K.op.plain_attention; }
 static const char *kernel_set_name(void) { return K.op.name; }
@@ -9332,6 +9344,20 @@ static void quantize_act_avx2(void *blocks, const float *x, int n)
     }
 }
 
+/* q8k_bsums on vectors: per 32 bytes, pair sums (maddubs against ones),
+   sums of 4 (madd), then of 16 (two horizontal adds); exact integers. */
+static void q8k_bsums_avx2(BlockQ8K *b)
+{
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    for (int j = 0; j < QK_K; j += QK) {
+        __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, _mm256_loadu_si256((const __m256i *)(b->qs + j))), ones16);
+        __m256i h = _mm256_hadd_epi32(s4, s4);
+        h = _mm256_hadd_epi32(h, h); /* lane 0: the sum of elements 0-15, lane 4: of 16-31 */
+        b->bsums[j / 16] = (int16_t)_mm256_extract_epi32(h, 0);
+        b->bsums[j / 16 + 1] = (int16_t)_mm256_extract_epi32(h, 4);
+    }
+}
+
 static void quantize_act_k_avx2(void *blocks, const float *x, int n)
 {
     BlockQ8K *out = blocks;
@@ -9339,7 +9365,7 @@ static void quantize_act_k_avx2(void *blocks, const float *x, int n)
         float d = amax_avx2(x, QK_K) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
         for (int j = 0; j < QK_K; j += QK) round_i8x32_avx2(out[b].qs + j, x + j, id);
-        q8k_bsums(&out[b]);
+        q8k_bsums_avx2(&out[b]);
     }
 }
 
@@ -10082,7 +10108,12 @@ static const KernelSet SET_AVXVNNI = {
    inherits every kernel it leaves out from the AVX2 set (its inherits field).
    The int8 matrix products take two 32-element blocks per 512-bit vector
    and one vpdpbusd per 64 products, where AVX2 needs maddubs and madd per
-   32; the float tiles take 16 floats per FMA. Same contracts as the AVX2
+   32; the float tiles take 16 floats per FMA. The integer types' register
+   tile is 16 rows x 8 tokens, and their wide products take a whole
+   prefill chunk a call, unpacking each block once for all its tokens: at
+   two vpdpbusd a cycle on both vector ports, every other instruction
+   (unpacking, scales, float steps) takes a product's place, so what is
+   left per product is what decides the speed. Same contracts as the AVX2
    kernels (tests/test_kernels.c checks each against the scalar set).
    Used when the CPU has AVX-512 F/BW/VL/DQ and VNNI and the OS saves the
    ZMM registers (cpu_has_avx512_vnni).
@@ -10146,6 +10177,20 @@ INLINE __m512i stretch_u512(const uint8_t *stretch, int g, int bits)
 
 INLINE __m512i act4_512(const int8_t *qs) { int32_t a4; memcpy(&a4, qs, 4); return _mm512_set1_epi32(a4); }
 
+/* acc + u . (qs[0..3] in every lane): vpdpbusd with the activations'
+   four bytes as its broadcast memory operand, one fused instruction (GCC
+   12 loads the broadcast apart, a second instruction per product, and at
+   two products a cycle the front end is then what limits a tile). */
+INLINE __m512i dpbusd4_512(__m512i acc, __m512i u, const int8_t *qs)
+{
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*(const int32_t *)qs));
+    return acc;
+#else
+    return _mm512_dpbusd_epi32(acc, u, act4_512(qs));
+#endif
+}
+
 /* The 32-element types for T <= PACK_TOKS tokens (packed_dot_block32). */
 INLINE void packed32_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
                          int has_min)
@@ -10184,6 +10229,24 @@ INLINE __m512i plane16_u(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loa
 INLINE __m512i plane16_s(const uint8_t *p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 INLINE __m512i pair16_512(__m512i lo, __m512i hi) { return _mm512_or_si512(_mm512_and_si512(lo, _mm512_set1_epi32(0xffff)), _mm512_slli_epi32(hi, 16)); }
 
+/* q4_k's 8 scales of 16 rows as int32 lanes, and its 8 minimums as 4
+   vectors of int16 pairs (minimum 2p low, 2p + 1 high): k4_scale_min on
+   16 rows at once. A scale (0..63) in an int32 lane is also the int16
+   pair (scale, 0). */
+INLINE void k4_scales_512(const uint8_t *rec, __m512i sc[QK_K / 32], __m512i mnp[QK_K / 64])
+{
+    __m512i B[12], mn[QK_K / 32];
+    for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
+    const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
+    for (int j = 0; j < 4; j++) {
+        sc[j] = _mm512_and_si512(B[j], low6);
+        mn[j] = _mm512_and_si512(B[j + 4], low6);
+        sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
+        mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
+    }
+    for (int p = 0; p < QK_K / 64; p++) mnp[p] = pair16_512(mn[2 * p], mn[2 * p + 1]);
+}
+
 /* The K types for T <= PACK_TOKS_K512 tokens (packed_dot_k): per
    sub-block one int32 sum per row (vpdpbusd), times the sub-block's scale
    (vpmulld); the minimums' (q6_k: the offset's) sums as int16 pairs
@@ -10198,19 +10261,11 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
-        __m512i sc[QK_K / 16], mn[QK_K / 32];
+        __m512i sc[QK_K / 16], mnp[QK_K / 64];
         if (k6) {
             for (int g = 0; g < QK_K / 16; g++) sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
-        } else { /* k4_scale_min on 16 rows at once */
-            __m512i B[12];
-            for (int b = 0; b < 12; b++) B[b] = plane16_u(rec + PACK_ROWS * (4 + b));
-            const __m512i low6 = _mm512_set1_epi32(63), low4 = _mm512_set1_epi32(15);
-            for (int j = 0; j < 4; j++) {
-                sc[j] = _mm512_and_si512(B[j], low6);
-                mn[j] = _mm512_and_si512(B[j + 4], low6);
-                sc[j + 4] = _mm512_or_si512(_mm512_and_si512(B[j + 8], low4), _mm512_slli_epi32(_mm512_srli_epi32(B[j], 6), 4));
-                mn[j + 4] = _mm512_or_si512(_mm512_srli_epi32(B[j + 8], 4), _mm512_slli_epi32(_mm512_srli_epi32(B[j + 4], 6), 4));
-            }
+        } else {
+            k4_scales_512(rec, sc, mnp);
         }
         __m512i isum[PACK_TOKS_K512], msum[PACK_TOKS_K512];
         for (int t = 0; t < T; t++) isum[t] = msum[t] = _mm512_setzero_si512();
@@ -10234,7 +10289,7 @@ INLINE void packedk_512_part(const uint8_t *group, int n, const uint8_t *x, size
         for (int t = 0; t < T; t++) {
             const int16_t *bs = ((const BlockQ8K *)(x + t * xs) + k)->bsums;
             for (int p = 0; p < (k6 ? 8 : 4); p++) {
-                __m512i w = k6 ? pair16_512(sc[2 * p], sc[2 * p + 1]) : pair16_512(mn[2 * p], mn[2 * p + 1]);
+                __m512i w = k6 ? pair16_512(sc[2 * p], sc[2 * p + 1]) : mnp[p];
                 int lo = k6 ? bs[2 * p] : bs[4 * p] + bs[4 * p + 1], hi = k6 ? bs[2 * p + 1] : bs[4 * p + 2] + bs[4 * p + 3];
                 msum[t] = _mm512_dpwssd_epi32(msum[t], w, _mm512_set1_epi32((int)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16)));
             }
@@ -10265,14 +10320,312 @@ INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs
     }
 }
 
-PACKED_KERNEL(q4_k, avx512, packedk_512, 4, PACK_K4, 0)
+
+/* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
+   pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
+   pack works within 128-bit halves). In vectors: per token and super-block
+   three instructions where scalar code takes some twenty, on ports the
+   vector instructions share. */
+INLINE void bsum_pairs_512(int32_t out[QK_K / 32], const int16_t *bsums)
+{
+    __m256i s = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), _mm256_set1_epi16(1));
+    _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
+}
+
+/* Super-block k of a q4_k or q6_k group unpacked once for every token of
+   a call: the integers, one vector per group of four elements of the 16
+   rows (q4_k: stretch j's nibble vector v as u[8j + 2v], low nibbles, and
+   u[8j + 2v + 1], high; q6_k: stretch j's element group g as u[8j + g]),
+   the sub-block scales as int32 lanes, int16 pairs (q4_k: the minimums
+   2p low and 2p + 1 high, k4_scales_512; q6_k: the scales) and the fp16
+   planes. */
+typedef struct {
+    __m512i u[QK_K / 4], sc[QK_K / 16], pairs[QK_K / 32];
+    __m512 d, negdmin;
+} KBlock512;
+
+INLINE void q4k_unpack_512(const uint8_t *rec, KBlock512 *b, int nibbles)
+{
+    const PackForm f = {PACK_K4, 4, 0, 1};
+    const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int j = 0; j < QK_K / STRETCH && nibbles; j++)
+        for (int v = 0; v < STRETCH / 8; v++) {
+            __m512i raw = _mm512_loadu_si512(rec + hb + j * sb + PACK_VECTOR * v);
+            b->u[8 * j + 2 * v] = _mm512_and_si512(raw, low4);
+            b->u[8 * j + 2 * v + 1] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+        }
+    k4_scales_512(rec, b->sc, b->pairs);
+    b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+    b->negdmin = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)));
+}
+
+/* T <= PACK_TOKS tokens (the register tile: 16 rows x T tokens) times
+   super-block k, added to acc (token t's 16 sums at acc + 16 t). A
+   sub-block's 32 products go into two int32 sums of 16 (the low nibbles,
+   the high ones), each within int16 (16 * 15 * 127 < 2^15), so one
+   vpdpwssd against the pair (scale, 0) multiplies and adds each exactly:
+   two instructions where vpmulld and an add are three. The minimums: one
+   vpdpwssd per two sub-blocks against the activations' sums of 32. Same
+   integers and float steps as dot_k. */
+INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+{
+    const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* pairs of sums of 32, per token (bsum_pairs_512) */
+    for (int t = 0; t < T; t++) bsum_pairs_512(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
+    __m512i isum[PACK_TOKS];
+    for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < QK_K / STRETCH; j++) {
+        __m512i slo[PACK_TOKS], shi[PACK_TOKS];
+        for (int t = 0; t < T; t++) slo[t] = shi[t] = _mm512_setzero_si512();
+        for (int v = 0; v < STRETCH / 8; v++) {
+            __m512i lo, hi;
+            if (direct) { /* one pass: unpacked here */
+                __m512i raw = _mm512_loadu_si512(st0 + j * sb + PACK_VECTOR * v);
+                lo = _mm512_and_si512(raw, low4), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low4);
+            } else {
+                lo = b->u[8 * j + 2 * v], hi = b->u[8 * j + 2 * v + 1];
+            }
+            for (int t = 0; t < T; t++) {
+                const int8_t *q = ((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 8 * v;
+                slo[t] = dpbusd4_512(slo[t], lo, q);
+                shi[t] = dpbusd4_512(shi[t], hi, q + 4);
+            }
+        }
+        for (int t = 0; t < T; t++) isum[t] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(isum[t], slo[t], b->sc[j]), shi[t], b->sc[j]);
+    }
+    for (int t = 0; t < T; t++) {
+        __m512i msum = _mm512_setzero_si512();
+        for (int p = 0; p < QK_K / 64; p++) msum = _mm512_dpwssd_epi32(msum, b->pairs[p], _mm512_set1_epi32(bsum32[t][p % 2 + p / 2 * 4]));
+        __m512 xd = _mm512_set1_ps(((const BlockQ8K *)(x + t * xs) + k)->d);
+        __m512 a = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
+        a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), b->d, a);
+        _mm512_storeu_ps(acc + t * PACK_ROWS, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), b->negdmin, a));
+    }
+}
+
+/* Part p of `parts` of the bytes at next asked into L2: a wide product
+   asks for the next group's record while it computes this one's, a part
+   before each pass (all at once, the requests wait for fill buffers). */
+INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
+{
+    size_t lines = bytes / CACHE_LINE;
+    for (size_t i = p * lines / parts; i < (p + 1) * lines / parts; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
+}
+
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
-PACKED_KERNEL(q6_k, avx512, packedk_512, 6, PACK_K6, 0)
+/* Element group k (0..7, four elements of each row) of a q6_k stretch:
+   the nibbles n4 (masked) with their two high bits from plane k / 4,
+   shifted into bits 4-5 and merged by one vpternlogd (n4 | (s & 0x30)). */
+INLINE __m512i q6_group_512(__m512i n4, __m512i plane, int k)
+{
+    int at = k % 4 * 2; /* the field's bit in its plane byte */
+    __m512i s = at <= 4 ? _mm512_slli_epi16(plane, 4 - at) : _mm512_srli_epi16(plane, at - 4);
+    return _mm512_ternarylogic_epi32(n4, s, _mm512_set1_epi8(0x30), 0xf8); /* a | (b & c) */
+}
+
+/* Element group 4 h + i (i = 0..3: a constant where inlined) of stretch
+   st of a q6_k record (q6_group_512). */
+INLINE __m512i q6_unpack_512(const uint8_t *st, int h, int i)
+{
+    const size_t planes = (size_t)PACK_ROWS * STRETCH / 8 * 2; /* the two high bits' planes before the nibbles */
+    __m512i raw = _mm512_loadu_si512(st + planes + PACK_VECTOR * (2 * h + i / 2));
+    __m512i n4 = _mm512_and_si512(i & 1 ? _mm512_srli_epi16(raw, 4) : raw, _mm512_set1_epi8(0x0f));
+    return q6_group_512(n4, _mm512_loadu_si512(st + PACK_VECTOR * h), i);
+}
+
+INLINE void q6k_unpack_512(const uint8_t *rec, KBlock512 *b, int ints)
+{
+    const PackForm f = {PACK_K6, 6, 32, 0};
+    const size_t hb = packed_head_bytes(&f), sb = packed_stretch_bytes(&f);
+    for (int j = 0; j < QK_K / STRETCH && ints; j++) {
+        UNROLL(8) /* g a constant: every shift an immediate */
+        for (int g = 0; g < STRETCH / 4; g++) b->u[8 * j + g] = q6_unpack_512(rec + hb + j * sb, g / 4, g % 4);
+    }
+    for (int g = 0; g < QK_K / 16; g++) b->sc[g] = plane16_s(rec + PACK_ROWS * (2 + g));
+    for (int p = 0; p < QK_K / 32; p++) b->pairs[p] = pair16_512(b->sc[2 * p], b->sc[2 * p + 1]);
+    b->d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+}
+
+/* T <= PACK_TOKS tokens (the register tile: 16 rows x T tokens) times
+   super-block k, added to acc (token t's sums at acc + 16 t); the groups
+   from b, or unpacked here from the record's integers at ints: per
+   sub-block of 16 one int32 sum per token (vpdpbusd), times its scale
+   (vpmulld: the sum of 16 six-bit products exceeds int16); the offset's
+   sums as int16 pairs (vpdpwssd), the activations' pairs of sums of 16
+   read as they lie. Same integers and float steps as dot_k. */
+INLINE void q6k_tokens_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
+{
+    const size_t sb = (size_t)PACK_ROWS * STRETCH * 6 / 8;
+    __m512i isum[PACK_TOKS];
+    for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
+    for (int j = 0; j < QK_K / STRETCH; j++)
+        for (int h2 = 0; h2 < 2; h2++) { /* sub-block 2j + h2: element groups 4 h2 .. 4 h2 + 3 */
+            __m512i s[PACK_TOKS];
+            for (int t = 0; t < T; t++) s[t] = _mm512_setzero_si512();
+            UNROLL(4) /* i a constant: every shift an immediate */
+            for (int i = 0; i < 4; i++) {
+                int g = 4 * h2 + i;
+                __m512i u = direct ? q6_unpack_512(ints + j * sb, h2, i) : b->u[8 * j + g];
+                for (int t = 0; t < T; t++)
+                    s[t] = dpbusd4_512(s[t], u, ((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g);
+            }
+            for (int t = 0; t < T; t++) isum[t] = _mm512_add_epi32(isum[t], _mm512_mullo_epi32(s[t], b->sc[2 * j + h2]));
+        }
+    for (int t = 0; t < T; t++) {
+        const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+        __m512i msum = _mm512_setzero_si512();
+        for (int p = 0; p < QK_K / 32; p++) {
+            int32_t pair;
+            memcpy(&pair, a->bsums + 2 * p, sizeof pair); /* bsums 2p, 2p + 1: an int16 pair as it lies */
+            msum = _mm512_dpwssd_epi32(msum, b->pairs[p], _mm512_set1_epi32(pair));
+        }
+        __m512i is = _mm512_sub_epi32(isum[t], _mm512_slli_epi32(msum, 5));
+        __m512 prev = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps(); /* super-block 0 starts the sums */
+        __m512 sum = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a->d)), b->d, prev);
+        _mm512_storeu_ps(acc + t * PACK_ROWS, sum);
+    }
+}
+
+/* A K type's tile (kind PACK_K4: q4_k, PACK_K6: q6_k) with T (1 ..
+   PACK_TOKS) a constant in each instance. */
+INLINE void k_tokens_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc,
+                         int kind)
+{
+    if (kind == PACK_K6) q6k_tokens_512(b, ints, direct, x, xs, k, T, acc);
+    else q4k_tokens_512(b, ints, direct, x, xs, k, T, acc);
+}
+
+INLINE void k_tokens_any_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc,
+                             int kind)
+{
+    _Static_assert(PACK_TOKS == 8, "a case per token count");
+    switch (T) {
+    case 1: k_tokens_512(b, ints, direct, x, xs, k, 1, acc, kind); break;
+    case 2: k_tokens_512(b, ints, direct, x, xs, k, 2, acc, kind); break;
+    case 3: k_tokens_512(b, ints, direct, x, xs, k, 3, acc, kind); break;
+    case 4: k_tokens_512(b, ints, direct, x, xs, k, 4, acc, kind); break;
+    case 5: k_tokens_512(b, ints, direct, x, xs, k, 5, acc, kind); break;
+    case 6: k_tokens_512(b, ints, direct, x, xs, k, 6, acc, kind); break;
+    case 7: k_tokens_512(b, ints, direct, x, xs, k, 7, acc, kind); break;
+    default: k_tokens_512(b, ints, direct, x, xs, k, 8, acc, kind); break;
+    }
+}
+
+/* q4_k or q6_k for any number of tokens (the set's packed and wide
+   product): up to PACK_TOKS in one pass, the integers unpacked as they are
+   used; more in passes of PACK_TOKS over each super-block unpacked once
+   for all of them, while the next group's same super-block is asked into
+   L2 (a pass of a whole prefill chunk reads each group once). */
+INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int kind)
+{
+    const PackForm f = kind == PACK_K6 ? (PackForm){PACK_K6, 6, 32, 0} : (PackForm){PACK_K4, 4, 0, 1};
+    const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
+    if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        KBlock512 b;
+        for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
+        if (kind == PACK_K6) q6k_unpack_512(rec, &b, toks > PACK_TOKS);
+        else q4k_unpack_512(rec, &b, toks > PACK_TOKS);
+        if (toks <= PACK_TOKS) {
+            k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out, kind);
+            continue;
+        }
+        int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
+        for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
+            prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
+            k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS, kind);
+        }
+        if (t0 < toks) {
+            prefetch_part(rec + gb, rb, passes - 1, passes);
+            k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS, kind);
+        }
+    }
+}
+
+static void packed_q4_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packed_k_512(group, n, x, xs, toks, out, PACK_K4);
+}
+
+static void packed_q6_k_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packed_k_512(group, n, x, xs, toks, out, PACK_K6);
+}
+
 PACKED_KERNEL(q4_0, avx512, packed32_512, 4, 8, 0)
 PACKED_KERNEL(q4_1, avx512, packed32_512, 4, 0, 1)
 PACKED_KERNEL(q5_0, avx512, packed32_512, 5, 16, 0)
 PACKED_KERNEL(q5_1, avx512, packed32_512, 5, 0, 1)
 PACKED_KERNEL(q8_0, avx512, packed32_512, 8, 128, 0)
+
+/* The 32-element types' register tile for PACK_TOKS tokens: block k's 8
+   vectors of integers (unpacked once for all passes) times each token's
+   activations, two chains of sums a token (a chain of 8 vpdpbusd would
+   wait on their latency), then the float steps of dot_block32 into acc
+   (token t's sums at acc + 16 t; block 0 starts them). */
+INLINE void b32_tokens_512(const __m512i u[QK / 4], __m512 d, __m512 m, const uint8_t *x, size_t xs, int k, float *acc, int offset,
+                           int has_min)
+{
+    __m512i isum[PACK_TOKS][2];
+    int32_t osum[PACK_TOKS]; /* the offset's share, read as a broadcast operand */
+    for (int t = 0; t < PACK_TOKS; t++) {
+        isum[t][0] = isum[t][1] = _mm512_setzero_si512();
+        osum[t] = offset * ((const BlockQ8A *)(x + t * xs) + k)->sum;
+    }
+    for (int g = 0; g < QK / 4; g++)
+        for (int t = 0; t < PACK_TOKS; t++)
+            isum[t][g % 2] = dpbusd4_512(isum[t][g % 2], u[g], ((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g);
+    for (int t = 0; t < PACK_TOKS; t++) {
+        const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
+        __m512i s = _mm512_add_epi32(isum[t][0], isum[t][1]);
+        if (offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(osum[t]));
+        __m512 r = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps();
+        r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d)), d, r);
+        if (has_min) r = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s), r);
+        _mm512_storeu_ps(acc + t * PACK_ROWS, r);
+    }
+}
+
+/* The 32-element types for a multiple of PACK_TOKS tokens (their wide
+   product, wide32_512): each block unpacked once for passes of PACK_TOKS,
+   the next group's block asked into L2 a part a pass. */
+INLINE void packed32_wide_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int offset,
+                              int has_min)
+{
+    const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
+    const int passes = toks / PACK_TOKS;
+    if (n < QK) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no block to start the sums */
+    for (int k = 0; k < n / QK; k++) {
+        const uint8_t *rec = group + k * rb;
+        __m512i u[QK / 4];
+        for (int g = 0; g < QK / 4; g++) u[g] = stretch_u512(rec + hb, g, bits);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
+        __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)) : _mm512_setzero_ps();
+        for (int p = 0; p < passes; p++) {
+            prefetch_part(rec + gb, rb, p, passes);
+            b32_tokens_512(u, d, m, x + p * PACK_TOKS * xs, xs, k, out + p * PACK_TOKS * PACK_ROWS, offset, has_min);
+        }
+    }
+}
+
+/* A 32-element type's wide product: whole passes of PACK_TOKS tokens, the
+   rest (fewer) by its packed product. */
+#define WIDE32(name, bits, offset, has_min)                                                                          \
+    static void wide_##name##_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
+    {                                                                                                                \
+        int full = toks / PACK_TOKS * PACK_TOKS;                                                                     \
+        if (full) packed32_wide_512(group, n, x, xs, full, out, bits, offset, has_min);                              \
+        if (toks > full) packed_##name##_avx512(group, n, x + full * xs, xs, toks - full, out + full * PACK_ROWS);   \
+    }
+WIDE32(q4_0, 4, 8, 0)
+WIDE32(q4_1, 4, 0, 1)
+WIDE32(q5_0, 5, 16, 0)
+WIDE32(q5_1, 5, 0, 1)
+WIDE32(q8_0, 8, 128, 0)
 
 
 /* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
@@ -10414,10 +10767,10 @@ static const KernelSet SET_AVX512 = {
     {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2, .att_qk = att_qk_avx512,
      .att_pv = att_pv_avx512, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
     {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
-     [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
-     [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},
-     [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512},
-     [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512}},
+     [T_Q4_0] = {.packed = packed_q4_0_avx512, .wide = wide_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512, .wide = wide_q4_1_avx512},
+     [T_Q5_0] = {.packed = packed_q5_0_avx512, .wide = wide_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512, .wide = wide_q5_1_avx512},
+     [T_Q8_0] = {.packed = packed_q8_0_avx512, .wide = wide_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512, .wide = packed_q4_k_avx512},
+     [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512, .wide = packed_q6_k_avx512}},
 };
 #endif /* HAVE_AVX512_SET */
 

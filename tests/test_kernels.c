@@ -226,6 +226,45 @@ static void test_packed(void)
     }
 }
 
+/* The wide products (a whole prefill chunk a call, for the types whose
+   set has one): for token counts above PACK_TOKS up to CHUNK_TOKENS, bit
+   for bit the definition taken PACK_TOKS tokens at a time, on random
+   groups and on the largest integers against activations of +-127. */
+static void test_packed_wide(void)
+{
+    enum { N = 1536, TOKS = CHUNK_TOKENS };
+    static float x[N];
+    static uint8_t xq[TOKS][N * 2], group[PACK_ROWS * N * 2]; /* q8_0: 34 bytes per 32 elements */
+    static float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
+    const int counts[] = {PACK_TOKS + 1, 2 * PACK_TOKS, 2 * PACK_TOKS + 3, TOKS};
+    for (int type = 0; type < N_TYPES; type++) {
+        if (!TYPES[type].name || !K.type[type].wide) continue;
+        if (packed_group_bytes(&TYPES[type].pack, N) > sizeof group) {
+            check(0, "wide: packed group fits the test's buffer");
+            continue;
+        }
+        int act = TYPES[type].act, same = 1;
+        size_t xs = sizeof xq[0];
+        for (int pass = 0; pass < 3; pass++) {
+            for (int t = 0; t < TOKS; t++) {
+                for (int i = 0; i < N; i++) x[i] = pass == 0 ? frand() * 3 : pass == 1 ? 1 : -1;
+                SETS[KSET_SCALAR]->op.quantize[act](xq[t], x, N);
+            }
+            random_group(group, type, N, pass > 0);
+            for (int t = 0; t < TOKS; t += PACK_TOKS)
+                SETS[KSET_SCALAR]->type[type].packed(group, N, xq[t], xs, min_i(PACK_TOKS, TOKS - t), ref + t * PACK_ROWS);
+            for (size_t c = 0; c < sizeof counts / sizeof counts[0]; c++) {
+                K.type[type].wide(group, N, xq[0], xs, counts[c], got);
+                same &= memcmp(got, ref, counts[c] * PACK_ROWS * sizeof(float)) == 0;
+            }
+        }
+        char what[200];
+        snprintf(what, sizeof what, "%s %-4s wide product (%d to %d tokens) equals its definition bit for bit", K.op.name,
+                 TYPES[type].name, PACK_TOKS + 1, TOKS);
+        check(same, what);
+    }
+}
+
 /* The f16 conversions: the scalar ones (the definitions) against the
    compiler's _Float16 over every half; the set's f16 row writer against
    them around every half (exact values, midpoints, just off them). */
@@ -566,6 +605,7 @@ int main(int argc, char **argv)
         test_quantize_act(set);
         test_attention_paths();
         test_packed();
+        test_packed_wide();
         ran++;
         if (set == KSET_SCALAR) continue; /* the reference itself: the rest compares other sets to it */
         test_types();
