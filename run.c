@@ -8537,6 +8537,20 @@ static void report_batch(Batch *b)
                 b->accepted, 100.0 * b->accepted / b->drafted, (double)(b->rows - b->drafted + b->accepted) / (b->rows - b->drafted));
 }
 
+/* Ctrl-C: what is in flight ends as it stands, a line read and waiting
+   is not begun (its record says so). */
+static void end_interrupted(Batch *b)
+{
+    for (int i = 0; i < b->parallel; i++)
+        if (b->seq[i].state != SEQ_IDLE) finish_seq(b, &b->seq[i], STOP_INTERRUPT);
+    if (b->pending.line) {
+        b->pending.json_incomplete = b->pending.jc != NULL; /* nothing was generated */
+        b->pending.t_admit = now_ms();
+        record_answer(b, &b->pending, STOP_INTERRUPT, b->pending.t_admit);
+        drop_request(&b->pending);
+    }
+}
+
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo)
 {
     Batch b = {.m = m, .s = s, .o = o, .defaults = *sm, .seed = sm->rng, .chat = bo->chat, .special = bo->special,
@@ -8578,16 +8592,7 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
     answering = 1;
     b.t0 = now_ms();
     while (1) {
-        if (interrupted) { /* Ctrl-C: what is in flight ends as it stands, a line read and waiting is not begun */
-            for (int i = 0; i < b.parallel; i++)
-                if (b.seq[i].state != SEQ_IDLE) finish_seq(&b, &b.seq[i], STOP_INTERRUPT);
-            if (b.pending.line) {
-                b.pending.json_incomplete = b.pending.jc != NULL; /* nothing was generated */
-                b.pending.t_admit = now_ms();
-                record_answer(&b, &b.pending, STOP_INTERRUPT, b.pending.t_admit);
-                drop_request(&b.pending);
-            }
-        }
+        if (interrupted) end_interrupted(&b);
         for (int i = 0; i < b.parallel && !interrupted; i++) {
             if (b.seq[i].state != SEQ_IDLE) continue;
             read_request(&b, !b.in_flight); /* block for input only when there is nothing else to do */
