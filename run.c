@@ -10531,7 +10531,7 @@ INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t x
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
         KBlock512 b;
-        for (size_t i = 0; toks == 1 && i < rb; i += CACHE_LINE) decode_prefetch(rec + i);
+        for (size_t i = 0; toks <= PACK_TOKS && i < rb; i += CACHE_LINE) decode_prefetch(rec + i); /* a wide call: prefetch_part */
         if (kind == PACK_K6) q6k_unpack_512(rec, &b, toks > PACK_TOKS);
         else q4k_unpack_512(rec, &b, toks > PACK_TOKS);
         if (toks <= PACK_TOKS) {
