@@ -5070,7 +5070,7 @@ static int stop_put(StopMatch *m, TextOut *out, const char *p, size_t n)
 {
     char settled[STOP_MAX_BYTES];
     if (!m->stops) text_put(out, p, n);
-    for (size_t i = 0; m->stops && i < n && !m->hit; i++) text_put(out, settled, stop_step(m, p[i], settled));
+    else for (size_t i = 0; i < n && !m->hit; i++) text_put(out, settled, stop_step(m, p[i], settled));
     text_flush(out);
     return m->hit != 0;
 }
