@@ -9482,8 +9482,9 @@ static __m256i unpack_q5_1(const uint8_t *block, float *d, float *m)
 INT32_KERNELS(q5_1, BlockQ5_1, 1)
 
 /* GCC likes to fold a loaded vector into every FMA that uses it as a memory
-   operand, which costs one load per FMA and makes the tile load-bound; an
-   empty asm that "changes" the value pins it in a register. */
+   operand, which costs one load per FMA and makes the tile load-bound, and
+   to regroup a chain of adds into a tree that spills; an empty asm that
+   "changes" the value pins it in a register, in the order written. */
 #if defined(__GNUC__)
 #define KEEP_IN_REGISTER(v) __asm__("" : "+v"(v))
 #else
@@ -9719,19 +9720,20 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
 
 /* --- packed products on 256-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are two halves of 8 lanes: of every 64 bytes of
-   integers, 32 belong to each half. Each half is taken for a few tokens at
-   a time (16 registers). A kernel computes exactly its scalar definition:
+   integers, 32 belong to each half. One or two tokens take both halves at
+   each step, more tokens one half at a time, a few tokens a pass (16
+   registers; PACKED_PASSES). A kernel computes exactly its scalar definition:
    exact integer sums, then the same float steps on 8 lanes at once, so
    the results are bit for bit the scalar set's. dot4 adds the products of
    four unsigned bytes by four signed ones into each int32 lane: vpdpbusd
    with AVX-VNNI; on plain AVX2 maddubs then madd, exact while a pair of
    products fits int16 (integers of up to 6 bits); q8_0's bytes go back to
-   signed and take the sign trick. The K kernels keep maddubs's int16 sums
-   as long as they cannot overflow and apply the sub-block scale in the
-   madd that widens them. */
-#define PACK_TOKS_256 2   /* tokens per pass over a group (32-element types: 2 int32 and 2 float sums per token) */
-#define PACK_TOKS_K256 2  /* ... (K types: 2 int16, 2 int32 and 2 float sums per token) */
-#define PACK_TOKS_F256 6  /* ... (float types: a sum per half per token, 12 of 16 registers) */
+   signed and take the sign trick. The K kernels, and plain AVX2's 4- and
+   5-bit types, keep maddubs's int16 sums as long as they cannot overflow
+   and widen them with one madd (the K types' with the sub-block scale). */
+#define PACK_TOKS_256 2   /* integer types: tokens per pass over both halves of a group (1 or 2 tokens a call) */
+#define PACK_TOKS_KH 4    /* ... over one half of a group (3 or more tokens: an int16, an int32 and a float sum per token) */
+#define PACK_TOKS_F256 6  /* float types: tokens per pass over both halves (a sum per half per token, 12 of 16 registers) */
 typedef __m256i (*Dot4Fn)(__m256i acc, __m256i u, __m256i a);
 
 INLINE __m256i dot4_avx2(__m256i acc, __m256i u, __m256i a)
@@ -9768,54 +9770,99 @@ INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 /* Four activation bytes of token row x, broadcast. */
 INLINE __m256i act4_256(const int8_t *qs) { int32_t a4; memcpy(&a4, qs, 4); return _mm256_set1_epi32(a4); }
 
-/* The 32-element types for T <= PACK_TOKS_256 tokens, both halves of the
-   group at each step (one activation broadcast serves 16 rows). */
+/* The 32-element types for T tokens over H halves from half h0 (T <=
+   PACK_TOKS_256 with both halves, one activation broadcast serving 16 rows;
+   T <= PACK_TOKS_KH with one). With sum16 (plain AVX2 and integers of at
+   most 5 bits) maddubs's int16 sums are added as int16 for sum16 steps,
+   whose bound they keep (8 for 4 bits: 8 x 2 x 15 x 128 < 2^15), and
+   widened by one madd; else each step is a dot4. */
 INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
-                         int has_min, Dot4Fn dot4)
+                         int has_min, Dot4Fn dot4, int sum16, int h0, int H)
 {
     const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f);
-    __m256 acc[PACK_TOKS_256][2];
-    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    __m256 acc[PACK_TOKS_KH][2];
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) acc[t][i] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
         const uint8_t *rec = group + k * rb;
-        __m256i isum[PACK_TOKS_256][2];
-        for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+        __m256i isum[PACK_TOKS_KH][2], s16[PACK_TOKS_KH][2];
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < H; i++) isum[t][i] = s16[t][i] = _mm256_setzero_si256();
         for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         UNROLL(8)
         for (int g = 0; g < QK / 4; g++) {
-            __m256i u0 = stretch_u256(rec + hb, g, bits, 0), u1 = stretch_u256(rec + hb, g, bits, 1);
+            __m256i u[2];
+            for (int i = 0; i < H; i++) u[i] = stretch_u256(rec + hb, g, bits, h0 + i);
             for (int t = 0; t < T; t++) {
                 __m256i a = act4_256(((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g);
-                isum[t][0] = dot4(isum[t][0], u0, a);
-                isum[t][1] = dot4(isum[t][1], u1, a);
+                for (int i = 0; i < H; i++) {
+                    if (sum16) {
+                        s16[t][i] = _mm256_add_epi16(s16[t][i], _mm256_maddubs_epi16(u[i], a));
+                        KEEP_IN_REGISTER(s16[t][i]); /* one chain per sum: see packedk_256 */
+                    } else {
+                        isum[t][i] = dot4(isum[t][i], u[i], a);
+                        KEEP_IN_REGISTER(isum[t][i]);
+                    }
+                }
             }
+            if (!sum16 || (g + 1) % sum16) continue;
+            for (int t = 0; t < T; t++)
+                for (int i = 0; i < H; i++) {
+                    isum[t][i] = _mm256_add_epi32(isum[t][i], _mm256_madd_epi16(s16[t][i], _mm256_set1_epi16(1)));
+                    s16[t][i] = _mm256_setzero_si256();
+                }
         }
-        for (int h = 0; h < 2; h++) {
+        for (int i = 0; i < H; i++) {
+            int h = h0 + i;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
             __m256 m = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)) : _mm256_setzero_ps();
             for (int t = 0; t < T; t++) {
                 const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
-                __m256i s = offset ? _mm256_sub_epi32(isum[t][h], _mm256_set1_epi32(offset * a->sum)) : isum[t][h];
-                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d)), d, acc[t][h]);
-                if (has_min) acc[t][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][h]);
+                __m256i s = offset ? _mm256_sub_epi32(isum[t][i], _mm256_set1_epi32(offset * a->sum)) : isum[t][i];
+                acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(a->d)), d, acc[t][i]);
+                if (has_min) acc[t][i] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->s), acc[t][i]);
             }
         }
     }
     for (int t = 0; t < T; t++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
+        for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
 
-/* T tokens in passes of PACK_TOKS_256, then one of the rest: every pass's
-   token count a constant, so the sums stay in registers. */
+/* Any number of tokens: one or two both halves at once; more a half at a
+   time in passes of PACK_TOKS_KH, each pass's token count a constant so
+   that its sums stay in registers. A pass over one half takes as many
+   products per unpacked weight vector as tokens, where both halves take
+   two per activation broadcast: the unpacking and the broadcasts share
+   the vector ports with the products. One thread, 72 tokens, AMD EPYC
+   Zen 3 (tests/bench_kernels.c, best of 5, against two tokens a pass over
+   both halves): the 1.5B's q4_k ffn_up 118 -> 153 GOP/s and q6_k ffn_down
+   92 -> 108, SmolLM2's q4_1 ffn_up 121 -> 157 (with sum16). */
+#define PACKED_PASSES(impl, T, ...)                                                                              \
+    do {                                                                                                         \
+        if (T <= PACK_TOKS_256) {                                                                                \
+            _Static_assert(PACK_TOKS_256 == 2, "two tokens or one");                                             \
+            if (T == 2) impl(group, n, x, xs, 2, out, __VA_ARGS__, 0, 2);                                        \
+            else impl(group, n, x, xs, 1, out, __VA_ARGS__, 0, 2);                                               \
+            break;                                                                                               \
+        }                                                                                                        \
+        _Static_assert(PACK_TOKS_KH == 4, "a pass of 4 tokens and a rest of up to 3");                           \
+        for (int h = 0; h < 2; h++) {                                                                            \
+            int t0 = 0;                                                                                          \
+            for (; t0 + PACK_TOKS_KH <= T; t0 += PACK_TOKS_KH)                                                   \
+                impl(group, n, x + t0 * xs, xs, PACK_TOKS_KH, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1);          \
+            switch (T - t0) {                                                                                    \
+            case 3: impl(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
+            case 2: impl(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
+            case 1: impl(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
+            }                                                                                                    \
+        }                                                                                                        \
+    } while (0)
+
 INLINE void packed32_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
-                          int has_min, Dot4Fn dot4)
+                          int has_min, Dot4Fn dot4, int sum16)
 {
-    _Static_assert(PACK_TOKS_256 == 2, "one token is left at most");
-    int t0 = 0;
-    for (; t0 + PACK_TOKS_256 <= T; t0 += PACK_TOKS_256)
-        packed32_256(group, n, x + t0 * xs, xs, PACK_TOKS_256, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
-    if (t0 < T) packed32_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, offset, has_min, dot4);
+    PACKED_PASSES(packed32_256, T, bits, offset, has_min, dot4, sum16);
 }
 
 /* 8 bytes of half h's rows from a [byte][row] plane, as int32 lanes. */
@@ -9851,79 +9898,88 @@ INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16
     for (int p = 0; p < 4; p++) pairs[p] = pair16(mn[2 * p], mn[2 * p + 1]);
 }
 
-/* The K types for T <= PACK_TOKS_K256 tokens, both halves at each step:
-   the maddubs products summed in int16 while bounded (8 for 4-bit
-   integers, 4 for 5-bit, 2 for 6-bit), then one madd with the sub-block's
-   scale; the minimums' (q6_k: the offset's) sums against x's sums of
-   sub-blocks as int16 pairs. */
-INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind)
+/* The K types for T tokens over H halves from half h0 (T <= PACK_TOKS_256
+   with both halves, so that one activation broadcast serves 16 rows; T <=
+   PACK_TOKS_KH with one): the maddubs products summed in int16 while
+   bounded (8 for 4-bit integers, 4 for 5-bit, 2 for 6-bit), then one madd
+   with the sub-block's scale; the minimums' (q6_k: the offset's) sums
+   against x's sums of sub-blocks as int16 pairs. */
+INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
+                        int h0, int H)
 {
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : 2, g_sub = kind == PACK_K4 ? 8 : 4, k6 = kind == PACK_K6;
-    __m256 acc[PACK_TOKS_K256][2];
-    for (int t = 0; t < T; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+    __m256 acc[PACK_TOKS_KH][2];
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) acc[t][i] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
         __m256i sc[2][QK_K / 16], pairs[2][QK_K / 32];
-        k_scales_256(rec, 0, k6, sc[0], pairs[0]);
-        k_scales_256(rec, 1, k6, sc[1], pairs[1]);
-        __m256i isum[PACK_TOKS_K256][2];
-        for (int t = 0; t < T; t++) isum[t][0] = isum[t][1] = _mm256_setzero_si256();
+        for (int i = 0; i < H; i++) k_scales_256(rec, h0 + i, k6, sc[i], pairs[i]);
+        __m256i isum[PACK_TOKS_KH][2];
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < H; i++) isum[t][i] = _mm256_setzero_si256();
         for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
         for (int j = 0; j < QK_K / STRETCH; j++) {
             const uint8_t *st = rec + hb + j * sb;
-            __m256i s16[PACK_TOKS_K256][2];
-            for (int t = 0; t < T; t++) s16[t][0] = s16[t][1] = _mm256_setzero_si256();
+            __m256i s16[PACK_TOKS_KH][2];
+            for (int t = 0; t < T; t++)
+                for (int i = 0; i < H; i++) s16[t][i] = _mm256_setzero_si256();
             UNROLL(8) /* g a constant: every shift an immediate, every load address fixed */
             for (int g = 0; g < STRETCH / 4; g++) {
-                __m256i u0 = stretch_u256(st, g, bits, 0), u1 = stretch_u256(st, g, bits, 1);
+                __m256i u[2];
+                for (int i = 0; i < H; i++) u[i] = stretch_u256(st, g, bits, h0 + i);
                 for (int t = 0; t < T; t++) {
                     __m256i a = act4_256(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g);
-                    s16[t][0] = _mm256_add_epi16(s16[t][0], _mm256_maddubs_epi16(u0, a));
-                    s16[t][1] = _mm256_add_epi16(s16[t][1], _mm256_maddubs_epi16(u1, a));
+                    for (int i = 0; i < H; i++) {
+                        s16[t][i] = _mm256_add_epi16(s16[t][i], _mm256_maddubs_epi16(u[i], a));
+                        /* Left alone, GCC regroups the unrolled chain of
+                           adds into a tree whose partial sums no longer fit
+                           the 16 registers: a spill per product, about 0.6
+                           products a cycle where Zen 3 issues 2. */
+                        KEEP_IN_REGISTER(s16[t][i]);
+                    }
                 }
                 if ((g + 1) % per16) continue;
                 int sub = (STRETCH * j + 4 * g) / (4 * g_sub);
                 for (int t = 0; t < T; t++)
-                    for (int h = 0; h < 2; h++) {
-                        isum[t][h] = _mm256_add_epi32(isum[t][h], _mm256_madd_epi16(s16[t][h], sc[h][sub]));
-                        s16[t][h] = _mm256_setzero_si256();
+                    for (int i = 0; i < H; i++) {
+                        isum[t][i] = _mm256_add_epi32(isum[t][i], _mm256_madd_epi16(s16[t][i], sc[i][sub]));
+                        s16[t][i] = _mm256_setzero_si256();
                     }
             }
         }
-        for (int h = 0; h < 2; h++) {
+        for (int i = 0; i < H; i++) {
+            int h = h0 + i;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
             __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
             for (int t = 0; t < T; t++) {
                 const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
                 __m256i msum = _mm256_setzero_si256();
                 for (int p = 0; p < (k6 ? 8 : 4); p++) {
-                    __m256i w = pairs[h][p];
+                    __m256i w = pairs[i][p];
                     __m256i b = k6 ? bcast_pair16(a->bsums[2 * p], a->bsums[2 * p + 1])
                                    : bcast_pair16(a->bsums[4 * p] + a->bsums[4 * p + 1], a->bsums[4 * p + 2] + a->bsums[4 * p + 3]);
                     msum = _mm256_add_epi32(msum, _mm256_madd_epi16(w, b));
                 }
                 __m256 xd = _mm256_set1_ps(a->d);
-                __m256i is = k6 ? _mm256_sub_epi32(isum[t][h], _mm256_slli_epi32(msum, 5)) : isum[t][h]; /* - 32 * sum sc_g * x's sum of g */
-                acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][h]);
-                if (!k6) acc[t][h] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][h]);
+                __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum, 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
+                acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][i]);
+                if (!k6) acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][i]);
             }
         }
     }
     for (int t = 0; t < T; t++)
-        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
+        for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
 
+/* Any number of tokens, as the 32-element types take them (PACKED_PASSES). */
 INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
-                         int unused, Dot4Fn unused_dot4)
+                         int unused, Dot4Fn unused_dot4, int unused_sum16)
 {
-    (void)unused, (void)unused_dot4;
-    _Static_assert(PACK_TOKS_K256 == 2, "one token is left at most");
-    int t0 = 0;
-    for (; t0 + PACK_TOKS_K256 <= T; t0 += PACK_TOKS_K256)
-        packedk_256(group, n, x + t0 * xs, xs, PACK_TOKS_K256, out + t0 * PACK_ROWS, bits, kind);
-    if (t0 < T) packedk_256(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, bits, kind);
+    (void)unused, (void)unused_dot4, (void)unused_sum16;
+    PACKED_PASSES(packedk_256, T, bits, kind);
 }
 
 /* Element e's 8 rows of half h of a packed float group. */
@@ -9972,14 +10028,14 @@ INLINE void packedf_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
     }
 }
 
-PACKED_KERNEL(q4_0, avx2, packed32_avx2, 4, 8, 0, dot4_avx2)
-PACKED_KERNEL(q4_1, avx2, packed32_avx2, 4, 0, 1, dot4_avx2)
-PACKED_KERNEL(q5_0, avx2, packed32_avx2, 5, 16, 0, dot4_avx2)
-PACKED_KERNEL(q5_1, avx2, packed32_avx2, 5, 0, 1, dot4_avx2)
-PACKED_KERNEL(q8_0, avx2, packed32_avx2, 8, 0, 0, dot4_q8_avx2) /* offset: taken in dot4 */
-PACKED_KERNEL(q4_k, avx2, packedk_avx2, 4, PACK_K4, 0, NULL)
-PACKED_KERNEL(q5_k, avx2, packedk_avx2, 5, PACK_K4, 0, NULL)
-PACKED_KERNEL(q6_k, avx2, packedk_avx2, 6, PACK_K6, 0, NULL)
+PACKED_KERNEL(q4_0, avx2, packed32_avx2, 4, 8, 0, dot4_avx2, 8)
+PACKED_KERNEL(q4_1, avx2, packed32_avx2, 4, 0, 1, dot4_avx2, 8)
+PACKED_KERNEL(q5_0, avx2, packed32_avx2, 5, 16, 0, dot4_avx2, 4)
+PACKED_KERNEL(q5_1, avx2, packed32_avx2, 5, 0, 1, dot4_avx2, 4)
+PACKED_KERNEL(q8_0, avx2, packed32_avx2, 8, 0, 0, dot4_q8_avx2, 0) /* offset: taken in dot4 */
+PACKED_KERNEL(q4_k, avx2, packedk_avx2, 4, PACK_K4, 0, NULL, 0)
+PACKED_KERNEL(q5_k, avx2, packedk_avx2, 5, PACK_K4, 0, NULL, 0)
+PACKED_KERNEL(q6_k, avx2, packedk_avx2, 6, PACK_K6, 0, NULL, 0)
 PACKED_KERNEL(f32, avx2, packedf_avx2, T_F32, 0, 0, NULL)
 PACKED_KERNEL(f16, avx2, packedf_avx2, T_F16, 0, 0, NULL)
 PACKED_KERNEL(bf16, avx2, packedf_avx2, T_BF16, 0, 0, NULL)
@@ -10064,11 +10120,11 @@ static const KernelSet SET_AVX2 = {
 TARGET_BEGIN(ISA_AVXVNNI)
 INLINE __m256i dot4_vnni(__m256i acc, __m256i u, __m256i s) { return DPBUSD_256(acc, u, s); }
 
-PACKED_KERNEL(q4_0, avxvnni, packed32_avx2, 4, 8, 0, dot4_vnni)
-PACKED_KERNEL(q4_1, avxvnni, packed32_avx2, 4, 0, 1, dot4_vnni)
-PACKED_KERNEL(q5_0, avxvnni, packed32_avx2, 5, 16, 0, dot4_vnni)
-PACKED_KERNEL(q5_1, avxvnni, packed32_avx2, 5, 0, 1, dot4_vnni)
-PACKED_KERNEL(q8_0, avxvnni, packed32_avx2, 8, 128, 0, dot4_vnni) /* q + 128 as stored: its offset through x's sum */
+PACKED_KERNEL(q4_0, avxvnni, packed32_avx2, 4, 8, 0, dot4_vnni, 0)
+PACKED_KERNEL(q4_1, avxvnni, packed32_avx2, 4, 0, 1, dot4_vnni, 0)
+PACKED_KERNEL(q5_0, avxvnni, packed32_avx2, 5, 16, 0, dot4_vnni, 0)
+PACKED_KERNEL(q5_1, avxvnni, packed32_avx2, 5, 0, 1, dot4_vnni, 0)
+PACKED_KERNEL(q8_0, avxvnni, packed32_avx2, 8, 128, 0, dot4_vnni, 0) /* q + 128 as stored: its offset through x's sum */
 
 /* --probe's int8 peak for this set: 12 chains of 256-bit vpdpbusd (32 int8
    multiply-adds each; 8 chains were latency-bound, as in the AVX-512 set). */
