@@ -10063,7 +10063,7 @@ PEAK_F32(avx2, __m256, 8, _mm256_set1_ps, _mm256_fmadd_ps, hsum256)
    constant ones let the compiler hoist the products out of the loop and
    time only the adds (it reported 1,100-1,250 GOP/s on 2 cores). */
 #define PEAK_I8_CHAINS_256 10
-#define PEAK_I8_SUM16 8 /* int16 steps per madd: 8 x 2 x 3 x 2 stays far inside int16 */
+#define PEAK_I8_SUM16 8 /* int16 steps per madd: 8 steps of two products 3 x -2 sum to -96 */
 static double peak_i8_avx2(unsigned *sink)
 {
     enum { C = PEAK_I8_CHAINS_256, S = PEAK_I8_SUM16 };
@@ -10071,18 +10071,18 @@ static double peak_i8_avx2(unsigned *sink)
     for (int j = 0; j < C; j++) acc[j] = _mm256_set1_epi32(j);
     const long rounds = PROBE_ITERS / (C * S);
     for (long i = 0; i < rounds; i++) {
-        UNROLL(10)
+        UNROLL(PEAK_I8_CHAINS_256)
         for (int j = 0; j < C; j++) s16[j] = _mm256_setzero_si256();
-        UNROLL(8)
+        UNROLL(PEAK_I8_SUM16)
         for (int g = 0; g < S; g++) {
-            UNROLL(10)
+            UNROLL(PEAK_I8_CHAINS_256)
             for (int j = 0; j < C; j++) {
                 KEEP_IN_REGISTER(a);
                 s16[j] = _mm256_add_epi16(s16[j], _mm256_maddubs_epi16(a, b));
                 KEEP_IN_REGISTER(s16[j]);
             }
         }
-        UNROLL(10)
+        UNROLL(PEAK_I8_CHAINS_256)
         for (int j = 0; j < C; j++) acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(s16[j], one));
     }
     for (int j = 0; j < C; j++) *sink += (unsigned)_mm256_extract_epi32(acc[j], 0);
