@@ -9731,8 +9731,8 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
    signed and take the sign trick. The K kernels, and plain AVX2's 4- and
    5-bit types, keep maddubs's int16 sums as long as they cannot overflow
    and widen them with one madd (the K types' with the sub-block scale). */
-#define PACK_TOKS_256 2   /* integer types: tokens per pass over both halves of a group (1 or 2 tokens a call) */
-#define PACK_TOKS_KH 4    /* ... over one half of a group (3 or more tokens: an int16, an int32 and a float sum per token) */
+#define PACK_TOKS_256 4 /* integer types: tokens per pass over both halves of a group (an int16 and int32 sum per token and half) */
+#define PACK_TOKS_KH 8  /* K types: ... over one half, 5 or more tokens (PACKED_PASSES) */
 #define PACK_TOKS_F256 6  /* float types: tokens per pass over both halves (a sum per half per token, 12 of 16 registers) */
 typedef __m256i (*Dot4Fn)(__m256i acc, __m256i u, __m256i a);
 
@@ -9770,9 +9770,9 @@ INLINE __m256i stretch_u256(const uint8_t *stretch, int g, int bits, int half)
 /* Four activation bytes of token row x, broadcast. */
 INLINE __m256i act4_256(const int8_t *qs) { int32_t a4; memcpy(&a4, qs, 4); return _mm256_set1_epi32(a4); }
 
-/* The 32-element types for T tokens over H halves from half h0 (T <=
-   PACK_TOKS_256 with both halves, one activation broadcast serving 16 rows;
-   T <= PACK_TOKS_KH with one). With sum16 (plain AVX2 and integers of at
+/* The 32-element types for T tokens over H halves from half h0 (the
+   passes take both halves, T <= PACK_TOKS_256: one activation broadcast
+   serves 16 rows). With sum16 (plain AVX2 and integers of at
    most 5 bits) maddubs's int16 sums are added as int16 for sum16 steps,
    whose bound they keep (8 for 4 bits: 8 x 2 x 15 x 128 < 2^15), and
    widened by one madd; else each step is a dot4. */
@@ -9781,12 +9781,12 @@ INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t x
 {
     const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f);
-    __m256 acc[PACK_TOKS_KH][2];
+    __m256 acc[PACK_TOKS_256][2];
     for (int t = 0; t < T; t++)
         for (int i = 0; i < H; i++) acc[t][i] = _mm256_setzero_ps();
     for (int k = 0; k < n / QK; k++) {
         const uint8_t *rec = group + k * rb;
-        __m256i isum[PACK_TOKS_KH][2], s16[PACK_TOKS_KH][2];
+        __m256i isum[PACK_TOKS_256][2], s16[PACK_TOKS_256][2];
         for (int t = 0; t < T; t++)
             for (int i = 0; i < H; i++) isum[t][i] = s16[t][i] = _mm256_setzero_si256();
         for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
@@ -9829,40 +9829,44 @@ INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t x
         for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
 
-/* Any number of tokens: one or two both halves at once; more a half at a
-   time in passes of PACK_TOKS_KH, each pass's token count a constant so
-   that its sums stay in registers. A pass over one half takes as many
-   products per unpacked weight vector as tokens, where both halves take
-   two per activation broadcast: the unpacking and the broadcasts share
-   the vector ports with the products. One thread, 72 tokens, AMD EPYC
-   Zen 3 (tests/bench_kernels.c, best of 5, against two tokens a pass over
-   both halves): the 1.5B's q4_k ffn_up 118 -> 153 GOP/s and q6_k ffn_down
-   92 -> 108, SmolLM2's q4_1 ffn_up 121 -> 157 (with sum16). */
-#define PACKED_PASSES(impl, T, ...)                                                                              \
+/* Any number of tokens, in passes whose token count is a constant so
+   that the sums stay in registers (or, past 16 of them, in L1). A pass
+   over both halves takes two products per activation broadcast, one over
+   a half as many products per unpacked weight vector as tokens: the
+   unpacking and the broadcasts share the vector ports with the products.
+   Both halves up to PACK_TOKS_256 tokens a pass; with per_half (the K
+   types, whose record scales are unpacked once per pass) more than that
+   go a half at a time, up to PACK_TOKS_KH a pass. One thread, AMD EPYC
+   Zen 3 (tests/bench_kernels.c, 256 x 1536, best of 3), GOP/s at 4 and 8
+   tokens, from passes of 4 over a half: q4_k 166 -> 183 and 163 -> 187,
+   q6_k 110 -> 127 and 110 -> 133, q4_0 174 -> 212 and 172 -> 209. */
+#define PACKED_PASS(impl, toks, h, H, ...) impl(group, n, x + t0 * xs, xs, toks, out + t0 * PACK_ROWS, __VA_ARGS__, h, H)
+#define PACKED_PASSES(impl, T, per_half, ...)                                                                    \
     do {                                                                                                         \
-        if (T <= PACK_TOKS_256) {                                                                                \
-            _Static_assert(PACK_TOKS_256 == 2, "two tokens or one");                                             \
-            if (T == 2) impl(group, n, x, xs, 2, out, __VA_ARGS__, 0, 2);                                        \
-            else impl(group, n, x, xs, 1, out, __VA_ARGS__, 0, 2);                                               \
-            break;                                                                                               \
+        _Static_assert(PACK_TOKS_256 == 4 && PACK_TOKS_KH == 8, "passes of 5 to 8 tokens a half, of 1 to 4 both"); \
+        int t0 = 0;                                                                                              \
+        while (per_half && T - t0 > PACK_TOKS_256) {                                                             \
+            int toks = min_i(T - t0, PACK_TOKS_KH);                                                              \
+            for (int h = 0; h < 2; h++) switch (toks) {                                                          \
+                case 8: PACKED_PASS(impl, 8, h, 1, __VA_ARGS__); break;                                          \
+                case 7: PACKED_PASS(impl, 7, h, 1, __VA_ARGS__); break;                                          \
+                case 6: PACKED_PASS(impl, 6, h, 1, __VA_ARGS__); break;                                          \
+                case 5: PACKED_PASS(impl, 5, h, 1, __VA_ARGS__); break;                                          \
+                }                                                                                                \
+            t0 += toks;                                                                                          \
         }                                                                                                        \
-        _Static_assert(PACK_TOKS_KH == 4, "a pass of 4 tokens and a rest of up to 3");                           \
-        for (int h = 0; h < 2; h++) {                                                                            \
-            int t0 = 0;                                                                                          \
-            for (; t0 + PACK_TOKS_KH <= T; t0 += PACK_TOKS_KH)                                                   \
-                impl(group, n, x + t0 * xs, xs, PACK_TOKS_KH, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1);          \
-            switch (T - t0) {                                                                                    \
-            case 3: impl(group, n, x + t0 * xs, xs, 3, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
-            case 2: impl(group, n, x + t0 * xs, xs, 2, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
-            case 1: impl(group, n, x + t0 * xs, xs, 1, out + t0 * PACK_ROWS, __VA_ARGS__, h, 1); break;          \
-            }                                                                                                    \
+        for (; t0 + PACK_TOKS_256 <= T; t0 += PACK_TOKS_256) PACKED_PASS(impl, PACK_TOKS_256, 0, 2, __VA_ARGS__); \
+        switch (T - t0) {                                                                                        \
+        case 3: PACKED_PASS(impl, 3, 0, 2, __VA_ARGS__); break;                                                  \
+        case 2: PACKED_PASS(impl, 2, 0, 2, __VA_ARGS__); break;                                                  \
+        case 1: PACKED_PASS(impl, 1, 0, 2, __VA_ARGS__); break;                                                  \
         }                                                                                                        \
     } while (0)
 
 INLINE void packed32_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
                           int has_min, Dot4Fn dot4, int sum16)
 {
-    PACKED_PASSES(packed32_256, T, bits, offset, has_min, dot4, sum16);
+    PACKED_PASSES(packed32_256, T, 0, bits, offset, has_min, dot4, sum16);
 }
 
 /* 8 bytes of half h's rows from a [byte][row] plane, as int32 lanes. */
@@ -9872,7 +9876,6 @@ INLINE __m256i plane8_s(const uint8_t *p, int h) { return _mm256_cvtepi8_epi32(_
 INLINE __m256i twice16(__m256i v) { return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(v, 16)); }
 /* Two int16 values in one lane: madd's pair operand. */
 INLINE __m256i pair16(__m256i lo, __m256i hi) { return _mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(hi, 16)); }
-INLINE __m256i bcast_pair16(int lo, int hi) { return _mm256_set1_epi32((int)((uint32_t)(uint16_t)lo | (uint32_t)(uint16_t)hi << 16)); }
 
 /* A K record's sub-block scales for half h (madd form: twice16), and
    q4_k/q5_k's minimums paired for madd (pair16 of sub-blocks 2p, 2p + 1;
@@ -9898,9 +9901,32 @@ INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16
     for (int p = 0; p < 4; p++) pairs[p] = pair16(mn[2 * p], mn[2 * p + 1]);
 }
 
+/* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
+   pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
+   pack works within 128-bit halves). In vectors: per token and super-block
+   three instructions where scalar code takes some twenty, on ports the
+   vector instructions share. */
+INLINE void bsum_pairs(int32_t out[QK_K / 32], const int16_t *bsums)
+{
+    __m256i s = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), _mm256_set1_epi16(1));
+    _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
+}
+
+/* x's int16 pair p for madd against a K record's pairs (k_scales_256),
+   broadcast: q6_k's sums of 16 (bsums 2p, 2p + 1) as they lie; q4_k and
+   q5_k's sums of 32 (bsum_pairs's, in b32). */
+INLINE __m256i bsum_pair_256(const int16_t *bsums, const int32_t *b32, int k6, int p)
+{
+    int32_t pair;
+    if (k6) memcpy(&pair, bsums + 2 * p, sizeof pair);
+    else pair = b32[p % 2 + p / 2 * 4];
+    return _mm256_set1_epi32(pair);
+}
+
 /* The K types for T tokens over H halves from half h0 (T <= PACK_TOKS_256
    with both halves, so that one activation broadcast serves 16 rows; T <=
-   PACK_TOKS_KH with one): the maddubs products summed in int16 while
+   PACK_TOKS_KH with one, so that one unpacked vector serves T tokens and
+   the record's scales are unpacked once for them): the maddubs products summed in int16 while
    bounded (8 for 4-bit integers, 4 for 5-bit, 2 for 6-bit), then one madd
    with the sub-block's scale; the minimums' (q6_k: the offset's) sums
    against x's sums of sub-blocks as int16 pairs. */
@@ -9956,13 +9982,11 @@ INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs
             __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
             for (int t = 0; t < T; t++) {
                 const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+                int32_t b32[QK_K / 32];
+                if (!k6) bsum_pairs(b32, a->bsums);
                 __m256i msum = _mm256_setzero_si256();
-                for (int p = 0; p < (k6 ? 8 : 4); p++) {
-                    __m256i w = pairs[i][p];
-                    __m256i b = k6 ? bcast_pair16(a->bsums[2 * p], a->bsums[2 * p + 1])
-                                   : bcast_pair16(a->bsums[4 * p] + a->bsums[4 * p + 1], a->bsums[4 * p + 2] + a->bsums[4 * p + 3]);
-                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(w, b));
-                }
+                for (int p = 0; p < (k6 ? 8 : 4); p++)
+                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[i][p], bsum_pair_256(a->bsums, b32, k6, p)));
                 __m256 xd = _mm256_set1_ps(a->d);
                 __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum, 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
                 acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][i]);
@@ -9974,12 +9998,12 @@ INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs
         for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
 
-/* Any number of tokens, as the 32-element types take them (PACKED_PASSES). */
+/* Any number of tokens, a half at a time past PACK_TOKS_256 (PACKED_PASSES). */
 INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
                          int unused, Dot4Fn unused_dot4, int unused_sum16)
 {
     (void)unused, (void)unused_dot4, (void)unused_sum16;
-    PACKED_PASSES(packedk_256, T, bits, kind);
+    PACKED_PASSES(packedk_256, T, 1, bits, kind);
 }
 
 /* Element e's 8 rows of half h of a packed float group. */
@@ -10399,17 +10423,6 @@ INLINE void packedk_512(const uint8_t *group, int n, const uint8_t *x, size_t xs
 }
 
 
-/* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
-   pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
-   pack works within 128-bit halves). In vectors: per token and super-block
-   three instructions where scalar code takes some twenty, on ports the
-   vector instructions share. */
-INLINE void bsum_pairs_512(int32_t out[QK_K / 32], const int16_t *bsums)
-{
-    __m256i s = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)bsums), _mm256_set1_epi16(1));
-    _mm256_storeu_si256((__m256i *)out, _mm256_packs_epi32(s, s));
-}
-
 /* Super-block k of a q4_k or q6_k group unpacked once for every token of
    a call: the integers, one vector per group of four elements of the 16
    rows (q4_k: stretch j's nibble vector v as u[8j + 2v], low nibbles, and
@@ -10450,8 +10463,8 @@ INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, c
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
     const __m512i low4 = _mm512_set1_epi8(0x0f);
-    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* pairs of sums of 32, per token (bsum_pairs_512) */
-    for (int t = 0; t < T; t++) bsum_pairs_512(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
+    int32_t bsum32[PACK_TOKS][QK_K / 32]; /* pairs of sums of 32, per token (bsum_pairs) */
+    for (int t = 0; t < T; t++) bsum_pairs(bsum32[t], ((const BlockQ8K *)(x + t * xs) + k)->bsums);
     __m512i isum[PACK_TOKS];
     for (int t = 0; t < T; t++) isum[t] = _mm512_setzero_si512();
     for (int j = 0; j < QK_K / STRETCH; j++) {
