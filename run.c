@@ -9720,9 +9720,9 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
 
 /* --- packed products on 256-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are two halves of 8 lanes: of every 64 bytes of
-   integers, 32 belong to each half. One or two tokens take both halves at
-   each step, more tokens one half at a time, a few tokens a pass (16
-   registers; PACKED_PASSES). A kernel computes exactly its scalar definition:
+   integers, 32 belong to each half. Up to 4 tokens take both halves at
+   each step; the K types' 5 to 8 one half at a time, a pass of a few
+   tokens in 16 registers (PACKED_PASSES). A kernel computes exactly its scalar definition:
    exact integer sums, then the same float steps on 8 lanes at once, so
    the results are bit for bit the scalar set's. dot4 adds the products of
    four unsigned bytes by four signed ones into each int32 lane: vpdpbusd
@@ -9838,8 +9838,8 @@ INLINE void packed32_256(const uint8_t *group, int n, const uint8_t *x, size_t x
    types, whose record scales are unpacked once per pass) more than that
    go a half at a time, up to PACK_TOKS_KH a pass. One thread, AMD EPYC
    Zen 3 (tests/bench_kernels.c, 256 x 1536, best of 3), GOP/s at 4 and 8
-   tokens, from passes of 4 over a half: q4_k 166 -> 183 and 163 -> 187,
-   q6_k 110 -> 127 and 110 -> 133, q4_0 174 -> 212 and 172 -> 209. */
+   tokens, from passes of 4 over a half: q4_k 166 -> 193 and 164 -> 181,
+   q6_k 111 -> 129 and 110 -> 130, q4_0 175 -> 208 and 170 -> 211. */
 #define PACKED_PASS(impl, toks, h, H, ...) impl(group, n, x + t0 * xs, xs, toks, out + t0 * PACK_ROWS, __VA_ARGS__, h, H)
 #define PACKED_PASSES(impl, T, per_half, ...)                                                                    \
     do {                                                                                                         \
