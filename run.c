@@ -9721,9 +9721,9 @@ static void from_float_f16_avx2(void *row, const float *x, int n)
 /* --- packed products on 256-bit vectors (Part II, "the packed layout") --
    A group's 16 rows are two halves of 8 lanes: of every 64 bytes of
    integers, 32 belong to each half. Up to 4 tokens take both halves at
-   each step; the K types' 5 to 8 one half at a time, a pass of a few
-   tokens in 16 registers (PACKED_PASSES). A kernel computes exactly its scalar definition:
-   exact integer sums, then the same float steps on 8 lanes at once, so
+   each step, the K types' 5 to 8 one half at a time (PACKED_PASSES). A
+   kernel computes exactly its scalar definition: exact integer sums,
+   then the same float steps on 8 lanes at once, so
    the results are bit for bit the scalar set's. dot4 adds the products of
    four unsigned bytes by four signed ones into each int32 lane: vpdpbusd
    with AVX-VNNI; on plain AVX2 maddubs then madd, exact while a pair of
@@ -9926,10 +9926,10 @@ INLINE __m256i bsum_pair_256(const int16_t *bsums, const int32_t *b32, int k6, i
 /* The K types for T tokens over H halves from half h0 (T <= PACK_TOKS_256
    with both halves, so that one activation broadcast serves 16 rows; T <=
    PACK_TOKS_KH with one, so that one unpacked vector serves T tokens and
-   the record's scales are unpacked once for them): the maddubs products summed in int16 while
-   bounded (8 for 4-bit integers, 4 for 5-bit, 2 for 6-bit), then one madd
-   with the sub-block's scale; the minimums' (q6_k: the offset's) sums
-   against x's sums of sub-blocks as int16 pairs. */
+   the record's scales are unpacked once for them): the maddubs products
+   summed in int16 while bounded (8 for 4-bit integers, 4 for 5-bit, 2 for
+   6-bit), then one madd with the sub-block's scale; the minimums' (q6_k:
+   the offset's) sums against x's sums of sub-blocks as int16 pairs. */
 INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
                         int h0, int H)
 {
