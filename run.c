@@ -9901,6 +9901,15 @@ INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16
     for (int p = 0; p < 4; p++) pairs[p] = pair16(mn[2 * p], mn[2 * p + 1]);
 }
 
+/* Part p of `parts` of the bytes at next asked into L2: a wide product
+   asks for the next group's record while it computes this one's, a part
+   before each pass (all at once, the requests wait for fill buffers). */
+INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
+{
+    size_t lines = bytes / CACHE_LINE;
+    for (size_t i = p * lines / parts; i < (p + 1) * lines / parts; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
+}
+
 /* A Q8_K block's sums of 32 (sub-block j: bsums 2j and 2j + 1) as int16
    pairs (j = 2p low, 2p + 1 high): pair p at out[p % 2 + p / 2 * 4] (the
    pack works within 128-bit halves). In vectors: per token and super-block
@@ -9923,77 +9932,96 @@ INLINE __m256i bsum_pair_256(const int16_t *bsums, const int32_t *b32, int k6, i
     return _mm256_set1_epi32(pair);
 }
 
-/* The K types for T tokens over H halves from half h0 (T <= PACK_TOKS_256
+/* Super-block k of a K type for T tokens over H halves from half h0 (T <= PACK_TOKS_256
    with both halves, so that one activation broadcast serves 16 rows; T <=
    PACK_TOKS_KH with one, so that one unpacked vector serves T tokens and
    the record's scales are unpacked once for them): the maddubs products
    summed in int16 while bounded (8 for 4-bit integers, 4 for 5-bit, 2 for
    6-bit), then one madd with the sub-block's scale; the minimums' (q6_k:
-   the offset's) sums against x's sums of sub-blocks as int16 pairs. */
-INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
-                        int h0, int H)
+   the offset's) sums against x's sums of sub-blocks as int16 pairs, into
+   acc. The record's integers and scales unpacked here, or in b (a wide
+   product's, unpacked once for all its tokens). */
+typedef struct {
+    __m256i u[2][QK_K / 4];     /* per half: element group g of stretch j at 8j + g (stretch_u256) */
+    __m256i sc[2][QK_K / 16];   /* per half: k_scales_256's */
+    __m256i pairs[2][QK_K / 32];
+} KRecord256;
+
+INLINE void k_super_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, int bits,
+                        int kind, int h0, int H, __m256 acc[PACK_TOKS_KH][2])
 {
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const int per16 = bits == 4 ? 8 : bits == 5 ? 4 : 2, g_sub = kind == PACK_K4 ? 8 : 4, k6 = kind == PACK_K6;
+    __m256i own_sc[2][QK_K / 16], own_pairs[2][QK_K / 32];
+    const __m256i(*sc)[QK_K / 16] = own_sc, (*pairs)[QK_K / 32] = own_pairs;
+    if (b) sc = b->sc + h0, pairs = b->pairs + h0;
+    else {
+        for (int i = 0; i < H; i++) k_scales_256(rec, h0 + i, k6, own_sc[i], own_pairs[i]);
+        for (size_t l = 0; l < rb; l += CACHE_LINE) decode_prefetch(rec + l);
+    }
+    __m256i isum[PACK_TOKS_KH][2];
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) isum[t][i] = _mm256_setzero_si256();
+    for (int j = 0; j < QK_K / STRETCH; j++) {
+        const uint8_t *st = rec + hb + j * sb;
+        __m256i s16[PACK_TOKS_KH][2];
+        for (int t = 0; t < T; t++)
+            for (int i = 0; i < H; i++) s16[t][i] = _mm256_setzero_si256();
+        UNROLL(8) /* g a constant: every shift an immediate, every load address fixed */
+        for (int g = 0; g < STRETCH / 4; g++) {
+            __m256i u[2];
+            for (int i = 0; i < H; i++) u[i] = b ? b->u[h0 + i][8 * j + g] : stretch_u256(st, g, bits, h0 + i);
+            for (int t = 0; t < T; t++) {
+                __m256i a = act4_256(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g);
+                for (int i = 0; i < H; i++) {
+                    s16[t][i] = _mm256_add_epi16(s16[t][i], _mm256_maddubs_epi16(u[i], a));
+                    /* Left alone, GCC regroups the unrolled chain of
+                       adds into a tree whose partial sums no longer fit
+                       the 16 registers: a spill per product, about 0.6
+                       products a cycle where Zen 3 issues 2. */
+                    KEEP_IN_REGISTER(s16[t][i]);
+                }
+            }
+            if ((g + 1) % per16) continue;
+            int sub = (STRETCH * j + 4 * g) / (4 * g_sub);
+            for (int t = 0; t < T; t++)
+                for (int i = 0; i < H; i++) {
+                    isum[t][i] = _mm256_add_epi32(isum[t][i], _mm256_madd_epi16(s16[t][i], sc[i][sub]));
+                    s16[t][i] = _mm256_setzero_si256();
+                }
+        }
+    }
+    for (int i = 0; i < H; i++) {
+        int h = h0 + i;
+        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
+        __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
+        for (int t = 0; t < T; t++) {
+            const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+            int32_t b32[QK_K / 32];
+            if (!k6) bsum_pairs(b32, a->bsums);
+            __m256i msum = _mm256_setzero_si256();
+            for (int p = 0; p < (k6 ? 8 : 4); p++)
+                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[i][p], bsum_pair_256(a->bsums, b32, k6, p)));
+            __m256 xd = _mm256_set1_ps(a->d);
+            __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum, 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
+            acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][i]);
+            if (!k6) acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][i]);
+        }
+    }
+}
+
+/* The K types for T tokens over H halves from half h0, super-block by
+   super-block with the sums in registers (k_super_256). */
+INLINE void packedk_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int kind,
+                        int h0, int H)
+{
+    const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
+    const size_t rb = packed_record_bytes(&f);
     __m256 acc[PACK_TOKS_KH][2];
     for (int t = 0; t < T; t++)
         for (int i = 0; i < H; i++) acc[t][i] = _mm256_setzero_ps();
-    for (int k = 0; k < n / QK_K; k++) {
-        const uint8_t *rec = group + k * rb;
-        __m256i sc[2][QK_K / 16], pairs[2][QK_K / 32];
-        for (int i = 0; i < H; i++) k_scales_256(rec, h0 + i, k6, sc[i], pairs[i]);
-        __m256i isum[PACK_TOKS_KH][2];
-        for (int t = 0; t < T; t++)
-            for (int i = 0; i < H; i++) isum[t][i] = _mm256_setzero_si256();
-        for (size_t b = 0; b < rb; b += CACHE_LINE) decode_prefetch(rec + b);
-        for (int j = 0; j < QK_K / STRETCH; j++) {
-            const uint8_t *st = rec + hb + j * sb;
-            __m256i s16[PACK_TOKS_KH][2];
-            for (int t = 0; t < T; t++)
-                for (int i = 0; i < H; i++) s16[t][i] = _mm256_setzero_si256();
-            UNROLL(8) /* g a constant: every shift an immediate, every load address fixed */
-            for (int g = 0; g < STRETCH / 4; g++) {
-                __m256i u[2];
-                for (int i = 0; i < H; i++) u[i] = stretch_u256(st, g, bits, h0 + i);
-                for (int t = 0; t < T; t++) {
-                    __m256i a = act4_256(((const BlockQ8K *)(x + t * xs) + k)->qs + STRETCH * j + 4 * g);
-                    for (int i = 0; i < H; i++) {
-                        s16[t][i] = _mm256_add_epi16(s16[t][i], _mm256_maddubs_epi16(u[i], a));
-                        /* Left alone, GCC regroups the unrolled chain of
-                           adds into a tree whose partial sums no longer fit
-                           the 16 registers: a spill per product, about 0.6
-                           products a cycle where Zen 3 issues 2. */
-                        KEEP_IN_REGISTER(s16[t][i]);
-                    }
-                }
-                if ((g + 1) % per16) continue;
-                int sub = (STRETCH * j + 4 * g) / (4 * g_sub);
-                for (int t = 0; t < T; t++)
-                    for (int i = 0; i < H; i++) {
-                        isum[t][i] = _mm256_add_epi32(isum[t][i], _mm256_madd_epi16(s16[t][i], sc[i][sub]));
-                        s16[t][i] = _mm256_setzero_si256();
-                    }
-            }
-        }
-        for (int i = 0; i < H; i++) {
-            int h = h0 + i;
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
-            __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
-            for (int t = 0; t < T; t++) {
-                const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
-                int32_t b32[QK_K / 32];
-                if (!k6) bsum_pairs(b32, a->bsums);
-                __m256i msum = _mm256_setzero_si256();
-                for (int p = 0; p < (k6 ? 8 : 4); p++)
-                    msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[i][p], bsum_pair_256(a->bsums, b32, k6, p)));
-                __m256 xd = _mm256_set1_ps(a->d);
-                __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum, 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
-                acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][i]);
-                if (!k6) acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][i]);
-            }
-        }
-    }
+    for (int k = 0; k < n / QK_K; k++) k_super_256(group + k * rb, NULL, x, xs, k, T, bits, kind, h0, H, acc);
     for (int t = 0; t < T; t++)
         for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
@@ -10004,6 +10032,77 @@ INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
 {
     (void)unused, (void)unused_dot4, (void)unused_sum16;
     PACKED_PASSES(packedk_256, T, 1, bits, kind);
+}
+
+/* A wide product's pass: T (a constant) tokens over half h of super-block
+   k, unpacked in b, their sums carried in out from super-block k - 1. */
+INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, float *out,
+                            int bits, int kind, int h)
+{
+    __m256 acc[PACK_TOKS_KH][2];
+    for (int t = 0; t < T; t++) acc[t][0] = k ? _mm256_loadu_ps(out + t * PACK_ROWS + 8 * h) : _mm256_setzero_ps();
+    k_super_256(rec, b, x, xs, k, T, bits, kind, h, 1, acc);
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][0]);
+}
+
+/* The K types for a whole prefill chunk (the set's wide product): each
+   super-block's integers and scales unpacked once for every token, which
+   then take it PACK_TOKS_KH a pass over each half, while the next group's
+   record is asked into L2. The unpacking and the scales are the work a
+   call of PACK_TOKS tokens repeats per pass. One thread, AMD EPYC Zen 3,
+   72 tokens (tests/bench_kernels.c, best of 3, GOP/s, against calls of
+   PACK_TOKS): the 1.5B's ffn_up shape q4_k 176 -> 185, q6_k 125 -> 154,
+   q5_k 144 -> 152; its ffn_down shape q6_k 125 -> 147 (q6_k's integers
+   take six instructions to unpack, q4_k's one or two). */
+INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int kind)
+{
+    const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
+    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
+    const size_t gb = packed_group_bytes(&f, n);
+    const int passes = 2 * ((toks + PACK_TOKS_KH - 1) / PACK_TOKS_KH);
+    if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
+    for (int k = 0; k < n / QK_K; k++) {
+        const uint8_t *rec = group + k * rb;
+        KRecord256 b;
+        for (int h = 0; h < 2; h++) {
+            k_scales_256(rec, h, kind == PACK_K6, b.sc[h], b.pairs[h]);
+            for (int j = 0; j < QK_K / STRETCH; j++)
+                UNROLL(8) /* g a constant: every shift an immediate */
+                for (int g = 0; g < STRETCH / 4; g++) b.u[h][8 * j + g] = stretch_u256(rec + hb + j * sb, g, bits, h);
+        }
+        for (int h = 0, p = 0; h < 2; h++)
+            for (int t0 = 0; t0 < toks; t0 += PACK_TOKS_KH, p++) {
+                prefetch_part(rec + gb, rb, p, passes);
+                const uint8_t *xt = x + t0 * xs;
+                float *o = out + t0 * PACK_ROWS;
+                _Static_assert(PACK_TOKS_KH == 8, "a case per token count");
+                switch (min_i(toks - t0, PACK_TOKS_KH)) {
+                case 1: k_wide_pass_256(rec, &b, xt, xs, k, 1, o, bits, kind, h); break;
+                case 2: k_wide_pass_256(rec, &b, xt, xs, k, 2, o, bits, kind, h); break;
+                case 3: k_wide_pass_256(rec, &b, xt, xs, k, 3, o, bits, kind, h); break;
+                case 4: k_wide_pass_256(rec, &b, xt, xs, k, 4, o, bits, kind, h); break;
+                case 5: k_wide_pass_256(rec, &b, xt, xs, k, 5, o, bits, kind, h); break;
+                case 6: k_wide_pass_256(rec, &b, xt, xs, k, 6, o, bits, kind, h); break;
+                case 7: k_wide_pass_256(rec, &b, xt, xs, k, 7, o, bits, kind, h); break;
+                default: k_wide_pass_256(rec, &b, xt, xs, k, 8, o, bits, kind, h); break;
+                }
+            }
+    }
+}
+
+static void wide_q4_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 4, PACK_K4);
+}
+
+static void wide_q5_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 5, PACK_K4);
+}
+
+static void wide_q6_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 6, PACK_K6);
 }
 
 /* Element e's 8 rows of half h of a packed float group. */
@@ -10144,7 +10243,9 @@ static const KernelSet SET_AVX2 = {
      [T_Q5_0] = {.to_float = to_float_q5_0_avx2, .packed = packed_q5_0_avx2},
      [T_Q5_1] = {.to_float = to_float_q5_1_avx2, .packed = packed_q5_1_avx2},
      [T_Q8_0] = {.to_float = to_float_q8_0_avx2, .packed = packed_q8_0_avx2},
-     [T_Q4_K] = {.packed = packed_q4_k_avx2}, [T_Q5_K] = {.packed = packed_q5_k_avx2}, [T_Q6_K] = {.packed = packed_q6_k_avx2}},
+     [T_Q4_K] = {.packed = packed_q4_k_avx2, .wide = wide_q4_k_avx2},
+     [T_Q5_K] = {.packed = packed_q5_k_avx2, .wide = wide_q5_k_avx2},
+     [T_Q6_K] = {.packed = packed_q6_k_avx2, .wide = wide_q6_k_avx2}},
 };
 #endif /* HAVE_X86_SETS */
 
@@ -10494,15 +10595,6 @@ INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, c
         a = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum[t]), xd), b->d, a);
         _mm512_storeu_ps(acc + t * PACK_ROWS, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(msum), xd), b->negdmin, a));
     }
-}
-
-/* Part p of `parts` of the bytes at next asked into L2: a wide product
-   asks for the next group's record while it computes this one's, a part
-   before each pass (all at once, the requests wait for fill buffers). */
-INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
-{
-    size_t lines = bytes / CACHE_LINE;
-    for (size_t i = p * lines / parts; i < (p + 1) * lines / parts; i++) __builtin_prefetch(next + i * CACHE_LINE, 0, 2);
 }
 
 PACKED_KERNEL(q5_k, avx512, packedk_512, 5, PACK_K4, 0)
