@@ -10034,32 +10034,44 @@ INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
     PACKED_PASSES(packedk_256, T, 1, bits, kind);
 }
 
-/* A wide product's pass: T (a constant) tokens over half h of super-block
-   k, unpacked in b, their sums carried in out from super-block k - 1. */
+/* A wide product's pass: T (a constant) tokens over H halves from half h0
+   of super-block k, unpacked in b, their sums carried in out from
+   super-block k - 1. */
 INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, float *out,
-                            int bits, int kind, int h)
+                            int bits, int kind, int h0, int H)
 {
     __m256 acc[PACK_TOKS_KH][2];
-    for (int t = 0; t < T; t++) acc[t][0] = k ? _mm256_loadu_ps(out + t * PACK_ROWS + 8 * h) : _mm256_setzero_ps();
-    k_super_256(rec, b, x, xs, k, T, bits, kind, h, 1, acc);
-    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][0]);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) acc[t][i] = k ? _mm256_loadu_ps(out + t * PACK_ROWS + 8 * (h0 + i)) : _mm256_setzero_ps();
+    k_super_256(rec, b, x, xs, k, T, bits, kind, h0, H, acc);
+    for (int t = 0; t < T; t++)
+        for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
 }
 
 /* The K types for a whole prefill chunk (the set's wide product): each
    super-block's integers and scales unpacked once for every token, which
-   then take it PACK_TOKS_KH a pass over each half, while the next group's
-   record is asked into L2. The unpacking and the scales are the work a
-   call of PACK_TOKS tokens repeats per pass. One thread, AMD EPYC Zen 3,
-   72 tokens (tests/bench_kernels.c, best of 3, GOP/s, against calls of
-   PACK_TOKS): the 1.5B's ffn_up shape q4_k 176 -> 185, q6_k 125 -> 154,
-   q5_k 144 -> 152; its ffn_down shape q6_k 125 -> 147 (q6_k's integers
-   take six instructions to unpack, q4_k's one or two). */
-INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int kind)
+   then take it PACK_TOKS_KH a pass over each half (a rest of up to
+   PACK_TOKS_256 over both halves at once, as PACKED_PASSES has it), while
+   the next group's record is asked into L2. The unpacking and the scales
+   are the work a call of PACK_TOKS tokens repeats per pass. One thread,
+   AMD EPYC Zen 3, 72 tokens (tests/bench_kernels.c, best of 3, GOP/s,
+   against calls of PACK_TOKS): the 1.5B's ffn_up shape q4_k 176 -> 185,
+   q6_k 125 -> 154, q5_k 144 -> 152; its ffn_down shape q6_k 125 -> 147
+   (q6_k's integers take six instructions to unpack, q4_k's one or two). */
+#define WIDE_MIN_256 (2 * PACK_TOKS) /* below it the unpacked record's 4 KB of stores cost more than they save:
+                                        one thread, 12 tokens, q4_k 182 -> 162 GOP/s; 16: q4_k even, q6_k 127 -> 145 */
+INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int kind,
+                             PackedFn narrow)
 {
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const size_t gb = packed_group_bytes(&f, n);
-    const int passes = 2 * ((toks + PACK_TOKS_KH - 1) / PACK_TOKS_KH);
+    const int whole = toks / PACK_TOKS_KH * PACK_TOKS_KH, rest = toks - whole;
+    const int passes = 2 * (whole / PACK_TOKS_KH) + (rest > PACK_TOKS_256 ? 2 : rest > 0);
+    if (toks < WIDE_MIN_256) { /* too few tokens to repay storing the unpacked record */
+        for (int t0 = 0; t0 < toks; t0 += PACK_TOKS) narrow(group, n, x + t0 * xs, xs, min_i(PACK_TOKS, toks - t0), out + t0 * PACK_ROWS);
+        return;
+    }
     if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
@@ -10070,39 +10082,29 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
                 UNROLL(8) /* g a constant: every shift an immediate */
                 for (int g = 0; g < STRETCH / 4; g++) b.u[h][8 * j + g] = stretch_u256(rec + hb + j * sb, g, bits, h);
         }
-        for (int h = 0, p = 0; h < 2; h++)
-            for (int t0 = 0; t0 < toks; t0 += PACK_TOKS_KH, p++) {
-                prefetch_part(rec + gb, rb, p, passes);
-                const uint8_t *xt = x + t0 * xs;
-                float *o = out + t0 * PACK_ROWS;
-                _Static_assert(PACK_TOKS_KH == 8, "a case per token count");
-                switch (min_i(toks - t0, PACK_TOKS_KH)) {
-                case 1: k_wide_pass_256(rec, &b, xt, xs, k, 1, o, bits, kind, h); break;
-                case 2: k_wide_pass_256(rec, &b, xt, xs, k, 2, o, bits, kind, h); break;
-                case 3: k_wide_pass_256(rec, &b, xt, xs, k, 3, o, bits, kind, h); break;
-                case 4: k_wide_pass_256(rec, &b, xt, xs, k, 4, o, bits, kind, h); break;
-                case 5: k_wide_pass_256(rec, &b, xt, xs, k, 5, o, bits, kind, h); break;
-                case 6: k_wide_pass_256(rec, &b, xt, xs, k, 6, o, bits, kind, h); break;
-                case 7: k_wide_pass_256(rec, &b, xt, xs, k, 7, o, bits, kind, h); break;
-                default: k_wide_pass_256(rec, &b, xt, xs, k, 8, o, bits, kind, h); break;
-                }
+        int p = 0;
+        for (int h = 0; h < 2; h++)
+            for (int t0 = 0; t0 < whole; t0 += PACK_TOKS_KH) {
+                prefetch_part(rec + gb, rb, p++, passes);
+                k_wide_pass_256(rec, &b, x + t0 * xs, xs, k, PACK_TOKS_KH, out + t0 * PACK_ROWS, bits, kind, h, 1);
             }
+        if (!rest) continue;
+        const uint8_t *xt = x + whole * xs;
+        float *o = out + whole * PACK_ROWS;
+        _Static_assert(PACK_TOKS_KH == 8 && PACK_TOKS_256 == 4, "a rest of 5 to 7 a half at a time, of 1 to 4 both");
+        for (int h = 0; h < (rest > PACK_TOKS_256 ? 2 : 1); h++) {
+            prefetch_part(rec + gb, rb, p++, passes);
+            switch (rest) {
+            case 7: k_wide_pass_256(rec, &b, xt, xs, k, 7, o, bits, kind, h, 1); break;
+            case 6: k_wide_pass_256(rec, &b, xt, xs, k, 6, o, bits, kind, h, 1); break;
+            case 5: k_wide_pass_256(rec, &b, xt, xs, k, 5, o, bits, kind, h, 1); break;
+            case 4: k_wide_pass_256(rec, &b, xt, xs, k, 4, o, bits, kind, 0, 2); break;
+            case 3: k_wide_pass_256(rec, &b, xt, xs, k, 3, o, bits, kind, 0, 2); break;
+            case 2: k_wide_pass_256(rec, &b, xt, xs, k, 2, o, bits, kind, 0, 2); break;
+            default: k_wide_pass_256(rec, &b, xt, xs, k, 1, o, bits, kind, 0, 2); break;
+            }
+        }
     }
-}
-
-static void wide_q4_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
-{
-    packedk_wide_256(group, n, x, xs, toks, out, 4, PACK_K4);
-}
-
-static void wide_q5_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
-{
-    packedk_wide_256(group, n, x, xs, toks, out, 5, PACK_K4);
-}
-
-static void wide_q6_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
-{
-    packedk_wide_256(group, n, x, xs, toks, out, 6, PACK_K6);
 }
 
 /* Element e's 8 rows of half h of a packed float group. */
@@ -10162,6 +10164,22 @@ PACKED_KERNEL(q6_k, avx2, packedk_avx2, 6, PACK_K6, 0, NULL, 0)
 PACKED_KERNEL(f32, avx2, packedf_avx2, T_F32, 0, 0, NULL)
 PACKED_KERNEL(f16, avx2, packedf_avx2, T_F16, 0, 0, NULL)
 PACKED_KERNEL(bf16, avx2, packedf_avx2, T_BF16, 0, 0, NULL)
+
+/* The wide products, each falling back on its PACK_TOKS product. */
+static void wide_q4_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 4, PACK_K4, packed_q4_k_avx2);
+}
+
+static void wide_q5_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 5, PACK_K4, packed_q5_k_avx2);
+}
+
+static void wide_q6_k_avx2(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out)
+{
+    packedk_wide_256(group, n, x, xs, toks, out, 6, PACK_K6, packed_q6_k_avx2);
+}
 
 /* --probe's f32 peak for a set: 8 independent chains of FMAs on vectors V
    of `width` floats. */
