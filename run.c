@@ -9932,10 +9932,11 @@ INLINE __m256i bsum_pair_256(const int16_t *bsums, const int32_t *b32, int k6, i
     return _mm256_set1_epi32(pair);
 }
 
-/* Super-block k of a K type for T tokens over H halves from half h0 (T <= PACK_TOKS_256
-   with both halves, so that one activation broadcast serves 16 rows; T <=
-   PACK_TOKS_KH with one, so that one unpacked vector serves T tokens and
-   the record's scales are unpacked once for them): the maddubs products
+/* Super-block k of a K type for T tokens over H halves from half h0 (T
+   <= PACK_TOKS_256 with both halves, so that one activation broadcast
+   serves 16 rows; T <= PACK_TOKS_KH with one, so that one unpacked vector
+   serves T tokens and the record's scales are unpacked once for them):
+   the maddubs products
    summed in int16 while bounded (8 for 4-bit integers, 4 for 5-bit, 2 for
    6-bit), then one madd with the sub-block's scale; the minimums' (q6_k:
    the offset's) sums against x's sums of sub-blocks as int16 pairs, into
