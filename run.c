@@ -9932,22 +9932,22 @@ INLINE __m256i bsum_pair_256(const int16_t *bsums, const int32_t *b32, int k6, i
     return _mm256_set1_epi32(pair);
 }
 
-/* Super-block k of a K type for T tokens over H halves from half h0 (T
-   <= PACK_TOKS_256 with both halves, so that one activation broadcast
-   serves 16 rows; T <= PACK_TOKS_KH with one, so that one unpacked vector
-   serves T tokens and the record's scales are unpacked once for them):
-   the maddubs products
-   summed in int16 while bounded (8 for 4-bit integers, 4 for 5-bit, 2 for
-   6-bit), then one madd with the sub-block's scale; the minimums' (q6_k:
-   the offset's) sums against x's sums of sub-blocks as int16 pairs, into
-   acc. The record's integers and scales unpacked here, or in b (a wide
-   product's, unpacked once for all its tokens). */
+/* A K record unpacked once for all the tokens of a wide product. */
 typedef struct {
     __m256i u[2][QK_K / 4];     /* per half: element group g of stretch j at 8j + g (stretch_u256) */
     __m256i sc[2][QK_K / 16];   /* per half: k_scales_256's */
     __m256i pairs[2][QK_K / 32];
 } KRecord256;
 
+/* Super-block k of a K type for T tokens over H halves from half h0 (T
+   <= PACK_TOKS_256 with both halves, so that one activation broadcast
+   serves 16 rows; T <= PACK_TOKS_KH with one, so that one unpacked vector
+   serves T tokens and the record's scales are unpacked once for them):
+   the maddubs products summed in int16 while bounded (8 for 4-bit
+   integers, 4 for 5-bit, 2 for 6-bit), then one madd with the sub-block's
+   scale; the minimums' (q6_k: the offset's) sums against x's sums of
+   sub-blocks as int16 pairs, into acc. The record's integers and scales
+   are unpacked here, or taken from b. */
 INLINE void k_super_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, int bits,
                         int kind, int h0, int H, __m256 acc[PACK_TOKS_KH][2])
 {
