@@ -9949,7 +9949,7 @@ typedef struct {
    sub-blocks as int16 pairs, into acc. The record's integers and scales
    are unpacked here, or taken from b. */
 INLINE void k_super_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, int bits,
-                        int kind, int h0, int H, __m256 acc[PACK_TOKS_KH][2])
+                        int kind, int h0, int H, __m256 acc[][2])
 {
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
@@ -9993,21 +9993,25 @@ INLINE void k_super_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *
                 }
         }
     }
+    __m256 d[2], negdmin[2];
     for (int i = 0; i < H; i++) {
-        int h = h0 + i;
-        __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h));
-        __m256 negdmin = k6 ? d : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h)));
-        for (int t = 0; t < T; t++) {
-            const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
-            int32_t b32[QK_K / 32];
-            if (!k6) bsum_pairs(b32, a->bsums);
-            __m256i msum = _mm256_setzero_si256();
-            for (int p = 0; p < (k6 ? 8 : 4); p++)
-                msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pairs[i][p], bsum_pair_256(a->bsums, b32, k6, p)));
-            __m256 xd = _mm256_set1_ps(a->d);
-            __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum, 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
-            acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d, acc[t][i]);
-            if (!k6) acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum), xd), negdmin, acc[t][i]);
+        d[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + h0 + i));
+        negdmin[i] = k6 ? d[i] : _mm256_sub_ps(_mm256_setzero_ps(), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)rec + 2 + h0 + i)));
+    }
+    for (int t = 0; t < T; t++) {
+        const BlockQ8K *a = (const BlockQ8K *)(x + t * xs) + k;
+        int32_t b32[QK_K / 32];
+        if (!k6) bsum_pairs(b32, a->bsums);
+        __m256i msum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+        for (int p = 0; p < (k6 ? 8 : 4); p++) {
+            __m256i xp = bsum_pair_256(a->bsums, b32, k6, p);
+            for (int i = 0; i < H; i++) msum[i] = _mm256_add_epi32(msum[i], _mm256_madd_epi16(pairs[i][p], xp));
+        }
+        __m256 xd = _mm256_set1_ps(a->d);
+        for (int i = 0; i < H; i++) {
+            __m256i is = k6 ? _mm256_sub_epi32(isum[t][i], _mm256_slli_epi32(msum[i], 5)) : isum[t][i]; /* - 32 * sum sc_g * x's sum of g */
+            acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), xd), d[i], acc[t][i]);
+            if (!k6) acc[t][i] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(msum[i]), xd), negdmin[i], acc[t][i]);
         }
     }
 }
@@ -10035,30 +10039,33 @@ INLINE void packedk_avx2(const uint8_t *group, int n, const uint8_t *x, size_t x
     PACKED_PASSES(packedk_256, T, 1, bits, kind);
 }
 
-/* A wide product's pass: T (a constant) tokens over H halves from half h0
-   of super-block k, unpacked in b, their sums carried in out from
-   super-block k - 1. */
+/* A wide product's pass: T (a constant) tokens over both halves of
+   super-block k, unpacked in b, their sums carried in out from super-block
+   k - 1. */
 INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8_t *x, size_t xs, int k, int T, float *out,
-                            int bits, int kind, int h0, int H)
+                            int bits, int kind)
 {
-    __m256 acc[PACK_TOKS_KH][2];
+    __m256 acc[PACK_TOKS_256][2];
     for (int t = 0; t < T; t++)
-        for (int i = 0; i < H; i++) acc[t][i] = k ? _mm256_loadu_ps(out + t * PACK_ROWS + 8 * (h0 + i)) : _mm256_setzero_ps();
-    k_super_256(rec, b, x, xs, k, T, bits, kind, h0, H, acc);
+        for (int h = 0; h < 2; h++) acc[t][h] = k ? _mm256_loadu_ps(out + t * PACK_ROWS + 8 * h) : _mm256_setzero_ps();
+    k_super_256(rec, b, x, xs, k, T, bits, kind, 0, 2, acc);
     for (int t = 0; t < T; t++)
-        for (int i = 0; i < H; i++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * (h0 + i), acc[t][i]);
+        for (int h = 0; h < 2; h++) _mm256_storeu_ps(out + t * PACK_ROWS + 8 * h, acc[t][h]);
 }
 
 /* The K types for a whole prefill chunk (the set's wide product): each
    super-block's integers and scales unpacked once for every token, which
-   then take it PACK_TOKS_KH a pass over each half (a rest of up to
-   PACK_TOKS_256 over both halves at once, as PACKED_PASSES has it), while
-   the next group's record is asked into L2. The unpacking and the scales
-   are the work a call of PACK_TOKS tokens repeats per pass. One thread,
-   AMD EPYC Zen 3, 72 tokens (tests/bench_kernels.c, best of 3, GOP/s,
-   against calls of PACK_TOKS): the 1.5B's ffn_up shape q4_k 176 -> 185,
-   q6_k 125 -> 154, q5_k 144 -> 152; its ffn_down shape q6_k 125 -> 147
-   (q6_k's integers take six instructions to unpack, q4_k's one or two). */
+   then take it PACK_TOKS_256 a pass over both halves, while the next
+   group's record is asked into L2. The unpacking and the scales are the
+   work a call of PACK_TOKS tokens repeats per pass; with them done, one
+   activation broadcast serving 16 rows beats one unpacked vector serving
+   8 tokens (passes of 8 over a half: q4_k 197 -> 204 GOP/s, q6_k 154 ->
+   161; of 3 over both, whose sums all fit the registers: 189, 152). One
+   thread, AMD EPYC Zen 3, 72 tokens (tests/bench_kernels.c, best of 3,
+   GOP/s, against calls of PACK_TOKS): the 1.5B's ffn_up shape q4_k 176 ->
+   185, q6_k 125 -> 154, q5_k 144 -> 152; its ffn_down shape q6_k 125 ->
+   147 (q6_k's integers take six instructions to unpack, q4_k's one or
+   two), all before the passes of 4. */
 #define WIDE_MIN_256 (2 * PACK_TOKS) /* below it the unpacked record's 4 KB of stores cost more than they save:
                                         one thread, 12 tokens, q4_k 182 -> 162 GOP/s; 16: q4_k even, q6_k 127 -> 145 */
 INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int kind,
@@ -10067,8 +10074,7 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const size_t gb = packed_group_bytes(&f, n);
-    const int whole = toks / PACK_TOKS_KH * PACK_TOKS_KH, rest = toks - whole;
-    const int passes = 2 * (whole / PACK_TOKS_KH) + (rest > PACK_TOKS_256 ? 2 : rest > 0);
+    const int passes = toks / PACK_TOKS_256;
     if (toks < WIDE_MIN_256) { /* too few tokens to repay storing the unpacked record */
         for (int t0 = 0; t0 < toks; t0 += PACK_TOKS) narrow(group, n, x + t0 * xs, xs, min_i(PACK_TOKS, toks - t0), out + t0 * PACK_ROWS);
         return;
@@ -10083,27 +10089,18 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
                 UNROLL(8) /* g a constant: every shift an immediate */
                 for (int g = 0; g < STRETCH / 4; g++) b.u[h][8 * j + g] = stretch_u256(rec + hb + j * sb, g, bits, h);
         }
-        int p = 0;
-        for (int h = 0; h < 2; h++)
-            for (int t0 = 0; t0 < whole; t0 += PACK_TOKS_KH) {
-                prefetch_part(rec + gb, rb, p++, passes);
-                k_wide_pass_256(rec, &b, x + t0 * xs, xs, k, PACK_TOKS_KH, out + t0 * PACK_ROWS, bits, kind, h, 1);
-            }
-        if (!rest) continue;
-        const uint8_t *xt = x + whole * xs;
-        float *o = out + whole * PACK_ROWS;
-        _Static_assert(PACK_TOKS_KH == 8 && PACK_TOKS_256 == 4, "a rest of 5 to 7 a half at a time, of 1 to 4 both");
-        for (int h = 0; h < (rest > PACK_TOKS_256 ? 2 : 1); h++) {
-            prefetch_part(rec + gb, rb, p++, passes);
-            switch (rest) {
-            case 7: k_wide_pass_256(rec, &b, xt, xs, k, 7, o, bits, kind, h, 1); break;
-            case 6: k_wide_pass_256(rec, &b, xt, xs, k, 6, o, bits, kind, h, 1); break;
-            case 5: k_wide_pass_256(rec, &b, xt, xs, k, 5, o, bits, kind, h, 1); break;
-            case 4: k_wide_pass_256(rec, &b, xt, xs, k, 4, o, bits, kind, 0, 2); break;
-            case 3: k_wide_pass_256(rec, &b, xt, xs, k, 3, o, bits, kind, 0, 2); break;
-            case 2: k_wide_pass_256(rec, &b, xt, xs, k, 2, o, bits, kind, 0, 2); break;
-            default: k_wide_pass_256(rec, &b, xt, xs, k, 1, o, bits, kind, 0, 2); break;
-            }
+        int t0 = 0;
+        for (; t0 + PACK_TOKS_256 <= toks; t0 += PACK_TOKS_256) {
+            prefetch_part(rec + gb, rb, t0 / PACK_TOKS_256, passes);
+            k_wide_pass_256(rec, &b, x + t0 * xs, xs, k, PACK_TOKS_256, out + t0 * PACK_ROWS, bits, kind);
+        }
+        const uint8_t *xt = x + t0 * xs;
+        float *o = out + t0 * PACK_ROWS;
+        _Static_assert(PACK_TOKS_256 == 4, "a rest of 1 to 3 tokens");
+        switch (toks - t0) {
+        case 3: k_wide_pass_256(rec, &b, xt, xs, k, 3, o, bits, kind); break;
+        case 2: k_wide_pass_256(rec, &b, xt, xs, k, 2, o, bits, kind); break;
+        case 1: k_wide_pass_256(rec, &b, xt, xs, k, 1, o, bits, kind); break;
         }
     }
 }
