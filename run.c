@@ -10075,8 +10075,9 @@ INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8
    185, q6_k 125 -> 154, q5_k 144 -> 152; its ffn_down shape q6_k 125 ->
    147 (q6_k's integers take six instructions to unpack, q4_k's one or
    two), all before the passes of 4. */
-#define WIDE_MIN_256 (2 * PACK_TOKS) /* below it the unpacked record's 4 KB of stores cost more than they save:
-                                        one thread, 12 tokens, q4_k 182 -> 162 GOP/s; 16: q4_k even, q6_k 127 -> 145 */
+#define WIDE_MIN_256 PACK_TOKS /* below it the unpacked record's 4 KB of stores cost more than they save: one
+                                  thread, q4_k/q6_k GOP/s at 6 tokens 172/118 -> 164/116, at 8 175/129 -> 190/134,
+                                  at 9 161/111 -> 190/134, at 12 179/128 -> 205/144 against the PACK_TOKS product */
 INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int kind,
                              PackedFn narrow)
 {
@@ -10084,6 +10085,7 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
     const size_t gb = packed_group_bytes(&f, n);
     const int passes = toks / PACK_TOKS_256;
+    _Static_assert(WIDE_MIN_256 >= PACK_TOKS_256, "every call past the fallback has a pass to prefetch in");
     if (toks < WIDE_MIN_256) { /* too few tokens to repay storing the unpacked record */
         for (int t0 = 0; t0 < toks; t0 += PACK_TOKS) narrow(group, n, x + t0 * xs, xs, min_i(PACK_TOKS, toks - t0), out + t0 * PACK_ROWS);
         return;

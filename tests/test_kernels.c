@@ -227,17 +227,19 @@ static void test_packed(void)
 }
 
 /* The wide products (a whole prefill chunk a call, for the types whose
-   set has one): for token counts above PACK_TOKS up to CHUNK_TOKENS, bit
-   for bit the definition taken PACK_TOKS tokens at a time, on random
-   groups and on the largest integers against activations of +-127. */
+   set has one): for token counts up to CHUNK_TOKENS (under PACK_TOKS
+   only as a chunk's rest), bit for bit the definition taken PACK_TOKS
+   tokens at a time, on random groups and on the largest integers against
+   activations of +-127. */
 static void test_packed_wide(void)
 {
     enum { N = 1536, TOKS = CHUNK_TOKENS };
     static float x[N];
     static uint8_t xq[TOKS][N * 2], group[PACK_ROWS * N * 2]; /* q8_0: 34 bytes per 32 elements */
     static float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
-    /* rests past passes of 4 tokens: 1, 0, 1, 3, 2, 0; of 8: 1, 0, 1, 3, 6, 0 */
-    const int counts[] = {PACK_TOKS + 1, 2 * PACK_TOKS, 2 * PACK_TOKS + 1, 2 * PACK_TOKS + 3, 2 * PACK_TOKS + 6, TOKS};
+    /* a chunk's rest under PACK_TOKS; rests past passes of 4 tokens: 0, 1, 0, 1, 3, 2, 0; of 8: 0, 1, 0, 1, 3, 6, 0 */
+    const int counts[] = {PACK_TOKS - 3, PACK_TOKS, PACK_TOKS + 1, 2 * PACK_TOKS, 2 * PACK_TOKS + 1, 2 * PACK_TOKS + 3,
+                          2 * PACK_TOKS + 6, TOKS};
     for (int type = 0; type < N_TYPES; type++) {
         if (!TYPES[type].name || !K.type[type].wide) continue;
         if (packed_group_bytes(&TYPES[type].pack, N) > sizeof group) {
@@ -261,7 +263,7 @@ static void test_packed_wide(void)
         }
         char what[200];
         snprintf(what, sizeof what, "%s %-4s wide product (%d to %d tokens) equals its definition bit for bit", K.op.name,
-                 TYPES[type].name, PACK_TOKS + 1, TOKS);
+                 TYPES[type].name, counts[0], TOKS);
         check(same, what);
     }
 }
