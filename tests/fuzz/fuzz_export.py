@@ -71,17 +71,21 @@ def load_export(instrument: bool):
 class Harness:
     """Runs export on one input in a private scratch directory and judges the outcome."""
 
-    def __init__(self, target: str, workdir: Path, export_module):
+    def __init__(self, target: str, workdir: Path, export_module, scratch: Path | None = None):
         self.target, self.ex = target, export_module
+        # atheris.Fuzz() ends the process from C (libFuzzer's exit), so close() never runs after it: a run
+        # under run_fuzz.py gets its --scratch directory from there, which removes it afterwards
+        self.own_tmp = scratch is None
         base = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-        self.tmp = Path(tempfile.mkdtemp(prefix=f"fuzz_export_{target}_", dir=base))
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"fuzz_export_{target}_", dir=base)) if scratch is None else scratch
         self.template = workdir / "hf_template"
         if target == "safetensors" and not (self.template / "config.json").exists():
             raise SystemExit(f"fuzz_export: {self.template} is missing: run tests/fuzz/make_seeds.py {workdir}")
         self.executions = 0
 
     def close(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.own_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def _input_path(self, data: bytes) -> Path:
         if self.target == "gguf":
@@ -280,6 +284,8 @@ def main() -> int:
     ap.add_argument("--inputs", nargs="*", type=Path, default=[], metavar="DIR",
                     help="more directories of starting inputs (read, not written)")
     ap.add_argument("--replay", nargs="+", type=Path, metavar="FILE", help="run these inputs once each and exit")
+    ap.add_argument("--scratch", type=Path, help="an existing directory for the inputs and outputs, removed by "
+                    "the caller (default: a private one, removed at the end unless atheris ends the process)")
     args = ap.parse_args()
     workdir = args.workdir.resolve()
 
@@ -287,7 +293,8 @@ def main() -> int:
     if engine == "auto":
         engine = "atheris" if importlib.util.find_spec("atheris") else "mutate"
     limit_memory()
-    h = Harness(args.target, workdir, load_export(instrument=engine == "atheris" and not args.replay))
+    h = Harness(args.target, workdir, load_export(instrument=engine == "atheris" and not args.replay),
+                args.scratch)
     try:
         if args.replay:
             for f in args.replay:

@@ -32,6 +32,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -179,7 +180,10 @@ def run_target(target: str, work: Path, exes: dict[str, Path], seconds: int, fix
         cmd += (["--runs", str(FIXED_RUNS[target]), "--seed", str(FIXED_SEEDS[target]), "--inputs", *map(str, kept)]
                 if fixed else ["--seconds", str(seconds)])
     t0 = time.time()
-    with open(log, "wb") as f:
+    # the Python target's scratch files, here because atheris ends its process without cleaning up
+    with open(log, "wb") as f, tempfile.TemporaryDirectory(prefix=f"fuzz_export_{target}_", dir=SCRATCH) as tmp:
+        if target not in C_TARGETS:
+            cmd += ["--scratch", tmp]
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=target_env(target, work),
                             timeout=FIXED_TIMEOUT if fixed else seconds + 600).returncode
     text = log.read_text(errors="replace")
