@@ -1851,6 +1851,7 @@ typedef struct {
     const char *model_path, *prompt, *ids, *dump_logits, *ppl, *mode;
     int threads, ctx, tokenize, seed_set, chat_wrap, kv_type, probe;
     int exact_batch;  /* --no-batch (1), --exact-batch N: --dump-logits passes computed as decode steps */
+    int no_batch;     /* --no-batch was given */
     Sampler sampling; /* -t, -p, -k, --min-p and the penalties (the generator is seeded in main) */
     unsigned long long seed;
     const char *kernels; /* --kernels NAME (NULL: $KERNELS_ENV, else the best set this CPU runs) */
@@ -1939,7 +1940,7 @@ int main(int argc, char **argv)
     /* RUN_KERNELS in the environment: the default of --kernels, so that a script (the test suite) can pin
        every run it starts to one set without passing the flag to each */
     const char *kernels = a.kernels ? a.kernels : getenv(KERNELS_ENV);
-    select_kernels(kernels && *kernels ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
+    select_kernels(a.kernels || (kernels && *kernels) ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
@@ -7687,8 +7688,11 @@ static void build_pool(PagePool *p, RunState *s, const Config *c, int n_pages, i
     free(s->value_cache);
     *p = (PagePool){.n_pages = n_pages, .n_slabs = n_pages * c->n_layers};
     size_t slab = page_bytes(c, s) / c->n_layers;
-    s->key_cache = xcalloc((size_t)p->n_slabs + 1, slab);
-    s->value_cache = xcalloc((size_t)p->n_slabs + 1, slab);
+    s->key_cache = calloc((size_t)p->n_slabs + 1, slab);
+    s->value_cache = calloc((size_t)p->n_slabs + 1, slab);
+    if (!s->key_cache || !s->value_cache) /* the pool's size is the user's: say which flag asked for it */
+        die(EXIT_RUNTIME, "--kv-mem: cannot allocate a KV page pool of %.0f MB (out of memory): give a smaller --kv-mem",
+            2.0 * ((size_t)p->n_slabs + 1) * slab / 1e6);
     p->n_free = p->n_slabs;
     p->spare = p->n_slabs;
     p->free_ids = xmalloc(p->n_slabs * sizeof(int));
@@ -8828,7 +8832,8 @@ static void usage(FILE *f)
         "\n"
         "Tools (each a mode of its own: --ppl, --dump-logits, --tokenize and -m chat\n"
         "do not combine, and --ppl takes no prompt; such a combination is an error)\n"
-        "  --tokenize     print the prompt's token ids on one line and exit\n"
+        "  --tokenize     print the prompt's token ids on one line and exit (an empty\n"
+        "                 prompt too: the line holds what the model adds, BOS or nothing)\n"
         "  --ppl FILE     perplexity of a text file (at most 64 MiB) in windows of\n"
         "                 --ctx tokens\n"
         "  --ids \"1 2 3\"  give the prompt as token ids instead of text (not with -c)\n"
@@ -8895,14 +8900,16 @@ static float parse_float(const char *flag, const char *v, float lo, float hi, in
     return (float)x;
 }
 
+/* A command line that cannot run: its problem and where to read more, on
+   one line (a script reads the last line of stderr for the reason). */
 static _Noreturn void usage_error(const char *fmt, ...)
 {
+    char msg[MSG_BYTES];
     va_list ap;
     va_start(ap, fmt);
-    print_error(fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    fputs("usage: run MODEL [options]   (run -h for every option)\n", stderr);
-    exit(EXIT_USAGE);
+    die(EXIT_USAGE, "%s (run -h for every option)", msg);
 }
 
 /* -h and --version: their text must reach stdout too. */
@@ -8934,7 +8941,7 @@ static int kernel_set_named(const char *v, const char *what)
         if (!strcmp(v, SETS[k]->op.name)) return k;
         snprintf(names + strlen(names), sizeof names - strlen(names), "%s%s", *names ? ", " : "", SETS[k]->op.name);
     }
-    usage_error("%s %s is not a kernel set this build runs on this CPU (available: %s)", what, v, names);
+    usage_error("%s '%s' is not a kernel set this build runs on this CPU (available: %s)", what, v, names);
 }
 
 /* --stop STR: STR with the escapes \n, \t and \\ decoded, as one more stop
@@ -9035,7 +9042,7 @@ static int parse_flag(Args *a, FeatureArgs *x, const char *f, const char *v)
     else if (!strcmp(f, "-v")) a->gen.verbose = 1;
     else if (!strcmp(f, "--special")) a->gen.special = 1;
     else if (!strcmp(f, "--tokenize")) a->tokenize = 1;
-    else if (!strcmp(f, "--no-batch")) a->exact_batch = 1;
+    else if (!strcmp(f, "--no-batch")) a->no_batch = 1;
     else if (!strcmp(f, "--scalar")) a->kernels = SET_SCALAR.op.name;
     else if (!strcmp(f, "--kernels")) a->kernels = v;
     else if (!strcmp(f, "--print-prompt-ids")) a->gen.print_ids = 1;
@@ -9094,6 +9101,8 @@ static void check_conflicts(const Args *a, const FeatureArgs *x)
         {x->cache && a->ppl, "--prompt-cache", "--ppl"},
         {x->cache && a->dump_logits, "--prompt-cache", "--dump-logits"},
         {x->cache && a->tokenize, "--prompt-cache", "--tokenize"},
+        {a->no_batch && a->exact_batch, "--no-batch", "--exact-batch"},
+        {(a->no_batch || a->exact_batch) && !a->dump_logits, a->no_batch ? "--no-batch" : "--exact-batch", "no --dump-logits"},
     };
     for (size_t i = 0; i < sizeof conflict / sizeof *conflict; i++)
         if (conflict[i].both) usage_error("%s and %s cannot be used together", conflict[i].x, conflict[i].y);
@@ -9126,9 +9135,14 @@ static void parse_args(Args *a, int argc, char **argv)
         if (!parse_flag(a, &x, f, v)) usage_error("unknown option '%s'", f);
     }
     if (!a->model_path) usage_error("%s", "no model file given");
-    if (x.cache && !x.cache[0]) usage_error("%s", "--prompt-cache expects a file name, got ''");
+    if (!a->model_path[0]) usage_error("%s", "the model file name is empty");
+    const struct { const char *flag, *path; } files[] = {{"--prompt-cache", x.cache}, {"--dump-logits", a->dump_logits},
+        {"--ppl", a->ppl}, {"--batch", a->batch.path}, {"--json-schema", x.json_schema}};
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++)
+        if (files[i].path && !files[i].path[0]) usage_error("%s expects a file name, got ''", files[i].flag);
     if (strcmp(a->mode, "generate") && strcmp(a->mode, "chat")) usage_error("-m expects generate or chat, got '%s'", a->mode);
     check_conflicts(a, &x);
+    if (a->no_batch) a->exact_batch = 1;
     int answers = strcmp(a->mode, "chat") && !a->batch.path && !a->ppl && !a->dump_logits && !a->tokenize;
     a->gen.json = build_json_constraint(x.json, x.json_schema); /* a bad schema is refused before the model loads */
     if (a->gen.json && answers && a->gen.n_predict == 0) die(EXIT_RUNTIME, "the JSON value is incomplete: -n 0 generates nothing");
@@ -9207,6 +9221,8 @@ static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args
     struct stat st;
     if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
         die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
+    if (lstat(path, &st) == 0 && st.st_dev == m->dev && st.st_ino == m->ino)
+        die(EXIT_RUNTIME, "--dump-logits %s: this is the model file: it is not replaced", path);
     if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", path, (long)getpid()) >= (int)sizeof temp_path)
         temp_path[0] = 0, die(EXIT_RUNTIME, "cannot write %s: File name too long", path);
     int sigs[] = {SIGINT, SIGTERM, SIGHUP};

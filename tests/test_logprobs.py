@@ -248,7 +248,7 @@ def test_bad_logprobs_values_exit_2():
         lines = p.stderr.decode().splitlines()
         assert p.returncode == 2 and p.stdout == b"", f"{extra}: exit {p.returncode}, stdout {p.stdout[:80]!r}"
         assert lines and lines[0].startswith("run: ") and "--logprobs" in lines[0], f"{extra}: {lines}"
-        assert len(lines) == 1 or (len(lines) == 2 and lines[1].startswith("usage: ")), f"{extra}: {lines}"
+        assert len(lines) == 1, f"{extra}: {lines}"
 
 
 def readme_logprobs_commands() -> list[str]:

@@ -299,7 +299,7 @@ def one_line_error(p: subprocess.CompletedProcess, code: int, *words: str) -> st
     lines = p.stderr.decode(errors="replace").splitlines()
     assert p.returncode == code and p.stdout == b"", f"exit {p.returncode} (want {code}), stdout {p.stdout[:80]!r}: {lines}"
     assert lines and lines[0].startswith("run: ") and all(w in lines[0] for w in words), f"want {words} in {lines}"
-    assert len(lines) == 1 or (code == 2 and len(lines) == 2 and lines[1].startswith("usage: ")), lines
+    assert len(lines) == 1, lines
     return lines[0]
 
 
