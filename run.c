@@ -7644,7 +7644,8 @@ typedef struct {
     LineReader in;
     size_t max_line;
     long lines, total; /* lines read; lines in the file (-1: unknown) */
-    int eof, failed;
+    int eof;
+    long failed;       /* records that are errors or JSON answers left incomplete: exit status 1 */
     Seq *seq;
     int parallel, in_flight;
     long admitted;
@@ -7820,7 +7821,7 @@ static void record_error(Batch *b, long line, const Buf *id, const char *fmt, ..
     else buf_printf(r, "{\"id\": %ld, \"error\": ", line);
     json_put_string(r, msg, strlen(msg));
     buf_put(r, "}\n", 2);
-    b->failed = 1;
+    b->failed++;
     b->done++;
 }
 
@@ -8160,7 +8161,7 @@ static void read_request(Batch *b, int wait)
         if (problem) record_error(b, no, &q->id, "%s", problem);
         else if (q->r.n_predict == 0) { /* nothing to generate: a JSON answer is left incomplete */
             q->json_incomplete = q->jc != NULL;
-            b->failed |= q->json_incomplete;
+            b->failed += q->json_incomplete;
             q->t_admit = now_ms(), record_answer(b, q, STOP_LIMIT, q->t_admit);
         }
         json_free(&v);
@@ -8268,7 +8269,7 @@ static void finish_seq(Batch *b, Seq *q, int finish)
     text_end(&q->out);
     if (q->jc) {
         q->json_incomplete = !json_complete(&q->jc->g, &q->jm.state);
-        b->failed |= q->json_incomplete;
+        b->failed += q->json_incomplete;
         json_mask_free(&q->jm);
     }
     record_answer(b, q, finish, now);
@@ -8615,6 +8616,10 @@ static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOp
         char msg[LINE_BYTES];
         format_line(msg, "line %ld of %s runs on past %u bytes without a newline: the input after it was not read", b.lines,
                     b.in.name, BATCH_SKIP_MAX);
+        fputs(msg, stderr);
+    } else if (b.failed && !interrupted) { /* the records say why; stderr says that the exit status is theirs */
+        char msg[LINE_BYTES];
+        format_line(msg, "%ld of %ld records are errors or incomplete JSON answers (their reasons are on stdout)", b.failed, b.done);
         fputs(msg, stderr);
     }
     if (o->verbose) report_batch(&b);
