@@ -1938,9 +1938,9 @@ int main(int argc, char **argv)
     parse_args(&a, argc, argv);
     signal(SIGPIPE, SIG_IGN); /* a closed stdout shows up as EPIPE: see check_stdout */
     /* RUN_KERNELS in the environment: the default of --kernels, so that a script (the test suite) can pin
-       every run it starts to one set without passing the flag to each */
-    const char *kernels = a.kernels ? a.kernels : getenv(KERNELS_ENV);
-    select_kernels(a.kernels || (kernels && *kernels) ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
+       every run it starts to one set without passing the flag to each (set but empty, it is unset) */
+    const char *env = getenv(KERNELS_ENV), *kernels = a.kernels ? a.kernels : env && *env ? env : NULL;
+    select_kernels(kernels ? kernel_set_named(kernels, a.kernels ? "--kernels" : KERNELS_ENV) : best_kernel_set());
     signal(SIGXFSZ, SIG_IGN); /* a file-size limit shows up as EFBIG, reported like any failed write */
     double t0 = now_ms();
     Model m;
@@ -9224,10 +9224,11 @@ static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args
 {
     const char *path = a->dump_logits;
     struct stat st;
-    if (lstat(path, &st) == 0 && !S_ISREG(st.st_mode))
-        die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
-    if (lstat(path, &st) == 0 && st.st_dev == m->dev && st.st_ino == m->ino)
-        die(EXIT_RUNTIME, "--dump-logits %s: this is the model file: it is not replaced", path);
+    if (lstat(path, &st) == 0) {
+        if (!S_ISREG(st.st_mode))
+            die(EXIT_RUNTIME, "--dump-logits %s: not a regular file (a device, FIFO, directory or symlink is not replaced)", path);
+        if (st.st_dev == m->dev && st.st_ino == m->ino) die(EXIT_RUNTIME, "--dump-logits %s: this is the model file: it is not replaced", path);
+    }
     if (snprintf(temp_path, sizeof temp_path, "%s.tmp-%ld", path, (long)getpid()) >= (int)sizeof temp_path)
         temp_path[0] = 0, die(EXIT_RUNTIME, "cannot write %s: File name too long", path);
     int sigs[] = {SIGINT, SIGTERM, SIGHUP};
