@@ -456,12 +456,16 @@ static void free_model(Model *m)
    (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
 
-/* out = x / sqrt(mean(x^2) + eps) * w */
+/* out = x / sqrt(mean(x^2) + eps) * w. A sum of squares past the float
+   range (x's root mean square above about 1e17: a damaged scale or weight,
+   real hidden states stay many orders below) would give scale 0 and quietly
+   zero the row; NaN instead, so that check_logits reports it rather than
+   the model answering from nothing. */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
 {
     float ss = 0;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = 1.0f / sqrtf(ss / n + eps);
+    float scale = ss <= FLT_MAX ? 1.0f / sqrtf(ss / n + eps) : NAN;
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
 }
 

@@ -580,6 +580,16 @@ def test_nan_weights_give_an_error_not_garbage():
         expect_error([path, "-i", "hi", "-n", "4", "-t", temp, "-s", "1"], 1, "non-finite")
 
 
+def test_absurd_embedding_scale_gives_an_error_not_silence():
+    """A finite but absurd embed_scale (the file's header; Gemma's is sqrt(dim)) makes RMSNorm's sum of squares
+    overflow while every activation stays finite: scale 0 zeroed each row, every logit came out equal, and
+    ./run printed nothing with exit 0 (greedy picked token 0, <|endoftext|>). It must say the model failed."""
+    for scale in (1e20, 1e30, 3e38):
+        path = variant(f"embed-scale-{scale:g}", lambda b: mf.put(b, "embed_scale", scale))
+        for temp in ("0", "0.8"):
+            expect_error([path, "-i", "hi", "-n", "4", "-t", temp, "-s", "1"], 1, "non-finite")
+
+
 def test_damaged_header_bytes_never_crash():
     """Every header byte, tokenizer-header byte and byte of the first two tensor entries set to
     0xFF in turn: ./run must load and generate, or refuse with one line, never crash."""
