@@ -33,14 +33,16 @@
                      loop -> text streamed whole UTF-8 characters at a time.
      6. main
      Part II, the machinery Part I calls by name: the checks of the model
-     file (before section 1 reads it), the thread team, the
+     file (before section 1's values are used), the thread team, the
      packed layout, the kernel tables and sets, attention in chunks (what
-     the SIMD sets run instead of attend, with the same results),
-     measurement, stop strings, JSON (--json, --logprobs), the prompt cache,
-     lookup decoding, chat and batch mode, perplexity, the command line; one
-     appendix per instruction set (AVX2, AVX-VNNI, AVX-512, NEON), each
-     kernel tested against its definition in Part I (tests/test_kernels.c).
-     tests/ref_forward.py is the whole forward pass in 63 lines of numpy.
+     the SIMD sets run instead of attend, with the same results up to
+     float rounding), measurement, stop strings, JSON (--json,
+     --logprobs), the prompt cache, lookup decoding, chat and batch mode,
+     perplexity, the command line; one appendix per instruction set (AVX2,
+     AVX-VNNI, AVX-512, NEON), each kernel tested against its definition in
+     Part I (tests/test_kernels.c).
+     tests/ref_forward.py's forward() is the whole forward pass in about
+     70 lines of numpy, with a few helpers.
 
    WHY PREFILL AND DECODE ARE DIFFERENT PROBLEMS
      Each weight matrix must stream from memory once per forward pass. In
@@ -78,9 +80,6 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/mman.h>
-#ifndef MAP_POPULATE
-#define MAP_POPULATE 0 /* Linux: read the whole mapping in at once */
-#endif
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -107,9 +106,12 @@
 #define N_FLAGS 6
 #define QK 32          /* elements per quantization block (q4_0 .. q8_0, their activations) */
 #define QK_K 256       /* elements per K-type super-block (q4_k, q5_k, q6_k) and their activations */
+#define K4_SUB 32      /* q4_k, q5_k: elements per sub-block (one scale and minimum) */
+#define K6_SUB 16      /* q6_k: elements per sub-block (one scale; also a Q8_K sum's span) */
 #define CHUNK_TOKENS 72 /* prefill batch: tokens pushed through a layer together (whole kernel calls of
                           PACK_TOKS; measured: +5-7% float prefill against 64) */
 #define PPL_MIN_CTX 3 /* --ppl: the smallest window whose second half scores a token */
+#define PPL_DEFAULT_CTX 512 /* --ppl's window when --ctx is not given */
 #define MAX_SEQ (1 << 20)
 #define ERR_BYTES 256
 #define MSG_BYTES 4200 /* an error message: room for a path of PATH_MAX (4096) bytes */
@@ -162,8 +164,8 @@ static struct {
    tensor table  at the next 64-byte boundary: n_tensors entries (ENT_*)
    tensor data   in table order, each at the 64-byte boundary after what
                  precedes it; the last tensor ends the file
-   What is read here, Part II ("validating the model file") has checked
-   first: every field, size, offset, name and padding byte. export.py's
+   What is read here is used only after Part II ("validating the model
+   file") has checked it: every field, size, offset, name and padding byte. export.py's
    manual, "The model file", has the whole format.
    ========================================================================= */
 
@@ -226,7 +228,7 @@ typedef struct {
     float embed_scale; /* embedding rows are multiplied by it (Gemma 3: sqrt(dim)) */
     float att_scale;  /* q.k is multiplied by it (usually 1/sqrt(head_dim)) */
     int window;       /* local layers: a query sees keys less than `window` positions back (0 = none) */
-    int window_pattern; /* layer l is global when (l + 1) % pattern == 0, else local (when window > 0) */
+    int window_pattern; /* layer l is global when (l + 1) % pattern == 0, else local (when window > 0); 0: every layer local */
     float rope_theta_local; /* RoPE base of local layers */
     float rope_scale;  /* global layers: positions are divided by it (linear RoPE scaling) */
 } Config;
@@ -314,8 +316,8 @@ static void read_config(Config *c, const uint8_t *h)
     c->rope_dim = rd_u32(h + HDR_ROPE_DIM);
 }
 
-/* Reads the family's switches into c: the flags, and the fields from
-   HDR_ACTIVATION on, whose zeros mean llama's behaviour. */
+/* Reads the family's switches into c: the flags, HDR_ACTIVATION and the
+   fields from HDR_EMBED_SCALE on, whose zeros mean llama's behaviour. */
 static void read_family(Config *c, const uint8_t *h)
 {
     uint32_t flags = c->flags = rd_u32(h + HDR_FLAGS);
@@ -509,8 +511,9 @@ static void geglu_scalar(float *g, const float *u, int n)
 }
 
 /* --- the online softmax --------------------------------------------------
-   Attention in chunks (Part II) and the sampler's exponentials take the
-   softmax a block at a time: */
+   Attention in chunks (Part II) takes the softmax a block at a time, and
+   the sampler's exponentials (the vocabulary as one block) use the same
+   step: */
 
 /* One step of the online softmax for a query and a block of n scores:
    scales them, raises the running maximum *m to cover them, and replaces
@@ -649,7 +652,7 @@ typedef struct {
 typedef struct {
     uint8_t ql[QK_K / 2];     /* low 4 bits: 128 elements per 64 bytes, in four 32s: low nibbles of
                                  bytes 0-31, of 32-63, high nibbles of 0-31, of 32-63 */
-    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, 2 bits per 32s */
+    uint8_t qh[QK_K / 4];     /* high 2 bits: 128 elements per 32 bytes, byte l holding element l of each of the four 32s */
     int8_t scales[QK_K / 16]; /* one per 16 elements */
     uint16_t d;               /* fp16 */
 } BlockQ6K;                   /* 210 bytes: value = d * scales[i / 16] * (q - 32), q = 0..63 */
@@ -670,7 +673,8 @@ _Static_assert(sizeof(BlockQ4K) == 144 && sizeof(BlockQ5K) == 176 && sizeof(Bloc
 _Static_assert(CHUNK_TOKENS % PACK_TOKS == 0, "a prefill chunk is whole kernel calls");
 
 /* The packed product: out[t * PACK_ROWS + r] = row r of the group . token t
-   (toks <= PACK_TOKS activation rows xs bytes apart), for n elements. */
+   (toks activation rows xs bytes apart: <= PACK_TOKS, or up to
+   CHUNK_TOKENS for a wide product), for n elements. */
 typedef void (*PackedFn)(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out);
 
 /* How a type's record is laid out and what its integers mean. */
@@ -699,8 +703,8 @@ typedef struct {
     int mn[QK_K / 32];   /* ... and minimum (q4_k, q5_k) */
 } RowBlock;
 
-/* The accessors (Part II, "the packed layout"), and the bytes of a group
-   of PACK_ROWS rows of n elements and one row of a group as floats. */
+/* The accessors (Part II, "the packed layout"): a row's block as numbers,
+   and one element of a float row. */
 static void weight_block(const PackForm *f, const uint8_t *group, int k, int r, RowBlock *b);
 static float weight_float(int bits, int type, const uint8_t *group, int e, int r);
 
@@ -728,7 +732,7 @@ static float dot_block32(const PackForm *f, const uint8_t *group, int r, const B
    or q6_k's offset of 32 (isum = sum_g sc_g * (s_g - 32 * x's sum of g)). */
 static float dot_k(const PackForm *f, const uint8_t *group, int r, const BlockQ8K *a, int n)
 {
-    int sub = f->kind == PACK_K4 ? STRETCH : 16; /* elements per sub-block */
+    int sub = f->kind == PACK_K4 ? K4_SUB : K6_SUB;
     float acc = 0;
     RowBlock b;
     for (int k = 0; k < n / QK_K; k++, a++) {
@@ -741,7 +745,7 @@ static float dot_k(const PackForm *f, const uint8_t *group, int r, const BlockQ8
                 isum += b.sc[j] * s;
                 msum += b.mn[j] * (a->bsums[2 * j] + a->bsums[2 * j + 1]);
             } else {
-                isum += b.sc[j] * (s - 32 * a->bsums[j]);
+                isum += b.sc[j] * (s - f->offset * a->bsums[j]);
             }
         }
         acc = fmaf((float)isum * a->d, b.d, acc);
@@ -784,7 +788,6 @@ static void tensor_row_to_float(float *out, const Tensor *t, int r);
 static float att_softmax(float *sc, int n, float scale, float *m);
 static void swiglu(float *g, const float *u, int n);
 static void geglu(float *g, const float *u, int n);
-static int plain_attention(void);
 
 /* ============================================================================
    3. FORWARD PASS
@@ -808,8 +811,8 @@ typedef struct {
     float *xb;      /* [chunk, max_cols] input of the next matmul, rows packed */
     uint8_t *xq;    /* [chunk, act_bytes(max_cols)] the same in the activation format of the weights it feeds */
     float *qkv;     /* [chunk, q_dim + 2*kv_dim] */
-    float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds silu(gate) * up */
-    uint8_t *hq;    /* [chunk, act_bytes(hidden_dim)] silu(gate) * up in W2's activation format: apart
+    float *hb;      /* [chunk, 2*hidden_dim] gate | up; the gate half then holds act(gate) * up */
+    uint8_t *hq;    /* [chunk, act_bytes(hidden_dim)] act(gate) * up in W2's activation format: apart
                        from xq because other threads may still be reading xq in W13 */
     float *xo;      /* [chunk, dim] an attention or FFN output waiting for its post-norm (post_norms) */
     float *rope_cos[N_ROPE], *rope_sin[N_ROPE]; /* [chunk, rope_dim/2] each position's angles, per RoPE kind */
@@ -847,6 +850,7 @@ static void matmul_add(float *out, const Matrix *w, Act in, int n);
 static void matmul_rows(float *out, int stride, const Matrix *w, Act in, int n, int r0, int r1);
 static void to_input(const Matrix *w, uint8_t *q, const float *row, int t, int i0, int i1);
 static Act input_of(const Matrix *w, const float *f, int f_cols, const uint8_t *q);
+static Act attention(RunState *s, int l, int n, const Matrix *wo);
 static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo);
 static float *thread_scratch(const RunState *s);
 static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos);
@@ -917,14 +921,15 @@ static void attend(const RunState *s, int l, int t, int h, float *out, float *sc
 }
 
 /* Layer l's attention for the pass's n tokens, every query head of every
-   token, into xb ([n, q_dim]) in the form Wo reads. The scalar set runs
-   attend itself; the others compute the same sums in chunks of the cache
-   (attend_in_chunks, Part II), which tests/test_kernels.c holds to attend. */
-static Act attention(RunState *s, int l, int n, const Matrix *wo)
+   token, into xb ([n, q_dim]) in the form Wo reads: the scalar set's
+   attention step (the kernel set chooses it, like a matmul's kernel). The
+   others compute the same sums in chunks of the cache (attend_in_chunks,
+   Part II), which tests/test_kernels.c holds to attend within float
+   rounding. */
+static Act attend_each(RunState *s, int l, int n, const Matrix *wo)
 {
     const Config *c = s->c;
     int hd = c->head_dim, q_dim = c->n_heads * hd;
-    if (!plain_attention()) return attend_in_chunks(s, l, n, wo);
     PARALLEL_FOR(job, n * c->n_heads, 1) {
         int t = job / c->n_heads, h = job % c->n_heads;
         attend(s, l, t, h, s->xb + (size_t)t * q_dim + (size_t)h * hd, thread_scratch(s));
@@ -942,7 +947,7 @@ static Act glu_each(RunState *s, const Layer *L, Act in, int n)
 {
     const Config *c = s->c;
     int hid = c->hidden_dim, unit = ACT_FORMATS[act_format(L->w2.part[0].type)].block;
-    unit = unit > QK ? unit : QK;
+    unit = unit > QK ? unit : QK; /* float W2 (block 1): still jobs of whole packed groups of W13 */
     PARALLEL_FOR(b, (hid + unit - 1) / unit, 1) {
         int i0 = b * unit, i1 = i0 + unit < hid ? i0 + unit : hid;
         matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1);
@@ -974,20 +979,14 @@ static void residual(RunState *s, const Matrix *w, Act in, const Tensor *post_no
     }
 }
 
-/* The forward pass: the n (<= CHUNK_TOKENS) tokens at positions
-   s->tok_pos through every layer, appending their K and V to the cache,
-   then the output head for the tokens [first_logit, n) into s->logits
-   rows 0.. (none when first_logit == n). The same function runs a prefill
-   chunk and one decode token. Every thread of the pool runs it
-   (forward_on_pool); each PARALLEL_FOR step shares its work among them. */
-static void forward(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
+/* The embedding: each token id selects its row of the table, which starts
+   the residual stream. Positions enter through RoPE on the queries and
+   keys: each token's angles pos * theta^(-2i/rope_dim) are computed once
+   here for every layer, for each RoPE base the layers use. */
+static void embed(const Model *m, RunState *s, const int *tokens, int n)
 {
     const Config *c = &m->c;
-    int dim = c->dim, hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads;
-    /* embedding: each token id selects its row of the table, which starts
-       the residual stream. Positions enter through RoPE on the queries and
-       keys: each position's angles pos * theta^(-2i/rope_dim) are computed
-       once here for every layer, for each RoPE base the layers use. */
+    int dim = c->dim, half = c->rope_dim / 2;
     PARALLEL_FOR(t, n, 1) {
         float *x = s->x + (size_t)t * dim;
         tensor_row_to_float(x, &m->tok_embeddings, tokens[t]);
@@ -1000,24 +999,47 @@ static void forward(const Model *m, RunState *s, const int *tokens, int n, int f
                 s->rope_sin[k][t * half + i] = (float)sin(angle);
             }
     }
+}
+
+/* Each Q, K and V head of each token in s->qkv ([n, heads, head_dim], the
+   Q heads first) made ready for attention: the bias added, Q and K
+   RMSNormed per head and rotated by RoPE for their position, and K and V
+   written into layer l's cache at the token's position. */
+static void position_heads(RunState *s, const Layer *L, int l, int n)
+{
+    const Config *c = s->c;
+    int hd = c->head_dim, half = c->rope_dim / 2, heads = c->n_heads + 2 * c->n_kv_heads;
+    int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
+    PARALLEL_FOR(job, n * heads, 1) {
+        int t = job / heads, h = job % heads, kv = h - c->n_heads; /* K heads: kv 0..n_kv-1, V heads: n_kv.. */
+        float *x = s->qkv + (size_t)t * heads * hd + (size_t)h * hd;
+        if (c->qkv_bias) /* Qwen 2 */
+            for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
+        if (c->qk_norm && kv < c->n_kv_heads) /* Qwen 3, Gemma 3: RMSNorm of each Q and K head */
+            rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
+        if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
+        if (kv >= 0) /* K and V go into the cache at the token's position */
+            from_float(cache_row(s, kv < c->n_kv_heads ? s->key_cache : s->value_cache, t, l, kv % c->n_kv_heads, s->tok_pos[t]),
+                       x, s->kv_type, hd);
+    }
+}
+
+/* The forward pass: the n (<= CHUNK_TOKENS) tokens at positions
+   s->tok_pos through every layer, appending their K and V to the cache,
+   then the output head for the tokens [first_logit, n) into s->logits
+   rows 0.. (none when first_logit == n). The same function runs a prefill
+   chunk and one decode token. Every thread of the pool runs it
+   (forward_on_pool); each step shares its work among them. */
+static void forward(const Model *m, RunState *s, const int *tokens, int n, int first_logit)
+{
+    const Config *c = &m->c;
+    embed(m, s, tokens, n);
     for (int l = 0; l < c->n_layers; l++) {
         const Layer *L = &m->layers[l];
-        int kind = is_local(c, l) ? ROPE_LOCAL : ROPE_GLOBAL;
         /* attention block: x += Wo . attention(q, k, v), q|k|v = Wqkv . RMSNorm(x) */
         Act in = rmsnorm_each(s, s->x, &L->attn_norm, &L->wqkv, n);
         matmul(s->qkv, &L->wqkv, in, n);
-        PARALLEL_FOR(job, n * heads, 1) { /* each Q, K and V head of each token */
-            int t = job / heads, h = job % heads, kv = h - c->n_heads; /* K heads: kv 0..n_kv-1, V heads: n_kv.. */
-            float *x = s->qkv + (size_t)t * heads * hd + (size_t)h * hd;
-            if (c->qkv_bias) /* Qwen 2 */
-                for (int i = 0; i < hd; i++) x[i] += ((const float *)L->bqkv.data)[h * hd + i];
-            if (c->qk_norm && kv < c->n_kv_heads) /* Qwen 3, Gemma 3: RMSNorm of each Q and K head */
-                rmsnorm(x, x, kv < 0 ? L->q_norm.data : L->k_norm.data, hd, c->norm_eps);
-            if (kv < c->n_kv_heads) rope(x, s->rope_cos[kind] + t * half, s->rope_sin[kind] + t * half, c->rope_dim);
-            if (kv >= 0) /* K and V go into the cache at the token's position */
-                from_float(cache_row(s, kv < c->n_kv_heads ? s->key_cache : s->value_cache, t, l, kv % c->n_kv_heads, s->tok_pos[t]),
-                           x, s->kv_type, hd);
-        }
+        position_heads(s, L, l, n);
         in = attention(s, l, n, &L->wo);
         residual(s, &L->wo, in, &L->post_attn_norm, n);
         /* feed-forward block: x += W2 . (act(Wgate . h) * (Wup . h)), h = RMSNorm(x) */
@@ -1026,7 +1048,7 @@ static void forward(const Model *m, RunState *s, const int *tokens, int n, int f
         residual(s, &L->w2, in, &L->post_ffn_norm, n);
     }
     if (first_logit < n) { /* the output head: final norm, then logits = Wout . x */
-        Act in = rmsnorm_each(s, s->x + (size_t)first_logit * dim, &m->norm, &m->output, n - first_logit);
+        Act in = rmsnorm_each(s, s->x + (size_t)first_logit * c->dim, &m->norm, &m->output, n - first_logit);
         matmul(s->logits, &m->output, in, n - first_logit);
     }
 }
@@ -1137,8 +1159,8 @@ static void free_state(RunState *s)
    4. SAMPLING
    ========================================================================= */
 
-/* The tokens of a conversation in order; the first `pos` of them are in
-   the KV cache. */
+/* The tokens of a conversation in order (Request.pos says how many of
+   them are in the KV cache). */
 typedef struct {
     int *ids;
     int n, cap;
@@ -1190,6 +1212,12 @@ static uint32_t random_u32(uint64_t *state)
 }
 
 static float random_f32(uint64_t *state) { return (random_u32(state) >> 8) / 16777216.0f; } /* [0,1) */
+
+/* The generator's state for a seed: times 2^64/phi (odd, so distinct seeds
+   stay distinct; nearby seeds land far apart), plus 1 so that seed 0 does
+   not give the state 0, where xorshift stays. */
+#define SEED_MIX 0x9E3779B97F4A7C15ull
+static uint64_t seed_state(unsigned long long seed) { return seed * SEED_MIX + 1; }
 
 #define MAX_LANES 16  /* independent maxima in max_of: a vector's worth, so the loop vectorizes */
 #define SCAN_BLOCK 64  /* gather_candidates skips blocks of this many probabilities below what it needs */
@@ -1490,7 +1518,7 @@ static const struct {
 
 typedef struct {
     int kind;            /* TOK_CHAT_*: the row of TEMPLATES */
-    int start, header_end, end; /* their token ids (header_end -1: none) */
+    int start, header_end, end; /* their token ids (header_end -2: the template has none) */
     const char *system;  /* system prompt (-y, else the template's default) */
     size_t system_len;
     int system_pending;  /* system_in_user: not yet folded into a user message */
@@ -1621,8 +1649,7 @@ typedef struct {
 
 /* Part II's entry points that the generation loop calls: the hooks that
    bring its features into the loop (hooks_open makes a single request's
-   from GenOpts), the matcher inside text_put, the byte strings of a
-   buffered answer, -v's report. */
+   from GenOpts), the byte strings of a buffered answer, -v's report. */
 typedef struct Buf Buf;
 typedef struct Machine Machine; /* --probe's measured limits (Part II, "measurement") */
 typedef struct Request Request;
@@ -1836,8 +1863,6 @@ static int generate(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, 
     return why;
 }
 
-/* Runs every line of path ("-": stdin) and writes the records. Returns
-   the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
 /* What --batch takes from the command line besides GenOpts. */
 typedef struct {
     const char *path; /* --batch FILE, "-": stdin */
@@ -1885,6 +1910,8 @@ static const Machine *probe_machine(int threads);
 static void report_process(const Model *m, double load_ms);
 static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms);
 static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, const Machine *mc);
+/* Runs every line of bo->path ("-": stdin) and writes the records.
+   Returns the exit status: 1 if a line failed, 130 after Ctrl-C, else 0. */
 static int run_batch(const Model *m, RunState *s, const Sampler *sm, const GenOpts *o, const BatchOpts *bo);
 static void perplexity(const Model *m, RunState *s, const char *path, int ctx);
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a);
@@ -1954,7 +1981,7 @@ int main(int argc, char **argv)
     watch_model_file(&m, a.model_path);
     double load_ms = now_ms() - t0;
     int chat = !strcmp(a.mode, "chat");
-    int seq_len = a.ctx ? a.ctx : a.ppl ? 512 : m.c.max_seq_len;
+    int seq_len = a.ctx ? a.ctx : a.ppl ? PPL_DEFAULT_CTX : m.c.max_seq_len;
     if (seq_len > m.c.max_seq_len) die(EXIT_USAGE, "--ctx %d exceeds the model's context length %d", seq_len, m.c.max_seq_len);
     if (a.ppl && seq_len < PPL_MIN_CTX)
         die(EXIT_USAGE, "--ppl needs --ctx %d or more: a window of %d tokens has no second half to score", PPL_MIN_CTX, seq_len);
@@ -1980,7 +2007,7 @@ int main(int argc, char **argv)
     open_features(&a.gen, &m, &s);
     const Machine *mc = a.probe ? probe_machine(threads) : NULL;
     Sampler sm = a.sampling;
-    sm.rng = (a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32)) * 0x9E3779B97F4A7C15ull + 1;
+    sm.rng = seed_state(a.seed_set ? a.seed : (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32));
     int status = EXIT_SUCCESS;
     if (a.ppl) perplexity(&m, &s, a.ppl, seq_len);
     else if (batch) status = run_batch(&m, &s, &sm, &a.gen, &a.batch);
@@ -3519,8 +3546,8 @@ static void packed_row_to_float(float *out, int type, const PackForm *f, const u
         if (i == 0) weight_block(f, group, e / bs, r, &b);
         q = b.u[i];
         if (f->kind == PACK_BLOCK32) out[e] = f->has_min ? q * b.d + b.m : (q - f->offset) * b.d;
-        else if (f->kind == PACK_K6) out[e] = b.d * b.sc[i / 16] * (q - 32);
-        else out[e] = b.d * b.sc[i / STRETCH] * q - b.m * b.mn[i / STRETCH]; /* PACK_K4 */
+        else if (f->kind == PACK_K6) out[e] = b.d * b.sc[i / K6_SUB] * (q - f->offset);
+        else out[e] = b.d * b.sc[i / K4_SUB] * q - b.m * b.mn[i / K4_SUB]; /* PACK_K4 */
     }
 }
 
@@ -3599,7 +3626,7 @@ typedef struct {
     void (*geglu)(float *g, const float *u, int n);
     double (*peak_f32)(float *sink); /* --probe: PROBE_ITERS of independent FMA chains; returns FLOPs */
     double (*peak_i8)(unsigned *sink); /* ... of int8 multiply-add chains; returns ops (2 per MAC); sums wrap */
-    int plain_attention; /* attention by its definition (attend), not in chunks (not inherited) */
+    Act (*attention)(RunState *s, int l, int n, const Matrix *wo); /* a layer's attention step */
 } OpKernels;
 
 /* The kernel set in use, resolved: one per program, set once by
@@ -3835,12 +3862,14 @@ static void attend_chunks(RunState *s, int l, int n, int fmt)
     }
 }
 
-/* Part I's attention() for every set but the scalar one: layer l's
-   attention for the pass's n tokens in chunks of the cache, into s->xb in
-   the form Wo reads. attention_out converts each KV head's slice of the
-   output when the slices are whole blocks of Wo's format (sparing Wo a
-   pass and a wait); otherwise whole rows are converted afterwards. */
-static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo)
+/* The attention step (OpKernels.attention) of every set but the scalar
+   one: layer l's attention for the pass's n tokens in chunks of the cache,
+   into s->xb in the form Wo reads. attention_out converts each KV head's
+   slice of the output when the slices are whole blocks of Wo's format
+   (sparing Wo a pass and a wait); otherwise whole rows are converted
+   afterwards. A build with no SIMD set (SCALAR_SET_ONLY, or a CPU family
+   without one) never calls it. */
+static __attribute__((unused)) Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo)
 {
     const Config *c = s->c;
     int q_dim = c->n_heads * c->head_dim, group = c->n_heads / c->n_kv_heads, wo_fmt = matrix_act(wo);
@@ -3936,7 +3965,7 @@ typedef struct {
 #define SCALAR(t, from) {.to_float = to_float_##t##_scalar, .from_float = from, .packed = packed_##t##_scalar}
 static const KernelSet SET_SCALAR = {
     {"scalar", always, KSET_SCALAR, {[ACT_Q8] = quantize_act_scalar, [ACT_Q8K] = quantize_act_k_scalar}, att_softmax_scalar,
-     att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar, .plain_attention = 1},
+     att_qk_scalar, att_pv_scalar, swiglu_scalar, geglu_scalar, peak_f32_scalar, peak_i8_scalar, attend_each},
     {[T_F32] = SCALAR(f32, from_float_f32_scalar), [T_F16] = SCALAR(f16, from_float_f16_scalar), [T_BF16] = SCALAR(bf16, NULL),
      [T_Q4_0] = SCALAR(q4_0, from_float_q4_0_scalar), [T_Q4_1] = SCALAR(q4_1, NULL), [T_Q5_0] = SCALAR(q5_0, NULL),
      [T_Q5_1] = SCALAR(q5_1, NULL), [T_Q8_0] = SCALAR(q8_0, from_float_q8_0_scalar), [T_Q4_K] = SCALAR(q4_k, NULL),
@@ -3990,7 +4019,7 @@ static void select_kernels(int set)
         for (int a = 0; a < N_ACTS; a++) FILL(quantize[a]);
         FILL(att_softmax); FILL(att_qk); FILL(att_pv);
         FILL(swiglu); FILL(geglu);
-        FILL(peak_f32); FILL(peak_i8);
+        FILL(peak_f32); FILL(peak_i8); FILL(attention);
 #undef FILL
         for (int t = 0; t < N_TYPES; t++) {
             const TypeKernels *r = &SETS[s]->type[t];
@@ -4059,7 +4088,7 @@ static void from_float(void *row, const float *x, int type, int n) { K.type[type
 static PackedFn packed_kernel(int type) { return K.type[type].packed; }
 static PackedFn wide_kernel(int type) { return K.type[type].wide; }
 static const PackForm *packed_form(int type) { return &TYPES[type].pack; }
-static int plain_attention(void) { return K.op.plain_attention; }
+static Act attention(RunState *s, int l, int n, const Matrix *wo) { return K.op.attention(s, l, n, wo); }
 static const char *kernel_set_name(void) { return K.op.name; }
 
 /* --kv TYPE must divide the model's head_dim into whole blocks. */
@@ -7996,8 +8025,8 @@ static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_le
 }
 
 /* A line's sampling fields, with the command line's names and bounds:
-   "t", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-   "frequency_penalty" (an integer). */
+   "t", "min_p", "repeat_penalty", "repeat_last_n" (an integer),
+   "presence_penalty", "frequency_penalty". */
 typedef struct {
     const char *key;
     size_t at;       /* offsetof the Sampler field */
@@ -8250,8 +8279,9 @@ static int admit(Batch *b, Seq *slot)
     slot->r.pos = pcache_load(b->o->cache, b->m, b->s, &slot->pt, slot->toks.ids, slot->n_prompt, shared * PAGE_TOKENS);
     slot->state = SEQ_PREFILL;
     slot->order = b->admitted++;
-    /* each line its own stream of random numbers, from -s and the line number */
-    slot->sm.rng = (b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull) * 0x9E3779B97F4A7C15ull + 1;
+    /* each line its own stream of random numbers, from -s and the line
+       number (spread by another odd constant before the xor) */
+    slot->sm.rng = seed_state(b->seed ^ (unsigned long long)slot->line * 0xD1B54A32D192ED03ull);
     slot->sm.report = slot->lp.want >= 0 ? &slot->lp : NULL;
     slot->lk = (Lookup){.max = b->o->lookup, .src = -1};
     text_open(&slot->out, NULL, &slot->text);
@@ -8782,9 +8812,8 @@ static void usage(FILE *f)
         "                 (natural log) of the distribution sampled from: after the\n"
         "                 whole chain (tokens it drops have no entry); with -t 0 the\n"
         "                 full softmax of the penalized logits at temperature 1. The\n"
-        "                 end-of-turn token that stops\n"
-        "                 generation gets a record too. Chat: an empty line after each\n"
-        "                 answer's records\n"
+        "                 end-of-turn token that stops generation gets a record too.\n"
+        "                 Chat: an empty line after each answer's records\n"
         "  --json         the output is exactly one JSON value (RFC 8259): tokens that\n"
         "                 would break it are never sampled, and generation ends when\n"
         "                 the value is complete (with -m chat: each answer). At most\n"
@@ -8855,18 +8884,17 @@ static void usage(FILE *f)
         "                 as a decode step (lookup decoding's verification pass)\n"
         "  --kernels NAME the kernel set: scalar (the plain reference kernels; slow, for\n"
         "                 checking), avx2, avxvnni (x86-64 with AVX-VNNI) or avx512 (with\n"
-        "                 AVX-512 VNNI), neon or neon-dot (aarch64 with sdot), of those\n"
-        "                 this CPU runs\n"
-        "                 (default: $RUN_KERNELS if set, else the best; -v names it)\n"
+        "                 AVX-512 VNNI), neon or neon-dot (aarch64 with sdot): one this\n"
+        "                 CPU runs (default: $RUN_KERNELS if set, else the best; -v\n"
+        "                 names it)\n"
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
         "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"min_p\",\n"
         "                 \"repeat_penalty\", \"repeat_last_n\", \"presence_penalty\",\n"
         "                 \"frequency_penalty\", \"chat\", \"system\", \"stop\", \"json\",\n"
-        "                 \"schema\", \"logprobs\"}; one JSON\n"
-        "                 record per line on stdout, in input order (README \"Batch\");\n"
-        "                 exit 1 if a line failed\n"
+        "                 \"schema\", \"logprobs\"}; one JSON record per line on stdout,\n"
+        "                 in input order (README \"Batch\"); exit 1 if a line failed\n"
         "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
         "                 page pool holds at -n tokens each, at most 32)\n"
         "  --kv-mem MB    batch mode: the KV cache page pool (default 1024)\n"
@@ -9296,9 +9324,10 @@ static int usable_cpus(void)
 /* ============================================================================
    APPENDIX A: THE AVX2 KERNEL SET
    Each function computes what its scalar definition in Part I computes
-   (tests/test_kernels.c checks every one against it), up to summation
-   order; the row conversions, the activation quantizers and the f16 row
-   writer agree bit for bit. Compiled into every x86-64 build for AVX2,
+   (tests/test_kernels.c checks every one against it): the packed
+   products, the row conversions, the activation quantizers and the f16
+   row writer bit for bit; the exponentials, softmax steps and gates
+   within float rounding. Compiled into every x86-64 build for AVX2,
    FMA and F16C; used when the CPU has them (cpu_has_avx2) and no other
    set is chosen (--kernels).
    ========================================================================= */
@@ -10291,7 +10320,7 @@ static int cpu_has_avx2(void)
 /* The AVX2 set's row of the kernel tables. */
 static const KernelSet SET_AVX2 = {
     {"avx2", cpu_has_avx2, KSET_SCALAR, {[ACT_Q8] = quantize_act_avx2, [ACT_Q8K] = quantize_act_k_avx2}, att_softmax_avx2,
-     att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, .plain_attention = 0},
+     att_qk_avx2, att_pv_avx2, swiglu_avx2, geglu_avx2, peak_f32_avx2, peak_i8_avx2, attend_in_chunks},
     {[T_F32] = {.packed = packed_f32_avx2},
      [T_F16] = {.to_float = to_float_f16_avx2, .from_float = from_float_f16_avx2, .packed = packed_f16_avx2},
      [T_BF16] = {.packed = packed_bf16_avx2},
@@ -11240,7 +11269,8 @@ static int cpu_has_sdot(void)
 /* The NEON sets' rows: the 32-element types' packed products and (NEON)
    prefill's attention; the rest is the scalar set's, and with sdot NEON's. */
 static const KernelSet SET_NEON = {
-    {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon},
+    {.name = "neon", .available = always, .inherits = KSET_SCALAR, .att_qk = att_qk_neon, .att_pv = att_pv_neon,
+     .attention = attend_in_chunks},
     {[T_Q4_0] = {.packed = packed_q4_0_neon}, [T_Q4_1] = {.packed = packed_q4_1_neon}, [T_Q5_0] = {.packed = packed_q5_0_neon},
      [T_Q5_1] = {.packed = packed_q5_1_neon}, [T_Q8_0] = {.packed = packed_q8_0_neon}},
 };
