@@ -80,6 +80,7 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -458,16 +459,27 @@ static void free_model(Model *m)
    (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
 
-/* out = x / sqrt(mean(x^2) + eps) * w. A sum of squares past the float
-   range (x's root mean square above about 1e17: a damaged scale or weight,
-   real hidden states stay many orders below) would give scale 0 and quietly
-   zero the row; NaN instead, so that check_logits reports it rather than
-   the model answering from nothing. */
+/* Has x's sum of squares ss left the float range? Above it (x's root mean
+   square past about 1e17) the scale would be 0; below FLT_MIN with x not
+   all zero (an RMS under about 1e-20) the squares have underflowed and the
+   scale is eps's alone. Either way the row is lost to a damaged scale or
+   weight: real hidden states stay many orders of magnitude inside. */
+static int out_of_float_range(float ss, const float *x, int n)
+{
+    if (!(ss <= FLT_MAX)) return 1;
+    if (ss >= FLT_MIN) return 0;
+    for (int i = 0; i < n; i++) if (x[i] != 0) return 1;
+    return 0;
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * w; a row out of the float range
+   becomes NaN, which check_logits reports, rather than zeros or noise that
+   the model would answer from. */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
 {
     float ss = 0;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = ss <= FLT_MAX ? 1.0f / sqrtf(ss / n + eps) : NAN;
+    float scale = out_of_float_range(ss, x, n) ? NAN : 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
 }
 
@@ -1896,6 +1908,7 @@ typedef struct {
 static void reserve_std_fds(void);
 static void parse_args(Args *a, int argc, char **argv);
 static int usable_cpus(void);
+static void check_stacks(int threads);
 static void select_kernels(int set);
 static int kernel_set_named(const char *v, const char *what);
 static int best_kernel_set(void);
@@ -1941,7 +1954,7 @@ static void answer(const Model *m, RunState *s, Sampler *sm, const GenOpts *o, T
     Request r = {.conv = prompt, .n_predict = o->n_predict, .out = &out};
     r.pos = cached_prefix(o, m, s, prompt, 0);
     if (r.n_predict > seq_len - prompt->n + 1) {
-        r.n_predict = seq_len - prompt->n + 1;
+        r.n_predict = seq_len - prompt->n + 1, r.capped = 1;
         if (o->verbose) fprintf(stderr, "note: -n %d capped to %d by the context (%d tokens, %d in the prompt)\n", o->n_predict, r.n_predict, seq_len, prompt->n);
     }
     int why = generate(m, s, sm, o, &r);
@@ -1998,6 +2011,7 @@ int main(int argc, char **argv)
     if (prompt.n > seq_len) die(EXIT_RUNTIME, "prompt has %d tokens but the context holds %d", prompt.n, seq_len);
 
     int threads = team_threads(a.threads, a.gen.verbose);
+    check_stacks(threads);
     RunState s;
     check_kv_type(a.kv_type, m.c.head_dim);
     build_state(&s, &m, seq_len, threads, a.kv_type);
@@ -2243,7 +2257,7 @@ static int check_header(const Model *m, char *err)
     if (v[5] % 2) LOAD_FAIL("header: head_dim %u is odd", v[5]);
     if ((size_t)v[3] * v[5] > MAX_DIM) LOAD_FAIL("header: n_heads x head_dim = %zu exceeds %d", (size_t)v[3] * v[5], MAX_DIM);
     if (c->rope_dim <= 0 || c->rope_dim > c->head_dim || c->rope_dim % 2)
-        LOAD_FAIL("header: rope_dim %d is not an even number in [2, head_dim %d]", c->rope_dim, c->head_dim);
+        LOAD_FAIL("header: rope_dim %u is not an even number in [2, head_dim %d]", (unsigned)c->rope_dim, c->head_dim);
     if (!isfinite(c->rope_theta) || c->rope_theta <= 1) LOAD_FAIL("header: rope_theta %g is not a finite number > 1", c->rope_theta);
     if (!isfinite(c->norm_eps) || c->norm_eps <= 0) LOAD_FAIL("header: norm_eps %g is not a finite number > 0", c->norm_eps);
     return 0;
@@ -2266,13 +2280,18 @@ static int check_family(const Model *m, char *err)
         LOAD_FAIL("unsupported feature flag bit %d (this build knows bits 0-%d: %s)", bit, N_FLAGS - 1, known);
     }
     if (gate > GATE_GELU) LOAD_FAIL("header: unknown activation %u (this build knows 0 SiLU, 1 GELU)", gate);
-    if (c->window > c->max_seq_len) LOAD_FAIL("header: sliding window %d exceeds the context length %d", c->window, c->max_seq_len);
-    if ((unsigned)c->window_pattern > (unsigned)c->n_layers) LOAD_FAIL("header: sliding-window pattern %d exceeds n_layers %d", c->window_pattern, c->n_layers);
-    /* scales: 0 means the usual value; anything else must be a finite positive number */
+    /* u32 fields held in ints: compared and shown as read */
+    if ((unsigned)c->window > (unsigned)c->max_seq_len)
+        LOAD_FAIL("header: sliding window %u exceeds the context length %d", (unsigned)c->window, c->max_seq_len);
+    if ((unsigned)c->window_pattern > (unsigned)c->n_layers)
+        LOAD_FAIL("header: sliding-window pattern %u exceeds n_layers %d", (unsigned)c->window_pattern, c->n_layers);
+    /* scales: 0 means the usual value; anything else must be a positive
+       normal float (a subnormal one scales every value to 0 or near it) */
     const float *f[] = {&embed_scale, &att_scale, &theta_local, &rope_scale};
     static const char *const fname[] = {"embedding scale", "attention scale", "local rope_theta", "rope scaling factor"};
     for (int i = 0; i < 4; i++)
-        if (*f[i] != 0 && (!isfinite(*f[i]) || *f[i] <= 0)) LOAD_FAIL("header: %s %g is not a finite number > 0", fname[i], *f[i]);
+        if (*f[i] != 0 && !(isnormal(*f[i]) && *f[i] > 0))
+            LOAD_FAIL("header: %s %g is not a finite, normal number > 0", fname[i], *f[i]);
     if (c->rope_theta_local <= 1) LOAD_FAIL("header: local rope_theta %g is not > 1", c->rope_theta_local);
     return 0;
 }
@@ -7965,6 +7984,7 @@ static const VocabTrie *batch_trie(Batch *b)
 static const char *answer_grammar(Batch *b, Seq *q, int json, const Json *schema, char *why, size_t why_len)
 {
     q->jc = json == 0 ? NULL : b->o->json;
+    if (schema && json == 0) return "\"schema\" asks for a JSON answer and \"json\": false for none: give one of them";
     if (schema) {
         JsonConstraint *jc = xcalloc(1, sizeof *jc);
         if (compile_schema_value(jc, schema, batch_trie(b), why, why_len)) {
@@ -9318,6 +9338,60 @@ static int usable_cpus(void)
         n = (quota + period - 1) / period; /* "max PERIOD" (no quota) does not scan */
     if (f) fclose(f);
     return n > 0 ? (int)n : 1;
+}
+
+
+/* The least stack each thread may have. A stack overflow is a crash with
+   no message, so a smaller one is refused up front. Measured (2026-12-07,
+   x86-64, GCC): the main thread needs under 128 KB (a 30-deep JSON schema,
+   a deeply nested batch line); a worker 17-18 KB (the wide products'
+   frames, ~7 KB, under the pass's calls). Each minimum is about 4x that. */
+#define STACK_MIN_MAIN (512 << 10)
+#define STACK_MIN_WORKER (64 << 10)
+
+/* OpenMP's worker stack size in bytes, from OMP_STACKSIZE (else libgomp's
+   GOMP_STACKSIZE) in the OpenMP form: a number and an optional unit B, K
+   (the default), M or G, spaces allowed around them. -1 when unset or
+   not of that form (libgomp then ignores it too, with its own warning). */
+static long long omp_stack_bytes(const char **name)
+{
+    static const char UNITS[] = "BKMG"; /* bytes, and 2^10, 2^20, 2^30 of them */
+    const char *v = getenv(*name = "OMP_STACKSIZE");
+    if (!v) v = getenv(*name = "GOMP_STACKSIZE");
+    if (!v) return -1;
+    while (isspace((unsigned char)*v)) v++;
+    if (!isdigit((unsigned char)*v)) return -1;
+    long long n = 0, most = 1LL << 32; /* past any minimum, and no overflow once scaled */
+    for (; isdigit((unsigned char)*v); v++)
+        if ((n = n * 10 + (*v - '0')) > most) n = most;
+    while (isspace((unsigned char)*v)) v++;
+    int shift = 10; /* K, the default */
+    if (*v) {
+        const char *u = strchr(UNITS, toupper((unsigned char)*v++));
+        if (!u) return -1;
+        shift = 10 * (int)(u - UNITS);
+    }
+    while (isspace((unsigned char)*v)) v++;
+    return *v ? -1 : n << shift;
+}
+
+/* Refuses stacks smaller than the run needs: the process's stack limit
+   (the main thread's) and, with a team of several, OpenMP's workers'. */
+static void check_stacks(int threads)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_STACK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < STACK_MIN_MAIN)
+        die(EXIT_RUNTIME, "the stack size limit is %llu KB (ulimit -s); run needs at least %d KB",
+            (unsigned long long)rl.rlim_cur >> 10, STACK_MIN_MAIN >> 10);
+    const char *name;
+    long long omp = omp_stack_bytes(&name);
+#ifdef _OPENMP
+    if (threads > 1 && omp >= 0 && omp < STACK_MIN_WORKER)
+        die(EXIT_RUNTIME, "%s=%s gives the worker threads %lld KB of stack; run needs at least %d KB (or --threads 1)",
+            name, getenv(name), omp >> 10, STACK_MIN_WORKER >> 10);
+#else
+    (void)threads, (void)omp; /* no workers */
+#endif
 }
 
 

@@ -113,8 +113,8 @@ def expect_error(args: list, code: int, *words: str, stdin: bytes | None = None,
     return lines[0]
 
 
-def expect_ok(args: list, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    r = run(args, stdin=stdin if stdin is not None else b"", timeout=timeout)
+def expect_ok(args: list, stdin: bytes | None = None, timeout: float = 120, env: dict | None = None) -> subprocess.CompletedProcess:
+    r = run(args, stdin=stdin if stdin is not None else b"", timeout=timeout, env=env)
     assert r.returncode == 0, f"{args}: exit {r.returncode}:\n{r.stderr.decode('utf-8', 'replace')[-2000:]}"
     return r
 
@@ -193,6 +193,13 @@ def test_model_heads_not_multiple_of_kv_heads():
 
 def test_model_absurd_context_length():
     expect_file_error(lambda b: mf.put(b, "max_seq_len", 0xFFFFFFFF), "4294967295", name="ctx-huge")
+
+
+def test_model_window_past_context():
+    """window is a u32; 0xFFFFFFFF was read as -1, passed the bound and ran with no window at all."""
+    for window in (0xFFFFFFFF, 0x7FFFFFFF):
+        expect_file_error(lambda b: mf.put(b, "window", window), "sliding window", str(window), name=f"window-{window:x}")
+    expect_file_error(lambda b: mf.put(b, "window_pattern", 0xFFFFFFFF), "pattern", "4294967295", name="pattern-ffff")
 
 
 def test_model_nan_rope_theta():
@@ -582,12 +589,16 @@ def test_nan_weights_give_an_error_not_garbage():
 
 def test_absurd_embedding_scale_gives_an_error_not_silence():
     """A finite but absurd embed_scale (the file's header; Gemma's is sqrt(dim)) makes RMSNorm's sum of squares
-    overflow while every activation stays finite: scale 0 zeroed each row, every logit came out equal, and
-    ./run printed nothing with exit 0 (greedy picked token 0, <|endoftext|>). It must say the model failed."""
-    for scale in (1e20, 1e30, 3e38):
+    overflow, or underflow to 0, while the activations stay finite: each row came out as zeros (or eps's noise),
+    every logit equal, and ./run printed nothing with exit 0 (greedy picked token 0, <|endoftext|>). It must
+    say the model failed; a subnormal scale is refused with the header."""
+    for scale in (1e20, 1e30, 3e38, 1e-20, 1e-30):
         path = variant(f"embed-scale-{scale:g}", lambda b: mf.put(b, "embed_scale", scale))
         for temp in ("0", "0.8"):
             expect_error([path, "-i", "hi", "-n", "4", "-t", temp, "-s", "1"], 1, "non-finite")
+    for scale in (1e-45, 1e-39):
+        expect_file_error(lambda b: mf.put(b, "embed_scale", scale), "embedding scale", "normal",
+                          name=f"embed-scale-{scale:g}")
 
 
 def test_damaged_header_bytes_never_crash():
@@ -1001,6 +1012,26 @@ def test_out_of_memory():
 
     expect_error(args, 1, "cannot map", preexec=limit(60))
     expect_error(args, 1, "out of memory", preexec=limit(300))
+
+
+def test_stacks_too_small_are_refused():
+    """A stack overflow is a crash with no message: OMP_STACKSIZE=16k (which libgomp accepts) gave SIGSEGV in the
+    wide q4_k product on a worker thread, and `ulimit -s 32` the same on the main thread. Such stacks are refused
+    with one line; a worker stack setting does not matter with --threads 1 or without OpenMP."""
+    args = [DEFAULT_MODEL, "-i", "hi", "-n", "2", "-t", "0"]
+    small = lambda: resource.setrlimit(resource.RLIMIT_STACK, (256 << 10, resource.getrlimit(resource.RLIMIT_STACK)[1]))
+    expect_error(args, 1, "stack size limit is 256 KB", "ulimit -s", preexec=small)
+    # workers exist in an OpenMP build given 2 CPUs (run caps --threads at the CPUs it may use)
+    openmp = b"omp_set_num_threads" in RUN.read_bytes() and len(os.sched_getaffinity(0)) >= 2
+    for var, value in (("OMP_STACKSIZE", "16k"), ("OMP_STACKSIZE", " 65535 B"), ("GOMP_STACKSIZE", "20")):
+        env = {"OMP_STACKSIZE": None, "GOMP_STACKSIZE": None, var: value}     # over this environment (run)
+        if openmp:
+            full = {k: v for k, v in {**os.environ, **env}.items() if v is not None}   # the whole one (subprocess)
+            expect_error(args + ["--threads", "2"], 1, f"{var}={value}", "at least 64 KB", env=full)
+        else:
+            expect_ok(args + ["--threads", "2"], env=env)
+        expect_ok(args + ["--threads", "1"], env=env)
+    expect_ok(args + ["--threads", "2"], env={"OMP_STACKSIZE": "64K", "GOMP_STACKSIZE": None})
 
 
 # ---------------------------------------------------------------------------------------------

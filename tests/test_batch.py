@@ -272,6 +272,7 @@ BAD_LINES = [
     ('{"prompt": "x", "stop": {"a": 1}}', '"stop" must be a string or an array'),
     ('{"prompt": "x", "json": 1}', '"json" must be true or false'),
     ('{"prompt": "x", "schema": []}', '"schema" must be a JSON object'),
+    ('{"prompt": "x", "json": false, "schema": {"type": "object"}}', '"json": false for none'),  # (was: the schema applied)
     ('{"prompt": "x", "schema": {"type": "object", "maxItems": 2, "minItems": 3}}', '"schema": $.minItems: greater than maxItems'),
     ('{"prompt": "x"} {"prompt": "y"}', "not valid JSON"),
     ("[1, 2]", None),  # not starting with "{": a plain-text prompt

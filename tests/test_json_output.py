@@ -412,6 +412,11 @@ def test_incomplete_value_exit_1() -> None:
     assert r.stdout and classify(r.stdout) == "prefix", r.stdout
     r = run([model(), "-c", "-t", "0", "-n", "0", "--json", "-i", "Describe a cat as JSON."])
     assert r.returncode == 1 and b"incomplete" in r.stderr and r.stdout == b"", r
+    # the context ends it, not -n (1000): -n cut to what the context holds must not be blamed (it was)
+    r = run([model(), "-c", "-t", "0", "--ctx", "64", "-n", "1000", "--json", "-i",
+             "Write a JSON array of the numbers from 1 to 100."])
+    assert r.returncode == 1 and r.stdout and classify(r.stdout) == "prefix", r
+    assert r.stderr.decode() == "run: the JSON value is incomplete: generation stopped at the end of the context\n", r.stderr
 
 
 def test_json_with_lookup_and_chat() -> None:
