@@ -2054,8 +2054,8 @@ int main(int argc, char **argv)
 #define ATT_CHUNK 256  /* cached positions per attention chunk: decode's work unit, whose partial softmaxes fold in order */
 #define PARTIAL_HEAD 2 /* a partial softmax's running maximum and sum, before its head_dim outputs */
 #define VERIFY_MAX_TOKENS 16 /* lookup decoding: the last token and up to 15 drafts in one pass */
-#define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page; a whole number of prefill
-                          chunks, so a prompt after a shared prefix is cut as when alone */
+#define PAGE_TOKENS CHUNK_TOKENS /* batch mode: positions per KV cache page (a prefill chunk's worth);
+                          a shared prompt prefix is shared in whole pages */
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
@@ -2122,7 +2122,8 @@ static void format_line(char *out, const char *fmt, ...)
     va_end(ap);
 }
 
-/* A file this run is writing under a temporary name (--dump-logits), or
+/* A file this run is writing under a temporary name (--dump-logits,
+   --prompt-cache), or
    "": removed by die() and by the fatal-signal handlers, so that no partial
    file outlives the run. */
 static char temp_path[MSG_BYTES];
@@ -2730,8 +2731,6 @@ static void count_weights(Model *m, const Tensor *tab)
    picks one at run time from what the CPU reports: TARGET_BEGIN(isa) ..
    TARGET_END gives each function between them the target attribute isa. */
 /* The kernels' register tiles. */
-#define ATT_TRANSPOSE_MIN 8 /* queries sharing a K block that make transposing it pay */
-_Static_assert(ATT_KTILE % 32 == 0, "att_scores_avx2 works in 32s");
 #define ATT_QK_Q 4     /* prefill scores' register tile: queries ... */
 #define ATT_QK_K 2     /* ... times keys, 8 sums (one tree of horizontal adds) */
 #define ATT_PV_Q 4     /* prefill weighted V sum's register tile: queries ... */
@@ -2742,6 +2741,7 @@ _Static_assert(ATT_QK_Q * ATT_QK_K == 8, "att_qk_tile_avx2 reduces 8 sums at onc
 #define ATT_QK_Q32 4   /* AVX-512's score tile: 4 x 4 512-bit sums */
 #define ATT_QK_K32 4
 _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2 x 8 sums: 2 queries x 4 keys each");
+_Static_assert(ATT_KTILE % ATT_QK_K == 0 && ATT_KTILE % ATT_QK_K32 == 0, "a full block of keys is whole score tiles");
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #include <immintrin.h>
@@ -2811,7 +2811,7 @@ _Static_assert(ATT_QK_Q32 == 4 && ATT_QK_K32 == 4, "att_qk_tile_avx512 reduces 2
    milliseconds spread over ~250 steps. Without OpenMP the team is one
    thread and the barrier does nothing. */
 
-#define SPINS_BEFORE_YIELD 2000 /* ~20-100 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
+#define SPINS_BEFORE_YIELD 2000 /* ~10-80 us of spinning at a barrier (a pause is 5-40 ns), then yield the core */
 #define CONTENDED_SHARE 8       /* a pass whose threads spent over 1/8 of their time in such waits ran on contended cores */
 #define CONTENDED_PASSES 2      /* ... in this many passes in a row (one alone is a hiccup: the host took a vCPU) */
 #define TEAM_RETRY 64           /* passes with a smaller team before the full team is tried again ... */
@@ -3152,9 +3152,8 @@ static struct {
 
 /* A read of the mapping past the end of a file that shrank (or that was
    replaced in place) raises SIGBUS: say so in one line instead of dying of
-   the signal. Only write(2) and _exit(2) here: a signal handler may call
-   nothing else that matters; when several threads fault at once, one
-   reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+   the signal. Only async-signal-safe calls here (unlink, write, pause,
+   _exit); when several threads fault at once, one reports. A SIGBUS elsewhere is a bug: it stays fatal. */
 static void on_sigbus(int sig, siginfo_t *si, void *uc)
 {
     (void)uc;
@@ -4389,12 +4388,6 @@ static double model_resident_bytes(const Model *m)
     return fmin((double)in * page, (double)m->map_size); /* the last page is counted whole */
 }
 
-/* -v's last lines: how long loading took and when the first byte of text
-   left (from the start of main, so what a script waiting on the output
-   sees, but exec and the dynamic loader); and memory, split into what is
-   private to this process (its heap and anonymous mappings: activations,
-   the KV cache positions written) and what it maps from the model file
-   (page cache that every process running the same file shares). */
 /* -v: the model, the context and its KV cache, the team and the kernels. */
 static void report_model(const Model *m, const char *path, int seq_len, int kv_type, int keep_all, int threads, double load_ms)
 {
@@ -4410,6 +4403,12 @@ static void report_model(const Model *m, const char *path, int seq_len, int kv_t
                 m->c.window);
 }
 
+/* -v's last lines: how long loading took and when the first byte of text
+   left (from the start of main, so what a script waiting on the output
+   sees, but exec and the dynamic loader); and memory, split into what is
+   private to this process (its heap and anonymous mappings: activations,
+   the KV cache positions written) and what it maps from the model file
+   (page cache that every process running the same file shares). */
 static void report_process(const Model *m, double load_ms)
 {
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
@@ -4466,7 +4465,7 @@ static void buf_printf(Buf *b, const char *fmt, ...)
 }
 
 #define JSON_MAX_DEPTH 64  /* arrays/objects nested deeper are refused: the reader recurses */
-#define JSON_QUOTE_MAX 40  /* bytes of a duplicate key quoted in the error */
+#define JSON_QUOTE_MAX 40  /* bytes of a key or number quoted in an error */
 #define JSON_EXACT_INT 9007199254740992.0 /* 2^53: integers below it print exactly without an exponent */
 #define JSON_MEM_PER_BYTE 16 /* a parse may allocate this many bytes per byte of its text ... */
 #ifndef JSON_MEM_BASE       /* tests/fuzz/fuzz_json.c lowers it, so that short inputs reach the bound */
@@ -4474,7 +4473,6 @@ static void buf_printf(Buf *b, const char *fmt, ...)
 #endif
 #define JSON_ALLOC_COST 16   /* what malloc keeps beside each block it hands out, counted against the bound */
 #define JSON_NUMBER_BYTES 64 /* a number this short is converted from a copy on the stack */
-#define MAYBE_UNUSED __attribute__((unused)) /* API that this file's modes do not all call yet */
 
 /* How many bytes at s[0..n) (n >= 1) follow the well-formed UTF-8 table
    (the Unicode standard's table 3-7: no overlong forms, no surrogates
@@ -4920,7 +4918,7 @@ static void json_free(Json *v)
    tree takes at most JSON_MEM_PER_BYTE bytes of memory per byte of text
    (and JSON_MEM_BASE): more values than that for the text's length are
    refused. A number's str points into text: keep text while *out is used. */
-static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
+static int json_parse(const char *text, size_t len, Json *out, char *err, size_t err_len)
 {
     size_t budget = len > (SIZE_MAX - JSON_MEM_BASE) / JSON_MEM_PER_BYTE ? SIZE_MAX : len * JSON_MEM_PER_BYTE + JSON_MEM_BASE;
     JsonReader r = {(const unsigned char *)text, len, 0, err, err_len, 0, budget};
@@ -4935,7 +4933,7 @@ static MAYBE_UNUSED int json_parse(const char *text, size_t len, Json *out, char
 }
 
 /* The value of key in an object, or NULL (absent, or obj not an object). */
-static MAYBE_UNUSED const Json *json_get(const Json *obj, const char *key)
+static const Json *json_get(const Json *obj, const char *key)
 {
     size_t n = strlen(key);
     if (!obj || obj->kind != JSON_OBJECT) return NULL;
@@ -4960,7 +4958,7 @@ typedef struct {
 /* What one draw reports for --logprobs: the drawn token's log-probability
    and the `want` most likely tokens of the distribution it was drawn from,
    by falling probability (ties by id). That distribution is the one
-   sampled: softmax(logits / T) over the tokens top-k and top-p keep,
+   sampled: softmax(logits / T) over the tokens top-k, top-p and min-p keep,
    renormalized; a token they drop, or whose probability is 0 as a float,
    cannot be drawn and has no entry, so n may be below want. With -t 0 it
    is the full softmax at temperature 1. */
@@ -5034,8 +5032,6 @@ static void logprobs_record(Buf *b, const Model *m, int token, const Logprobs *l
     }
     buf_put(b, "]}", 2);
 }
-
-static void check_stdout(void);
 
 /* A record as one line of stdout. */
 static void put_logprobs_line(const Model *m, int token, const Logprobs *lp)
@@ -5168,7 +5164,8 @@ static void stop_end(StopMatch *m, TextOut *out)
    from the current state, a whole subtree skipped at its first invalid
    byte. Text inside a string, where almost every token is allowed, is
    where the walk is longest; there the state repeats from token to token,
-   and the allowed set of the last JSON_CACHE_SLOTS states is kept. */
+   and a cache of JSON_CACHE_SLOTS allowed sets keeps them, one slot per
+   state's hash. */
 
 #define JSON_GEN_DEPTH 32     /* nested arrays and objects in the output */
 #define JSON_MAX_WS 16        /* whitespace bytes in a row: enough for indented output */
@@ -6309,7 +6306,7 @@ static void grammar_mask_end(JsonMask *jm, Stats *st)
 
 /* --json (json) or --json-schema (schema_path): the grammar, compiled once;
    NULL for neither. The vocabulary's trie follows with the model
-   (constraint_vocab). */
+   (open_features). */
 static JsonConstraint *build_json_constraint(int json, const char *schema_path)
 {
     if (!json && !schema_path) return NULL;
@@ -7298,7 +7295,7 @@ static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const To
 /* Whether text[0..len) holds a byte the vocabulary has no token for, and
    if so the reason, naming `what`, the byte and its offset, in why. A
    byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
-   that UTF-8 never uses, e.g. 0xff); tok_encode drops them, as llama.cpp
+   that UTF-8 text hardly uses, e.g. 0xff); tok_encode drops them, as llama.cpp
    does, so the model would read another text than the one given: every
    prompt text (-i, stdin, -y, chat messages, batch lines) is refused
    instead, in --tokenize too. A byte value has no token when it alone
@@ -7376,7 +7373,8 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
    generation loop of Part I (generate); earlier turns stay in the KV cache. */
 
 /* After an answer: the last sampled token, if it was text, goes into the
-   conversation, then the turn is closed (<|im_end|>\n). After a stop
+   conversation, then the turn is closed (the template's end token, e.g.
+   <|im_end|>\n). After a stop
    string the token whose text completed it is left out: the conversation
    continues from the tokens fed so far, which may hold the stop string's
    beginning (when it spans tokens) though it was not printed, and lack
@@ -7491,7 +7489,7 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
             exch.n--;
             ch.system_pending = system_pending;
             check_room_for_a_message(&ch, m, n_open, reserve, s->seq_len);
-            fprintf(stderr, "run: message too long: the system turn (%d tokens) + this message (%d) + room for the answer (%d)"
+            fprintf(stderr, "run: message too long: the conversation's opening (%d tokens) + this message (%d) + room for the answer (%d)"
                     " = %d tokens, but the context holds %d\n", n_open, msg, reserve, n_open + msg + reserve, s->seq_len);
             refuse_message(NULL);
             continue;
@@ -7539,10 +7537,10 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
    prompt, a few-shot header) are shared by reference, not computed and
    stored again.
 
-   Each record's text is what the same prompt gives alone: a decode step
-   computes each sequence's token exactly as decode_step would (see
-   decode_batch), and prefill chunks start at the same multiples of
-   CHUNK_TOKENS. Sampling draws from a generator seeded by -s and the
+   Each record's text is what the same prompt gives alone: a token's numbers
+   do not depend on the pass that computes it or on what else is in it (a
+   decode step computes each sequence's token exactly as decode_step
+   would, see decode_batch; a prompt's pieces may start anywhere). Sampling draws from a generator seeded by -s and the
    line number, so a record does not depend on what else is in the batch. */
 
 /* A sequence's KV cache in batch mode: its positions in pages of
@@ -7689,7 +7687,7 @@ typedef struct {
     const Model *m;
     RunState *s;
     const GenOpts *o;
-    Sampler defaults;  /* -t, -p, -k */
+    Sampler defaults;  /* the command line's sampler (-t, -p, -k, --min-p, the penalties) */
     unsigned long long seed;
     int chat, special; /* -c, --special: the defaults of "chat" */
     const char *no_chat; /* why this model cannot take "chat" lines, or NULL (checked once) */
@@ -8266,7 +8264,7 @@ static void page_admit(PagePool *p, const Config *c, PageTable *pt, int need, Pa
         }
 }
 
-/* Admits the pending request into free slot q when the pool has its pages:
+/* Admits the pending request into free slot `slot` when the pool has its pages:
    the positions of its prompt and of every answer token but the last
    (which is sampled, never fed), at most the context. A request the
    empty pool cannot hold is cut to what it holds (finish "context"), or
@@ -8357,7 +8355,7 @@ static void prompt_done(Batch *b, Seq *q, float *logits)
 
 /* One chunk of the prompt of the sequence admitted first among those
    still prefilling (when no sequence decodes: otherwise prompts ride
-   along in the decode steps, ride_along); after its last chunk the first
+   along in the decode steps: decode_some, ride_plan); after its last chunk the first
    token is sampled. */
 static void prefill_some(Batch *b)
 {
@@ -8714,7 +8712,7 @@ static void each_logits(const Model *m, RunState *s, const int *ids, int n, int 
 #define PPL_MAX_BYTES (64u << 20) /* the text --ppl reads: ~16M tokens, hours of prefill */
 
 /* One window's score: the negative log-likelihood of each token at
-   positions [first, ctx) given those before it. */
+   positions [first + 1, ctx) given those before it. */
 typedef struct {
     const int *win;
     int first, ctx, vocab;
@@ -8872,8 +8870,8 @@ static void usage(FILE *f)
         "  --lookup-fixed plan the guesses as if every pass cost one decode step, not by\n"
         "                 measured times: the same guesses on any machine and load\n"
         "  -v             stderr: model summary, then per request prompt tokens,\n"
-        "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean and\n"
-        "                 p90 inter-token latency\n"
+        "                 TTFT, prefill tok/s and GFLOP/s, decode tok/s and GB/s, mean,\n"
+        "                 p50 and p90 inter-token latency\n"
         "  --prompt-cache FILE  keep the prompt's K and V in FILE: a run whose prompt\n"
         "                 begins with FILE's tokens loads them and prefills only the\n"
         "                 rest (the output does not change), then stores its own\n"
@@ -9207,7 +9205,7 @@ static void parse_args(Args *a, int argc, char **argv)
     a->batch.chat = a->chat_wrap, a->batch.special = a->gen.special;
 }
 
-/* Parses "--ids" text: whitespace-separated token ids, each < vocab. */
+/* Parses "--ids" text: whitespace- or comma-separated token ids, each < vocab. */
 static void parse_ids(Tokens *t, const char *text, int vocab)
 {
     for (const char *p = text; *p;) {
@@ -9251,7 +9249,8 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
     return len;
 }
 
-/* --dump-logits: where the logits go, CHUNK_TOKENS rows at a time. */
+/* --dump-logits: where the logits go, a pass's rows at a time (CHUNK_TOKENS,
+   or --exact-batch's N). */
 typedef struct {
     FILE *f;
     const char *path;
@@ -9268,7 +9267,7 @@ static void write_logits(void *ctx, const RunState *s, int off, int k)
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
-   --no-batch), written under a temporary name in FILE's directory and
+   --no-batch, N with --exact-batch N), written under a temporary name in FILE's directory and
    renamed over FILE when complete: a full disk, a file-size limit or a
    signal leaves FILE as it was. Something other than a regular file at
    FILE (a device, a FIFO, a symlink) is refused, not replaced. */

@@ -942,7 +942,7 @@ def test_chat_message_too_long_names_what_does_not_fit():
     r = expect_ok([model, "-m", "chat", "--ctx", "64", "-n", "8", "-t", "0"], stdin=message.encode() + b"\n")
     lines = stderr_lines(r)
     assert r.stdout == b"\n" and len(lines) == 1 and "message too long" in lines[0], lines
-    m = re.search(r"system turn \((\d+) tokens\) \+ this message \((\d+)\) \+ room for the answer \((\d+)\) = (\d+) "
+    m = re.search(r"the conversation.s opening \((\d+) tokens\) \+ this message \((\d+)\) \+ room for the answer \((\d+)\) = (\d+) "
                   r"tokens, but the context holds (\d+)", lines[0])
     assert m, lines[0]
     system, msg, answer, total, ctx = map(int, m.groups())
