@@ -166,8 +166,8 @@ static struct {
    tensor data   in table order, each at the 64-byte boundary after what
                  precedes it; the last tensor ends the file
    What is read here is used only after Part II ("validating the model
-   file") has checked it: every field, size, offset, name and padding byte. export.py's
-   manual, "The model file", has the whole format.
+   file") has checked it: every field, size, offset, name and padding
+   byte. export.py's manual, "The model file", has the whole format.
    ========================================================================= */
 
 /* Tensor element types; ids and block layouts are ggml's, so quantized blocks
@@ -2123,9 +2123,8 @@ static void format_line(char *out, const char *fmt, ...)
 }
 
 /* A file this run is writing under a temporary name (--dump-logits,
-   --prompt-cache), or
-   "": removed by die() and by the fatal-signal handlers, so that no partial
-   file outlives the run. */
+   --prompt-cache), or "": removed by die() and by the fatal-signal
+   handlers, so that no partial file outlives the run. */
 static char temp_path[MSG_BYTES];
 
 static _Noreturn void die(int code, const char *fmt, ...)
@@ -3153,7 +3152,8 @@ static struct {
 /* A read of the mapping past the end of a file that shrank (or that was
    replaced in place) raises SIGBUS: say so in one line instead of dying of
    the signal. Only async-signal-safe calls here (unlink, write, pause,
-   _exit); when several threads fault at once, one reports. A SIGBUS elsewhere is a bug: it stays fatal. */
+   _exit); when several threads fault at once, one reports. A SIGBUS
+   elsewhere is a bug: it stays fatal. */
 static void on_sigbus(int sig, siginfo_t *si, void *uc)
 {
     (void)uc;
@@ -7295,10 +7295,10 @@ static int cached_prefix(const GenOpts *o, const Model *m, RunState *s, const To
 /* Whether text[0..len) holds a byte the vocabulary has no token for, and
    if so the reason, naming `what`, the byte and its offset, in why. A
    byte-level BPE vocabulary may lack some byte values (SmolLM2 lacks 21
-   that UTF-8 text hardly uses, e.g. 0xff); tok_encode drops them, as llama.cpp
-   does, so the model would read another text than the one given: every
-   prompt text (-i, stdin, -y, chat messages, batch lines) is refused
-   instead, in --tokenize too. A byte value has no token when it alone
+   that UTF-8 text hardly uses, e.g. 0xff); tok_encode drops them, as
+   llama.cpp does, so the model would read another text than the one
+   given: every prompt text (-i, stdin, -y, chat messages, batch lines) is
+   refused instead, in --tokenize too. A byte value has no token when it alone
    encodes to nothing; only the values the text holds are tried. */
 static int has_untokenizable_byte(const Model *m, const char *what, const char *text, size_t len, char *why, size_t why_len)
 {
@@ -7374,8 +7374,8 @@ static size_t text_limit(const Model *m, int ctx, char *why, size_t why_len)
 
 /* After an answer: the last sampled token, if it was text, goes into the
    conversation, then the turn is closed (the template's end token, e.g.
-   <|im_end|>\n). After a stop
-   string the token whose text completed it is left out: the conversation
+   <|im_end|>\n). After a stop string the token whose text completed it
+   is left out: the conversation
    continues from the tokens fed so far, which may hold the stop string's
    beginning (when it spans tokens) though it was not printed, and lack
    the printed text that shared the last token with it. */
@@ -7537,11 +7537,12 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
    prompt, a few-shot header) are shared by reference, not computed and
    stored again.
 
-   Each record's text is what the same prompt gives alone: a token's numbers
-   do not depend on the pass that computes it or on what else is in it (a
-   decode step computes each sequence's token exactly as decode_step
-   would, see decode_batch; a prompt's pieces may start anywhere). Sampling draws from a generator seeded by -s and the
-   line number, so a record does not depend on what else is in the batch. */
+   Each record's text is what the same prompt gives alone: a token's
+   numbers do not depend on the pass that computes it or on what else is
+   in it (a decode step computes each sequence's token exactly as
+   decode_step would, see decode_batch; a prompt's pieces may start
+   anywhere). Sampling draws from a generator seeded by -s and the line
+   number, so a record does not depend on what else is in the batch. */
 
 /* A sequence's KV cache in batch mode: its positions in pages of
    PAGE_TOKENS, each page one slab per layer: slab[i * n_layers + l] is the
@@ -8264,8 +8265,8 @@ static void page_admit(PagePool *p, const Config *c, PageTable *pt, int need, Pa
         }
 }
 
-/* Admits the pending request into free slot `slot` when the pool has its pages:
-   the positions of its prompt and of every answer token but the last
+/* Admits the pending request into free slot `slot` when the pool has its
+   pages: the positions of its prompt and of every answer token but the last
    (which is sampled, never fed), at most the context. A request the
    empty pool cannot hold is cut to what it holds (finish "context"), or
    refused when not even its prompt fits. Returns 1 when admitted. */
@@ -8355,8 +8356,8 @@ static void prompt_done(Batch *b, Seq *q, float *logits)
 
 /* One chunk of the prompt of the sequence admitted first among those
    still prefilling (when no sequence decodes: otherwise prompts ride
-   along in the decode steps: decode_some, ride_plan); after its last chunk the first
-   token is sampled. */
+   along in the decode steps: decode_some, ride_plan); after its last
+   chunk the first token is sampled. */
 static void prefill_some(Batch *b)
 {
     Seq *q = NULL;
@@ -9205,7 +9206,8 @@ static void parse_args(Args *a, int argc, char **argv)
     a->batch.chat = a->chat_wrap, a->batch.special = a->gen.special;
 }
 
-/* Parses "--ids" text: whitespace- or comma-separated token ids, each < vocab. */
+/* Parses "--ids" text: whitespace- or comma-separated token ids, each
+   < vocab. */
 static void parse_ids(Tokens *t, const char *text, int vocab)
 {
     for (const char *p = text; *p;) {
@@ -9267,10 +9269,11 @@ static void write_logits(void *ctx, const RunState *s, int off, int k)
 }
 
 /* Logits of every prompt position, batched (or one token at a time with
-   --no-batch, N with --exact-batch N), written under a temporary name in FILE's directory and
-   renamed over FILE when complete: a full disk, a file-size limit or a
-   signal leaves FILE as it was. Something other than a regular file at
-   FILE (a device, a FIFO, a symlink) is refused, not replaced. */
+   --no-batch, N with --exact-batch N), written under a temporary name in
+   FILE's directory and renamed over FILE when complete: a full disk, a
+   file-size limit or a signal leaves FILE as it was. Something other than
+   a regular file at FILE (a device, a FIFO, a symlink) is refused, not
+   replaced. */
 static void dump_logits(const Model *m, RunState *s, const Tokens *p, const Args *a)
 {
     const char *path = a->dump_logits;
