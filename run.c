@@ -459,27 +459,17 @@ static void free_model(Model *m)
    (select_kernels), must agree with them (tests/test_kernels.c).
    ========================================================================= */
 
-/* Has x's sum of squares ss left the float range? Above it (x's root mean
-   square past about 1e17) the scale would be 0; below FLT_MIN with x not
-   all zero (an RMS under about 1e-20) the squares have underflowed and the
-   scale is eps's alone. Either way the row is lost to a damaged scale or
-   weight: real hidden states stay many orders of magnitude inside. */
-static int out_of_float_range(float ss, const float *x, int n)
-{
-    if (!(ss <= FLT_MAX)) return 1;
-    if (ss >= FLT_MIN) return 0;
-    for (int i = 0; i < n; i++) if (x[i] != 0) return 1;
-    return 0;
-}
-
-/* out = x / sqrt(mean(x^2) + eps) * w; a row out of the float range
-   becomes NaN, which check_logits reports, rather than zeros or noise that
-   the model would answer from. */
+/* out = x / sqrt(mean(x^2) + eps) * w. A sum of squares out of the float
+   range, past FLT_MAX (an RMS above ~1e17) or underflowed while x is not
+   zero (below ~1e-20), means a damaged scale or weight: the row becomes
+   NaN, which check_logits reports, not zeros the model would answer from. */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps)
 {
     float ss = 0;
     for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float scale = out_of_float_range(ss, x, n) ? NAN : 1.0f / sqrtf(ss / n + eps);
+    int lost = !(ss <= FLT_MAX);
+    for (int i = 0; ss < FLT_MIN && i < n; i++) lost |= x[i] != 0;
+    float scale = lost ? NAN : 1.0f / sqrtf(ss / n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * scale * w[i];
 }
 
@@ -1107,65 +1097,11 @@ static int kv_positions(const Config *c, int l, int seq_len)
     return is_local(c, l) ? min_i(seq_len, c->window + CHUNK_TOKENS) : seq_len;
 }
 
-/* Bytes: of a row of up to cols activations in any format but floats; of
-   the K and V caches (Part II, "the state's sizes"). */
-static size_t act_room(int cols);
-static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full);
-static Machinery *build_machinery(const Config *c, int seq_len, int n_threads);
-static void free_machinery(Machinery *mx);
-
-static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type)
-{
-    const Config *c = &m->c;
-    memset(s, 0, sizeof *s);
-    s->c = c;
-    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
-    int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim);
-    s->seq_len = seq_len;
-    s->kv_type = kv_type;
-    s->kv_row = row_bytes(kv_type, c->head_dim);
-    s->x = xcalloc((size_t)T * c->dim, sizeof(float));
-    s->xb = xcalloc((size_t)T * max_cols, sizeof(float));
-    s->xq = xcalloc((size_t)T, act_room(max_cols));
-    s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
-    s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
-    s->hq = xcalloc((size_t)T, act_room(c->hidden_dim));
-    if (c->post_norms) s->xo = xcalloc((size_t)T * c->dim, sizeof(float));
-    /* pair i turns by pos * theta^(-2i/rope_dim), divided by its frequency
-       factor (rope_freqs) and, on global layers, by the linear scaling */
-    for (int k = 0; k < N_ROPE; k++) {
-        double theta = k == ROPE_LOCAL ? c->rope_theta_local : c->rope_theta, scale = k == ROPE_LOCAL ? 1 : c->rope_scale;
-        s->rope_cos[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-        s->rope_sin[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
-        s->inv_freq[k] = xcalloc(c->rope_dim / 2, sizeof(float));
-        for (int i = 0; i < c->rope_dim / 2; i++) {
-            double factor = c->rope_freqs ? ((const float *)m->rope_freqs.data)[i] : 1;
-            s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
-        }
-    }
-    /* calloc of a large block maps zero pages lazily: memory is committed
-       only as positions are written. */
-    s->kv_cap = xcalloc(c->n_layers, sizeof(int));
-    s->kv_off = xcalloc(c->n_layers, sizeof(size_t));
-    for (int l = 0; l < c->n_layers; l++) {
-        s->kv_cap[l] = kv_positions(c, l, seq_len);
-        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->kv_cap[l];
-    }
-    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
-    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
-    s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
-    s->tok_pos = xcalloc(T, sizeof(int));
-    s->mx = build_machinery(c, seq_len, n_threads);
-}
-
-static void free_state(RunState *s)
-{
-    free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
-    for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
-    free(s->xo); free(s->kv_cap); free(s->kv_off);
-    free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos);
-    free_machinery(s->mx);
-}
+/* The run's buffers for a context of seq_len (Part II, "the state of a
+   run"): a chunk's activations, the RoPE tables, the KV cache (calloc maps
+   its zero pages lazily: memory is committed as positions are written). */
+static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type);
+static void free_state(RunState *s);
 
 /* ============================================================================
    4. SAMPLING
@@ -3579,7 +3515,7 @@ static void prefetch_ahead(const uint8_t *row, size_t bytes)
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
 }
 
-/* ----- the state's sizes ---------------------------------------------------- */
+/* ----- the state of a run: its sizes and buffers ------------------------- */
 
 /* Bytes that hold a row of up to cols activations in any format but floats. */
 static size_t act_room(int cols)
@@ -3599,6 +3535,59 @@ static size_t kv_cache_bytes(const Config *c, int seq_len, int kv_type, int full
     size_t rows = 0;
     for (int l = 0; l < c->n_layers; l++) rows += (size_t)c->n_kv_heads * (full ? seq_len : kv_positions(c, l, seq_len));
     return 2 * rows * row_bytes(kv_type, c->head_dim);
+}
+
+static void build_state(RunState *s, const Model *m, int seq_len, int n_threads, int kv_type)
+{
+    const Config *c = &m->c;
+    memset(s, 0, sizeof *s);
+    s->c = c;
+    int q_dim = c->n_heads * c->head_dim, kv_dim = c->n_kv_heads * c->head_dim, T = CHUNK_TOKENS;
+    int max_cols = max_i(max_i(c->dim, q_dim), c->hidden_dim);
+    s->seq_len = seq_len;
+    s->kv_type = kv_type;
+    s->kv_row = row_bytes(kv_type, c->head_dim);
+    s->x = xcalloc((size_t)T * c->dim, sizeof(float));
+    s->xb = xcalloc((size_t)T * max_cols, sizeof(float));
+    s->xq = xcalloc((size_t)T, act_room(max_cols));
+    s->qkv = xcalloc((size_t)T * (q_dim + 2 * kv_dim), sizeof(float));
+    s->hb = xcalloc((size_t)T * 2 * c->hidden_dim, sizeof(float));
+    s->hq = xcalloc((size_t)T, act_room(c->hidden_dim));
+    if (c->post_norms) s->xo = xcalloc((size_t)T * c->dim, sizeof(float));
+    /* pair i turns by pos * theta^(-2i/rope_dim), divided by its frequency
+       factor (rope_freqs) and, on global layers, by the linear scaling */
+    for (int k = 0; k < N_ROPE; k++) {
+        double theta = k == ROPE_LOCAL ? c->rope_theta_local : c->rope_theta, scale = k == ROPE_LOCAL ? 1 : c->rope_scale;
+        s->rope_cos[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->rope_sin[k] = xcalloc((size_t)T * c->rope_dim / 2, sizeof(float));
+        s->inv_freq[k] = xcalloc(c->rope_dim / 2, sizeof(float));
+        for (int i = 0; i < c->rope_dim / 2; i++) {
+            double factor = c->rope_freqs ? ((const float *)m->rope_freqs.data)[i] : 1;
+            s->inv_freq[k][i] = (float)(pow(theta, -2.0 * i / c->rope_dim) / factor / scale);
+        }
+    }
+    /* calloc of a large block maps zero pages lazily: memory is committed
+       only as positions are written. */
+    s->kv_cap = xcalloc(c->n_layers, sizeof(int));
+    s->kv_off = xcalloc(c->n_layers, sizeof(size_t));
+    for (int l = 0; l < c->n_layers; l++) {
+        s->kv_cap[l] = kv_positions(c, l, seq_len);
+        if (l + 1 < c->n_layers) s->kv_off[l + 1] = s->kv_off[l] + (size_t)c->n_kv_heads * s->kv_cap[l];
+    }
+    s->key_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
+    s->value_cache = xcalloc(kv_cache_bytes(c, seq_len, kv_type, 0) / 2, 1);
+    s->logits = xcalloc((size_t)T * c->vocab_size, sizeof(float));
+    s->tok_pos = xcalloc(T, sizeof(int));
+    s->mx = build_machinery(c, seq_len, n_threads);
+}
+
+static void free_state(RunState *s)
+{
+    free(s->x); free(s->xb); free(s->xq); free(s->qkv); free(s->hb); free(s->hq);
+    for (int k = 0; k < N_ROPE; k++) { free(s->rope_cos[k]); free(s->rope_sin[k]); free(s->inv_freq[k]); }
+    free(s->xo); free(s->kv_cap); free(s->kv_off);
+    free(s->key_cache); free(s->value_cache); free(s->logits); free(s->tok_pos);
+    free_machinery(s->mx);
 }
 
 /* ----- the kernel sets' interface -----------------------------------------
@@ -9351,6 +9340,7 @@ static int usable_cpus(void)
 #define STACK_MIN_MAIN (512 << 10)
 #define STACK_MIN_WORKER (64 << 10)
 
+#ifdef _OPENMP
 /* OpenMP's worker stack size in bytes, from OMP_STACKSIZE (else libgomp's
    GOMP_STACKSIZE) in the OpenMP form: a number and an optional unit B, K
    (the default), M or G, spaces allowed around them. -1 when unset or
@@ -9376,6 +9366,7 @@ static long long omp_stack_bytes(const char **name)
     while (isspace((unsigned char)*v)) v++;
     return *v ? -1 : n << shift;
 }
+#endif
 
 /* Refuses stacks smaller than the run needs: the process's stack limit
    (the main thread's) and, with a team of several, OpenMP's workers'. */
@@ -9385,14 +9376,14 @@ static void check_stacks(int threads)
     if (getrlimit(RLIMIT_STACK, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < STACK_MIN_MAIN)
         die(EXIT_RUNTIME, "the stack size limit is %llu KB (ulimit -s); run needs at least %d KB",
             (unsigned long long)rl.rlim_cur >> 10, STACK_MIN_MAIN >> 10);
-    const char *name;
-    long long omp = omp_stack_bytes(&name);
 #ifdef _OPENMP
-    if (threads > 1 && omp >= 0 && omp < STACK_MIN_WORKER)
+    const char *name;
+    long long omp = threads > 1 ? omp_stack_bytes(&name) : -1;
+    if (omp >= 0 && omp < STACK_MIN_WORKER)
         die(EXIT_RUNTIME, "%s=%s gives the worker threads %lld KB of stack; run needs at least %d KB (or --threads 1)",
             name, getenv(name), omp >> 10, STACK_MIN_WORKER >> 10);
 #else
-    (void)threads, (void)omp; /* no workers */
+    (void)threads; /* no workers */
 #endif
 }
 

@@ -960,13 +960,14 @@ def throughput_model(label: str, model: Path, runs: int, threads: int, prompts: 
                 res[job].append(run_once(model, ids128, 129, threads, ["--lookup", "0"]))
                 # this host's bandwidth moves by a third from minute to minute: each decode is set against a
                 # probe taken right after it, not against the session's best probe
-                res[job][-1]["beside"] = probe(model, threads, mc["kernels"])["level_gbps"]
+                after = probe(model, threads, mc["kernels"])
+                res[job][-1].update(beside=after["level_gbps"], level=after["level"])
             else:
                 res[str(job)].append(batch_row(model, *files[job], job))
             print(f"run {i + 1}/{runs} {label} {job}: done, load {os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
     med = lambda key, field: statistics.median(r[field] for r in res[key])  # noqa: E731
     pp, tg, itl = med("prefill", "prefill_tps"), med("decode", "decode_tps"), med("decode", "itl_p50")
-    level = probe(model, threads, mc["kernels"])["level"]
+    level = res["decode"][-1]["level"]
     bw = med("decode", "beside")
     share = statistics.median(r["gbps"] / r["beside"] for r in res["decode"])
     rows = [f"| {label} | prefill 512 tokens | {pp:.1f} tok/s | {med('prefill', 'gflops') / mc['i8'] * 100:.0f}% of the "
