@@ -9377,9 +9377,11 @@ static void check_stacks(int threads)
         die(EXIT_RUNTIME, "the stack size limit is %llu KB (ulimit -s); run needs at least %d KB",
             (unsigned long long)rl.rlim_cur >> 10, STACK_MIN_MAIN >> 10);
 #ifdef _OPENMP
-    const char *name;
-    long long omp = threads > 1 ? omp_stack_bytes(&name) : -1;
-    if (omp >= 0 && omp < STACK_MIN_WORKER)
+    /* a size under the threads' minimum is not applied: libgomp warns and
+       keeps its default */
+    const char *name = "";
+    long long omp = threads > 1 ? omp_stack_bytes(&name) : -1, least = sysconf(_SC_THREAD_STACK_MIN);
+    if (omp >= 0 && omp >= least && omp < STACK_MIN_WORKER)
         die(EXIT_RUNTIME, "%s=%s gives the worker threads %lld KB of stack; run needs at least %d KB (or --threads 1)",
             name, getenv(name), omp >> 10, STACK_MIN_WORKER >> 10);
 #else

@@ -1017,7 +1017,8 @@ def test_out_of_memory():
 def test_stacks_too_small_are_refused():
     """A stack overflow is a crash with no message: OMP_STACKSIZE=16k (which libgomp accepts) gave SIGSEGV in the
     wide q4_k product on a worker thread, and `ulimit -s 32` the same on the main thread. Such stacks are refused
-    with one line; a worker stack setting does not matter with --threads 1 or without OpenMP."""
+    with one line; a worker stack setting does not matter with --threads 1 or without OpenMP, nor one under the
+    threads' minimum, which libgomp does not apply."""
     args = [DEFAULT_MODEL, "-i", "hi", "-n", "2", "-t", "0"]
     small = lambda: resource.setrlimit(resource.RLIMIT_STACK, (256 << 10, resource.getrlimit(resource.RLIMIT_STACK)[1]))
     expect_error(args, 1, "stack size limit is 256 KB", "ulimit -s", preexec=small)
@@ -1032,6 +1033,8 @@ def test_stacks_too_small_are_refused():
             expect_ok(args + ["--threads", "2"], env=env)
         expect_ok(args + ["--threads", "1"], env=env)
     expect_ok(args + ["--threads", "2"], env={"OMP_STACKSIZE": "64K", "GOMP_STACKSIZE": None})
+    # under the threads' minimum (16 KB on x86-64 glibc) libgomp warns and keeps its default: not refused
+    expect_ok(args + ["--threads", "2"], env={"OMP_STACKSIZE": "1k", "GOMP_STACKSIZE": None})
 
 
 # ---------------------------------------------------------------------------------------------
