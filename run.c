@@ -7496,7 +7496,8 @@ static void chat_loop(const Model *m, RunState *s, Sampler *sm, const GenOpts *o
         answering = 0;
         fputc('\n', stdout);
         check_stdout();
-        if (why == STOP_CONTEXT) fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
+        if (why == STOP_CONTEXT && !r.st.json_incomplete) /* else hooks_close's line names the cause */
+            fprintf(stderr, "run: answer stopped at the context limit (%d tokens)\n", s->seq_len);
         incomplete += hooks_close(&r, why, 0);
         if (o->verbose) report_stats(m, s, mc, &r.st);
         free(r.st.itl);

@@ -475,7 +475,8 @@ def test_readme_jq_pipeline() -> None:
 
 def test_incomplete_value_names_what_ended_it() -> None:
     """Issue 23: a stop string that ends the text before the value is complete is named (the message said
-    "-n"); -n running out with a stop string that never matched still says -n. The stop is the one -v reports."""
+    "-n"); -n running out with a stop string that never matched still says -n. The stop is the one -v reports.
+    In chat, one line per incomplete answer names the cause, and one at the end gives the count."""
     person = "Give a JSON object describing a person."
     ask = ["-c", "-t", "0", "-n", "48", "--json", "-i", person]
     r = run([model(), *ask, "--stop", ",", "-v"])
@@ -488,6 +489,11 @@ def test_incomplete_value_names_what_ended_it() -> None:
     r = run([model(), "-m", "chat", "-t", "0", "-n", "48", "--json", "--stop", ","], stdin=person.encode() + b"\n")
     assert r.returncode == 1 and r.stderr.decode().splitlines() == [
         "run: this answer is not a complete JSON value: generation stopped at stop string 1 (',')",
+        "run: 1 answer was not a complete JSON value"], r.stderr
+    # the end of the context is named once, by that line (there was also "answer stopped at the context limit")
+    r = run([model(), "-m", "chat", "-t", "0", "-n", "200", "--json", "--ctx", "72"], stdin=person.encode() + b"\n")
+    assert r.returncode == 1 and r.stderr.decode().splitlines() == [
+        "run: this answer is not a complete JSON value: generation stopped at the end of the context",
         "run: 1 answer was not a complete JSON value"], r.stderr
 
 
