@@ -8776,10 +8776,10 @@ static void usage(FILE *f)
     fprintf(f,
         "usage: run MODEL [options]\n"
         "Generates text with a model file written by export.py. The prompt comes\n"
-        "from -i, or from stdin when stdin is not a terminal (one trailing newline\n"
-        "is dropped; reading stops with an error past what the context can hold:\n"
-        "ctx x the longest token's bytes). Only generated text goes to stdout;\n"
-        "errors and -v go to stderr.\n"
+        "from -i, or from stdin when stdin is not a terminal (one trailing newline,\n"
+        "\\n or \\r\\n, is dropped; reading stops with an error past what the\n"
+        "context can hold: ctx x the longest token's bytes). Only generated text\n"
+        "goes to stdout; errors and -v go to stderr.\n"
         "\n"
         "Generation\n"
         "  -i PROMPT      prompt text (an empty prompt is an error; so is a byte that no\n"
@@ -9226,8 +9226,7 @@ static size_t prompt_tokens(const Model *m, const Args *a, int ctx, Tokens *t)
         char why[ERR_BYTES];
         size_t max = text_limit(m, ctx, why, sizeof why) + 2; /* + the newline dropped below */
         text = read_stream(stdin, "the prompt on stdin", 0, max, why, &len);
-        if (len && text[len - 1] == '\n') len--;
-        if (len && text[len - 1] == '\r') len--;
+        if (len && text[len - 1] == '\n') len -= len > 1 && text[len - 2] == '\r' ? 2 : 1; /* "\n" or "\r\n" */
     }
     else usage_error("%s", "no prompt: give -i PROMPT or pipe it on stdin");
     if (!text) die(EXIT_RUNTIME, "out of memory");

@@ -378,9 +378,13 @@ def test_head_c_40_chat_exits_quietly():
 
 
 def test_stdin_prompt_same_as_i():
-    a = run([model(), "--tokenize", "-i", PROMPT], timeout=30)
-    b = run([model(), "--tokenize"], stdin=(PROMPT + "\n").encode(), timeout=30)
-    assert a.returncode == b.returncode == 0 and a.stdout == b.stdout, (a.stdout, b.stdout, b.stderr)
+    """stdin's prompt is -i's with one trailing newline dropped, "\\n" or "\\r\\n"; any other byte stays (a
+    lone trailing "\\r" was dropped too, found by a differential tokenizer run against llama.cpp)."""
+    for arg, piped in ((PROMPT, PROMPT + "\n"), (PROMPT, PROMPT + "\r\n"), (PROMPT + "\r", PROMPT + "\r"),
+                       (PROMPT + "\r", PROMPT + "\r\r\n"), (PROMPT + "\n", PROMPT + "\n\n"), (PROMPT, PROMPT)):
+        a = run([model(), "--tokenize", "-i", arg], timeout=30)
+        b = run([model(), "--tokenize"], stdin=piped.encode(), timeout=30)
+        assert a.returncode == b.returncode == 0 and a.stdout == b.stdout, (piped, a.stdout, b.stdout, b.stderr)
 
 
 # ----- README examples ----------------------------------------------------------------
