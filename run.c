@@ -8034,8 +8034,8 @@ static const char *read_stops(const Json *x, Stops *st, char *why, size_t why_le
 }
 
 /* A line's sampling fields, with the command line's names and bounds:
-   "t", "min_p", "repeat_penalty", "repeat_last_n" (an integer),
-   "presence_penalty", "frequency_penalty". */
+   "t", "top_k" (an integer), "top_p", "min_p", "repeat_penalty",
+   "repeat_last_n" (an integer), "presence_penalty", "frequency_penalty". */
 typedef struct {
     const char *key;
     size_t at;       /* offsetof the Sampler field */
@@ -8046,6 +8046,8 @@ typedef struct {
 
 static const SamplingField SAMPLING_FIELDS[] = {
     {"t", offsetof(Sampler, temperature), 0, TEMP_MAX, 0, 0},
+    {"top_k", offsetof(Sampler, top_k), 0, MAX_VOCAB, 0, 1},
+    {"top_p", offsetof(Sampler, top_p), 0, 1, 1, 0},
     {"min_p", offsetof(Sampler, min_p), 0, 1, 0, 0},
     {"repeat_penalty", offsetof(Sampler, repeat), REPEAT_PENALTY_MIN, PENALTY_MAX, 0, 0},
     {"repeat_last_n", offsetof(Sampler, repeat_last_n), 0, MAX_SEQ, 0, 1},
@@ -8126,8 +8128,8 @@ static const char *read_fields(const Json *v, Seq *q, const char **text, size_t 
             if (x->kind != JSON_STRING) return "\"system\" must be a string";
             *system = x->str, *system_len = x->len;
         } else {
-            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, min_p, repeat_penalty, repeat_last_n, "
-                     "presence_penalty, frequency_penalty, chat, system, stop, json, schema, logprobs)", k);
+            snprintf(why, why_len, "unknown field \"%.64s\" (known: prompt, id, n, t, top_k, top_p, min_p, repeat_penalty, "
+                     "repeat_last_n, presence_penalty, frequency_penalty, chat, system, stop, json, schema, logprobs)", k);
             return why;
         }
     }
@@ -8899,11 +8901,12 @@ static void usage(FILE *f)
         "  --scalar       the same as --kernels scalar\n"
         "  --ignore-eos   keep generating past end tokens until -n (benchmarks)\n"
         "  --batch FILE   batch mode: one request per line of FILE (- for stdin), plain\n"
-        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"min_p\",\n"
-        "                 \"repeat_penalty\", \"repeat_last_n\", \"presence_penalty\",\n"
-        "                 \"frequency_penalty\", \"chat\", \"system\", \"stop\", \"json\",\n"
-        "                 \"schema\", \"logprobs\"}; one JSON record per line on stdout,\n"
-        "                 in input order (README \"Batch\"); exit 1 if a line failed\n"
+        "                 text or a JSON object {\"prompt\", \"id\", \"n\", \"t\", \"top_k\",\n"
+        "                 \"top_p\", \"min_p\", \"repeat_penalty\", \"repeat_last_n\",\n"
+        "                 \"presence_penalty\", \"frequency_penalty\", \"chat\", \"system\",\n"
+        "                 \"stop\", \"json\", \"schema\", \"logprobs\"}; one JSON record per\n"
+        "                 line on stdout, in input order (README \"Batch\"); exit 1 if a\n"
+        "                 line failed\n"
         "  --parallel B   batch mode: sequences in flight, 1-64 (default: what the KV\n"
         "                 page pool holds at -n tokens each, at most 32)\n"
         "  --kv-mem MB    batch mode: the KV cache page pool (default 1024)\n"

@@ -37,8 +37,9 @@ class Chain:
                 "--presence-penalty", repr(self.presence), "--frequency-penalty", repr(self.frequency)]
 
     def batch_fields(self) -> dict:
-        return {"t": self.temperature, "min_p": self.min_p, "repeat_penalty": self.repeat, "repeat_last_n": self.last_n,
-                "presence_penalty": self.presence, "frequency_penalty": self.frequency}
+        return {"t": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "repeat_penalty": self.repeat, "repeat_last_n": self.last_n, "presence_penalty": self.presence,
+                "frequency_penalty": self.frequency}
 
 
 def penalized(logits: np.ndarray, history: list[int], c: Chain) -> np.ndarray:

@@ -171,10 +171,11 @@ def test_greedy_penalties_give_the_same_text_and_records_with_lookup():
 
 
 def test_batch_fields_sample_as_the_flags_do():
-    """The batch fields min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty (and t): a greedy
-    line with penalties gives the text `./run -i` gives with the same flags (one from the line's fields, one from
-    the command line's flags), and a sampled line's "logprobs" are the numpy chain's kept distribution, with the
-    line's own history, on the f32 model."""
+    """The batch fields top_k, top_p, min_p, repeat_penalty, repeat_last_n, presence_penalty, frequency_penalty
+    (and t): a greedy line with penalties gives the text `./run -i` gives with the same flags (one from the line's
+    fields, one from the command line's flags); a line at "t": 1 with "top_k": 1 gives the greedy text; and a
+    sampled line's "logprobs" are the numpy chain's kept distribution (its own top-k and top-p, not the command
+    line's), with the line's own history, on the f32 model."""
     m = model()
     greedy = Chain(temperature=0.0, repeat=1.3, last_n=16, presence=0.3, frequency=0.5)
     lines = [json.dumps({"prompt": PROMPTS[0], "n": 32, **greedy.batch_fields()}), PROMPTS[1]]
@@ -186,11 +187,16 @@ def test_batch_fields_sample_as_the_flags_do():
     assert got == [a.stdout.decode() for a in alone], f"batch {got!r}\nalone {[a.stdout for a in alone]!r}"
     plain = run([m, "-i", PROMPTS[0], "-t", "0", "-n", "32"]).stdout.decode()
     assert plain != got[0], "the penalties changed nothing: the comparison tells nothing"
+    line = {"prompt": PROMPTS[1], "n": 32, "t": 1, "top_k": 1}
+    p = run([m, "--batch", "-", "-s", "5"], stdin=(json.dumps(line) + "\n").encode())
+    greedy_text = run([m, "-i", PROMPTS[1], "-t", "0", "-n", "32"]).stdout.decode()
+    assert p.returncode == 0 and json.loads(p.stdout)["text"] == greedy_text, f"top_k 1 at t 1: {p.stdout!r}"
 
     f32 = str(exported("f32"))
-    chain = Chain(temperature=0.8, top_k=0, top_p=0.95, min_p=0.1, repeat=1.2, last_n=24, presence=0.4, frequency=0.2)
+    chain = Chain(temperature=0.8, top_k=3, top_p=0.9, min_p=0.02, repeat=1.2, last_n=24, presence=0.4, frequency=0.2)
     line = {"prompt": PROMPTS[0], "n": 32, "logprobs": N_TOP, **chain.batch_fields()}
-    p = run([f32, "--batch", "-", "--kv", "f32", "-s", "3", "--ignore-eos"], stdin=(json.dumps(line) + "\n").encode())
+    p = run([f32, "--batch", "-", "--kv", "f32", "-s", "3", "--ignore-eos", "-k", "40", "-p", "1"],
+            stdin=(json.dumps(line) + "\n").encode())
     assert p.returncode == 0, p.stderr.decode(errors="replace")
     recs = json.loads(p.stdout)["logprobs"]
     assert len(recs) == 32
@@ -216,7 +222,11 @@ def test_bad_sampling_values_are_usage_errors():
         assert p.returncode == 2 and p.stdout == b"", f"{extra}: exit {p.returncode}"
         assert lines and lines[0].startswith("run: ") and extra[0] in lines[0], f"{extra}: {lines}"
         assert len(lines) == 1, f"{extra}: {lines}"
-    bad = [('"min_p": 2', '"min_p" must be a number in [0, 1]'),
+    bad = [('"top_k": 2.5', '"top_k" must be an integer in [0, 16777216]'),
+           ('"top_k": -1', '"top_k" must be an integer in [0, 16777216]'),
+           ('"top_p": 0', '"top_p" must be a number in (0, 1]'),
+           ('"top_p": 1e-50', '"top_p" must be a number in (0, 1]'),
+           ('"min_p": 2', '"min_p" must be a number in [0, 1]'),
            ('"repeat_penalty": 0', '"repeat_penalty" must be a number in [0.01, 100]'),
            ('"repeat_penalty": 1e-50', '"repeat_penalty" must be a number in [0.01, 100]'),
            ('"repeat_last_n": -1', '"repeat_last_n" must be an integer in [0, 1048576]'),
@@ -237,7 +247,7 @@ EXTREMES = ("0", "5e-324", "1e-38", "1e38", "-1e38", "inf", "-inf", "nan", "-0")
 NOT_JSON = ("inf", "-inf", "nan")   # no JSON number: such a batch line is refused as JSON, before its fields
 GEN_FLAGS = ("-n", "-t", "-p", "-k", "-s", "--min-p", "--repeat-penalty", "--repeat-last-n", "--presence-penalty",
              "--frequency-penalty", "--logprobs", "--lookup", "--threads", "--ctx")
-BATCH_FIELDS = ("n", "t", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+BATCH_FIELDS = ("n", "t", "top_k", "top_p", "min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
                 "logprobs", "id")
 REPEATS = "hello hello hello hello"   # repeated tokens in the penalties' window
 
