@@ -151,7 +151,7 @@ TEST_JOBS ?= 2
 engines:
 	$(MAKE) -j 2 run run-portable
 
-test: engines $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps
+test: engines $(MODEL_BIN) $(GEMMA_GGUF) $(GEMMA_BIN) $(QWEN_GGUF) test-deps fuzz-deps cross-deps tool-deps emu-deps
 	$(PYTHON) tests/run_tests.py -j $(TEST_JOBS)
 
 check: run $(MODEL_BIN) $(GEMMA_GGUF) test-deps
@@ -202,7 +202,7 @@ FUZZ_SECONDS ?= 60
 FUZZ_JOBS    ?= 3
 SUDO        := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: sanitize fuzz fuzz-deps cross-deps tool-deps test-json-full
+.PHONY: sanitize fuzz fuzz-deps cross-deps tool-deps test-json-full emu-deps
 
 # Same compiler and OpenMP as ./run, so the threaded code paths are checked too.
 run-asan: $(SRC) $(HDR)
@@ -223,6 +223,14 @@ fuzz-deps: test-deps
 cross-deps:
 	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
 	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user; }
+
+# Bochs with its BIOS and terminal display, ISOLINUX, genisoimage (Debian packages): the AVX-512 VNNI and
+# AVX-VNNI kernels' checks run in an emulated machine on any x86 CPU (tests/bochs_avx512.py, about 2 minutes).
+emu-deps:
+	@command -v bochs >/dev/null && command -v genisoimage >/dev/null && [ -f /usr/lib/ISOLINUX/isolinux.bin ] && \
+	  [ -f /usr/lib/x86_64-linux-gnu/bochs/plugins/libbx_term_gui.so ] || \
+	  { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends bochs bochs-term bochsbios \
+	    vgabios isolinux syslinux-common genisoimage cpio; }
 
 # The structured-output sampling check at the issue's full size: 100 sampled runs at -t 1 per
 # vocabulary and schema (make test runs 10 of each).

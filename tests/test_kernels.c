@@ -11,7 +11,9 @@
    reachable; prints one line per check (a set the CPU lacks is reported
    as skipped, with the reason) and exits 1 if any failed. With --list it
    only reports which sets this CPU runs and which it skips (the CPU check
-   alone, for a second emulated CPU whose kernels are those already tested).
+   alone, for a second emulated CPU whose kernels are those already tested);
+   with --only SET it tests that set alone (under an emulator, where the
+   sets the CPU itself runs were tested natively).
    Build: cc -O2 -march=native -I. tests/test_kernels.c tokenizer.c -lm */
 #define main run_main
 #include "../run.c"
@@ -294,9 +296,15 @@ static void test_fp16(int set)
     for (int i = 0; i < 8; i++) probes[n++] = specials[i];
     K.type[T_F16].from_float(got, probes, n);
     bad = 0;
-    for (int i = 0; i < n; i++) bad += got[i] != f32_to_f16_bits(probes[i]);
-    char what[128];
-    snprintf(what, sizeof what, "%s f16 row writer rounds like the compiler's _Float16 (nearest even) around every half", K.op.name);
+    int first = -1;
+    for (int i = 0; i < n; i++)
+        if (got[i] != f32_to_f16_bits(probes[i]) && bad++ == 0) first = i;
+    char what[256];
+    int at = snprintf(what, sizeof what, "%s f16 row writer rounds like the compiler's _Float16 (nearest even) around every half",
+                      K.op.name);
+    if (bad) /* which input, so that a failure tells a rounding mode from a denormal or a NaN case */
+        snprintf(what + at, sizeof what - at, ": %d of %d differ, the first %a gave 0x%04x, not 0x%04x", bad, n,
+                 (double)probes[first], got[first], f32_to_f16_bits(probes[first]));
     check(bad == 0, what);
 }
 
@@ -597,9 +605,11 @@ TARGET_END
 int main(int argc, char **argv)
 {
     int list = argc == 2 && !strcmp(argv[1], "--list"), ran = 0;
-    if (argc > 1 && !list) { fprintf(stderr, "usage: %s [--list]\n", argv[0]); return 2; }
+    const char *only = argc == 3 && !strcmp(argv[1], "--only") ? argv[2] : NULL;
+    if (argc > 1 && !list && !only) { fprintf(stderr, "usage: %s [--list | --only SET]\n", argv[0]); return 2; }
     for (int set = 0; set < N_KSETS; set++) {
         if (!SETS[set]) { printf("skip kernel set %d: not compiled in this build\n", set); continue; }
+        if (only && strcmp(SETS[set]->op.name, only)) { printf("skip kernel set %s: not the one asked for\n", SETS[set]->op.name); continue; }
         if (!kernel_set_available(set)) { printf("skip kernel set %s: this CPU cannot run it\n", SETS[set]->op.name); continue; }
         printf("kernels: %s\n", SETS[set]->op.name);
         if (list) { ran++; continue; }
@@ -619,8 +629,9 @@ int main(int argc, char **argv)
     }
     if (list) { printf("%d kernel sets found (--list: none tested)\n", ran); return 0; }
 #ifdef HAVE_X86_SETS
-    if (kernel_set_available(KSET_AVX2)) test_exp_avx2();
+    if (kernel_set_available(KSET_AVX2) && (!only || !strcmp(only, "avx2"))) test_exp_avx2();
 #endif
+    if (only && !ran) failures++, printf("FAIL --only %s: no such set runs here\n", only);
     printf("%d kernel sets tested\n%s\n", ran, failures ? "FAILED" : "all kernel checks passed");
     return failures != 0;
 }
