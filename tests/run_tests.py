@@ -58,9 +58,10 @@ CHECK = [
 
 # With -j N the longest modules start first, so that the last one to finish is a short one (seconds measured on a
 # 2-core machine; a module not listed counts as short). test_sanitize_fuzz (the ASan/UBSan build and suite, the
-# fixed fuzz runs: ~300 CPU-s, some of it on both cores) goes first.
+# fixed fuzz runs: ~300 CPU-s, some of it on both cores) goes first, test_kernels (~380 s, 220 of them in Bochs)
+# second.
 # test_fuzz_regressions is short once test_sanitize_fuzz has built the fuzz targets (it waits for that build).
-LONG_FIRST = ("test_sanitize_fuzz", "test_oracle_quant", "test_kernels", "test_batch", "test_prompt_cache",
+LONG_FIRST = ("test_sanitize_fuzz", "test_kernels", "test_oracle_quant", "test_batch", "test_prompt_cache",
               "test_json_output", "test_lookup", "test_quant", "test_family_oracles", "test_qwen", "test_export_types",
               "test_tokenizer", "test_export_errors", "test_stop", "test_sampling", "test_threads", "test_oracle",
               "test_logprobs")
