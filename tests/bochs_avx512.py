@@ -99,14 +99,21 @@ def kernel() -> Path:
     have = sorted(KERNEL_DIR.glob("boot/vmlinuz-*"))
     if have:
         return have[-1]
-    deps = sh(["apt-cache", "depends", KERNEL_PKG]).stdout
-    pkg = re.search(r"Depends: (linux-image-\S+)", deps)
-    if not pkg:
-        raise AssertionError(f"bochs_avx512: apt-cache names no kernel package for {KERNEL_PKG} (run apt-get update)")
     WORK.mkdir(parents=True, exist_ok=True)
-    sh(["apt-get", "download", pkg.group(1)], cwd=WORK)
-    deb = next(WORK.glob(f"{pkg.group(1)}_*.deb"))
-    sh(["dpkg-deb", "-x", str(deb), str(KERNEL_DIR)])
+    for fresh in (False, True):   # a package list older than the archive names a kernel it no longer holds
+        if fresh:
+            sh((["sudo"] if os.geteuid() else []) + ["apt-get", "update"])
+        pkg = re.search(r"Depends: (linux-image-\S+)", sh(["apt-cache", "depends", KERNEL_PKG]).stdout)
+        if pkg and subprocess.run(["apt-get", "download", pkg.group(1)], cwd=WORK, capture_output=True).returncode == 0:
+            break
+    else:
+        raise AssertionError(f"bochs_avx512: cannot download the kernel of {KERNEL_PKG} (apt-get download failed)")
+    deb, part = next(WORK.glob(f"{pkg.group(1)}_*.deb")), KERNEL_DIR.with_name(KERNEL_DIR.name + ".part")
+    shutil.rmtree(part, ignore_errors=True)
+    part.mkdir(parents=True)
+    sh(["dpkg-deb", "-x", str(deb), str(part)])   # then renamed: an interrupted unpacking is never taken
+    shutil.rmtree(KERNEL_DIR, ignore_errors=True)
+    part.rename(KERNEL_DIR)
     deb.unlink()
     return sorted(KERNEL_DIR.glob("boot/vmlinuz-*"))[-1]
 
