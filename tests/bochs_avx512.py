@@ -1,7 +1,7 @@
-"""The AVX-512 VNNI and AVX-VNNI kernel sets' checks on a CPU that has neither: tests/test_kernels.c built static
-and run under Bochs, Debian's x86 emulator, whose `tigerlake` CPU model has AVX-512 VNNI. qemu (user or system)
-has no AVX-512, so without this a machine that lacks it cannot run those sets at all. Correctness only: Bochs
-interprets every instruction.
+"""The AVX-512 VNNI and AVX-VNNI kernel sets' checks on any x86 machine, one that has neither included:
+tests/test_kernels.c built static and run under Bochs, Debian's x86 emulator, whose `tigerlake` CPU model has
+AVX-512 VNNI. qemu (user or system) has no AVX-512, so without this a machine that lacks it cannot run those sets
+at all. Correctness only: Bochs interprets every instruction.
 
     python3 tests/bochs_avx512.py     # what test_kernels.py's test runs; `make emu-deps` installs the packages
 
@@ -13,13 +13,13 @@ them natively. About 2 minutes of one core.
 
 Bochs 2.7 needs three work-arounds, each found by a boot or a check that failed without it:
   - clearcpuid=fsrm: with "fast short rep movsb" the kernel's memmove corrupted memory early in boot (the
-    direct map's page directory was overwritten and the boot looped in the page-fault handler);
+    direct map's page-directory-pointer table was overwritten and the boot looped in the page-fault handler);
   - clearcpuid=xsaves,xsavec,pku: Bochs lists PKRU's state with size 0, and Linux, finding the XSAVE layout
     inconsistent, turns XSAVE off and AVX with it;
   - Bochs rounds vcvtps2ph's ties away from zero, not to even (0x1p-25 gives the f16 0x0001): /init shows it on
     that one input first, and where it does the f16 row writer's check is reported as not checked, never as
-    passed. The AVX2 set, whose writer is the same instruction, fails that check under Bochs too, and passes it
-    natively on every input.
+    passed. The AVX2 set, whose writer is the same instruction, failed that check under Bochs too (seen once,
+    when this was written), and passes it natively on every input.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ TOOLS = ("bochs", "genisoimage", "cpio", "apt-get", "dpkg-deb", "cc")
 PROGRAMS = (("tk", [], "avx512"), ("tk_twin", ["-DAVXVNNI_TWIN"], "avxvnni"))
 F16_CHECK = re.compile(r"^FAIL \S+ f16 row writer rounds like")
 BOCHS_TIE = "=== vcvtps2ph(0x1p-25) = 0x0001"   # Bochs's rounding of that tie (to even is 0x0000)
+# the work-arounds above, and a short plain boot: one CPU, no APIC, no timer calibration, no watchdogs
 CMDLINE = ("console=ttyS0,115200 rdinit=/init panic=-1 nokaslr mitigations=off nosmp noapic nopku "
            "clearcpuid=fsrm,xsaves,xsavec,pku,umip,rdpid,pcid,invpcid nmi_watchdog=0 nowatchdog nogbpages "
            "idle=halt lpj=2000000 no_timer_check tsc=reliable lsm=")
