@@ -11110,6 +11110,61 @@ static double peak_i8_avx512(unsigned *sink)
     for (int j = 0; j < 16; j++) *sink += (unsigned)_mm_cvtsi128_si32(_mm512_castsi512_si128(acc[j])); /* lane 0: a sum could overflow */
     return (double)PROBE_ITERS / 16 * 16 * 64 * 2;
 }
+/* The activation quantizers on 16 lanes: the same steps as AVX2's
+   (amax_avx2, round_i8x32_avx2) with a mask for NaN and the round-up,
+   vpmovsdb for the narrowing (no packs to reorder), and q8_K's sums of 16
+   taken from the int32 lanes the rounding already holds. Bit for bit the
+   scalar set's. They are 4 % of a prefill's time in the AVX2 versions. */
+static float amax_512(const float *x, int n)
+{
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    for (int i = 0; i < n; i += 16) {
+        __m512 v = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+        mx = _mm512_max_ps(mx, v);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    }
+    return nan ? NAN : _mm512_reduce_max_ps(mx);
+}
+
+/* 16 floats times id rounded to int8 into q as round_i8 does; returns them as int32 lanes. */
+static __m512i round_i8x16_512(int8_t *q, const float *x, float id)
+{
+    const __m512 lim = _mm512_set1_ps(127.0f), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(id));
+    y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, y, _CMP_ORD_Q), y); /* NaN to 0 */
+    y = _mm512_max_ps(_mm512_min_ps(y, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+    __m512 t = _mm512_roundscale_ps(y, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    __mmask16 up = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(y, t)), half, _CMP_GE_OQ);
+    t = _mm512_mask_add_ps(t, up, t, _mm512_or_ps(one, _mm512_and_ps(_mm512_set1_ps(-0.0f), y)));
+    __m512i v = _mm512_cvtps_epi32(t);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(v));
+    return v;
+}
+
+static void quantize_act_avx512(void *blocks, const float *x, int n)
+{
+    BlockQ8A *out = blocks;
+    for (int b = 0; b < n / QK; b++, x += QK) {
+        float d = amax_512(x, QK) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        __m512i lo = round_i8x16_512(out[b].qs, x, id), hi = round_i8x16_512(out[b].qs + 16, x + 16, id);
+        out[b].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+        out[b].s = d * out[b].sum;
+    }
+}
+
+static void quantize_act_k_avx512(void *blocks, const float *x, int n)
+{
+    BlockQ8K *out = blocks;
+    for (int b = 0; b < n / QK_K; b++, x += QK_K) {
+        float d = amax_512(x, QK_K) / 127, id = d ? 1 / d : 0;
+        out[b].d = d;
+        for (int j = 0; j < QK_K / 16; j++)
+            out[b].bsums[j] = (int16_t)_mm512_reduce_add_epi32(round_i8x16_512(out[b].qs + 16 * j, x + 16 * j, id));
+    }
+}
+
 TARGET_END
 
 /* AVX2's requirements, AVX-512 F/DQ/BW/VL and VNNI (cpuid leaf 7), and an
@@ -11128,7 +11183,8 @@ static int cpu_has_avx512_vnni(void)
 /* The AVX-512 set's row: the packed products and prefill's attention; the
    rest is AVX2's. */
 static const KernelSet SET_AVX512 = {
-    {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2, .att_qk = att_qk_avx512,
+    {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2,
+     .quantize = {[ACT_Q8] = quantize_act_avx512, [ACT_Q8K] = quantize_act_k_avx512}, .att_qk = att_qk_avx512,
      .att_pv = att_pv_avx512, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
     {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
      [T_Q4_0] = {.packed = packed_q4_0_avx512, .wide = wide_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512, .wide = wide_q4_1_avx512},
