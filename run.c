@@ -10721,13 +10721,14 @@ INLINE void q4k_unpack_512(const uint8_t *rec, KBlock512 *b, int nibbles)
    super-block k, added to acc (token t's 16 sums at acc + 16 t). A
    sub-block's 32 products go into two int32 chains (the low nibbles, the
    high ones: 16 chains for 8 tokens hide vpdpbusd's latency), added, then
-   times the sub-block's scale by one vpmulld. The scale's multiply shares
-   the two ports of vpdpbusd, so it is one instruction there, not two: a
-   vpdpwssd per chain against the pair (scale, 0), exact since each chain
-   is within int16, made prefill 4-9% slower on AMD Zen 5 (bench_kernels,
-   q4_k at 64 tokens: 651 -> 683 and 624 -> 683 GOP/s, best of 5). The
-   minimums: one vpdpwssd per two sub-blocks against the activations' sums
-   of 32. Same integers and float steps as dot_k. */
+   times the sub-block's scale by one vpmulld. A vpdpwssd per chain against
+   the pair (scale, 0), exact since each chain is within int16, takes two
+   slots of vpdpbusd's two ports where vpmulld issues beside them (AMD Zen
+   5: 12 vpdpbusd and 4 vpmulld a loop issue 11 a ns, vpdpbusd alone 8):
+   bench_kernels' q4_k at 64 tokens went 651 -> 683 and 624 -> 683 GOP/s
+   (one thread, best of 5). The minimums: one vpdpwssd per two sub-blocks
+   against the activations' sums of 32. Same integers and float steps as
+   dot_k. */
 INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
@@ -11110,11 +11111,12 @@ static double peak_i8_avx512(unsigned *sink)
     for (int j = 0; j < 16; j++) *sink += (unsigned)_mm_cvtsi128_si32(_mm512_castsi512_si128(acc[j])); /* lane 0: a sum could overflow */
     return (double)PROBE_ITERS / 16 * 16 * 64 * 2;
 }
+
 /* The activation quantizers on 16 lanes: the same steps as AVX2's
    (amax_avx2, round_i8x32_avx2) with a mask for NaN and the round-up,
    vpmovsdb for the narrowing (no packs to reorder), and q8_K's sums of 16
    taken from the int32 lanes the rounding already holds. Bit for bit the
-   scalar set's. They are 4 % of a prefill's time in the AVX2 versions. */
+   scalar set's. AVX2's took 4 % of the 1.5B's prefill on AMD Zen 5. */
 static float amax_512(const float *x, int n)
 {
     __m512 mx = _mm512_setzero_ps();
@@ -11180,8 +11182,8 @@ static int cpu_has_avx512_vnni(void)
     return f && dq && bw && vl && vnni;
 }
 
-/* The AVX-512 set's row: the packed products and prefill's attention; the
-   rest is AVX2's. */
+/* The AVX-512 set's row: the packed products, the activation quantizers
+   and prefill's attention; the rest is AVX2's. */
 static const KernelSet SET_AVX512 = {
     {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2,
      .quantize = {[ACT_Q8] = quantize_act_avx512, [ACT_Q8K] = quantize_act_k_avx512}, .att_qk = att_qk_avx512,
