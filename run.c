@@ -3011,6 +3011,10 @@ static void tensor_rows(Out out, const Tensor *w, Act in, int n_tok, int r0, int
         int a = max_i(r0, g * PACK_ROWS), b = min_i(r1, (g + 1) * PACK_ROWS);
         for (int t = 0; t < n_tok; t += step) {
             int toks = min_i(step, n_tok - t);
+            /* the outputs' lines (one per token, a row of the output apart) asked for while the kernel runs:
+               the copy's stores below were the hot spot of its 3 % of the 1.5B's prefill, each waiting for its
+               line; asked for, prefill 512 went 1.9 % faster there, 1.4 % on SmolLM2 (AMD Zen 5) */
+            for (int j = 0; step > PACK_TOKS && j < toks; j++) __builtin_prefetch(out.p + (size_t)(t + j) * out.stride + a, 1, 3);
             fn((const uint8_t *)w->data + g * gb, w->cols, in.rows + t * in.stride, in.stride, toks, v);
             for (int j = 0; j < toks; j++) {
                 float *o = out.p + (size_t)(t + j) * out.stride + a;
