@@ -3509,14 +3509,13 @@ static void packed_row_to_float(float *out, int type, const PackForm *f, const u
     }
 }
 
-/* Decode reads each weight once, in order. One core's hardware prefetcher
-   keeps too few cache misses in flight to reach DRAM bandwidth (here 6.7 of
-   the two cores' 21 GB/s), so ask for the lines PREFETCH_AHEAD bytes ahead
-   of the row about to be read; past the end this is harmless (a prefetch
-   never faults). */
-static void prefetch_ahead(const uint8_t *row, size_t bytes)
+/* Asks for a cached K or V row ahead of its use (attend_chunk). One core's
+   hardware prefetcher keeps too few cache misses in flight to reach DRAM
+   bandwidth (here 6.7 of the two cores' 21 GB/s); a prefetch past the end
+   of a stream is harmless (it never faults). */
+static void prefetch_row(const uint8_t *row, size_t bytes)
 {
-    for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + PREFETCH_AHEAD + i);
+    for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + i);
 }
 
 /* ----- the state of a run: its sizes and buffers ------------------------- */
@@ -3752,17 +3751,29 @@ static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int
     float *kb = mx->kblock + (size_t)me * hd * ATT_KTILE, *vb = mx->vblock + (size_t)me * hd * ATT_KTILE;
     float *q = mx->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = mx->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
     const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
-    int window = is_local(c, l) ? c->window : 0;
+    int window = is_local(c, l) ? c->window : 0, ahead = max_i(1, PREFETCH_AHEAD / (int)s->kv_row);
     for (int k = 0; k < nq; k++) {
         partial_init(part + (size_t)k * ps, hd);
         memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
     }
     for (int j0 = j_lo; j0 <= last; j0 += ATT_KTILE) {
         int nj = min_i(ATT_KTILE, last + 1 - j0), shared = 1;
-        for (int j = 0; j < nj; j++) { /* a KV head's rows are consecutive: prefetch as for weights */
+        /* Each row is asked for `ahead` rows before its use, and a job's first rows at its start. One
+           sequence's rows of a KV head are consecutive, so the row `ahead` further is the address
+           that far on; a batch's pages hold PAGE_TOKENS positions each, so there it is looked up by
+           its position. (Asking for the bytes ahead in pages fetched the next head's rows at the end
+           of every page, and a job's first rows were asked for by nobody: the loads of att_qk waited
+           on DRAM: on SmolLM2 with 16 in flight, 6.5 ms of a 16.4 ms step.) */
+        for (int j = 0; j < nj; j++) {
             const uint8_t *kc = cache_row(s, s->key_cache, t0, l, g, j0 + j), *vc = cache_row(s, s->value_cache, t0, l, g, j0 + j);
-            prefetch_ahead(kc, s->kv_row);
-            prefetch_ahead(vc, s->kv_row);
+            if (j0 == j_lo && j < ahead) prefetch_row(kc, s->kv_row), prefetch_row(vc, s->kv_row);
+            if (!mx->paged) {
+                prefetch_row(kc + ahead * s->kv_row, s->kv_row);
+                prefetch_row(vc + ahead * s->kv_row, s->kv_row);
+            } else if (j0 + j + ahead <= last) {
+                prefetch_row(cache_row(s, s->key_cache, t0, l, g, j0 + j + ahead), s->kv_row);
+                prefetch_row(cache_row(s, s->value_cache, t0, l, g, j0 + j + ahead), s->kv_row);
+            }
             krow[j] = kc, vrow[j] = vc;
             if (native) continue;
             to_float(kb + (size_t)j * hd, kc, s->kv_type, hd);
@@ -9412,7 +9423,7 @@ TARGET_BEGIN(ISA_AVX2)
 /* The packed kernels' decode prefetch (this set's and AVX-512's): the line
    PREFETCH_AHEAD bytes further down the one stream of packed groups, into
    L2 only (__builtin_prefetch's locality 1: prefetcht2). Asking for it in
-   L1, as prefetch_ahead does, measured 30 % slower there: the requests
+   L1, as prefetch_row does, measured 30 % slower there: the requests
    held L1's few miss buffers that the loads themselves needed. The
    integer kernels ask for every call, not only one token's: a pass of a
    few tokens (a batch step, lookup's verification) streams the weights as
