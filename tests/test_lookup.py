@@ -274,6 +274,7 @@ def test_pointer_returns_to_the_copy_after_edits():
 
 FAVOURITES = "xyz"  # the designed model's three likely tokens (byte tokens: one character each)
 RUNS = 1000
+MIN_EACH_WAY = 500  # drafts that stood, and drafts that fell, over the RUNS seeds: both paths taken often
 
 
 @functools.cache
@@ -310,7 +311,7 @@ def sample_counts(temperature: str, lookup: str, runs: int = RUNS) -> tuple[list
     drafted = accepted = 0
     for seed in range(runs):
         p = run([concentrated_model(), "-i", "xyzzy", "-n", "8", "-t", temperature, "-k", "3", "-p", "1", "-s", str(seed),
-                 "--lookup", lookup, "-v", "--threads", "1"])
+                 "--lookup", lookup, "--lookup-fixed", "-v", "--threads", "1"])
         assert p.returncode == 0, p.stderr.decode(errors="replace")
         text = p.stdout.decode(errors="replace")
         assert len(text) == 8 and set(text) <= set(FAVOURITES), f"unexpected text {text!r}: the model is not as designed"
@@ -375,7 +376,9 @@ def chi2_sf(x: float, k: int) -> float:
 def test_sampled_distribution_unchanged_by_lookup():
     plain, _, _ = sample_counts("1", "0")
     looked, drafted, accepted = sample_counts("1", "8")
-    assert accepted > 0.2 * drafted and drafted - accepted > 0.2 * drafted, (
+    # --lookup-fixed: drafts planned by the text alone, not by the passes' measured times (a faster or a busier
+    # machine drafted 21 or 49 times in all, and a few dozen let the count that stood fall under any share)
+    assert min(accepted, drafted - accepted) >= MIN_EACH_WAY, (
         f"drafts must both stand and fall often to test both paths (drafted {drafted}, stood {accepted})")
     p = combined_p_value(plain, looked)
     print(f"{RUNS} seeds each, 8 positions x 3 tokens; drafts {drafted}, stood {accepted}; chi-square p = {p:.3f}")
