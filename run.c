@@ -855,6 +855,7 @@ static Act input_of(const Matrix *w, const float *f, int f_cols, const uint8_t *
 static Act attention(RunState *s, int l, int n, const Matrix *wo);
 static Act attend_in_chunks(RunState *s, int l, int n, const Matrix *wo);
 static float *thread_scratch(const RunState *s);
+static int glu_job(int hid, int block);
 static uint8_t *paged_row(const RunState *s, uint8_t *cache, int t, int l, int h, int pos);
 
 /* PARALLEL_FOR(i, n, unit) { body } runs body for every i in [0, n), read
@@ -943,13 +944,13 @@ static Act attend_each(RunState *s, int l, int n, const Matrix *wo)
 /* The feed-forward's first half: gate and up rows of W13 (one matrix, the
    two halves stacked) for the input in, then act(gate) * up written over
    the gate half, act SiLU (SwiGLU) or GELU (GeGLU), in the form W2 reads.
-   The hidden units go a whole block of W2's activation format at a time:
+   The hidden units go whole blocks of W2's activation format at a time:
    whoever computes a block converts it, with no wait between the steps. */
 static Act glu_each(RunState *s, const Layer *L, Act in, int n)
 {
     const Config *c = s->c;
-    int hid = c->hidden_dim, unit = ACT_FORMATS[act_format(L->w2.part[0].type)].block;
-    unit = unit > QK ? unit : QK; /* float W2 (block 1): still jobs of whole packed groups of W13 */
+    int hid = c->hidden_dim, block = ACT_FORMATS[act_format(L->w2.part[0].type)].block;
+    int unit = glu_job(hid, block > QK ? block : QK); /* float W2 (block 1): still jobs of whole packed groups of W13 */
     PARALLEL_FOR(b, (hid + unit - 1) / unit, 1) {
         int i0 = b * unit, i1 = i0 + unit < hid ? i0 + unit : hid;
         matmul_rows(s->hb, 2 * hid, &L->w13, in, n, i0, i1);
@@ -2885,6 +2886,21 @@ static int share_end(void)
 {
     barrier();
     return 0;
+}
+
+/* Hidden units per job of glu_each: whole blocks of `block`, GLU_JOB_UNITS
+   or more, unless that would leave a thread under GLU_JOBS_PER_THREAD jobs
+   (too few to share evenly). A block's conversion is a chain of dependent
+   steps (its maximum, the scale, the rounding, the sums); several in one
+   call overlap: on SmolLM2 (q8 blocks of 32) jobs of one block spent 7 %
+   of a batch step converting, and jobs of 4 made 16 in flight 6.5 %
+   faster, prefill 2.8 % (AMD Zen 5, 2 threads). */
+#define GLU_JOB_UNITS 128
+#define GLU_JOBS_PER_THREAD 4
+static int glu_job(int hid, int block)
+{
+    int blocks = (hid + block - 1) / block, want = (GLU_JOB_UNITS + block - 1) / block;
+    return block * max_i(1, min_i(want, blocks / (GLU_JOBS_PER_THREAD * thread_count())));
 }
 
 /* Sizes the team of the next forward pass. When other programs take the
