@@ -3525,10 +3525,10 @@ static void packed_row_to_float(float *out, int type, const PackForm *f, const u
     }
 }
 
-/* Asks for a cached K or V row ahead of its use (attend_chunk). One core's
-   hardware prefetcher keeps too few cache misses in flight to reach DRAM
-   bandwidth (here 6.7 of the two cores' 21 GB/s); a prefetch past the end
-   of a stream is harmless (it never faults). */
+/* Asks for a cached K or V row before attend_chunk reads it: the hardware
+   prefetcher follows a run of rows only after a few misses, and not from
+   one batch page into the next. A prefetch past the end of the cache is
+   harmless (it never faults). */
 static void prefetch_row(const uint8_t *row, size_t bytes)
 {
     for (size_t i = 0; i < bytes; i += CACHE_LINE) __builtin_prefetch(row + i);
