@@ -10509,8 +10509,8 @@ static const KernelSet SET_AVXVNNI = {
    The int8 matrix products take two 32-element blocks per 512-bit vector
    and one vpdpbusd per 64 products, where AVX2 needs maddubs and madd per
    32; the float tiles take 16 floats per FMA. The integer types' register
-   tile is 16 rows x 8 tokens, and their wide products take a whole
-   prefill chunk a call, unpacking each block once for all its tokens: at
+   tile is 16 rows x 8 tokens, and the K types' wide products take a whole
+   prefill chunk a call, unpacking each super-block once for all its tokens: at
    two vpdpbusd a cycle on both vector ports, every other instruction
    (unpacking, scales, float steps) takes a product's place, so what is
    left per product is what decides the speed. Same contracts as the AVX2
@@ -10591,7 +10591,13 @@ INLINE __m512i dpbusd4_512(__m512i acc, __m512i u, const int8_t *qs)
 #endif
 }
 
-/* The 32-element types for T <= PACK_TOKS tokens (packed_dot_block32). */
+/* The 32-element types for T <= PACK_TOKS tokens (packed_dot_block32).
+   They have no wide product: a call of 8 tokens keeps each token's sums in
+   a register across the whole group, where a wide product that unpacked
+   each block once for a chunk's passes loaded and stored them every block
+   (per 8 vpdpbusd a load, a store and a sum of two chains). On AMD Zen 5
+   the passes of 8 were 2-19 % faster (bench_kernels, 16 and 72 tokens,
+   q4_0 q4_1 q5_0 q8_0) and SmolLM2's prefill 7.5-10 % faster. */
 INLINE void packed32_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int T, float *out, int bits, int offset,
                          int has_min)
 {
@@ -10945,73 +10951,6 @@ PACKED_KERNEL(q5_0, avx512, packed32_512, 5, 16, 0)
 PACKED_KERNEL(q5_1, avx512, packed32_512, 5, 0, 1)
 PACKED_KERNEL(q8_0, avx512, packed32_512, 8, 128, 0)
 
-/* The 32-element types' register tile for PACK_TOKS tokens: block k's 8
-   vectors of integers (unpacked once for all passes) times each token's
-   activations, two chains of sums a token (a chain of 8 vpdpbusd would
-   wait on their latency), then the float steps of dot_block32 into acc
-   (token t's sums at acc + 16 t; block 0 starts them). */
-INLINE void b32_tokens_512(const __m512i u[QK / 4], __m512 d, __m512 m, const uint8_t *x, size_t xs, int k, float *acc, int offset,
-                           int has_min)
-{
-    __m512i isum[PACK_TOKS][2];
-    int32_t osum[PACK_TOKS]; /* the offset's share, read as a broadcast operand */
-    for (int t = 0; t < PACK_TOKS; t++) {
-        isum[t][0] = isum[t][1] = _mm512_setzero_si512();
-        osum[t] = offset * ((const BlockQ8A *)(x + t * xs) + k)->sum;
-    }
-    for (int g = 0; g < QK / 4; g++)
-        for (int t = 0; t < PACK_TOKS; t++)
-            isum[t][g % 2] = dpbusd4_512(isum[t][g % 2], u[g], ((const BlockQ8A *)(x + t * xs) + k)->qs + 4 * g);
-    for (int t = 0; t < PACK_TOKS; t++) {
-        const BlockQ8A *a = (const BlockQ8A *)(x + t * xs) + k;
-        __m512i s = _mm512_add_epi32(isum[t][0], isum[t][1]);
-        if (offset) s = _mm512_sub_epi32(s, _mm512_set1_epi32(osum[t]));
-        __m512 r = k ? _mm512_loadu_ps(acc + t * PACK_ROWS) : _mm512_setzero_ps();
-        r = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(a->d)), d, r);
-        if (has_min) r = _mm512_fmadd_ps(m, _mm512_set1_ps(a->s), r);
-        _mm512_storeu_ps(acc + t * PACK_ROWS, r);
-    }
-}
-
-/* The 32-element types for a multiple of PACK_TOKS tokens (their wide
-   product, wide32_512): each block unpacked once for passes of PACK_TOKS,
-   the next group's block asked into L2 a part a pass. */
-INLINE void packed32_wide_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int bits, int offset,
-                              int has_min)
-{
-    const PackForm f = {PACK_BLOCK32, bits, offset, has_min};
-    const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
-    const int passes = toks / PACK_TOKS;
-    if (n < QK) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no block to start the sums */
-    for (int k = 0; k < n / QK; k++) {
-        const uint8_t *rec = group + k * rb;
-        __m512i u[QK / 4];
-        for (int g = 0; g < QK / 4; g++) u[g] = stretch_u512(rec + hb, g, bits);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec));
-        __m512 m = has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)rec + 1)) : _mm512_setzero_ps();
-        for (int p = 0; p < passes; p++) {
-            prefetch_part(rec + gb, rb, p, passes);
-            b32_tokens_512(u, d, m, x + p * PACK_TOKS * xs, xs, k, out + p * PACK_TOKS * PACK_ROWS, offset, has_min);
-        }
-    }
-}
-
-/* A 32-element type's wide product: whole passes of PACK_TOKS tokens, the
-   rest (fewer) by its packed product. */
-#define WIDE32(name, bits, offset, has_min)                                                                          \
-    static void wide_##name##_avx512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out) \
-    {                                                                                                                \
-        int full = toks / PACK_TOKS * PACK_TOKS;                                                                     \
-        if (full) packed32_wide_512(group, n, x, xs, full, out, bits, offset, has_min);                              \
-        if (toks > full) packed_##name##_avx512(group, n, x + full * xs, xs, toks - full, out + full * PACK_ROWS);   \
-    }
-WIDE32(q4_0, 4, 8, 0)
-WIDE32(q4_1, 4, 0, 1)
-WIDE32(q5_0, 5, 16, 0)
-WIDE32(q5_1, 5, 0, 1)
-WIDE32(q8_0, 8, 128, 0)
-
-
 /* Prefill's multi-query attention kernels (contracts at att_qk_scalar)
    with 16 floats per vector and 32 registers: a 4 x 4 tile of scores and
    4 queries x 64 outputs of the V sum, a head's last partial vector taken
@@ -11221,9 +11160,9 @@ static const KernelSet SET_AVX512 = {
      .quantize = {[ACT_Q8] = quantize_act_avx512, [ACT_Q8K] = quantize_act_k_avx512}, .att_qk = att_qk_avx512,
      .att_pv = att_pv_avx512, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
     {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
-     [T_Q4_0] = {.packed = packed_q4_0_avx512, .wide = wide_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512, .wide = wide_q4_1_avx512},
-     [T_Q5_0] = {.packed = packed_q5_0_avx512, .wide = wide_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512, .wide = wide_q5_1_avx512},
-     [T_Q8_0] = {.packed = packed_q8_0_avx512, .wide = wide_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512, .wide = packed_q4_k_avx512},
+     [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
+     [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},
+     [T_Q8_0] = {.packed = packed_q8_0_avx512}, [T_Q4_K] = {.packed = packed_q4_k_avx512, .wide = packed_q4_k_avx512},
      [T_Q5_K] = {.packed = packed_q5_k_avx512}, [T_Q6_K] = {.packed = packed_q6_k_avx512, .wide = packed_q6_k_avx512}},
 };
 #endif /* HAVE_AVX512_SET */
