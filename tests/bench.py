@@ -89,7 +89,7 @@ GGUF = ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PASSAGE = (ROOT / "README.md").read_text()  # prompt text: deterministic, ships with the repo
 sys.path.insert(0, str(ROOT / "tests" / "oracle"))  # the llama.cpp helpers, imported where used
 sys.path.insert(0, str(ROOT / "tests"))
-from common import QWEN_GGUF, qwen_model  # noqa: E402  (the 1.5B: its GGUF, and its export into the tests' scratch)
+from common import QWEN_GGUF, RUN_FLAGS, qwen_model  # noqa: E402  (the 1.5B: its GGUF, and its export into the tests' scratch)
 
 
 def cpu_name() -> str:
@@ -125,7 +125,7 @@ def prompt_ids(model: Path, n: int) -> str:
 def run_once(model: Path, ids: str, n_gen: int, threads: int, extra: list[str] | None = None) -> dict:
     """One ./run -v; returns the parsed numbers and the child's peak RSS."""
     cmd = [str(RUN), str(model), "--ids", ids, "-n", str(n_gen), "-t", "0", "--ignore-eos", "-v",
-           "--threads", str(threads), *(extra or [])]
+           "--threads", str(threads), *(extra or []), *RUN_FLAGS]
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     err = p.stderr.read().decode()
     _, status, usage = os.wait4(p.pid, 0)
@@ -1001,7 +1001,7 @@ def throughput_bench(runs: int, threads: int, lookup) -> None:
     print(f"kernel set: {mc['kernels']}; int8 peak {mc['i8']:.0f} GOP/s (best of {PROBES} probes); medians of {runs} "
           f"runs, alternating; batch: {CHAT_PROMPTS.name} through --batch -c -t 0 --ignore-eos --lookup 0, "
           f"--parallel 1 over every {BATCH_SINGLE_EVERY}th prompt; decode tok/s = tokens after each first / (wall - "
-          "prefill passes)\n")
+          f"prefill passes){'; every ./run with ' + ' '.join(RUN_FLAGS) + ' (RUN_FLAGS)' if RUN_FLAGS else ''}\n")
     print("| model | measure | speed | against this machine | target |")
     print("|---|---|---|---|---|")
     for label, model in THROUGHPUT_MODELS:

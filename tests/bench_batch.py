@@ -56,7 +56,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DEFAULT_GGUF, DEFAULT_MODEL, QWEN_GGUF, RUN, SCRATCH, exported, qwen_model  # noqa: E402
+from common import DEFAULT_GGUF, DEFAULT_MODEL, QWEN_GGUF, RUN, RUN_FLAGS, SCRATCH, exported, qwen_model  # noqa: E402
 
 WORK = SCRATCH / "bench-batch"
 SEED = 17
@@ -146,7 +146,7 @@ def run_batch(model: Path, prompts: Path, n_prompts: int, parallel: int, n_gen: 
     """One ./run --batch -v; the -v summary, the child's peak RSS and CPU time."""
     out = WORK / f"out-{os.getpid()}.jsonl"
     cmd = [str(RUN), str(model), "--batch", str(prompts), "--parallel", str(parallel), "-t", "0", "--ignore-eos",
-           "-n", str(n_gen), "-v", *([] if lookup else ["--lookup", "0"])]
+           "-n", str(n_gen), "-v", *([] if lookup else ["--lookup", "0"]), *RUN_FLAGS]
     with open(out, "wb") as stdout:
         p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE)
         err = p.stderr.read().decode(errors="replace")

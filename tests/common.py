@@ -18,6 +18,9 @@ TESTS = ROOT / "tests"
 MODELS = ROOT / "models"
 # The engine under test; `make sanitize` points this at the ASan/UBSan build.
 RUN = Path(os.environ.get("RUN_BIN", ROOT / "run"))
+# RUN_FLAGS: flags the benchmarks add to each measured request and batch (bench.run_once, bench_batch.run_batch),
+# e.g. --hugepages; the tests never read it
+RUN_FLAGS = os.environ.get("RUN_FLAGS", "").split()
 DEFAULT_GGUF = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = MODELS / "smollm2-135m-instruct.bin"
 # A whole run's scratch folder stays under SCRATCH_PEAK (7.6 GB measured); /dev/shm holds it when it has that much

@@ -65,7 +65,7 @@ static int sample_runs(int argc, char **argv)
     jc.root = argc == 6 ? compile_schema_file(&jc.g, argv[5]) : 0;
     Model m;
     char err[ERR_BYTES];
-    if (build_model(&m, argv[1], err) != 0) die(EXIT_RUNTIME, "%s: %s", argv[1], err);
+    if (build_model(&m, argv[1], 0, err) != 0) die(EXIT_RUNTIME, "%s: %s", argv[1], err);
     build_trie(&jc.trie, m.tok, m.c.vocab_size);
     int runs = atoi(argv[2]), n_predict = atoi(argv[3]);
     Tokens prompt = {0};
@@ -114,7 +114,7 @@ int main(int argc, char **argv)
     Model m;
     char err[ERR_BYTES];
     if (model_path) {
-        if (build_model(&m, model_path, err) != 0) die(EXIT_RUNTIME, "%s: %s", model_path, err);
+        if (build_model(&m, model_path, 0, err) != 0) die(EXIT_RUNTIME, "%s: %s", model_path, err);
         build_trie(&jc.trie, m.tok, m.c.vocab_size);
     }
     char line[1 << 16];

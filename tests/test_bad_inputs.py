@@ -864,25 +864,43 @@ def test_flags_that_would_be_ignored_or_name_no_file():
         expect_error([model, flag, ""], 2, flag, "''")
 
 
-def test_model_file_shrinks_while_in_use():
-    """Truncating the model between chat turns killed the run with SIGBUS (exit 135, no message)."""
-    copy = WORK / "shrinking.bin"
-    copy.write_bytes(tiny_model().read_bytes())
-    p = subprocess.Popen([str(RUN), str(copy), "-m", "chat", "-n", "4", "-t", "0"], stdin=subprocess.PIPE,
+def chat_two_turns(path: Path, *flags: str, cut: bool = False) -> tuple[int, bytes, str]:
+    """Two chat turns on the model at path (exit status, stdout, stderr); with cut the file is truncated
+    between them, once the first answer shows the weights in use."""
+    p = subprocess.Popen([str(RUN), str(path), "-m", "chat", "-n", "4", "-t", "0", *flags], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         p.stdin.write(b"hi\n")
         p.stdin.flush()
-        p.stdout.readline()                          # the first answer: the weights are in use
-        os.truncate(copy, 4096)
+        first = p.stdout.readline()
+        if cut:
+            os.truncate(path, 4096)
         p.stdin.write(b"hello again\n")
         p.stdin.close()
         rc = p.wait(timeout=60)
     finally:
         p.kill()
-    lines = [ln for ln in p.stderr.read().decode().splitlines() if ln.strip()]
+    return rc, first + p.stdout.read(), p.stderr.read().decode()
+
+
+def test_model_file_shrinks_while_in_use():
+    """Truncating the model between chat turns killed the run with SIGBUS (exit 135, no message)."""
+    copy = WORK / "shrinking.bin"
+    copy.write_bytes(tiny_model().read_bytes())
+    rc, _, err = chat_two_turns(copy, cut=True)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert rc == 1, f"exit {rc} (" + UNUSUAL_EXIT.format(rc=rc) + f"), stderr {lines}"
     assert lines == [f"run: {copy}: the model file changed or shrank while in use"], lines
+
+
+def test_model_file_shrinks_while_in_use_with_hugepages():
+    """With --hugepages the run reads the model into memory of its own: truncating the file between chat turns
+    changes nothing, and the answers are the ones an untouched file gives."""
+    copy = WORK / "shrinking-copied.bin"
+    copy.write_bytes(tiny_model().read_bytes())
+    rc, out, err = chat_two_turns(copy, "--hugepages", cut=True)
+    assert rc == 0 and err == "", f"exit {rc}, stderr {err!r}"
+    assert (rc, out, err) == chat_two_turns(tiny_model(), "--hugepages"), out
 
 
 def test_model_is_a_fifo():

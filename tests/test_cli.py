@@ -20,7 +20,7 @@ from common import DEFAULT_GGUF, DEFAULT_MODEL, ROOT, RUN, SCRATCH, gguf_metadat
 # Every flag the issue and the project brief define; -h must document each one.
 VALUE_FLAGS = ["-i", "-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx", "--kv",
                "--ids", "--dump-logits", "--ppl", "--logprobs"]
-SWITCHES = ["-c", "-v", "--special", "--tokenize", "--no-batch", "--scalar", "--print-prompt-ids",
+SWITCHES = ["-c", "-v", "--special", "--tokenize", "--no-batch", "--scalar", "--print-prompt-ids", "--hugepages",
             "-h", "--help", "--version"]
 # Flags that have a default; -h must state it.
 DEFAULTS = ["-n", "-t", "-p", "-k", "-s", "-m", "-y", "--threads", "--ctx", "--kv"]
@@ -286,6 +286,35 @@ def test_verbose_memory_line_counts_the_model_file_only():
     resident, size = float(m.group(1)), float(m.group(2))
     assert size == round(os.path.getsize(model()) / 2**20, 1), (size, os.path.getsize(model()))
     assert 0.5 * size <= resident <= size, m.group(0)
+
+
+COPY_RE = re.compile(r"^memory: ([\d.]+) MB private \(the model's ([\d.]+) MB copy, activations, KV cache; "
+                     r"([\d.]+) MB of it in huge pages\), peak RSS ([\d.]+) MB$", re.M)
+
+
+def thp_enabled() -> bool:
+    """Whether this kernel gives transparent huge pages to a region that asks (madvise) or to all."""
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    return path.exists() and "[never]" not in path.read_text()
+
+
+def test_hugepages_same_text_and_a_private_copy():
+    """--hugepages reads the model into private memory in 2 MiB pages: the text is the mapped run's, byte for
+    byte (sampled too), and -v says the copy is the file's size, private, and (where the kernel gives huge
+    pages) nearly all of it in them; the model file is not mapped (no "model file resident")."""
+    for args in (["-t", "0", "-n", "24"], ["-t", "0.9", "-s", "7", "-n", "24"]):
+        mapped = run([model(), "-i", PROMPT, *args], timeout=120)
+        copied = run([model(), "-i", PROMPT, *args, "--hugepages", "-v"], timeout=120)
+        assert mapped.returncode == copied.returncode == 0, text(copied.stderr)
+        assert copied.stdout == mapped.stdout and mapped.stdout, (mapped.stdout, copied.stdout)
+    err = text(copied.stderr)
+    m = COPY_RE.search(err)
+    assert m and "model file resident" not in err, err
+    private, size, huge, peak = map(float, m.groups())
+    assert size == round(os.path.getsize(model()) / 2**20, 1), (size, os.path.getsize(model()))
+    assert size <= private <= peak and huge <= private, m.group(0)
+    if thp_enabled():  # the copy starts on a 2 MiB boundary and asks for huge pages: all but its last partial one
+        assert huge >= size - 2, m.group(0)
 
 
 # ----- --probe ---------------------------------------------------------------------------

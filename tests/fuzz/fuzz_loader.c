@@ -122,13 +122,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     put_file(data, size);
     Model m;
     char err[ERR_BYTES] = "";
-    if (build_model(&m, memfd_path, err) != 0) {
+    if (build_model(&m, memfd_path, 0, err) != 0) {
         /* refused: there must be a one-line reason */
         if (!err[0] || strchr(err, '\n')) abort();
         /* --tokenize loads a file without tensors too: only such a file may load so, and its tokenizer runs */
         free_model(&m);
         err[0] = 0;
-        if (load_model(&m, memfd_path, 1, err) != 0) {
+        if (load_model(&m, memfd_path, 1, 0, err) != 0) {
             if (!err[0] || strchr(err, '\n')) abort();
         } else {
             if (!m.tokenizer_only || m.layers) abort();
