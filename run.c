@@ -409,7 +409,7 @@ static void bind_weights(Model *m, const Tensor *tab)
 static int check_model_file(const Model *m, tok_tokenizer **tok, char *err);
 static void count_weights(Model *m, const Tensor *tab);
 /* Part II, "files read into memory of the run's own": the model in huge pages (--hugepages). */
-static uint8_t *read_copy(int fd, size_t size);
+static void *read_copy(int fd, size_t size);
 
 /* build_model, or with tokenizer_only (--tokenize) also a file of the
    header and tokenizer section alone (n_tensors 0, checked as any other
@@ -429,7 +429,7 @@ static int load_model(Model *m, const char *path, int tokenizer_only, int copy, 
     if ((size_t)st.st_size < HEADER_BYTES) { close(fd); LOAD_FAIL("not a model file (only %lld bytes)", (long long)st.st_size); }
     void *p = copy ? read_copy(fd, st.st_size) : mmap(NULL, st.st_size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);
-    if (!p || p == MAP_FAILED)
+    if (p == MAP_FAILED)
         LOAD_FAIL("cannot %s: %s", copy ? "read" : "map", copy && errno == EIO ? "it shrank while it was read" : strerror(errno));
     m->map = p;
     m->copied = copy;
@@ -4446,7 +4446,7 @@ static void report_process(const Model *m, double load_ms)
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
     if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
     long anon = status_kb("/proc/self/status", "RssAnon:"), peak = status_kb("/proc/self/status", "VmHWM:");
-    long huge = status_kb("/proc/self/smaps_rollup", "AnonHugePages:");
+    long huge = m->copied ? status_kb("/proc/self/smaps_rollup", "AnonHugePages:") : -1; /* smaps_rollup walks every mapping */
     double file = model_resident_bytes(m);
     if (m->copied && anon >= 0 && huge >= 0)
         fprintf(stderr, "\nmemory: %.1f MB private (the model's %.1f MB copy, activations, KV cache; %.1f MB of it in huge "
@@ -6391,7 +6391,7 @@ static uint8_t *alloc_copy(size_t size)
     if (p == MAP_FAILED) return NULL;
     uint8_t *a = (uint8_t *)(((uintptr_t)p + HUGE_PAGE_BYTES - 1) & ~(uintptr_t)(HUGE_PAGE_BYTES - 1));
     if (a > p) munmap(p, a - p);
-    if (p + len > a + used) munmap(a + used, p + len - (a + used));
+    munmap(a + used, p + len - (a + used)); /* never empty: the head cut off is less than the huge page of slack */
 #ifdef MADV_HUGEPAGE
     madvise(a, size, MADV_HUGEPAGE); /* a hint: without it, 4 KiB pages */
 #endif
@@ -6399,19 +6399,19 @@ static uint8_t *alloc_copy(size_t size)
 }
 
 /* --hugepages: the model file at fd (size bytes) read into memory of the
-   run's own (alloc_copy), or NULL with errno set (EIO: the file shrank
-   while it was read). A mapped file's pages are the page cache's 4 KiB
-   ones, and every pass streams every weight: with 4 KiB pages that is a
-   TLB miss every 4 KiB, and a stop for the hardware prefetcher, which does
-   not cross a page. */
-static uint8_t *read_copy(int fd, size_t size)
+   run's own (alloc_copy), or MAP_FAILED with errno set, as mmap (EIO: the
+   file shrank while it was read). A mapped file's pages are the page
+   cache's 4 KiB ones, and every pass streams every weight: with 4 KiB
+   pages that is a TLB miss every 4 KiB, and a stop for the hardware
+   prefetcher, which does not cross a page. */
+static void *read_copy(int fd, size_t size)
 {
     uint8_t *p = alloc_copy(size);
     int e = p ? read_exactly(fd, p, size, 0) : ENOMEM;
     if (!e) return p;
     if (p) munmap(p, size);
     errno = e;
-    return NULL;
+    return MAP_FAILED;
 }
 
 /* ----- prompt cache -------------------------------------------------------------
