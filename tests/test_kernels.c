@@ -237,7 +237,7 @@ static void test_packed_wide(void)
 {
     enum { N = 1536, TOKS = CHUNK_TOKENS };
     static float x[N];
-    static uint8_t xq[TOKS][N * 2], group[PACK_ROWS * N * 2]; /* q8_0: 34 bytes per 32 elements */
+    static uint8_t xq[TOKS][N * 2], group[PACK_ROWS * N * 2]; /* 2 bytes an element: room for every type but f32 (the fit check below) */
     static float ref[TOKS * PACK_ROWS], got[TOKS * PACK_ROWS];
     /* a chunk's rest under PACK_TOKS; rests past passes of 4 tokens: 0, 1, 0, 1, 3, 2, 0; of 8: 0, 1, 0, 1, 3, 6, 0 */
     const int counts[] = {PACK_TOKS - 3, PACK_TOKS, PACK_TOKS + 1, 2 * PACK_TOKS, 2 * PACK_TOKS + 1, 2 * PACK_TOKS + 3,
