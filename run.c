@@ -2008,6 +2008,7 @@ int main(int argc, char **argv)
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
 #define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
+#define WIDE_AHEAD 3   /* a wide K product asks for the record this many ahead in its stream (prefetch_part) */
 #define CACHE_LINE 64
 #define MAX_DIM (1 << 16)
 #define MAX_LAYERS 1024
@@ -10110,8 +10111,15 @@ INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16
 }
 
 /* Part p of `parts` of the bytes at next asked into L2: a wide product
-   asks for the next group's record while it computes this one's, a part
-   before each pass (all at once, the requests wait for fill buffers). */
+   asks for the record WIDE_AHEAD further on in memory while it computes
+   this one, a part before each pass (all at once, the requests wait for
+   fill buffers). A group's records lie one after another and the groups
+   too, so that is one stream, the next group's first records past the
+   end of one. Asking instead for the next group's same record (6 to 35
+   records ahead) was slower: on AMD Zen 5, 2 threads,
+   interleaved medians, 3 ahead made the 1.5B's 16 in flight 5-7 % faster
+   (avx2 set 6.5 %) and its prefill 512 2.3-3.6 % (avx2 2.7 %); 2 and 5
+   ahead read the same as 3. */
 INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
 {
     size_t lines = bytes / CACHE_LINE;
@@ -10291,7 +10299,6 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
 {
     const PackForm f = {kind, bits, kind == PACK_K6 ? 32 : 0, kind == PACK_K4};
     const size_t hb = packed_head_bytes(&f), rb = packed_record_bytes(&f), sb = packed_stretch_bytes(&f);
-    const size_t gb = packed_group_bytes(&f, n);
     const int passes = toks / PACK_TOKS_256;
     _Static_assert(WIDE_MIN_256 >= PACK_TOKS_256, "every call past the fallback has a pass to prefetch in");
     if (toks < WIDE_MIN_256) { /* too few tokens to repay storing the unpacked record */
@@ -10314,7 +10321,7 @@ INLINE void packedk_wide_256(const uint8_t *group, int n, const uint8_t *x, size
            q6_k 166 -> 156 (the requests wait for fill buffers). */
         int t0 = 0;
         for (; t0 + PACK_TOKS_256 <= toks; t0 += PACK_TOKS_256) {
-            prefetch_part(rec + gb, rb, t0 / PACK_TOKS_256, passes);
+            prefetch_part(rec + WIDE_AHEAD * rb, rb, t0 / PACK_TOKS_256, passes);
             k_wide_pass_256(rec, &b, x + t0 * xs, xs, k, PACK_TOKS_256, out + t0 * PACK_ROWS, bits, kind);
         }
         const uint8_t *xt = x + t0 * xs;
@@ -10955,12 +10962,12 @@ INLINE void k_tokens_any_512(const KBlock512 *b, const uint8_t *ints, int direct
 /* q4_k or q6_k for any number of tokens (the set's packed and wide
    product): up to PACK_TOKS in one pass, the integers unpacked as they are
    used; more in passes of PACK_TOKS over each super-block unpacked once
-   for all of them, while the next group's same super-block is asked into
-   L2 (a pass of a whole prefill chunk reads each group once). */
+   for all of them, while the record WIDE_AHEAD further on is asked into
+   L2 (prefetch_part). */
 INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int kind)
 {
     const PackForm f = kind == PACK_K6 ? (PackForm){PACK_K6, 6, 32, 0} : (PackForm){PACK_K4, 4, 0, 1};
-    const size_t rb = packed_record_bytes(&f), gb = packed_group_bytes(&f, n);
+    const size_t rb = packed_record_bytes(&f);
     if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
@@ -10974,11 +10981,11 @@ INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t x
         }
         int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
         for (; t0 + PACK_TOKS <= toks; t0 += PACK_TOKS) {
-            prefetch_part(rec + gb, rb, t0 / PACK_TOKS, passes);
+            prefetch_part(rec + WIDE_AHEAD * rb, rb, t0 / PACK_TOKS, passes);
             k_tokens_512(&b, NULL, 0, x + t0 * xs, xs, k, PACK_TOKS, out + t0 * PACK_ROWS, kind);
         }
         if (t0 < toks) {
-            prefetch_part(rec + gb, rb, passes - 1, passes);
+            prefetch_part(rec + WIDE_AHEAD * rb, rb, passes - 1, passes);
             k_tokens_any_512(&b, NULL, 0, x + t0 * xs, xs, k, toks - t0, out + t0 * PACK_ROWS, kind);
         }
     }
