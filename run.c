@@ -10116,10 +10116,10 @@ INLINE void k_scales_256(const uint8_t *rec, int h, int k6, __m256i sc[QK_K / 16
    fill buffers). A group's records lie one after another and the groups
    too, so that is one stream, the next group's first records past the
    end of one. Asking instead for the next group's same record (6 to 35
-   records ahead) was slower: on AMD Zen 5, 2 threads,
-   interleaved medians, 3 ahead made the 1.5B's 16 in flight 5-7 % faster
-   (avx2 set 6.5 %) and its prefill 512 2.3-3.6 % (avx2 2.7 %); 2 and 5
-   ahead read the same as 3. */
+   records ahead) was slower: on AMD Zen 5, 2 threads, interleaved
+   medians, 3 ahead made the 1.5B's 16 in flight 5-7 % faster (avx2 set
+   6.5 %) and its prefill 512 2.3-3.6 % (avx2 2.7 %); 2 and 5 ahead read
+   the same as 3. */
 INLINE void prefetch_part(const uint8_t *next, size_t bytes, int p, int parts)
 {
     size_t lines = bytes / CACHE_LINE;
