@@ -4395,7 +4395,7 @@ static void report_stats(const Model *m, const RunState *s, const Machine *mc, S
 }
 
 /* A field in kB ("RssAnon:") of a /proc file of this process, or -1. */
-static long status_kb(const char *path, const char *field)
+static long proc_kb(const char *path, const char *field)
 {
     FILE *f = fopen(path, "r");
     char line[256];
@@ -4446,8 +4446,8 @@ static void report_process(const Model *m, double load_ms)
 {
     fprintf(stderr, "time: loaded in %.1f ms", load_ms);
     if (marks.first_text_ms) fprintf(stderr, ", first byte of text %.1f ms after start", marks.first_text_ms - marks.start_ms);
-    long anon = status_kb("/proc/self/status", "RssAnon:"), peak = status_kb("/proc/self/status", "VmHWM:");
-    long huge = m->copied ? status_kb("/proc/self/smaps_rollup", "AnonHugePages:") : -1; /* smaps_rollup walks every mapping */
+    long anon = proc_kb("/proc/self/status", "RssAnon:"), peak = proc_kb("/proc/self/status", "VmHWM:");
+    long huge = m->copied ? proc_kb("/proc/self/smaps_rollup", "AnonHugePages:") : -1; /* smaps_rollup walks every mapping */
     double file = model_resident_bytes(m);
     if (m->copied && anon >= 0 && huge >= 0)
         fprintf(stderr, "\nmemory: %.1f MB private (the model's %.1f MB copy, activations, KV cache; %.1f MB of it in huge "
@@ -10280,8 +10280,8 @@ INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8
 
 /* The K types for a whole prefill chunk (the set's wide product): each
    super-block's integers and scales unpacked once for every token, which
-   then take it PACK_TOKS_256 a pass over both halves, while the next
-   group's record is asked into L2. The unpacking and the scales are the
+   then take it PACK_TOKS_256 a pass over both halves, while the record
+   WIDE_AHEAD further on is asked into L2 (prefetch_part). The unpacking and the scales are the
    work a call of PACK_TOKS tokens repeats per pass; with them done, one
    activation broadcast serving 16 rows beats one unpacked vector serving
    8 tokens (passes of 8 over a half: q4_k 197 -> 204 GOP/s, q6_k 154 ->
