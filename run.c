@@ -10960,23 +10960,34 @@ INLINE void k_tokens_any_512(const KBlock512 *b, const uint8_t *ints, int direct
 }
 
 /* q4_k or q6_k for any number of tokens (the set's packed and wide
-   product): up to PACK_TOKS in one pass, the integers unpacked as they are
-   used; more in passes of PACK_TOKS over each super-block unpacked once
-   for all of them, while the record WIDE_AHEAD further on is asked into
-   L2 (prefetch_part). */
+   product). Up to K512_DIRECT_PASSES passes of PACK_TOKS (q6_k: one) unpack
+   the integers as each pass uses them; more tokens go in passes over each
+   super-block unpacked once for all of them into b, while the record
+   WIDE_AHEAD further on is asked into L2 (prefetch_part). Unpacking into b
+   stores 64 vectors a super-block, and a 64-byte store costs about the
+   time of two vpdpbusd (AMD Zen 5: four stores beside 16 vpdpbusd chains
+   took them from 8.2 to 5.5 G/s); q4_k's unpacking (an and and a shift a
+   vector) runs beside vpdpbusd, q6_k's (four instructions) does not.
+   bench_kernels at 16 tokens, one thread, three runs: q4_k 1536x1536
+   59 -> 63 % of the int8 peak, 8960x1536 57-58 -> 60-61 %; at 24 tokens
+   even; q6_k as two direct passes 44 -> 40 % (the output head's shape). */
+#define K512_DIRECT_PASSES 2
 INLINE void packed_k_512(const uint8_t *group, int n, const uint8_t *x, size_t xs, int toks, float *out, int kind)
 {
     const PackForm f = kind == PACK_K6 ? (PackForm){PACK_K6, 6, 32, 0} : (PackForm){PACK_K4, 4, 0, 1};
     const size_t rb = packed_record_bytes(&f);
+    const int direct = toks <= (kind == PACK_K6 ? 1 : K512_DIRECT_PASSES) * PACK_TOKS;
     if (n < QK_K) memset(out, 0, sizeof(float) * PACK_ROWS * toks); /* no super-block to start the sums */
     for (int k = 0; k < n / QK_K; k++) {
         const uint8_t *rec = group + k * rb;
         KBlock512 b;
-        for (size_t i = 0; toks <= PACK_TOKS && i < rb; i += CACHE_LINE) decode_prefetch(rec + i); /* a wide call: prefetch_part */
-        if (kind == PACK_K6) q6k_unpack_512(rec, &b, toks > PACK_TOKS);
-        else q4k_unpack_512(rec, &b, toks > PACK_TOKS);
-        if (toks <= PACK_TOKS) {
-            k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x, xs, k, toks, out, kind);
+        for (size_t i = 0; direct && i < rb; i += CACHE_LINE) decode_prefetch(rec + i); /* a wide call: prefetch_part */
+        if (kind == PACK_K6) q6k_unpack_512(rec, &b, !direct);
+        else q4k_unpack_512(rec, &b, !direct);
+        if (direct) {
+            for (int t0 = 0; t0 < toks; t0 += PACK_TOKS)
+                k_tokens_any_512(&b, rec + packed_head_bytes(&f), 1, x + t0 * xs, xs, k, min_i(PACK_TOKS, toks - t0), out + t0 * PACK_ROWS,
+                                 kind);
             continue;
         }
         int t0 = 0, passes = (toks + PACK_TOKS - 1) / PACK_TOKS;
