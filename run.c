@@ -10817,12 +10817,13 @@ INLINE void q4k_unpack_512(const uint8_t *rec, KBlock512 *b, int nibbles)
    high ones: 16 chains for 8 tokens hide vpdpbusd's latency), added, then
    times the sub-block's scale by one vpmulld. A vpdpwssd per chain against
    the pair (scale, 0), exact since each chain is within int16, takes two
-   slots of vpdpbusd's two ports where vpmulld issues beside them (AMD Zen
-   5: 12 vpdpbusd and 4 vpmulld a loop issue 11 a ns, vpdpbusd alone 8):
-   bench_kernels' q4_k at 64 tokens went 651 -> 683 and 624 -> 683 GOP/s
-   (one thread, best of 5). The minimums: one vpdpwssd per two sub-blocks
-   against the activations' sums of 32. Same integers and float steps as
-   dot_k. */
+   slots of vpdpbusd's two ports where vpmulld takes one (bench_kernels
+   ports, AMD Zen 5): bench_kernels' q4_k at 64 tokens went 651 -> 683 and
+   624 -> 683 GOP/s (one thread, best of 5). The minimums: one vpdpwssd
+   per two sub-blocks against the activations' sums of 32. Per super-block
+   and token that is 64 vpdpbusd, 8 vpmulld, 4 vpdpwssd and 4 float
+   multiplies on those two ports: at most 80 % of the int8 peak. Same
+   integers and float steps as dot_k. */
 INLINE void q4k_tokens_512(const KBlock512 *b, const uint8_t *st0, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH / 2; /* a stretch's nibbles */
@@ -10900,7 +10901,9 @@ INLINE void q6k_unpack_512(const uint8_t *rec, KBlock512 *b, int ints)
    sub-block of 16 one int32 sum per token (vpdpbusd), times its scale
    (vpmulld: the sum of 16 six-bit products exceeds int16); the offset's
    sums as int16 pairs (vpdpwssd), the activations' pairs of sums of 16
-   read as they lie. Same integers and float steps as dot_k. */
+   read as they lie. Per super-block and token: 64 vpdpbusd, 16 vpmulld, 8
+   vpdpwssd and 2 float multiplies on vpdpbusd's two ports, at most 71 % of
+   the int8 peak (q4k_tokens_512). Same integers and float steps as dot_k. */
 INLINE void q6k_tokens_512(const KBlock512 *b, const uint8_t *ints, int direct, const uint8_t *x, size_t xs, int k, int T, float *acc)
 {
     const size_t sb = (size_t)PACK_ROWS * STRETCH * 6 / 8;
