@@ -61,15 +61,27 @@ PORT_LOOP(vmulps, F4("vmulps %1, %0, %0"))
 PORT_LOOP(vpaddd, X4("vpaddd %1, %0, %0", e))
 PORT_LOOP(vpternlogd, X4("vpternlogd $0xf8, %1, %1, %0", e))
 PORT_LOOP(store, ST1(0) ST1(1) ST1(2) ST1(3) at += 256;)
+/* A K tile's mix on those ports per 64 vpdpbusd (a super-block and token of q4k_tokens_512, q6k_tokens_512):
+   q4_k 8 vpmulld, 4 vpdpwssd, 2 vmulps, 2 vfmadd; q6_k 16, 8, 1, 1. Loads, stores and unpacking left out. */
+#define MIX(mull, wssd, fl) VNNI16 VNNI16 VNNI16 for(int m=0;m<mull/4;m++){X4("vpmulld %1, %0, %0", e)} \
+  for(int w=0;w<wssd/4;w++){X4("vpdpwssd %1, %1, %0", e)} __asm__ volatile("vmulps %1, %0, %0" : "+v"(f0) : "v"(f1)); \
+  __asm__ volatile("vfmadd231ps %1, %1, %0" : "+v"(f2) : "v"(f3)); if(fl>1){__asm__ volatile("vmulps %1, %0, %0" : "+v"(f1) : "v"(f0)); \
+  __asm__ volatile("vfmadd231ps %1, %1, %0" : "+v"(f3) : "v"(f2));}
+PORT_LOOP(mix_q4_k, MIX(8, 4, 2))
+PORT_LOOP(mix_q6_k, MIX(16, 8, 1))
 static int ports(void){
   if(!__builtin_cpu_supports("avx512vnni")){ fprintf(stderr, "bench_kernels: ports needs AVX-512 VNNI\n"); return 1; }
   struct { const char *name; double (*fn)(void); } p[] = {{"alone", port_alone}, {"vpmulld", port_vpmulld}, {"vpdpwssd", port_vpdpwssd},
     {"vpmaddwd", port_vpmaddwd}, {"vfmadd231ps", port_vfmadd}, {"vmulps", port_vmulps}, {"vpaddd", port_vpaddd},
     {"vpternlogd", port_vpternlogd}, {"64-byte store", port_store}};
+  struct { const char *name; double (*fn)(void); } mix[] = {{"q4_k", port_mix_q4_k}, {"q6_k", port_mix_q6_k}};
   int n = sizeof p / sizeof *p; double best[16] = {0};
   for(int r=0;r<5;r++) for(int i=0;i<n;i++){ double g=p[i].fn(); if(g>best[i]) best[i]=g; } /* best of 5: the least disturbed */
   printf("vpdpbusd in 16 chains, G/s (best of 5), beside 4 of X per 16; X's cost in vpdpbusd slots = 16/4 * (alone/with - 1)\n");
   for(int i=0;i<n;i++) printf("  %-14s %6.2f G/s  %5.2f slots\n", p[i].name, best[i], i ? 4.0*(best[0]/best[i]-1) : 0.0);
+  printf("a K tile's instructions on those ports per super-block and token (its bound; the rest of the tile left out):\n");
+  for(int i=0;i<2;i++){ double b=0; for(int r=0;r<5;r++){ double g=4*mix[i].fn(); if(g>b) b=g; }
+    printf("  %-5s %6.2f G vpdpbusd/s  %5.1f%% of alone\n", mix[i].name, b, 100*b/best[0]); }
   return 0;
 }
 
