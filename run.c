@@ -11185,16 +11185,87 @@ static __m512i round_i8x16_512(int8_t *q, const float *x, float id)
     return v;
 }
 
+/* Lane j: the reduction of v[j]'s 16 lanes, for 16 vectors at once. Four
+   rounds of shuffles (128-bit quarters, halves of them, 64-bit pairs,
+   32-bit pairs), each combining two vectors' partial results; the rounds
+   leave vector j's result in lane 4 (j % 4) + j / 4, so v is read in that
+   order. 16 separate reductions take four times the instructions. */
+#define REDUCE16_512(op, cast_i, cast_f, v)                                                                        \
+    do {                                                                                                           \
+        static const int at_[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};                         \
+        for (int i_ = 0; i_ < 8; i_++) {                                                                           \
+            __m512i a_ = cast_i(v[at_[2 * i_]]), b_ = cast_i(v[at_[2 * i_ + 1]]);                                \
+            r1_[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x44)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xee))); \
+        }                                                                                                          \
+        for (int i_ = 0; i_ < 4; i_++) {                                                                           \
+            __m512i a_ = cast_i(r1_[2 * i_]), b_ = cast_i(r1_[2 * i_ + 1]);                                        \
+            r1_[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x88)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xdd))); \
+        }                                                                                                          \
+        for (int i_ = 0; i_ < 2; i_++) {                                                                           \
+            __m512i a_ = cast_i(r1_[2 * i_]), b_ = cast_i(r1_[2 * i_ + 1]);                                        \
+            r1_[i_] = op(cast_f(_mm512_unpacklo_epi64(a_, b_)), cast_f(_mm512_unpackhi_epi64(a_, b_)));           \
+        }                                                                                                          \
+        __m512 x_ = _mm512_castsi512_ps(cast_i(r1_[0])), y_ = _mm512_castsi512_ps(cast_i(r1_[1]));                \
+        r1_[0] = op(cast_f(_mm512_castps_si512(_mm512_shuffle_ps(x_, y_, 0x88))),                                  \
+                    cast_f(_mm512_castps_si512(_mm512_shuffle_ps(x_, y_, 0xdd))));                                 \
+    } while (0)
+INLINE __m512i same_512i(__m512i v) { return v; }
+INLINE __m512i sum16_512(const __m512i v[16])
+{
+    __m512i r1_[8];
+    REDUCE16_512(_mm512_add_epi32, same_512i, same_512i, v);
+    return r1_[0];
+}
+INLINE __m512 max16_512(const __m512 v[16]) /* no NaN among them: max_ps drops one only as its first operand */
+{
+    __m512 r1_[8];
+    REDUCE16_512(_mm512_max_ps, _mm512_castps_si512, _mm512_castsi512_ps, v);
+    return r1_[0];
+}
+
+/* One block of 32 (quantize_act_avx512's rest). */
+static void quantize_block_512(BlockQ8A *out, const float *x)
+{
+    float d = amax_512(x, QK) / 127, id = d ? 1 / d : 0;
+    out->d = d;
+    __m512i lo = round_i8x16_512(out->qs, x, id), hi = round_i8x16_512(out->qs + 16, x + 16, id);
+    out->sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
+    out->s = d * out->sum;
+}
+
+/* Blocks of 32, 16 at a time: their maximums, scales and sums in one
+   vector each (max16_512, sum16_512; one division for 16 scales), the
+   same float steps per lane as quantize_block_512's. */
 static void quantize_act_avx512(void *blocks, const float *x, int n)
 {
     BlockQ8A *out = blocks;
-    for (int b = 0; b < n / QK; b++, x += QK) {
-        float d = amax_512(x, QK) / 127, id = d ? 1 / d : 0;
-        out[b].d = d;
-        __m512i lo = round_i8x16_512(out[b].qs, x, id), hi = round_i8x16_512(out[b].qs + 16, x + 16, id);
-        out[b].sum = _mm512_reduce_add_epi32(_mm512_add_epi32(lo, hi));
-        out[b].s = d * out[b].sum;
+    int b = 0;
+    for (; b + 16 <= n / QK; b += 16) {
+        const float *xb = x + (size_t)b * QK;
+        __m512 m[16];
+        __mmask16 nan = 0;
+        for (int i = 0; i < 16; i++) {
+            __m512 v0 = _mm512_abs_ps(_mm512_loadu_ps(xb + QK * i)), v1 = _mm512_abs_ps(_mm512_loadu_ps(xb + QK * i + 16));
+            m[i] = _mm512_max_ps(v0, v1);
+            nan |= (__mmask16)(((_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0) << i);
+        }
+        /* lane i depends on m[i] alone: a block with a NaN gets NaN for its maximum, as amax_512 gives */
+        __m512 amax = _mm512_mask_mov_ps(max16_512(m), nan, _mm512_set1_ps(NAN));
+        __m512 d = _mm512_div_ps(amax, _mm512_set1_ps(127));
+        __m512 id = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_UQ), _mm512_set1_ps(1), d); /* d ? 1 / d : 0 */
+        float ds[16], ids[16], ss[16];
+        int32_t sums[16];
+        __m512i part[16];
+        _mm512_storeu_ps(ds, d);
+        _mm512_storeu_ps(ids, id);
+        for (int i = 0; i < 16; i++)
+            part[i] = _mm512_add_epi32(round_i8x16_512(out[b + i].qs, xb + QK * i, ids[i]), round_i8x16_512(out[b + i].qs + 16, xb + QK * i + 16, ids[i]));
+        __m512i sum = sum16_512(part);
+        _mm512_storeu_si512(sums, sum);
+        _mm512_storeu_ps(ss, _mm512_mul_ps(d, _mm512_cvtepi32_ps(sum)));
+        for (int i = 0; i < 16; i++) out[b + i].d = ds[i], out[b + i].sum = sums[i], out[b + i].s = ss[i];
     }
+    for (; b < n / QK; b++) quantize_block_512(&out[b], x + (size_t)b * QK);
 }
 
 static void quantize_act_k_avx512(void *blocks, const float *x, int n)
@@ -11203,8 +11274,9 @@ static void quantize_act_k_avx512(void *blocks, const float *x, int n)
     for (int b = 0; b < n / QK_K; b++, x += QK_K) {
         float d = amax_512(x, QK_K) / 127, id = d ? 1 / d : 0;
         out[b].d = d;
-        for (int j = 0; j < QK_K / 16; j++)
-            out[b].bsums[j] = (int16_t)_mm512_reduce_add_epi32(round_i8x16_512(out[b].qs + 16 * j, x + 16 * j, id));
+        __m512i v[QK_K / 16];
+        for (int j = 0; j < QK_K / 16; j++) v[j] = round_i8x16_512(out[b].qs + 16 * j, x + 16 * j, id);
+        _mm256_storeu_si256((__m256i *)out[b].bsums, _mm512_cvtepi32_epi16(sum16_512(v))); /* |sum| <= 16 * 127: exact */
     }
 }
 
