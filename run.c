@@ -11189,38 +11189,39 @@ static __m512i round_i8x16_512(int8_t *q, const float *x, float id)
    rounds of shuffles (128-bit quarters, halves of them, 64-bit pairs,
    32-bit pairs), each combining two vectors' partial results; the rounds
    leave vector j's result in lane 4 (j % 4) + j / 4, so v is read in that
-   order. 16 separate reductions take four times the instructions. */
-#define REDUCE16_512(op, cast_i, cast_f, v)                                                                        \
+   order; the result in r[0] (r: eight vectors of scratch). 16 separate
+   reductions take four times the instructions. */
+#define REDUCE16_512(op, cast_i, cast_f, v, r)                                                                     \
     do {                                                                                                           \
         static const int at_[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};                         \
         for (int i_ = 0; i_ < 8; i_++) {                                                                           \
             __m512i a_ = cast_i(v[at_[2 * i_]]), b_ = cast_i(v[at_[2 * i_ + 1]]);                                \
-            r1_[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x44)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xee))); \
+            r[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x44)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xee))); \
         }                                                                                                          \
         for (int i_ = 0; i_ < 4; i_++) {                                                                           \
-            __m512i a_ = cast_i(r1_[2 * i_]), b_ = cast_i(r1_[2 * i_ + 1]);                                        \
-            r1_[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x88)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xdd))); \
+            __m512i a_ = cast_i(r[2 * i_]), b_ = cast_i(r[2 * i_ + 1]);                                        \
+            r[i_] = op(cast_f(_mm512_shuffle_i32x4(a_, b_, 0x88)), cast_f(_mm512_shuffle_i32x4(a_, b_, 0xdd))); \
         }                                                                                                          \
         for (int i_ = 0; i_ < 2; i_++) {                                                                           \
-            __m512i a_ = cast_i(r1_[2 * i_]), b_ = cast_i(r1_[2 * i_ + 1]);                                        \
-            r1_[i_] = op(cast_f(_mm512_unpacklo_epi64(a_, b_)), cast_f(_mm512_unpackhi_epi64(a_, b_)));           \
+            __m512i a_ = cast_i(r[2 * i_]), b_ = cast_i(r[2 * i_ + 1]);                                        \
+            r[i_] = op(cast_f(_mm512_unpacklo_epi64(a_, b_)), cast_f(_mm512_unpackhi_epi64(a_, b_)));           \
         }                                                                                                          \
-        __m512 x_ = _mm512_castsi512_ps(cast_i(r1_[0])), y_ = _mm512_castsi512_ps(cast_i(r1_[1]));                \
-        r1_[0] = op(cast_f(_mm512_castps_si512(_mm512_shuffle_ps(x_, y_, 0x88))),                                  \
+        __m512 x_ = _mm512_castsi512_ps(cast_i(r[0])), y_ = _mm512_castsi512_ps(cast_i(r[1]));                \
+        r[0] = op(cast_f(_mm512_castps_si512(_mm512_shuffle_ps(x_, y_, 0x88))),                                  \
                     cast_f(_mm512_castps_si512(_mm512_shuffle_ps(x_, y_, 0xdd))));                                 \
     } while (0)
 INLINE __m512i same_512i(__m512i v) { return v; }
 INLINE __m512i sum16_512(const __m512i v[16])
 {
-    __m512i r1_[8];
-    REDUCE16_512(_mm512_add_epi32, same_512i, same_512i, v);
-    return r1_[0];
+    __m512i r[8];
+    REDUCE16_512(_mm512_add_epi32, same_512i, same_512i, v, r);
+    return r[0];
 }
-INLINE __m512 max16_512(const __m512 v[16]) /* no NaN among them: max_ps drops one only as its first operand */
+INLINE __m512 max16_512(const __m512 v[16]) /* a NaN in v[j] changes lane j alone: the caller sets those lanes */
 {
-    __m512 r1_[8];
-    REDUCE16_512(_mm512_max_ps, _mm512_castps_si512, _mm512_castsi512_ps, v);
-    return r1_[0];
+    __m512 r[8];
+    REDUCE16_512(_mm512_max_ps, _mm512_castps_si512, _mm512_castsi512_ps, v, r);
+    return r[0];
 }
 
 /* One block of 32 (quantize_act_avx512's rest). */
