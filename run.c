@@ -10281,8 +10281,9 @@ INLINE void k_wide_pass_256(const uint8_t *rec, const KRecord256 *b, const uint8
 /* The K types for a whole prefill chunk (the set's wide product): each
    super-block's integers and scales unpacked once for every token, which
    then take it PACK_TOKS_256 a pass over both halves, while the record
-   WIDE_AHEAD further on is asked into L2 (prefetch_part). The unpacking and the scales are the
-   work a call of PACK_TOKS tokens repeats per pass; with them done, one
+   WIDE_AHEAD further on is asked into L2 (prefetch_part). The unpacking
+   and the scales are the work a call of PACK_TOKS tokens repeats per
+   pass; with them done, one
    activation broadcast serving 16 rows beats one unpacked vector serving
    8 tokens (passes of 8 over a half: q4_k 197 -> 204 GOP/s, q6_k 154 ->
    161; of 3 over both, whose sums all fit the registers: 189, 152). One
