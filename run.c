@@ -3866,8 +3866,11 @@ static void chunk_range(const RunState *s, const Config *c, int l, int t, int *k
    pass of one token, or of tokens of different sequences (batch mode's
    step), deals (token, KV head, chunk) jobs, so that even one KV head's
    long context is spread over every thread, then folds each token's
-   chunks in order. Both compute a query's output by the same steps, and no
-   job depends on the thread count. */
+   chunks in order; where every token sees one chunk only (contexts up to
+   ATT_CHUNK: most batch steps) a job's partial is already whole, and the
+   job writes its output with no fold and no wait for the other threads
+   (SmolLM2 with 16 in flight: +3 %). All compute a query's output by the
+   same steps, and no job depends on the thread count. */
 static void attend_chunks(RunState *s, int l, int n, int fmt)
 {
     const Config *c = s->c;
@@ -3890,8 +3893,19 @@ static void attend_chunks(RunState *s, int l, int n, int fmt)
         }
         return;
     }
+    float *acc = s->mx->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
+    int one = 1, k0, k1;
+    for (int t = 0; t < n && one; t++) chunk_range(s, c, l, t, &k0, &k1), one = k1 - k0 == 1;
+    if (one) {
+        for (int job = me; job < n * c->n_kv_heads; job += nth) {
+            int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
+            chunk_range(s, c, l, t, &k0, &k1);
+            attend_chunk(s, c, l, g, t, t + 1, k0 * ATT_CHUNK, k1 * ATT_CHUNK, acc, me);
+            attention_out(s, c, acc, g, t, fmt);
+        }
+        return;
+    }
     for (int t = 0, job = 0; t < n; t++) {
-        int k0, k1;
         chunk_range(s, c, l, t, &k0, &k1);
         for (int g = 0; g < c->n_kv_heads; g++)
             for (int k = k0; k < k1; k++, job++) {
@@ -3901,9 +3915,8 @@ static void attend_chunks(RunState *s, int l, int n, int fmt)
             }
     }
     barrier();
-    float *acc = s->mx->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
     for (int job = me; job < n * c->n_kv_heads; job += nth) {
-        int t = job / c->n_kv_heads, g = job % c->n_kv_heads, k0, k1;
+        int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
         chunk_range(s, c, l, t, &k0, &k1);
         const float *chunks = s->mx->partial + ((size_t)t * c->n_kv_heads + g) * max_chunks * part;
         for (int k = 0; k < group; k++) partial_init(acc + (size_t)k * ps, hd);
