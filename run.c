@@ -2007,7 +2007,8 @@ int main(int argc, char **argv)
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
-#define PREFETCH_AHEAD 4096 /* bytes of a weight or KV stream requested ahead of use (measured: 1-16 KB all help) */
+#define PREFETCH_AHEAD 4096 /* bytes of a KV stream requested ahead of use (attend_chunk; measured: 1-16 KB all help) */
+#define WEIGHT_AHEAD 8192   /* bytes of a weight stream requested ahead of use (decode_prefetch) */
 #define WIDE_AHEAD 3   /* a wide K product asks for the record this many ahead in its stream (prefetch_part) */
 #define CACHE_LINE 64
 #define MAX_DIM (1 << 16)
@@ -9501,7 +9502,7 @@ static void check_stacks(int threads)
 #ifdef HAVE_X86_SETS
 TARGET_BEGIN(ISA_AVX2)
 /* The packed kernels' decode prefetch (this set's and AVX-512's): the line
-   PREFETCH_AHEAD bytes further down the one stream of packed groups, into
+   WEIGHT_AHEAD bytes further down the one stream of packed groups, into
    L2 only (__builtin_prefetch's locality 1: prefetcht2). Asking for it in
    L1, as prefetch_row does, measured 30 % slower there: the requests
    held L1's few miss buffers that the loads themselves needed. The
@@ -9509,8 +9510,13 @@ TARGET_BEGIN(ISA_AVX2)
    few tokens (a batch step, lookup's verification) streams the weights as
    decode does (one thread's CPU time for one pass on the 1.5B, AVX-512: 4
    tokens 0.18 -> 0.13 s, 16 tokens 0.29 -> 0.25 s, 64 tokens 0.72 -> 0.68 s;
-   AVX2: 0.20 -> 0.16, 0.39 -> 0.36, 1.14 -> 1.15). */
-static void decode_prefetch(const uint8_t *p) { __builtin_prefetch(p + PREFETCH_AHEAD, 0, 1); }
+   AVX2: 0.20 -> 0.16, 0.39 -> 0.36, 1.14 -> 1.15). 8 KB ahead rather than
+   4: at 4 SmolLM2's output head in a 16-row step (q8_0, which streams
+   about 24 GB/s a thread there) outran its requests (AMD EPYC Zen 5,
+   interleaved runs: the head 0.9 -> 0.7 ms, 16 in flight +2.6 %; one
+   stream's AVX2 decode +6 % on the 1.5B, +4 % on SmolLM2; AVX-512 decode
+   even; prefill +1.5-2 %). */
+static void decode_prefetch(const uint8_t *p) { __builtin_prefetch(p + WEIGHT_AHEAD, 0, 1); }
 
 /* max |x| over n (a multiple of 8) floats; NaN if one of them is NaN, as
    quantize_i8 has it. */
