@@ -3895,8 +3895,11 @@ static void attend_chunks(RunState *s, int l, int n, int fmt)
         return;
     }
     float *acc = s->mx->partial + ((size_t)n * c->n_kv_heads * max_chunks + me) * part; /* past the chunks: thread me's */
-    int one = 1, k0, k1;
-    for (int t = 0; t < n && one; t++) chunk_range(s, c, l, t, &k0, &k1), one = k1 - k0 == 1;
+    int one = 1, k0, k1; /* does every token see one chunk only? */
+    for (int t = 0; t < n && one; t++) {
+        chunk_range(s, c, l, t, &k0, &k1);
+        one = k1 - k0 == 1;
+    }
     if (one) {
         for (int job = me; job < n * c->n_kv_heads; job += nth) {
             int t = job / c->n_kv_heads, g = job % c->n_kv_heads;
