@@ -2007,7 +2007,7 @@ int main(int argc, char **argv)
 #define BATCH_MAX 64   /* batch mode: sequences decoded together in one pass, at most */
 #define ATT_QTILE 16   /* prefill: query tokens per attention work unit */
 #define ATT_KTILE 64   /* cached positions converted to floats at a time */
-#define PREFETCH_AHEAD 4096 /* bytes of a KV stream requested ahead of use (attend_chunk; measured: 1-16 KB all help) */
+#define KV_AHEAD 4096       /* bytes of a KV stream requested ahead of use (attend_chunk; measured: 1-16 KB all help) */
 #define WEIGHT_AHEAD 8192   /* bytes of a weight stream requested ahead of use (decode_prefetch) */
 #define WIDE_AHEAD 3   /* a wide K product asks for the record this many ahead in its stream (prefetch_part) */
 #define CACHE_LINE 64
@@ -3781,7 +3781,7 @@ static void attend_chunk(RunState *s, const Config *c, int l, int g, int t0, int
     float *kb = mx->kblock + (size_t)me * hd * ATT_KTILE, *vb = mx->vblock + (size_t)me * hd * ATT_KTILE;
     float *q = mx->qblock + (size_t)me * ATT_QTILE * group * hd, *pb = mx->pblock + (size_t)me * ATT_QTILE * group * ATT_KTILE;
     const void *krow[ATT_KTILE], *vrow[ATT_KTILE];
-    int window = is_local(c, l) ? c->window : 0, ahead = max_i(1, PREFETCH_AHEAD / (int)s->kv_row);
+    int window = is_local(c, l) ? c->window : 0, ahead = max_i(1, KV_AHEAD / (int)s->kv_row);
     for (int k = 0; k < nq; k++) {
         partial_init(part + (size_t)k * ps, hd);
         memcpy(q + (size_t)k * hd, s->qkv + (size_t)(t0 + k / group) * qkv_dim + (g * group + k % group) * hd, hd * sizeof(float));
