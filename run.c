@@ -18,6 +18,7 @@
      1. model file   mmap the file, read the header into Config and point the
                      weight structs into the mapping (no copy); the header
                      says which optional steps the model's family takes.
+                     The threads then fill the mapping's page tables.
      2. math         the definitions: RMSNorm, softmax, RoPE, SwiGLU/GeGLU,
                      int8 activations, each weight type's dot product (f32
                      f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k).
