@@ -2932,8 +2932,8 @@ static int glu_job(int hid, int block)
    (the weights' too, where fill_page_tables could not fill their tables),
    unevenly between the threads, so on a quiet machine it looked contended
    (30 of 75 ms in waits on the 1.5B) and its first 64 decode steps ran on
-   one core. Results do not depend on
-   the team size (see split), so it may change between passes. */
+   one core. Results do not depend on the team size (see split), so it may
+   change between passes. */
 static void adapt_team(Machinery *mx, double pass_ms)
 {
     double waited_ms = atomic_exchange_explicit(&pool_barrier.long_wait_us, 0, memory_order_relaxed) / 1e3;
