@@ -3179,18 +3179,17 @@ static void watch_model_file(const Model *m, const char *path)
 static double fill_page_tables(const Model *m, int threads)
 {
     double t0 = now_ms();
+    (void)threads; /* read by the pragma alone: unused without OpenMP */
 #ifdef MADV_POPULATE_READ
     if (m->copied || m->tokenizer_only) return 0; /* a copy is in memory already; a tokenizer has no weights */
     size_t page = (size_t)sysconf(_SC_PAGESIZE), skip_lo = m->map_size, skip_hi = m->map_size;
-    const Tensor *e = &m->tok_embeddings;
-    if (!m->c.tied && e->layout == LAYOUT_ROWS) {
-        skip_lo = (size_t)((const uint8_t *)e->data - m->map) / page * page;
-        skip_hi = (size_t)((const uint8_t *)e->data - m->map) + (size_t)e->rows * row_bytes(e->type, e->cols);
-        skip_hi = (skip_hi + page - 1) / page * page;
+    if (!m->c.tied) {
+        size_t at = (size_t)((const uint8_t *)m->tok_embeddings.data - m->map);
+        skip_lo = at / page * page;
+        skip_hi = align_up(at + tensor_bytes(&m->tok_embeddings), page);
         if (skip_hi > m->map_size) skip_hi = m->map_size;
     }
     size_t gap = skip_hi - skip_lo, kept = m->map_size - gap; /* the file but [skip_lo, skip_hi) */
-    (void)threads; /* read by the pragma alone: unused without OpenMP */
     #pragma omp parallel num_threads(threads)
     {
         /* thread me's share [a, b) of the kept bytes, in whole pages; those past skip_lo lie gap further on */
@@ -3203,7 +3202,7 @@ static double fill_page_tables(const Model *m, int threads)
         }
     }
 #else
-    (void)m, (void)threads;
+    (void)m;
 #endif
     return now_ms() - t0;
 }
