@@ -7854,6 +7854,9 @@ typedef struct {
     double chunk_ms;   /* prefill passes of their own (prefill_ms also counts the riders' share of the steps) */
     double plan_ms, pass_ms, take_ms; /* decode steps: before the pass (lookup's plan, pages), the pass, after it
                                          (sampling, taking the tokens, finishing sequences) */
+    long full_steps, full_tokens; /* steps in which every slot decoded and no prompt rode along, their tokens */
+    double full_ms;    /* and their time: the batch's own speed, apart from the prompts coming in and the slots
+                          emptying at the end of the input */
     double *itl;       /* gaps between one sequence's tokens, every sequence */
     long n_itl, cap_itl;
 } Batch;
@@ -8608,6 +8611,7 @@ static int decode_some(Batch *b)
 {
     double t_plan = now_ms();
     int tokens[BATCH_MAX], pos[BATCH_MAX], room[BATCH_MAX], k[BATCH_MAX], n = 0, vocab = b->m->c.vocab_size;
+    long gen0 = b->gen_tokens;
     const PageTable *pages[BATCH_MAX];
     Seq *who[BATCH_MAX];
     Lookup *lks[BATCH_MAX];
@@ -8653,6 +8657,7 @@ static int decode_some(Batch *b)
         else q->t_prev = t1;
     }
     b->take_ms += now_ms() - t1;
+    if (n == b->parallel && !rd.rows) b->full_steps++, b->full_tokens += b->gen_tokens - gen0, b->full_ms += now_ms() - t_plan;
     return BATCH_MAX - rows;
 }
 
@@ -8710,6 +8715,9 @@ static void report_steps(const Batch *b, double wall_ms)
             b->steps, b->rows / steps, b->ride_rows / steps, (b->plan_ms + b->pass_ms + b->take_ms) / steps, pass, sum[PT_MATMUL], sum[PT_HEAD],
             sum[PT_ATTN], pass - inside, sum[PT_WAIT], b->plan_ms / steps, b->take_ms / steps, b->chunk_ms / steps,
             rest / steps);
+    if (b->full_steps)
+        fprintf(stderr, "batch steps with all %d slots decoding and no prompt rows: %ld, %.2f ms each, %.1f tok/s\n", b->parallel,
+                b->full_steps, b->full_ms / b->full_steps, b->full_tokens / (b->full_ms / 1e3));
 }
 
 /* The -v summary of a batch: aggregate speed and the per-token latency. */
@@ -8718,7 +8726,7 @@ static void report_batch(Batch *b)
     double sec = (now_ms() - b->t0) / 1e3;
     report_steps(b, sec * 1e3);
     qsort(b->itl, b->n_itl, sizeof(double), by_double);
-    fprintf(stderr, "batch: %ld records, %ld tokens in %.2f s: %.1f tok/s aggregate; prefill %ld tokens, %.0f tok/s; "
+    fprintf(stderr, "batch: %ld records, %ld tokens in %.3f s: %.1f tok/s aggregate; prefill %ld tokens, %.0f tok/s; "
             "per-token latency p50 %.2f ms, p90 %.2f ms; KV pages: %d of %d used at most (%.1f MB each)\n",
             b->done, b->gen_tokens, sec, b->gen_tokens / sec, b->prefill_tokens,
             b->prefill_ms > 0 ? b->prefill_tokens / (b->prefill_ms / 1e3) : 0.0, b->n_itl ? b->itl[(b->n_itl - 1) / 2] : 0.0,

@@ -923,18 +923,19 @@ THROUGHPUT_MODELS = [("Qwen2.5-Coder-1.5B q4_k_m", ROOT / "models" / "qwen2.5-co
 BATCH_TOKENS = 64          # tokens per chat answer in the batch rows (-t 0 --ignore-eos)
 BATCH_PARALLEL = (1, 4, 16)
 BATCH_SINGLE_EVERY = 4     # --parallel 1 runs every 4th prompt: a sequence's speed alone does not depend on the others
-STEPS = re.compile(r"batch steps: (\d+) of ([\d.]+) rows(?: \(and ([\d.]+) prompt rows riding along\))?, ([\d.]+) ms each")
+FULL = re.compile(r"batch steps with all \d+ slots decoding and no prompt rows: \d+, [\d.]+ ms each, ([\d.]+) tok/s")
 
 
 def batch_row(model: Path, prompts: Path, n_prompts: int, parallel: int) -> dict:
     """One ./run --batch -v of the chat prompts (bench_batch.run_batch): aggregate and decode tok/s, per-token p50,
-    the texts; and from the -v breakdown line the decode steps' rows per second (their own and the prompt rows
-    riding along in them; no prefill pass of its own)."""
+    the texts; and from -v's line on the steps in which every slot decoded and no prompt rode along, their tok/s:
+    the batch's speed with that many in flight, apart from the prompts coming in at the start and the slots
+    emptying one by one at the end of the input (the decode figure counts both)."""
     from bench_batch import run_batch
 
     r = run_batch(model, prompts, n_prompts, parallel, BATCH_TOKENS)
-    m = STEPS.search(r["stderr"])
-    r["step_tps"] = (float(m.group(2)) + float(m.group(3) or 0)) / float(m.group(4)) * 1e3 if m else 0.0
+    m = FULL.search(r["stderr"])
+    r["full_tps"] = float(m.group(1)) if m else 0.0
     return r
 
 
@@ -978,14 +979,15 @@ def throughput_model(label: str, model: Path, runs: int, threads: int, prompts: 
     singles = res["1"][0]["texts"]
     for b in BATCH_PARALLEL:
         rs = res[str(b)]
-        agg, dec, steps, p50 = med(str(b), "agg_tps"), med(str(b), "decode_tps"), med(str(b), "step_tps"), med(str(b), "p50")
+        agg, dec, full, p50 = med(str(b), "agg_tps"), med(str(b), "decode_tps"), med(str(b), "full_tps"), med(str(b), "p50")
         same = all(r["texts"][::BATCH_SINGLE_EVERY] == singles for r in rs) if b > 1 else True
         speedup = "" if b == 1 else f"; {dec / one:.2f}× one at a time"
-        target = {4: "≥ 2.5× one at a time (1.5B)", 16: "≥ 80% of prefill; p50 ≤ 3× ITL"}.get(b, "")
+        # the issue's measure: a step of 16 decoding rows against prefill rows, so the target reads the full steps
+        target = {4: "≥ 2.5× one at a time (1.5B)", 16: "all 16 decoding ≥ 80% of prefill; p50 ≤ 3× ITL"}.get(b, "")
         rows.append(f"| {label} | batch, {b} in flight ({len(rs[0]['texts'])} chat prompts × {BATCH_TOKENS}) | "
-                    f"{agg:.1f} tok/s aggregate, {dec:.1f} decode, {f'steps {steps:.1f} rows/s, ' if steps else ''}p50 {p50:.0f} ms | "
-                    f"decode {dec / pp * 100:.0f}% of prefill{speedup}; p50 {p50 / itl:.1f}× the single ITL; "
-                    f"texts {'as alone' if same else 'DIFFER from --parallel 1'} | {target} |")
+                    f"{agg:.1f} tok/s aggregate, {dec:.1f} decode, all {b} decoding {full:.1f}, p50 {p50:.0f} ms | "
+                    f"decode {dec / pp * 100:.0f}% of prefill, all {b} decoding {full / pp * 100:.0f}%{speedup}; "
+                    f"p50 {p50 / itl:.1f}× the single ITL; texts {'as alone' if same else 'DIFFER from --parallel 1'} | {target} |")
     return rows
 
 

@@ -157,6 +157,28 @@ def test_prompts_ride_along_in_the_decode_steps():
     assert abs(steps * ride - riders) <= 0.05 * steps + 1e-6, (steps, ride, riders, err)
 
 
+def test_full_steps_are_the_steps_with_every_slot_decoding():
+    """-v's line on the steps in which every slot decoded and no prompt rode along (the batch's own speed, which
+    make bench sets against prefill). By the schedule the README gives: the first prompt has a pass of its own and
+    samples its first token; when the other prompts fit in the rows the first step leaves (64 less one), they all
+    ride in it, so every slot decodes from step 2 until the first sequence takes its n-th token in step n - 1:
+    n - 2 full steps of `parallel` tokens each (lookup off: one token a sequence a step)."""
+    n, par = 20, 5
+    reqs = [{"prompt": f"Name a color number {i}.", "n": n} for i in range(par)]
+    path = write_lines("full.jsonl", reqs)
+    code, recs, err = batch(path, "-t", "0", "--ignore-eos", "--parallel", str(par), "--lookup", "0", "-v")
+    assert code == 0, err
+    assert sum(r["prompt_tokens"] for r in recs[1:]) <= 63, recs
+    m = re.search(r"batch steps with all (\d+) slots decoding and no prompt rows: (\d+), ([\d.]+) ms each, ([\d.]+) tok/s", err)
+    assert m, err
+    slots, steps, ms, tps = int(m.group(1)), int(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert (slots, steps) == (par, n - 2), err
+    assert abs(tps * ms / 1e3 - par) < 0.01 * par, err  # tokens per full step: one per slot
+    # fewer prompts than slots: no step has every slot decoding, and the line is left out
+    code, recs, err = batch(path, "-t", "0", "--ignore-eos", "--parallel", str(par + 1), "--lookup", "0", "-v")
+    assert code == 0 and "slots decoding" not in err and "batch steps:" in err, err
+
+
 def test_gemma_sliding_window_past_the_window():
     g = str(require(GEMMA, "run `make model-gemma`"))
     long = "The history of the printing press. " * 60  # ~600 tokens: past Gemma 3's 512-position window
