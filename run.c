@@ -9793,21 +9793,25 @@ static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_
    a minimax polynomial (Cephes' coefficients), times 2^n built in the
    exponent bits. Below -87.3 the result is 0 (expf gives a denormal, which
    no softmax weight notices); above 88.3 it is +inf (expf overflows at
-   88.7). */
+   88.7). The AVX-512 set's exp_512 takes the same steps. */
+#define EXP_LO (-87.33654f)
+#define EXP_HI 88.3762626647949f
+#define EXP_LOG2E 1.44269504f
+#define EXP_LN2_HI 0.693359375f     /* ln 2 = EXP_LN2_HI - EXP_LN2_LO, the first exact in few bits */
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_POLY_N 6
+static const float EXP_POLY[EXP_POLY_N] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 static __m256 exp_avx2(__m256 x)
 {
-    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+    const __m256 lo = _mm256_set1_ps(EXP_LO), hi = _mm256_set1_ps(EXP_HI);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ), over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < EXP_POLY_N; k++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_POLY[k]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
@@ -11211,6 +11215,50 @@ static void att_pv_avx512(float *o, int os, const float *p, int nq, const void *
     else att_pv_type_avx512(o, os, p, nq, v, hd, nk, 0);
 }
 
+/* exp_avx2 (see it) 16 at a time: the same steps lane by lane, with
+   masks where AVX2 compares into vectors, so every lane's result is the
+   one exp_avx2 gives, and the FFN gates below the AVX2 set's numbers. */
+static __m512 exp_512(__m512 x)
+{
+    const __m512 lo = _mm512_set1_ps(EXP_LO), hi = _mm512_set1_ps(EXP_HI);
+    __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ), over = _mm512_cmp_ps_mask(x, hi, _CMP_GT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 y = _mm512_set1_ps(EXP_POLY[0]);
+    for (int k = 1; k < EXP_POLY_N; k++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_POLY[k]));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 e = _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(pow2n));
+    return _mm512_mask_blend_ps(over, e, _mm512_set1_ps(INFINITY));
+}
+
+/* The gates as swiglu_avx2 and geglu_avx2 compute them, 16 at a time; the
+   last n % 16 elements through the AVX2 version, whose own tail is scalar. */
+static void swiglu_avx512(float *g, const float *u, int n)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i), e = exp_512(_mm512_xor_ps(x, sign));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    swiglu_avx2(g + i, u + i, n - i);
+}
+
+static void geglu_avx512(float *g, const float *u, int n)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), c = _mm512_set1_ps(-2 * GELU_C), a = _mm512_set1_ps(GELU_A);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 x = _mm512_loadu_ps(g + i), inner = _mm512_fmadd_ps(_mm512_mul_ps(a, x), _mm512_mul_ps(x, x), x);
+        __m512 e = exp_512(_mm512_mul_ps(c, inner));
+        _mm512_storeu_ps(g + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + i)));
+    }
+    geglu_avx2(g + i, u + i, n - i);
+}
+
 /* --probe's peaks for this set: 16-float FMAs, and 16 chains of vpdpbusd
    (64 int8 multiply-adds each): a core with two vpdpbusd ports and a
    latency of 5 needs 10 in flight; 8 chains read 1,180 GOP/s on 2 cores of
@@ -11381,12 +11429,13 @@ static int cpu_has_avx512_vnni(void)
     return f && dq && bw && vl && vnni;
 }
 
-/* The AVX-512 set's row: the packed products, the activation quantizers
-   and prefill's attention; the rest is AVX2's. */
+/* The AVX-512 set's row: the packed products, the activation quantizers,
+   prefill's attention and the FFN gates; the rest is AVX2's. */
 static const KernelSet SET_AVX512 = {
     {.name = "avx512", .available = cpu_has_avx512_vnni, .inherits = KSET_AVX2,
      .quantize = {[ACT_Q8] = quantize_act_avx512, [ACT_Q8K] = quantize_act_k_avx512}, .att_qk = att_qk_avx512,
-     .att_pv = att_pv_avx512, .peak_f32 = peak_f32_avx512, .peak_i8 = peak_i8_avx512},
+     .att_pv = att_pv_avx512, .swiglu = swiglu_avx512, .geglu = geglu_avx512, .peak_f32 = peak_f32_avx512,
+     .peak_i8 = peak_i8_avx512},
     {[T_F32] = {.packed = packed_f32_avx512}, [T_F16] = {.packed = packed_f16_avx512}, [T_BF16] = {.packed = packed_bf16_avx512},
      [T_Q4_0] = {.packed = packed_q4_0_avx512}, [T_Q4_1] = {.packed = packed_q4_1_avx512},
      [T_Q5_0] = {.packed = packed_q5_0_avx512}, [T_Q5_1] = {.packed = packed_q5_1_avx512},

@@ -583,6 +583,33 @@ static void test_gates(void)
     }
 }
 
+#ifdef HAVE_AVX512_SET
+/* The AVX-512 gates take the AVX2 ones' steps 16 lanes at a time, so they
+   give the AVX2 set's numbers bit for bit, ends and tails included (n not
+   a multiple of 16 or 8). */
+static void test_gates_avx512_as_avx2(void)
+{
+    enum { N = 1003 };
+    static float g[N], u[N], ref[N];
+    const OpKernels *wide = &SETS[KSET_AVX512]->op, *avx2 = &SETS[KSET_AVX2]->op;
+    void (*const pairs[2][2])(float *, const float *, int) = {{avx2->swiglu, wide->swiglu}, {avx2->geglu, wide->geglu}};
+    static const char *const names[] = {"swiglu", "geglu"};
+    for (int k = 0; k < 2; k++) {
+        int same = 1;
+        for (int n = N - 16; n <= N; n++) {
+            for (int i = 0; i < n; i++) g[i] = ref[i] = frand() * (i % 3 ? 8 : 120), u[i] = frand() * 4;
+            g[0] = ref[0] = -90, g[1] = ref[1] = 90, g[2] = ref[2] = 0; /* both ends of exp, and a zero gate */
+            pairs[k][0](ref, u, n);
+            pairs[k][1](g, u, n);
+            same &= !memcmp(g, ref, n * sizeof(float));
+        }
+        char what[96];
+        snprintf(what, sizeof what, "avx512 %s equal to avx2's bit for bit, 987 to 1003 elements", names[k]);
+        check(same, what);
+    }
+}
+#endif
+
 #ifdef HAVE_X86_SETS
 TARGET_BEGIN(ISA_AVX2)
 /* The AVX2 set's exp alone against expf on [-100, 100]: within a few ulp
@@ -633,6 +660,9 @@ int main(int argc, char **argv)
     if (list) { printf("%d kernel sets found (--list: none tested)\n", ran); return 0; }
 #ifdef HAVE_X86_SETS
     if (kernel_set_available(KSET_AVX2) && (!only || !strcmp(only, "avx2"))) test_exp_avx2();
+#endif
+#ifdef HAVE_AVX512_SET
+    if (kernel_set_available(KSET_AVX512) && (!only || !strcmp(only, "avx512"))) test_gates_avx512_as_avx2();
 #endif
     if (only && !ran) failures++, printf("FAIL --only %s: no such set runs here\n", only);
     printf("%d kernel sets tested\n%s\n", ran, failures ? "FAILED" : "all kernel checks passed");
