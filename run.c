@@ -4296,16 +4296,45 @@ static size_t llc_size(int *level)
     return best;
 }
 
+/* The request the x86 sets' packed kernels make ahead of their weight
+   stream, and --probe's DRAM read with them (read_share): the line
+   WEIGHT_AHEAD bytes further down the one stream of packed groups, into
+   L2 only (__builtin_prefetch's locality 1: prefetcht2), or with the
+   non-temporal hint (prefetchnta) where the CPU streams faster so
+   (streams_nta, in the x86 appendix). Asking for it in
+   L1, as prefetch_row does, measured 30 % slower there: the requests
+   held L1's few miss buffers that the loads themselves needed. The
+   integer kernels ask for every call, not only one token's: a pass of a
+   few tokens (a batch step, lookup's verification) streams the weights as
+   decode does (one thread's CPU time for one pass on the 1.5B, AVX-512: 4
+   tokens 0.18 -> 0.13 s, 16 tokens 0.29 -> 0.25 s, 64 tokens 0.72 -> 0.68 s;
+   AVX2: 0.20 -> 0.16, 0.39 -> 0.36, 1.14 -> 1.15). 8 KB ahead rather than
+   4: at 4 SmolLM2's output head in a 16-row step (q8_0, which streams
+   about 24 GB/s a thread there) outran its requests (AMD EPYC Zen 5,
+   interleaved runs: the head 0.9 -> 0.7 ms, 16 in flight +2.6 %; one
+   stream's AVX2 decode +6 % on the 1.5B, +4 % on SmolLM2; AVX-512 decode
+   even; prefill +1.5-2 %). */
+static void decode_prefetch(const uint8_t *p)
+{
+    if (K.stream_nta) __builtin_prefetch(p + WEIGHT_AHEAD, 0, 0);
+    else __builtin_prefetch(p + WEIGHT_AHEAD, 0, 1);
+}
+
 /* Sums this thread's share of buf[n] `reps` times over (each thread its
-   own rows, as decode splits a matrix's rows); the sum keeps the loads. */
-static uint32_t read_share(const uint32_t *buf, size_t n, long reps)
+   own rows, as decode splits a matrix's rows); the sum keeps the loads.
+   With ahead, each line is asked for as the kernels ask for their weights
+   (decode_prefetch), so that the probe reads DRAM as a decode can: AMD
+   EPYC Zen 5, the non-temporal hint, 41 -> 49-51 GB/s. */
+static uint32_t read_share(const uint32_t *buf, size_t n, long reps, int ahead)
 {
     int lo, hi;
     split((int)(n / PROBE_LANES), 1, thread_id(), thread_count(), &lo, &hi);
     uint32_t acc[PROBE_LANES] = {0}, sum = 0;
     for (long r = 0; r < reps; r++)
-        for (size_t i = (size_t)lo * PROBE_LANES; i < (size_t)hi * PROBE_LANES; i += PROBE_LANES)
+        for (size_t i = (size_t)lo * PROBE_LANES; i < (size_t)hi * PROBE_LANES; i += PROBE_LANES) {
+            for (size_t b = 0; ahead && b < PROBE_LANES * sizeof *buf; b += CACHE_LINE) decode_prefetch((const uint8_t *)(buf + i) + b);
             for (int j = 0; j < PROBE_LANES; j++) acc[j] += buf[i + j];
+        }
     for (int j = 0; j < PROBE_LANES; j++) sum += acc[j];
     return sum;
 }
@@ -4313,8 +4342,10 @@ static uint32_t read_share(const uint32_t *buf, size_t n, long reps)
 /* Read bandwidth, GB/s, of every thread reading its share of a buffer of
    `bytes`, `reps` times per pass. An untimed first pass faults the pages
    in (and fills the cache when the buffer fits); of PROBE_PASSES timed
-   ones the best counts, as other processes may take the cores in any. */
-static double probe_read(size_t bytes, long reps)
+   ones the best counts, as other processes may take the cores in any.
+   ahead: read_share's requests ahead (DRAM; a cache-sized buffer is read
+   without them). */
+static double probe_read(size_t bytes, long reps, int ahead)
 {
     size_t n = bytes / sizeof(uint32_t);
     uint32_t *buf = xmalloc(n * sizeof *buf), sum = 0;
@@ -4323,7 +4354,7 @@ static double probe_read(size_t bytes, long reps)
     for (int pass = 0; pass <= PROBE_PASSES; pass++) {
         double t0 = now_ms();
         #pragma omp parallel reduction(+ : sum)
-        sum += read_share(buf, n, reps);
+        sum += read_share(buf, n, reps, ahead);
         double gbps = (double)n * sizeof *buf * reps / ((now_ms() - t0) / 1e3) / 1e9;
         if (pass > 0 && gbps > best) best = gbps;
     }
@@ -4343,7 +4374,7 @@ static double probe_llc(size_t llc_bytes)
 {
     size_t bytes = llc_bytes / PROBE_LLC_FRACTION;
     long reps = (long)(PROBE_LLC_READ / bytes) + 1;
-    return probe_read(bytes, reps);
+    return probe_read(bytes, reps, 0);
 }
 
 /* Arithmetic peaks: independent FMA (or int8 multiply-add) chains per
@@ -4394,7 +4425,7 @@ static const Machine *probe_machine(int threads)
     mc->llc_bytes = llc_size(&mc->llc_level);
     size_t dram = PROBE_BYTES;
     if (mc->llc_bytes > dram / PROBE_DRAM_OVER_LLC) dram = mc->llc_bytes * PROBE_DRAM_OVER_LLC;
-    mc->gbps = probe_read(dram, 1);
+    mc->gbps = probe_read(dram, 1, 1);
     mc->llc_gbps = mc->llc_bytes ? probe_llc(mc->llc_bytes) : 0;
     probe_compute(&mc->f32_gflops, &mc->i8_gops);
     fprintf(stderr, "machine: %d threads, DRAM read %.1f GB/s, f32 FMA %.0f GFLOP/s, int8 %.0f GOP/s", threads,
@@ -9573,28 +9604,6 @@ static void check_stacks(int threads)
    ========================================================================= */
 #ifdef HAVE_X86_SETS
 TARGET_BEGIN(ISA_AVX2)
-/* The packed kernels' decode prefetch (this set's and AVX-512's): the line
-   WEIGHT_AHEAD bytes further down the one stream of packed groups, into
-   L2 only (__builtin_prefetch's locality 1: prefetcht2). Asking for it in
-   L1, as prefetch_row does, measured 30 % slower there: the requests
-   held L1's few miss buffers that the loads themselves needed. The
-   integer kernels ask for every call, not only one token's: a pass of a
-   few tokens (a batch step, lookup's verification) streams the weights as
-   decode does (one thread's CPU time for one pass on the 1.5B, AVX-512: 4
-   tokens 0.18 -> 0.13 s, 16 tokens 0.29 -> 0.25 s, 64 tokens 0.72 -> 0.68 s;
-   AVX2: 0.20 -> 0.16, 0.39 -> 0.36, 1.14 -> 1.15). 8 KB ahead rather than
-   4: at 4 SmolLM2's output head in a 16-row step (q8_0, which streams
-   about 24 GB/s a thread there) outran its requests (AMD EPYC Zen 5,
-   interleaved runs: the head 0.9 -> 0.7 ms, 16 in flight +2.6 %; one
-   stream's AVX2 decode +6 % on the 1.5B, +4 % on SmolLM2; AVX-512 decode
-   even; prefill +1.5-2 %). Where streams_nta says so, the request takes
-   the non-temporal hint instead (prefetchnta). */
-static void decode_prefetch(const uint8_t *p)
-{
-    if (K.stream_nta) __builtin_prefetch(p + WEIGHT_AHEAD, 0, 0);
-    else __builtin_prefetch(p + WEIGHT_AHEAD, 0, 1);
-}
-
 /* Does this CPU stream the weights faster when decode_prefetch asks with
    the non-temporal hint? AMD's family 1Ah (Zen 5) does: on an EPYC of
    model 2, 2 threads, interleaved runs, one stream's decode of the 1.5B
