@@ -9608,11 +9608,12 @@ TARGET_BEGIN(ISA_AVX2)
    the non-temporal hint? AMD's family 1Ah (Zen 5) does: on an EPYC of
    model 2, 2 threads, interleaved runs, one stream's decode of the 1.5B
    went from 54.5 to 69.5-72.0 tok/s (AVX2 set 53.7 -> 70.2: 70 GB/s, near
-   the 72-78 that --probe reads there), SmolLM2's 581 -> 646, 4 in flight
-   on the 1.5B +28 %, while prefill and 16 in flight, bound by arithmetic,
-   did not move; prefetcht0 there read 67 tok/s. Older CPUs keep
-   prefetcht2: on a Zen 4, prefetcht0 had been 30 % slower (see above), and
-   the non-temporal hint has not been measured on one. */
+   the 72-78 that --probe's plain loop read then), SmolLM2's 581 -> 646, 4
+   in flight on the 1.5B +28 %, while prefill and 16 in flight, bound by
+   arithmetic, did not move; prefetcht0 there read 67 tok/s. Older CPUs
+   keep prefetcht2: on a Zen 4, prefetcht0 had been 30 % slower
+   (decode_prefetch), and the non-temporal hint has not been measured on
+   one. */
 #define CPUID_AMD_EBX 0x68747541 /* "Auth" of "AuthenticAMD" (EBX, EDX, ECX) */
 #define CPUID_AMD_EDX 0x69746e65 /* "enti" */
 #define CPUID_AMD_ECX 0x444d4163 /* "cAMD" */
