@@ -8694,8 +8694,9 @@ static int decode_some(Batch *b)
         if (why >= 0) finish_seq(b, q, why);
         else q->t_prev = t1;
     }
-    b->take_ms += now_ms() - t1;
-    if (n == b->parallel && !rd.rows) b->full_steps++, b->full_tokens += b->gen_tokens - gen0, b->full_ms += now_ms() - t_plan;
+    double t2 = now_ms();
+    b->take_ms += t2 - t1;
+    if (n == b->parallel && !rd.rows) b->full_steps++, b->full_tokens += b->gen_tokens - gen0, b->full_ms += t2 - t_plan;
     return BATCH_MAX - rows;
 }
 
@@ -9845,6 +9846,8 @@ static __m256 load8_f16(const uint8_t *row, int i) { return _mm256_cvtph_ps(_mm_
 #define EXP_LN2_HI 0.693359375f     /* ln 2 = EXP_LN2_HI - EXP_LN2_LO, the first exact in few bits */
 #define EXP_LN2_LO (-2.12194440e-4f)
 #define EXP_POLY_N 6
+#define F32_EXP_BIAS 127 /* 2^n is the float with exponent field n + F32_EXP_BIAS, */
+#define F32_MANT_BITS 23 /* above the mantissa's bits */
 static const float EXP_POLY[EXP_POLY_N] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                            4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 static __m256 exp_avx2(__m256 x)
@@ -9858,7 +9861,7 @@ static __m256 exp_avx2(__m256 x)
     __m256 y = _mm256_set1_ps(EXP_POLY[0]);
     for (int k = 1; k < EXP_POLY_N; k++) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_POLY[k]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(F32_EXP_BIAS)), F32_MANT_BITS);
     __m256 e = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)));
     return _mm256_blendv_ps(e, _mm256_set1_ps(INFINITY), over);
 }
@@ -11274,7 +11277,7 @@ static __m512 exp_512(__m512 x)
     __m512 y = _mm512_set1_ps(EXP_POLY[0]);
     for (int k = 1; k < EXP_POLY_N; k++) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_POLY[k]));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(F32_EXP_BIAS)), F32_MANT_BITS);
     __m512 e = _mm512_maskz_mul_ps((__mmask16)~under, y, _mm512_castsi512_ps(pow2n));
     return _mm512_mask_blend_ps(over, e, _mm512_set1_ps(INFINITY));
 }
